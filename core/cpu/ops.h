@@ -1,0 +1,42 @@
+// CPU kernels of the Llama forward pass. fp32 activations; weights are read in their
+// stored type (F32, F16, BF16, Q8_0). Each op has a plain-loop twin in the tests.
+// Threads: every op may use all cores (OpenMP); callers must not call them from inside an
+// OpenMP parallel region.
+#ifndef SUBSPACE_CORE_CPU_OPS_H_
+#define SUBSPACE_CORE_CPU_OPS_H_
+
+#include <cstdint>
+
+#include "core/weight.h"
+
+namespace subspace::cpu {
+
+// y[n, w.rows] = x[n, w.cols] · wᵀ.
+// Small n (decode) streams the weight rows once in their stored type; large n (prefill)
+// converts tiles of rows to fp32 and calls sgemm.
+void MatMul(const WeightMatrix& w, const float* x, int64_t n, float* y);
+
+// out[i, :] = table row tokens[i] as fp32.   table: [vocab, dim], out: [n, dim]
+void Embed(const WeightMatrix& table, const int32_t* tokens, int64_t n, float* out);
+
+// out[i, :] = x[i, :] / rms(x[i, :]) * weight.   x, out: [n, dim]; weight: [dim]
+void RmsNorm(const float* x, const float* weight, int64_t n, int64_t dim, float eps, float* out);
+
+// In-place rotary embedding of the first `rope_dim` dims of every head, adjacent pairs
+// (x[2i], x[2i+1]) rotated by pos * theta^(-2i/rope_dim) (GGUF "llama" convention).
+// x: [n, n_heads, head_dim]; positions: [n]
+void Rope(float* x, int64_t n, int n_heads, int head_dim, int rope_dim, const int64_t* positions,
+          float theta);
+
+// out[i] = silu(gate[i]) * up[i].   all [n]
+void SwiGlu(const float* gate, const float* up, int64_t n, float* out);
+
+// x[i] += y[i].   [n]
+void AddInPlace(float* x, const float* y, int64_t n);
+
+// Numerically stable in-place softmax of x[0..n).
+void Softmax(float* x, int64_t n);
+
+}  // namespace subspace::cpu
+
+#endif  // SUBSPACE_CORE_CPU_OPS_H_

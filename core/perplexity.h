@@ -1,0 +1,33 @@
+// Perplexity of a token stream under the model, in windows of at most the context length.
+// The windowing rule is shared with tools/train/reference.py so both report the same number:
+// the stream is [BOS] + tokens, cut into consecutive non-overlapping windows of `window`
+// tokens; each window is scored from scratch and predicts its tokens 1..len-1.
+#ifndef SUBSPACE_CORE_PERPLEXITY_H_
+#define SUBSPACE_CORE_PERPLEXITY_H_
+
+#include <cstdint>
+#include <functional>
+#include <span>
+
+#include "absl/status/statusor.h"
+#include "core/kv_cache.h"
+#include "core/model.h"
+
+namespace subspace {
+
+struct PerplexityResult {
+  double perplexity = 0.0;
+  double mean_nll = 0.0;      // nats per predicted token
+  int64_t tokens_scored = 0;  // predicted tokens
+  int64_t windows = 0;
+};
+
+// `tokens` must already start with BOS when the model expects one. `window` ≤ context.
+// `progress(done, total)` is called after each window when given.
+absl::StatusOr<PerplexityResult> ComputePerplexity(
+    LlamaModel& model, KvCache& cache, std::span<const int32_t> tokens, int window,
+    const std::function<void(int64_t, int64_t)>& progress = nullptr);
+
+}  // namespace subspace
+
+#endif  // SUBSPACE_CORE_PERPLEXITY_H_

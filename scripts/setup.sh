@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs everything the build, the tests and the demo need from Debian packages.
+# Idempotent: installs only what is missing and stays quiet when all is present.
+set -euo pipefail
+
+PACKAGES=(
+  cmake ninja-build g++ pkg-config git
+  libabsl-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  libspdlog-dev libfmt-dev prometheus-cpp-dev libgtest-dev libgmock-dev
+  libopenblas-dev libopenblas0-pthread
+  python3 python3-numpy python3-torch python3-sentencepiece
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+fi
+
+# torch and our matmuls are ~35x slower with the reference BLAS: prefer OpenBLAS (pthreads).
+blas_alt=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+if [ -e "$blas_alt" ] && command -v update-alternatives >/dev/null; then
+  current=$(update-alternatives --query libblas.so.3-x86_64-linux-gnu 2>/dev/null | awk '/^Value:/{print $2}')
+  if [ "$current" != "$blas_alt" ]; then
+    update-alternatives --set libblas.so.3-x86_64-linux-gnu "$blas_alt" >/dev/null 2>&1 || true
+  fi
+fi
