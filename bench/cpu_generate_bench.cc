@@ -79,7 +79,7 @@ absl::Status Run() {
       LlamaModel::Open(absl::GetFlag(FLAGS_model));
   if (!model.ok()) return model.status();
   const ModelConfig& cfg = (*model)->config();
-  PagedKvCacheConfig cache_config;
+  PagedKvCache::Config cache_config;
   cache_config.geometry = cfg.cache_geometry();
   cache_config.capacity_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   absl::StatusOr<std::unique_ptr<PagedKvCache>> cache = PagedKvCache::Create(cache_config);

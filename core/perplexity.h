@@ -1,7 +1,8 @@
 // Perplexity of a token stream under the model, in windows of at most the context length.
-// The windowing rule is shared with tools/train/reference.py so both report the same number:
-// the stream is [BOS] + tokens, cut into consecutive non-overlapping windows of `window`
-// tokens; each window is scored from scratch and predicts its tokens 1..len-1.
+// The windowing rule is shared with tools/train/eval_lib.py so both report the same number:
+// the text's tokens (no BOS) are cut into consecutive chunks of `window - 1`; each window is
+// [BOS] + chunk, scored from scratch, so every token is predicted exactly once (the first of a
+// chunk from BOS alone).
 #ifndef SUBSPACE_CORE_PERPLEXITY_H_
 #define SUBSPACE_CORE_PERPLEXITY_H_
 
@@ -22,10 +23,10 @@ struct PerplexityResult {
   int64_t windows = 0;
 };
 
-// `tokens` must already start with BOS when the model expects one. `window` ≤ context.
+// `tokens`: the text's tokens without BOS. `window` in [2, context].
 // `progress(done, total)` is called after each window when given.
 absl::StatusOr<PerplexityResult> ComputePerplexity(
-    LlamaModel& model, KvCache& cache, std::span<const int32_t> tokens, int window,
+    LlamaModel& model, KvCache& cache, std::span<const int32_t> tokens, int32_t bos_id, int window,
     const std::function<void(int64_t, int64_t)>& progress = nullptr);
 
 }  // namespace subspace

@@ -8,7 +8,8 @@ PACKAGES=(
   libabsl-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libspdlog-dev libfmt-dev prometheus-cpp-dev libgtest-dev libgmock-dev
   libopenblas-dev libopenblas0-pthread
-  python3 python3-numpy python3-torch python3-sentencepiece
+  python3 python3-numpy python3-torch python3-sentencepiece python3-grpcio
+  prometheus curl
 )
 
 missing=()

@@ -57,12 +57,12 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 absl::Status RunPerplexity(LlamaModel& model, KvCache& cache, const Tokenizer& tokenizer) {
   absl::StatusOr<std::string> text = ReadFile(absl::GetFlag(FLAGS_ppl));
   if (!text.ok()) return text.status();
-  std::vector<int32_t> tokens = tokenizer.Encode(*text, {.add_bos = true});
+  std::vector<int32_t> tokens = tokenizer.Encode(*text, {.add_bos = false});
   int window = absl::GetFlag(FLAGS_ppl_window);
   if (window <= 0) window = model.config().context_length;
   const auto start = Clock::now();
-  absl::StatusOr<PerplexityResult> result =
-      ComputePerplexity(model, cache, tokens, window, [&](int64_t done, int64_t total) {
+  absl::StatusOr<PerplexityResult> result = ComputePerplexity(
+      model, cache, tokens, tokenizer.bos_id(), window, [&](int64_t done, int64_t total) {
         std::fprintf(stderr, "\rperplexity: window %lld/%lld", static_cast<long long>(done),
                      static_cast<long long>(total));
       });
@@ -93,9 +93,8 @@ absl::Status RunGenerate(LlamaModel& model, KvCache& cache, const Tokenizer& tok
   if (tokens.empty()) return absl::InvalidArgumentError("the prompt encodes to no tokens");
   const int64_t context = model.config().context_length;
   if (static_cast<int64_t>(tokens.size()) >= context) {
-    return absl::InvalidArgumentError(absl::StrCat("prompt of ", tokens.size(),
-                                                   " tokens does not fit the context of ",
-                                                   context));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt of ", tokens.size(), " tokens does not fit the context of ", context));
   }
   const int64_t n_prompt = static_cast<int64_t>(tokens.size());
   const int64_t budget = std::min<int64_t>(max_new, context - n_prompt);
@@ -136,13 +135,13 @@ absl::Status RunGenerate(LlamaModel& model, KvCache& cache, const Tokenizer& tok
       break;
     }
     if (generated == budget) break;
-    SequenceChunk step{*seq, static_cast<int64_t>(tokens.size()) - 1,
-                       {&tokens.back(), 1}, false};
+    SequenceChunk step{*seq, static_cast<int64_t>(tokens.size()) - 1, {&tokens.back(), 1}, false};
     if (absl::Status s = model.Forward({&step, 1}, cache, &logits); !s.ok()) return s;
   }
   if (finish != "stop") std::fputs(stops.Push(decoder.Flush()).text.c_str(), stdout);
   if (finish == "length") std::fputs(stops.Flush().c_str(), stdout);
   std::fputs("\n", stdout);
+  std::fflush(stdout);  // keep the text ahead of the stats line on a shared terminal
   const double decode_seconds = SecondsSince(decode_start);
   cache.FreeSequence(*seq).IgnoreError();
 
@@ -166,7 +165,7 @@ absl::Status Run() {
   absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(shared);
   if (!model.ok()) return model.status();
 
-  PagedKvCacheConfig cache_config;
+  PagedKvCache::Config cache_config;
   cache_config.geometry = (*model)->config().cache_geometry();
   cache_config.block_size = absl::GetFlag(FLAGS_block_size);
   cache_config.capacity_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);

@@ -1,7 +1,9 @@
 // CPU kernels of the Llama forward pass. fp32 activations; weights are read in their
 // stored type (F32, F16, BF16, Q8_0). Each op has a plain-loop twin in the tests.
 // Threads: every op may use all cores (OpenMP); callers must not call them from inside an
-// OpenMP parallel region.
+// OpenMP parallel region. MatMul's prefill path calls OpenBLAS from each OpenMP thread and so
+// sets OpenBLAS itself to one thread (openblas_set_num_threads(1)) on first use: one thread
+// pool serves every op, instead of two pools spinning against each other.
 #ifndef SUBSPACE_CORE_CPU_OPS_H_
 #define SUBSPACE_CORE_CPU_OPS_H_
 
@@ -10,6 +12,10 @@
 #include "core/weight.h"
 
 namespace subspace::cpu {
+
+// Threads the ops use; 0 (the default) means OpenMP's default (OMP_NUM_THREADS, else all
+// cores). Applies process-wide, whichever thread calls the ops.
+void SetNumThreads(int num_threads);
 
 // y[n, w.rows] = x[n, w.cols] · wᵀ.
 // Small n (decode) streams the weight rows once in their stored type; large n (prefill)

@@ -1,0 +1,220 @@
+// MatMul y = x·wᵀ for weights in their stored type: ISA selection, the scalar fallback, the
+// thread split of both paths and the sgemm-based prefill path. The AVX2 kernels live in
+// matmul_avx2.cc.
+//
+// Design, from bench/matmul_bench.cc on the 2-core EPYC dev box:
+// - The decode kernel streams each weight row once against groups of up to 4 activation
+//   rows held in registers. Per core it matches converting + sgemm up to n of 32 (Q8_0) and
+//   64 (F32) and beats it through n = 128 for F16/BF16 (~100 vs ~80 GFLOP/s), hence
+//   DecodeMaxN; much past that, x no longer stays in cache between weight rows.
+// - Prefill: OpenMP threads claim panels of rows, convert them to fp32 and call a
+//   single-threaded sgemm each. With OpenBLAS threading sgemm itself, its pthread pool and
+//   the OpenMP pool of the ops between matmuls spun against each other (an RmsNorm before an
+//   F32 n=64 sgemm added ~15 ms), and one core idled while the other converted.
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "core/cpu/matmul_internal.h"
+#include "core/cpu/ops.h"
+#include "core/ggml_types.h"
+
+// OpenBLAS's own API; declared here too because a netlib cblas.h (picked by
+// update-alternatives) lacks it. The library linked is always OpenBLAS.
+extern "C" void openblas_set_num_threads(int num_threads);
+
+namespace subspace::cpu {
+namespace internal {
+namespace {
+
+Isa Detect() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return Isa::kAvx2;
+  }
+#endif
+  return Isa::kScalar;
+}
+
+std::atomic<int> max_isa{static_cast<int>(Isa::kAvx2)};
+std::atomic<int> thread_count{0};  // 0: OpenMP's default
+std::atomic<int64_t> panel_rows_override{0};
+
+// Below this many weight bytes per thread, waking a second thread costs more than it saves
+// (an OpenMP fork/join is a few microseconds; 128 KiB streams in about 6).
+constexpr uint64_t kMinBytesPerThread = 128 * 1024;
+// Decode work items hold at least this many weight bytes.
+constexpr uint64_t kMinItemBytes = 32 * 1024;
+// A converted panel stays within this many bytes per thread.
+constexpr int64_t kMaxPanelBytes = 16 << 20;
+
+using DecodeFn = void (*)(const WeightMatrix&, const float*, int64_t, int64_t, int64_t, float*);
+
+int64_t RoundUp(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// Rows of fp32 per sgemm call: larger panels repack x fewer times (matters at large n), but
+// each costs a per-thread buffer.
+int64_t PanelRows(int64_t n, int64_t cols) {
+  const int64_t override_rows = panel_rows_override.load();
+  if (override_rows > 0) return override_rows;
+  const int64_t wanted = n <= 128 ? 256 : 512;
+  const int64_t fits = kMaxPanelBytes / (cols * static_cast<int64_t>(sizeof(float)));
+  return std::max<int64_t>(16, std::min(wanted, fits));
+}
+
+// Rows [begin, end) of y = x·wᵀ on the calling thread.
+// x: [n, w.cols], y: [n, w.rows]
+void PrefillRows(const WeightMatrix& w, const float* x, int64_t n, int64_t begin, int64_t end,
+                 float* y) {
+  const int64_t cols = w.cols;
+  // sgemm takes fp32 weights in place when they are float-aligned (GGUF allows less).
+  if (w.type == GgmlType::kF32 && reinterpret_cast<uintptr_t>(w.data) % alignof(float) == 0) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, end - begin, cols, 1.0f, x, cols,
+                reinterpret_cast<const float*>(w.row(begin)), cols, 0.0f, y + begin, w.rows);
+    return;
+  }
+  const int64_t panel = std::min(PanelRows(n, cols), end - begin);
+  // Per thread and reused across calls: a fresh buffer per call would page-fault in
+  // megabytes each time.
+  thread_local std::vector<float> buffer;
+  buffer.resize(panel * cols);
+  for (int64_t r0 = begin; r0 < end; r0 += panel) {
+    const int64_t count = std::min(panel, end - r0);
+    ConvertRowsToF32(w, r0, count, buffer.data());
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, count, cols, 1.0f, x, cols,
+                buffer.data(), cols, 0.0f, y + r0, w.rows);
+  }
+}
+
+}  // namespace
+
+Isa DetectedIsa() {
+  static const Isa detected = Detect();
+  return detected;
+}
+
+Isa ActiveIsa() {
+  return static_cast<Isa>(std::min(static_cast<int>(DetectedIsa()), max_isa.load()));
+}
+
+void SetMaxIsa(Isa isa) { max_isa.store(static_cast<int>(isa)); }
+
+ScopedMaxIsa::ScopedMaxIsa(Isa isa) : previous_(static_cast<Isa>(max_isa.load())) {
+  SetMaxIsa(isa);
+}
+ScopedMaxIsa::~ScopedMaxIsa() { SetMaxIsa(previous_); }
+
+int NumThreads() {
+  const int n = thread_count.load();
+  return n > 0 ? n : omp_get_max_threads();
+}
+
+int64_t DecodeMaxN(GgmlType type) {
+  switch (type) {
+    case GgmlType::kF16:
+    case GgmlType::kBF16:
+      return 128;  // converting for sgemm costs more than the kernel's shortfall
+    case GgmlType::kF32:
+      return 64;
+    case GgmlType::kQ8_0:
+      return 32;  // dequantising costs the kernel a multiply per 8 weights
+  }
+  return 8;
+}
+
+void SetPrefillPanelRows(int64_t rows) { panel_rows_override.store(std::max<int64_t>(rows, 0)); }
+
+void DecodeRowsScalar(const WeightMatrix& w, const float* x, int64_t n, int64_t row_begin,
+                      int64_t row_end, float* y) {
+  std::vector<float> row(w.cols);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    DequantizeRow(w.type, w.row(r), row.data(), w.cols);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* xj = x + j * w.cols;
+      double sum = 0.0;  // the fallback favours a simple, nearly exact sum over speed
+      for (int64_t k = 0; k < w.cols; ++k) sum += static_cast<double>(row[k]) * xj[k];
+      y[j * w.rows + r] = static_cast<float>(sum);
+    }
+  }
+}
+
+void ConvertRowsToF32(const WeightMatrix& w, int64_t first_row, int64_t num_rows, float* dst) {
+  if (ActiveIsa() >= Isa::kAvx2) {
+    ConvertRowsToF32Avx2(w, first_row, num_rows, dst);
+    return;
+  }
+  for (int64_t i = 0; i < num_rows; ++i) {
+    DequantizeRow(w.type, w.row(first_row + i), dst + i * w.cols, w.cols);
+  }
+}
+
+// Both paths hand out rows in work items claimed dynamically (several per thread) rather than
+// one fixed range per thread: when another process takes a core for a while, the other
+// threads carry on instead of waiting at the barrier for the one descheduled. Items stay
+// large enough (tens of KiB of weights, whole sgemm panels) that the claiming costs nothing.
+
+void MatMulDecode(const WeightMatrix& w, const float* x, int64_t n, float* y) {
+  if (w.rows <= 0 || n <= 0) return;
+  const DecodeFn kernel = ActiveIsa() >= Isa::kAvx2 ? DecodeRowsAvx2 : DecodeRowsScalar;
+  const uint64_t row_bytes = w.row_bytes();
+  const uint64_t bytes = static_cast<uint64_t>(w.rows) * row_bytes;
+  const int64_t threads =
+      std::min<int64_t>({NumThreads(), static_cast<int64_t>(bytes / kMinBytesPerThread),
+                         (w.rows + kDecodeRowAlign - 1) / kDecodeRowAlign});
+  if (threads <= 1) {
+    kernel(w, x, n, 0, w.rows, y);
+    return;
+  }
+  constexpr int64_t kItemsPerThread = 8;
+  const int64_t min_rows = static_cast<int64_t>(kMinItemBytes / row_bytes) + 1;
+  const int64_t item_rows = RoundUp(
+      std::max((w.rows + threads * kItemsPerThread - 1) / (threads * kItemsPerThread), min_rows),
+      kDecodeRowAlign);
+  const int64_t items = (w.rows + item_rows - 1) / item_rows;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t i = 0; i < items; ++i) {
+    kernel(w, x, n, i * item_rows, std::min(w.rows, (i + 1) * item_rows), y);
+  }
+}
+
+void MatMulPrefill(const WeightMatrix& w, const float* x, int64_t n, float* y) {
+  if (w.rows <= 0 || n <= 0) return;
+  // OpenBLAS's pthread pool is switched off once: OpenMP threads call sgemm themselves.
+  static std::once_flag blas_single_threaded;
+  std::call_once(blas_single_threaded, [] { openblas_set_num_threads(1); });
+  const int64_t threads = std::min<int64_t>(NumThreads(), RoundUp(w.rows, 16) / 16);
+  // One item is one converted panel; fp32 weights need no buffer, so their items only stop
+  // at two per thread (each sgemm call repacks x, which costs at large n).
+  int64_t item_rows = PanelRows(n, w.cols);
+  if (w.type == GgmlType::kF32) {
+    item_rows = std::max(item_rows, RoundUp((w.rows + 2 * threads - 1) / (2 * threads), 16));
+  }
+  const int64_t items = (w.rows + item_rows - 1) / item_rows;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && items > 1)
+  for (int64_t i = 0; i < items; ++i) {
+    PrefillRows(w, x, n, i * item_rows, std::min(w.rows, (i + 1) * item_rows), y);
+  }
+}
+
+}  // namespace internal
+
+void SetNumThreads(int num_threads) { internal::thread_count.store(std::max(num_threads, 0)); }
+
+void MatMul(const WeightMatrix& w, const float* x, int64_t n, float* y) {
+  if (n <= internal::DecodeMaxN(w.type)) {
+    internal::MatMulDecode(w, x, n, y);
+  } else {
+    internal::MatMulPrefill(w, x, n, y);
+  }
+}
+
+}  // namespace subspace::cpu

@@ -1,0 +1,74 @@
+// Internals of the CPU backend shared by its .cc files, the tests and the benchmark: runtime
+// ISA selection (with a switch the tests use to force the scalar fallback), the two MatMul
+// paths callable directly, and weight-row conversion to fp32.
+#ifndef SUBSPACE_CORE_CPU_MATMUL_INTERNAL_H_
+#define SUBSPACE_CORE_CPU_MATMUL_INTERNAL_H_
+
+#include <cstdint>
+
+#include "core/weight.h"
+
+namespace subspace::cpu::internal {
+
+// Ordered: a level implies the ones below it.
+enum class Isa : int {
+  kScalar = 0,
+  kAvx2 = 1,  // AVX2 + FMA + F16C
+};
+
+// What this CPU supports (detected once).
+Isa DetectedIsa();
+// min(DetectedIsa(), the cap set by SetMaxIsa). Every kernel dispatches on this.
+Isa ActiveIsa();
+// Caps the ISA the kernels use, e.g. kScalar to test the fallback. Process-wide; not meant to
+// be flipped while another thread runs a kernel.
+void SetMaxIsa(Isa isa);
+
+class ScopedMaxIsa {
+ public:
+  explicit ScopedMaxIsa(Isa isa);
+  ~ScopedMaxIsa();
+  ScopedMaxIsa(const ScopedMaxIsa&) = delete;
+  ScopedMaxIsa& operator=(const ScopedMaxIsa&) = delete;
+
+ private:
+  Isa previous_;
+};
+
+// What SetNumThreads asked for, or OpenMP's default. Every parallel region uses this.
+int NumThreads();
+
+// MatMul uses the decode path for n <= DecodeMaxN(type) and the prefill path above it: the
+// decode kernel keeps up with convert + sgemm well past n = 8 (cross-over measured with
+// bench/matmul_bench.cc --paths=both; see matmul.cc).
+int64_t DecodeMaxN(GgmlType type);
+
+// Both paths accept any n >= 1; MatMul picks one. Same contract as cpu::MatMul.
+// x: [n, w.cols], y: [n, w.rows]
+void MatMulDecode(const WeightMatrix& w, const float* x, int64_t n, float* y);
+void MatMulPrefill(const WeightMatrix& w, const float* x, int64_t n, float* y);
+
+// Rows [first_row, first_row + num_rows) of w as fp32, on the calling thread.
+// dst: [num_rows, w.cols]
+void ConvertRowsToF32(const WeightMatrix& w, int64_t first_row, int64_t num_rows, float* dst);
+
+// Rows of w the prefill path converts per sgemm call; 0 restores the default. For the
+// benchmark's panel-size sweep.
+void SetPrefillPanelRows(int64_t rows);
+
+// Decode kernels work on blocks of this many rows; MatMulDecode's thread split keeps to them.
+inline constexpr int64_t kDecodeRowAlign = 12;
+
+// The decode kernels behind MatMulDecode, for output rows [row_begin, row_end) on the calling
+// thread; MatMulDecode splits the rows over threads.
+// x: [n, w.cols], y: [n, w.rows] (only columns [row_begin, row_end) are written)
+void DecodeRowsScalar(const WeightMatrix& w, const float* x, int64_t n, int64_t row_begin,
+                      int64_t row_end, float* y);
+void DecodeRowsAvx2(const WeightMatrix& w, const float* x, int64_t n, int64_t row_begin,
+                    int64_t row_end, float* y);
+// dst: [num_rows, w.cols]
+void ConvertRowsToF32Avx2(const WeightMatrix& w, int64_t first_row, int64_t num_rows, float* dst);
+
+}  // namespace subspace::cpu::internal
+
+#endif  // SUBSPACE_CORE_CPU_MATMUL_INTERNAL_H_

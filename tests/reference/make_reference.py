@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Writes the fixtures of the model reference tests: small random-weight Llama GGUFs (written
+with tools/gguf_writer.py) and their float64 NumPy logits (tests/reference/llama_numpy.py).
+
+    make_reference.py --out DIR
+
+DIR/manifest.txt lists one record per line, space-separated key=value fields:
+    case model=NAME gguf=FILE wtype=F32 tol=1e-4 tokens=1,2,3 logits=FILE
+        logits FILE: raw little-endian float64 [len(tokens), n_vocab], every position
+    greedy model=NAME gguf=FILE prompt=1,2 generated=5,6 min_margin=0.3
+        greedy continuation by the reference, and the smallest top-1/top-2 logit gap on the way
+"""
+import argparse
+import os
+import sys
+
+try:
+    import numpy as np
+except ImportError:  # a Python without NumPy first on PATH (pyenv): use Debian's python3-numpy
+    if os.path.realpath(sys.executable) != os.path.realpath("/usr/bin/python3") and \
+            os.path.exists("/usr/bin/python3"):
+        os.execv("/usr/bin/python3", ["/usr/bin/python3"] + sys.argv)
+    raise
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
+sys.path.insert(0, HERE)
+from gguf_writer import GgufType, GgufWriter, TensorType  # noqa: E402
+from llama_numpy import LlamaNumpy  # noqa: E402
+
+# Shapes shared by the models; per-model fields override.
+BASE = dict(vocab=96, dim=64, n_heads=4, n_kv=2, n_layers=2, ffn=96, ctx=64, rope_dim=16,
+            theta=10000.0, eps=1e-5, tied=False)
+# name -> (overrides, matrix type, norm type, tolerance on max|a-b|/max|b| per logits row).
+# The reference reads the weights back from the GGUF, so rounding of F16/BF16 weights is the
+# same on both sides and only the engine's fp32 arithmetic differs: 1e-4 throughout. That holds
+# for Q8_0 too because the CPU matmul dequantises weights and keeps activations fp32 (q * d is
+# exact in fp32); a kernel that quantised activations as llama.cpp does would need ~3e-2.
+MODELS = {
+    "gqa_f32": ({}, TensorType.F32, TensorType.F32, 1e-4),
+    "gqa_f16": ({}, TensorType.F16, TensorType.F32, 1e-4),
+    "gqa_bf16": ({}, TensorType.BF16, TensorType.BF16, 1e-4),
+    "gqa_q8_0": ({}, TensorType.Q8_0, TensorType.F32, 1e-4),
+    "mqa_tied_f32": (dict(n_kv=1, tied=True, theta=500000.0, rope_dim=8, eps=1e-6),
+                     TensorType.F32, TensorType.F32, 1e-4),
+    "mqa_tied_f16": (dict(n_kv=1, tied=True, theta=500000.0, rope_dim=8, eps=1e-6),
+                     TensorType.F16, TensorType.F16, 1e-4),
+}
+PROMPT_LENGTHS = {"long": 48, "short": 11}
+GREEDY_PROMPT, GREEDY_STEPS = 6, 10
+
+
+def tokenizer_metadata(w, vocab):
+    """A complete (if toy) SentencePiece-style vocabulary so the file is a usable model."""
+    tokens = ["<unk>", "<s>", "</s>"] + [chr(33 + i) for i in range(vocab - 3)]
+    w.add_string("tokenizer.ggml.model", "llama")
+    w.add_array("tokenizer.ggml.tokens", tokens, GgufType.STRING)
+    w.add_array("tokenizer.ggml.scores", [0.0, 0.0, 0.0] + [-float(i) for i in range(vocab - 3)],
+                GgufType.FLOAT32)
+    w.add_array("tokenizer.ggml.token_type", [2, 3, 3] + [1] * (vocab - 3), GgufType.INT32)
+    w.add_uint32("tokenizer.ggml.unknown_token_id", 0)
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+
+
+def write_model(path, name, cfg, mtype, ntype, seed):
+    rng = np.random.default_rng(seed)
+    hd = cfg["dim"] // cfg["n_heads"]
+
+    def mat(rows, cols, std):
+        return (rng.standard_normal((rows, cols)) * std).astype(np.float32)
+
+    def norm():
+        return (1.0 + 0.2 * rng.standard_normal(cfg["dim"])).astype(np.float32)
+
+    w = GgufWriter(path)
+    w.add_string("general.architecture", "llama")
+    w.add_string("general.name", name)
+    w.add_uint32("llama.context_length", cfg["ctx"])
+    w.add_uint32("llama.embedding_length", cfg["dim"])
+    w.add_uint32("llama.block_count", cfg["n_layers"])
+    w.add_uint32("llama.feed_forward_length", cfg["ffn"])
+    w.add_uint32("llama.attention.head_count", cfg["n_heads"])
+    w.add_uint32("llama.attention.head_count_kv", cfg["n_kv"])
+    w.add_uint32("llama.rope.dimension_count", cfg["rope_dim"])
+    w.add_float32("llama.rope.freq_base", cfg["theta"])
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg["eps"])
+    w.add_uint32("llama.vocab_size", cfg["vocab"])
+    tokenizer_metadata(w, cfg["vocab"])
+    w.add_tensor("token_embd.weight", mat(cfg["vocab"], cfg["dim"], 0.5), mtype)
+    for i in range(cfg["n_layers"]):
+        p = "blk.%d." % i
+        w.add_tensor(p + "attn_norm.weight", norm(), ntype)
+        w.add_tensor(p + "attn_q.weight", mat(cfg["n_heads"] * hd, cfg["dim"], 0.2), mtype)
+        w.add_tensor(p + "attn_k.weight", mat(cfg["n_kv"] * hd, cfg["dim"], 0.2), mtype)
+        w.add_tensor(p + "attn_v.weight", mat(cfg["n_kv"] * hd, cfg["dim"], 0.15), mtype)
+        w.add_tensor(p + "attn_output.weight", mat(cfg["dim"], cfg["n_heads"] * hd, 0.1), mtype)
+        w.add_tensor(p + "ffn_norm.weight", norm(), ntype)
+        w.add_tensor(p + "ffn_gate.weight", mat(cfg["ffn"], cfg["dim"], 0.15), mtype)
+        w.add_tensor(p + "ffn_up.weight", mat(cfg["ffn"], cfg["dim"], 0.15), mtype)
+        w.add_tensor(p + "ffn_down.weight", mat(cfg["dim"], cfg["ffn"], 0.1), mtype)
+    w.add_tensor("output_norm.weight", norm(), ntype)
+    if not cfg["tied"]:
+        w.add_tensor("output.weight", mat(cfg["vocab"], cfg["dim"], 0.3), mtype)
+    w.write()
+
+
+def greedy(model, prompt, steps):
+    tokens, margin = list(prompt), np.inf
+    for _ in range(steps):
+        last = model.forward(tokens)[-1]
+        top2 = np.sort(last)[-2:]
+        margin = min(margin, float(top2[1] - top2[0]))
+        tokens.append(int(np.argmax(last)))
+    return tokens[len(prompt):], margin
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    lines = ["# written by tests/reference/make_reference.py"]
+    for seed, (name, (overrides, mtype, ntype, tol)) in enumerate(MODELS.items()):
+        cfg = dict(BASE, **overrides)
+        gguf = name + ".gguf"
+        write_model(os.path.join(args.out, gguf), name, cfg, mtype, ntype, seed=1000 + seed)
+        model = LlamaNumpy(os.path.join(args.out, gguf))  # weights as stored, rounding included
+        rng = np.random.default_rng(seed)
+        common = "model=%s gguf=%s wtype=%s" % (name, gguf, mtype.name)
+        for case, n in PROMPT_LENGTHS.items():
+            tokens = rng.integers(0, cfg["vocab"], n)
+            logits = model.forward(tokens)
+            assert np.all(np.isfinite(logits)) and logits.std() > 0.1, (name, logits.std())
+            out = "%s.%s.f64" % (name, case)
+            logits.astype("<f8").tofile(os.path.join(args.out, out))
+            lines.append("case %s name=%s tol=%g tokens=%s logits=%s" % (
+                common, case, tol, ",".join(str(int(t)) for t in tokens), out))
+        prompt = [int(t) for t in rng.integers(0, cfg["vocab"], GREEDY_PROMPT)]
+        generated, margin = greedy(model, prompt, GREEDY_STEPS)
+        lines.append("greedy %s prompt=%s generated=%s min_margin=%g" % (
+            common, ",".join(map(str, prompt)), ",".join(map(str, generated)), margin))
+    with open(os.path.join(args.out, "manifest.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote %d models to %s" % (len(MODELS), args.out))
+
+
+if __name__ == "__main__":
+    main()
