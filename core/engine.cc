@@ -1,0 +1,666 @@
+// Engine: validation and admission on the caller's thread; on the engine thread, a loop that
+// reaps (cancel, deadline, TTL), plans a step with the Scheduler, runs the model, samples,
+// detokenizes and reports through observers with the lock released.
+//
+// Locking: mu_ guards the request table, the scheduler, the sessions and the stats. The cache
+// is touched only by the engine thread -- planning and session bookkeeping under mu_, the
+// forward pass outside it -- so Submit and friends never wait for a forward pass, and Stats()
+// reads a snapshot of the cache's counters taken by the engine thread.
+//
+// Session and EOS semantics (documented for the API):
+//  * A request on a session runs over the session's history + its prompt; only tokens not in
+//    the session's cache are prefilled (usage.reused_tokens counts the rest). However it ends,
+//    the session's history becomes history + prompt + every generated token reported through
+//    OnTokens -- an EOS included, and the token that completed a stop sequence too -- so the
+//    next call continues exactly what the model produced. The last generated token's K/V is
+//    not cached yet: it is prefilled with the next call's prompt.
+//  * EOS is reported as a token (its text is empty) and counted in generated_tokens.
+//  * max_new_tokens is clamped to the context left (history + prompt + generated tokens never
+//    exceed context_length; the request then ends with kLength); only a prompt that leaves no
+//    room to generate is rejected.
+//  * A cancelled or timed-out request drops text held back by the UTF-8 decoder or the stop
+//    matcher; a request ending by length or EOS flushes it into its last token's text.
+#include "core/engine.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "core/scheduler.h"
+#include "core/session_store.h"
+
+namespace subspace {
+
+const char* FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kNone:
+      return "none";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kEos:
+      return "eos";
+    case FinishReason::kCancelled:
+      return "cancelled";
+    case FinishReason::kDeadline:
+      return "deadline";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// How long the loop sleeps when requests wait but none could be scheduled (it cannot happen
+// with the scheduler's policy; the poll only keeps deadlines honoured if it ever did).
+constexpr absl::Duration kBlockedPoll = absl::Milliseconds(10);
+
+double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+}  // namespace
+
+class Engine::Impl {
+ public:
+  Impl(EngineConfig config, std::shared_ptr<LlamaModel> model,
+       std::shared_ptr<const Tokenizer> tokenizer, std::unique_ptr<KvCache> cache)
+      : config_(std::move(config)),
+        model_(std::move(model)),
+        tokenizer_(std::move(tokenizer)),
+        cache_(std::move(cache)),
+        sessions_(config_.max_sessions, config_.default_session_ttl) {}
+
+  absl::Status Start();
+  ~Impl();
+
+  absl::StatusOr<RequestId> Submit(GenerateRequest request,
+                                   std::shared_ptr<GenerateObserver> observer);
+  void Cancel(RequestId id);
+  absl::StatusOr<SessionInfo> CreateSession(absl::Duration idle_ttl);
+  absl::StatusOr<SessionInfo> GetSession(std::string_view id) const;
+  std::vector<SessionInfo> ListSessions() const;
+  absl::Status DeleteSession(std::string_view id);
+  bool Drain(absl::Duration timeout);
+  bool draining() const;
+  EngineStats Stats() const;
+
+  const ModelConfig& model_config() const { return model_->config(); }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const EngineConfig& config() const { return config_; }
+
+ private:
+  struct Request {
+    Request(RequestId id, const SamplingParams& sampling, const Tokenizer& tokenizer,
+            bool strip_leading_space, std::vector<std::string> stops)
+        : id(id),
+          sampler(sampling),
+          decoder(tokenizer, strip_leading_space),
+          stop(std::move(stops)) {}
+
+    const RequestId id;
+    std::shared_ptr<GenerateObserver> observer;
+    std::string session_id;
+    std::vector<int32_t> tokens;  // session history + prompt + generated
+    int64_t prompt_tokens = 0;    // of this request alone
+    int64_t max_new = 0;          // clamped to the context left
+    bool ignore_eos = false;
+    absl::Time deadline;
+    absl::Time accepted;
+    bool cancelled = false;  // guarded by Impl::mu_
+
+    // Engine thread only.
+    Sampler sampler;
+    StreamDecoder decoder;
+    StopMatcher stop;
+    int64_t generated = 0;
+    int64_t reused = 0;
+    bool scheduled_once = false;
+    absl::Time first_scheduled;
+    absl::Time last_token;
+    GenerateTimings timings;
+  };
+
+  // Observer calls collected under the lock and made after releasing it, in order.
+  struct Delivery {
+    std::shared_ptr<GenerateObserver> observer;
+    GeneratedTokenEvent event;
+    std::optional<GenerateResult> finish;  // set: OnFinish; unset: OnTokens(event)
+  };
+
+  // What sampling one chunk's logits decided (computed without the lock).
+  struct Outcome {
+    GeneratedTokenEvent event;
+    FinishReason finish = FinishReason::kNone;
+  };
+
+  void Loop();
+  // Finishes cancelled, timed-out (and, when stopping, all) requests; evicts expired sessions
+  // and frees the cache sequences that deleted or expired sessions left behind.
+  void ReapLocked(absl::Time now, std::vector<Delivery>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the request out of the scheduler, hands its cache to its session (or frees it),
+  // queues OnFinish and forgets the request.
+  void FinishLocked(Request& r, FinishReason reason, absl::Status status, absl::Time now,
+                    std::vector<Delivery>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The scheduler's reclaim hook: drops the cache of the least recently used idle session.
+  bool ReclaimIdleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeSeqLocked(SeqId seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Outcome SampleAndDecode(Request& r, std::span<float> logits);
+  void Deliver(std::vector<Delivery>& out) ABSL_LOCKS_EXCLUDED(mu_);
+
+  bool KickedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return kicked_ || stop_; }
+  bool IdleLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return requests_.empty() && undelivered_finishes_ == 0;
+  }
+
+  const EngineConfig config_;
+  const std::shared_ptr<LlamaModel> model_;
+  const std::shared_ptr<const Tokenizer> tokenizer_;
+  const std::unique_ptr<KvCache> cache_;  // engine thread only (see the file comment)
+
+  mutable absl::Mutex mu_;
+  std::unique_ptr<Scheduler> scheduler_ ABSL_GUARDED_BY(mu_);
+  SessionStore sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<RequestId, std::unique_ptr<Request>> requests_ ABSL_GUARDED_BY(mu_);
+  std::vector<SeqId> seqs_to_free_ ABSL_GUARDED_BY(mu_);
+  RequestId next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool kicked_ ABSL_GUARDED_BY(mu_) = false;  // something for the loop to look at
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // Finishes taken out of requests_ whose OnFinish has not returned yet (Drain waits for them).
+  int64_t undelivered_finishes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t steps_total_ ABSL_GUARDED_BY(mu_) = 0;
+  // No idle session expires before this (a lower bound, so the sessions are scanned only
+  // when one may have expired, not on every step).
+  absl::Time next_session_expiry_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  KvCacheStats cache_stats_ ABSL_GUARDED_BY(mu_);
+
+  // Engine thread only: the step's batch, reused across steps.
+  std::vector<SequenceChunk> batch_;
+  std::vector<Request*> batch_requests_;
+  std::vector<float> logits_;
+  std::thread thread_;
+};
+
+absl::Status Engine::Impl::Start() {
+  absl::MutexLock lock(&mu_);
+  SchedulerConfig sc;
+  sc.max_running = config_.max_running;
+  sc.max_batch_tokens = config_.max_batch_tokens;
+  sc.max_queue = config_.max_queue;
+  absl::StatusOr<std::unique_ptr<Scheduler>> scheduler =
+      Scheduler::Create(sc, cache_.get(), [this]() {
+        // Called from Schedule(), which runs under mu_ on the engine thread.
+        mu_.AssertHeld();
+        return ReclaimIdleLocked();
+      });
+  if (!scheduler.ok()) return scheduler.status();
+  scheduler_ = *std::move(scheduler);
+  cache_stats_ = cache_->Stats();
+  thread_ = std::thread([this] { Loop(); });
+  return absl::OkStatus();
+}
+
+Engine::Impl::~Impl() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
+                                               std::shared_ptr<GenerateObserver> observer) {
+  if (observer == nullptr) return absl::InvalidArgumentError("observer is null");
+  const ModelConfig& mc = model_->config();
+  if (request.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
+  for (size_t i = 0; i < request.prompt.size(); ++i) {
+    const int32_t t = request.prompt[i];
+    if (t < 0 || t >= mc.n_vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("prompt[%d] = %d is outside the vocabulary [0, %d)", i, t, mc.n_vocab));
+    }
+  }
+  if (request.max_new_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("max_new_tokens must be at least 1, got %d", request.max_new_tokens));
+  }
+  if (absl::Status st = ValidateSamplingParams(request.sampling); !st.ok()) return st;
+
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  if (draining_ || stop_) return absl::UnavailableError("the engine is draining");
+  Session* session = nullptr;
+  if (!request.session_id.empty()) {
+    session = sessions_.Find(request.session_id, now);
+    if (session == nullptr) {
+      return absl::NotFoundError(absl::StrCat("session ", request.session_id, " not found"));
+    }
+    if (session->busy()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "session %s is busy with request %d", request.session_id, session->active_request));
+    }
+  }
+  const int64_t history = session == nullptr ? 0 : static_cast<int64_t>(session->tokens.size());
+  const int64_t total = history + static_cast<int64_t>(request.prompt.size());
+  if (total >= mc.context_length) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "prompt: %d tokens (session history %d + prompt %d) leave no room to generate in the "
+        "context of %d",
+        total, history, request.prompt.size(), mc.context_length));
+  }
+  const int64_t max_new = std::min<int64_t>(request.max_new_tokens, mc.context_length - total);
+
+  std::vector<int32_t> tokens;
+  tokens.reserve(static_cast<size_t>(total + max_new));
+  if (session != nullptr) tokens = session->tokens;
+  tokens.insert(tokens.end(), request.prompt.begin(), request.prompt.end());
+  // The decoder strips the dummy-prefix space only when the output starts the text, i.e.
+  // nothing before it produced any bytes (e.g. the prompt is just BOS).
+  const bool strip_leading_space = std::all_of(
+      tokens.begin(), tokens.end(), [&](int32_t t) { return tokenizer_->TokenToBytes(t).empty(); });
+
+  const RequestId id = next_id_;
+  // The longest the sequence gets in the cache: the last generated token is never written.
+  absl::Status added =
+      scheduler_->Add(id, total, total + max_new - 1, session == nullptr ? -1 : session->seq,
+                      session == nullptr ? 0 : session->cached);
+  if (!added.ok()) return added;
+  ++next_id_;
+
+  auto r = std::make_unique<Request>(id, request.sampling, *tokenizer_, strip_leading_space,
+                                     std::move(request.stop));
+  r->observer = std::move(observer);
+  r->session_id = std::move(request.session_id);
+  r->tokens = std::move(tokens);
+  r->prompt_tokens = static_cast<int64_t>(request.prompt.size());
+  r->max_new = max_new;
+  r->ignore_eos = request.ignore_eos;
+  r->deadline = request.deadline;
+  r->accepted = now;
+  if (session != nullptr) {
+    session->seq = -1;  // the scheduler owns it until the request finishes
+    session->active_request = id;
+    session->last_used = now;
+  }
+  requests_.emplace(id, std::move(r));
+  kicked_ = true;
+  return id;
+}
+
+void Engine::Impl::Cancel(RequestId id) {
+  absl::MutexLock lock(&mu_);
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return;
+  it->second->cancelled = true;
+  kicked_ = true;
+}
+
+absl::StatusOr<SessionInfo> Engine::Impl::CreateSession(absl::Duration idle_ttl) {
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  if (draining_ || stop_) return absl::UnavailableError("the engine is draining");
+  // Expired sessions must not hold slots against max_sessions.
+  const size_t before = seqs_to_free_.size();
+  sessions_.EvictExpired(now, &seqs_to_free_);
+  if (seqs_to_free_.size() != before) kicked_ = true;
+  absl::StatusOr<Session*> session = sessions_.Create(idle_ttl, now);
+  if (!session.ok()) return session.status();
+  next_session_expiry_ = std::min(next_session_expiry_, now + (*session)->idle_ttl);
+  kicked_ = true;  // the loop may be asleep until a later expiry
+  return (*session)->Info();
+}
+
+absl::StatusOr<SessionInfo> Engine::Impl::GetSession(std::string_view id) const {
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  const Session* session = sessions_.Find(id, now);
+  if (session == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", absl::string_view(id.data(), id.size()), " not found"));
+  }
+  return session->Info();
+}
+
+std::vector<SessionInfo> Engine::Impl::ListSessions() const {
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  return sessions_.List(now);
+}
+
+absl::Status Engine::Impl::DeleteSession(std::string_view id) {
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  Session* session = sessions_.Find(id, now);
+  if (session == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", absl::string_view(id.data(), id.size()), " not found"));
+  }
+  // The running request ends with kCancelled; finding its session gone, it frees its cache.
+  if (session->busy()) {
+    if (auto it = requests_.find(session->active_request); it != requests_.end()) {
+      it->second->cancelled = true;
+    }
+  }
+  sessions_.Erase(id, &seqs_to_free_);
+  kicked_ = true;
+  return absl::OkStatus();
+}
+
+bool Engine::Impl::Drain(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  return mu_.AwaitWithTimeout(absl::Condition(this, &Impl::IdleLocked), timeout);
+}
+
+bool Engine::Impl::draining() const {
+  absl::MutexLock lock(&mu_);
+  return draining_;
+}
+
+EngineStats Engine::Impl::Stats() const {
+  absl::MutexLock lock(&mu_);
+  EngineStats s;
+  s.running = scheduler_->running();
+  s.waiting = scheduler_->waiting();
+  s.sessions = sessions_.size();
+  s.preemptions_total = scheduler_->preemptions_total();
+  s.steps_total = steps_total_;
+  s.cache = cache_stats_;
+  return s;
+}
+
+// ---- Engine thread ------------------------------------------------------------------------
+
+void Engine::Impl::Loop() {
+  std::vector<Delivery> out;
+  const int64_t n_vocab = model_->config().n_vocab;
+  mu_.Lock();
+  while (true) {
+    absl::Time now = absl::Now();
+    kicked_ = false;
+    ReapLocked(now, &out);
+    cache_stats_ = cache_->Stats();  // reaped blocks show before the OnFinish calls
+    if (stop_ && requests_.empty()) break;
+
+    StepPlan plan;
+    if (!scheduler_->empty()) plan = scheduler_->Schedule();
+    if (plan.empty()) {
+      if (!out.empty()) {
+        mu_.Unlock();
+        Deliver(out);
+        mu_.Lock();
+        continue;
+      }
+      const absl::Time wake = scheduler_->empty() ? next_session_expiry_ : now + kBlockedPoll;
+      mu_.AwaitWithDeadline(absl::Condition(this, &Impl::KickedLocked), wake);
+      continue;
+    }
+
+    batch_.clear();
+    batch_requests_.clear();
+    for (const ScheduledChunk& c : plan.chunks) {
+      Request& r = *requests_.at(c.id);
+      if (!r.scheduled_once) {
+        r.scheduled_once = true;
+        r.first_scheduled = now;
+        r.reused = c.pos;  // what the session's cache saved at first admission
+      }
+      batch_.push_back({c.seq, c.pos,
+                        std::span<const int32_t>(r.tokens.data() + c.pos, static_cast<size_t>(c.n)),
+                        /*all_logits=*/false});
+      batch_requests_.push_back(&r);
+    }
+    mu_.Unlock();
+    Deliver(out);
+
+    // The forward pass and sampling run without the lock: only this thread touches the cache
+    // and the requests' generation state, and no request is erased while the lock is free.
+    const absl::Time start = absl::Now();
+    const absl::Status forward = model_->Forward(batch_, *cache_, &logits_);
+    std::vector<std::optional<Outcome>> outcomes(plan.chunks.size());
+    std::vector<absl::Time> token_times(plan.chunks.size());
+    if (forward.ok()) {
+      for (size_t i = 0; i < plan.chunks.size(); ++i) {
+        if (!plan.chunks[i].samples) continue;
+        std::span<float> row(logits_.data() + static_cast<int64_t>(i) * n_vocab,
+                             static_cast<size_t>(n_vocab));
+        outcomes[i] = SampleAndDecode(*batch_requests_[i], row);
+        token_times[i] = absl::Now();
+      }
+    }
+    const absl::Time end = absl::Now();
+
+    StepStats step;
+    step.sequences = static_cast<int>(plan.chunks.size());
+    step.decode_tokens = static_cast<int>(plan.decode_tokens);
+    step.prefill_tokens = static_cast<int>(plan.prefill_tokens);
+    step.seconds = Seconds(end - start);
+
+    mu_.Lock();
+    ++steps_total_;
+    if (!forward.ok()) {
+      // The batch's cache state is unknown: FinishLocked frees every sequence in it.
+      const absl::Status internal =
+          absl::InternalError(absl::StrCat("engine step failed: ", forward.message()));
+      for (Request* r : batch_requests_) {
+        absl::Status st = internal;
+        FinishLocked(*r, FinishReason::kNone, st, end, &out);
+      }
+    } else {
+      scheduler_->Commit(plan);
+      for (size_t i = 0; i < plan.chunks.size(); ++i) {
+        if (!outcomes[i].has_value()) continue;
+        Request& r = *batch_requests_[i];
+        scheduler_->AppendToken(r.id);
+        const absl::Time t = token_times[i];
+        if (r.generated == 1) {
+          r.timings.ttft_seconds = Seconds(t - r.accepted);
+        } else {
+          r.timings.inter_token_seconds.push_back(static_cast<float>(Seconds(t - r.last_token)));
+        }
+        r.last_token = t;
+        out.push_back({r.observer, std::move(outcomes[i]->event), std::nullopt});
+        if (outcomes[i]->finish != FinishReason::kNone) {
+          FinishLocked(r, outcomes[i]->finish, absl::OkStatus(), t, &out);
+        }
+      }
+    }
+    cache_stats_ = cache_->Stats();
+    mu_.Unlock();
+    Deliver(out);
+    if (config_.on_step) config_.on_step(step);
+    mu_.Lock();
+  }
+  cache_stats_ = cache_->Stats();
+  mu_.Unlock();
+  Deliver(out);
+}
+
+void Engine::Impl::ReapLocked(absl::Time now, std::vector<Delivery>* out) {
+  std::vector<std::pair<Request*, FinishReason>> done;
+  for (auto& [id, r] : requests_) {
+    if (stop_ || r->cancelled) {
+      done.emplace_back(r.get(), FinishReason::kCancelled);
+    } else if (now >= r->deadline) {
+      done.emplace_back(r.get(), FinishReason::kDeadline);
+    }
+  }
+  // Oldest first, so observers see finishes in submission order.
+  std::sort(done.begin(), done.end(),
+            [](const auto& a, const auto& b) { return a.first->id < b.first->id; });
+  for (auto& [r, reason] : done) FinishLocked(*r, reason, absl::OkStatus(), now, out);
+
+  if (now >= next_session_expiry_) {
+    sessions_.EvictExpired(now, &seqs_to_free_);
+    next_session_expiry_ = sessions_.NextExpiry();
+  }
+  for (SeqId seq : seqs_to_free_) FreeSeqLocked(seq);
+  seqs_to_free_.clear();
+}
+
+void Engine::Impl::FinishLocked(Request& r, FinishReason reason, absl::Status status,
+                                absl::Time now, std::vector<Delivery>* out) {
+  GenerateResult result;
+  result.status = std::move(status);
+  result.finish = reason;
+  result.preemptions = scheduler_->preemptions(r.id);
+  Scheduler::Removed removed = scheduler_->Remove(r.id);
+  if (!result.status.ok() && removed.seq >= 0) {
+    FreeSeqLocked(removed.seq);  // a failed step leaves the cache contents undefined
+    removed = {};
+  }
+  Session* session = r.session_id.empty() ? nullptr : sessions_.Find(r.session_id, now);
+  if (session != nullptr && session->active_request == r.id) {
+    session->tokens = std::move(r.tokens);
+    session->seq = removed.seq;
+    session->cached = removed.seq >= 0 ? removed.num_cached : 0;
+    session->active_request = 0;
+    session->last_used = now;
+    next_session_expiry_ = std::min(next_session_expiry_, now + session->idle_ttl);
+  } else if (removed.seq >= 0) {
+    FreeSeqLocked(removed.seq);  // a one-shot request, or its session was deleted
+  }
+
+  result.usage.prompt_tokens = r.prompt_tokens;
+  result.usage.reused_tokens = r.reused;
+  result.usage.generated_tokens = r.generated;
+  result.timings = std::move(r.timings);
+  result.timings.queue_seconds = Seconds((r.scheduled_once ? r.first_scheduled : now) - r.accepted);
+  result.timings.total_seconds = Seconds(now - r.accepted);
+  out->push_back({std::move(r.observer), {}, std::move(result)});
+  ++undelivered_finishes_;
+  const RequestId id = r.id;
+  requests_.erase(id);  // destroys r
+}
+
+bool Engine::Impl::ReclaimIdleLocked() {
+  Session* s = sessions_.LeastRecentlyUsedCached();
+  if (s == nullptr) return false;
+  FreeSeqLocked(s->seq);
+  s->seq = -1;
+  s->cached = 0;
+  return true;
+}
+
+void Engine::Impl::FreeSeqLocked(SeqId seq) {
+  // Only ids this engine created reach here; a failure would be a bookkeeping bug, and the
+  // worst outcome is a sequence's blocks staying allocated.
+  absl::Status st = cache_->FreeSequence(seq);
+  (void)st;
+}
+
+Engine::Impl::Outcome Engine::Impl::SampleAndDecode(Request& r, std::span<float> logits) {
+  SampledToken s = r.sampler.Sample(logits, r.tokens);
+  r.tokens.push_back(s.token);
+  ++r.generated;
+  Outcome o;
+  o.event.token = s.token;
+  o.event.logprob = s.logprob;
+  o.event.top = std::move(s.top);
+  StopMatcher::Result m = r.stop.Push(r.decoder.Push(s.token));
+  o.event.text = std::move(m.text);
+  if (m.stopped) {
+    o.finish = FinishReason::kStop;
+    return o;
+  }
+  if (!r.ignore_eos && tokenizer_->IsEndOfGeneration(s.token)) {
+    o.finish = FinishReason::kEos;
+  } else if (r.generated >= r.max_new) {
+    o.finish = FinishReason::kLength;
+  } else {
+    return o;
+  }
+  // Ending normally: release what the decoder and the stop matcher held back.
+  StopMatcher::Result tail = r.stop.Push(r.decoder.Flush());
+  o.event.text += tail.text;
+  if (tail.stopped) {
+    o.finish = FinishReason::kStop;
+  } else {
+    o.event.text += r.stop.Flush();
+  }
+  return o;
+}
+
+void Engine::Impl::Deliver(std::vector<Delivery>& out) {
+  if (out.empty()) return;
+  int64_t finishes = 0;
+  for (Delivery& d : out) {
+    if (d.finish.has_value()) {
+      d.observer->OnFinish(*d.finish);
+      ++finishes;
+    } else {
+      d.observer->OnTokens(std::span<const GeneratedTokenEvent>(&d.event, 1));
+    }
+  }
+  out.clear();
+  if (finishes > 0) {
+    absl::MutexLock lock(&mu_);
+    undelivered_finishes_ -= finishes;
+  }
+}
+
+// ---- Engine -------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineConfig config,
+                                                       std::shared_ptr<LlamaModel> model,
+                                                       std::shared_ptr<const Tokenizer> tokenizer,
+                                                       std::unique_ptr<KvCache> cache) {
+  if (model == nullptr) return absl::InvalidArgumentError("engine needs a model");
+  if (tokenizer == nullptr) return absl::InvalidArgumentError("engine needs a tokenizer");
+  if (cache == nullptr) return absl::InvalidArgumentError("engine needs a KV cache");
+  const ModelConfig& mc = model->config();
+  const KvCacheGeometry& g = cache->geometry();
+  if (g.n_layers != mc.n_layers || g.n_kv_heads != mc.n_kv_heads || g.head_dim != mc.head_dim) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "KV cache geometry (layers %d, kv heads %d, head_dim %d) does not match the model "
+        "(%d, %d, %d)",
+        g.n_layers, g.n_kv_heads, g.head_dim, mc.n_layers, mc.n_kv_heads, mc.head_dim));
+  }
+  if (config.max_sessions < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("max_sessions must not be negative, got %d", config.max_sessions));
+  }
+  if (config.default_session_ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("default_session_ttl must be positive");
+  }
+  auto impl = std::make_unique<Impl>(std::move(config), std::move(model), std::move(tokenizer),
+                                     std::move(cache));
+  if (absl::Status st = impl->Start(); !st.ok()) return st;
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+absl::StatusOr<RequestId> Engine::Submit(GenerateRequest request,
+                                         std::shared_ptr<GenerateObserver> observer) {
+  return impl_->Submit(std::move(request), std::move(observer));
+}
+void Engine::Cancel(RequestId id) { impl_->Cancel(id); }
+absl::StatusOr<SessionInfo> Engine::CreateSession(absl::Duration idle_ttl) {
+  return impl_->CreateSession(idle_ttl);
+}
+absl::StatusOr<SessionInfo> Engine::GetSession(std::string_view id) const {
+  return impl_->GetSession(id);
+}
+std::vector<SessionInfo> Engine::ListSessions() const { return impl_->ListSessions(); }
+absl::Status Engine::DeleteSession(std::string_view id) { return impl_->DeleteSession(id); }
+bool Engine::Drain(absl::Duration timeout) { return impl_->Drain(timeout); }
+bool Engine::draining() const { return impl_->draining(); }
+EngineStats Engine::Stats() const { return impl_->Stats(); }
+const ModelConfig& Engine::model_config() const { return impl_->model_config(); }
+const Tokenizer& Engine::tokenizer() const { return impl_->tokenizer(); }
+const EngineConfig& Engine::config() const { return impl_->config(); }
+
+}  // namespace subspace

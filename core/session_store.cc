@@ -1,0 +1,127 @@
+// SessionStore: creation with random ids, TTL expiry and the LRU choice of which idle
+// session's cache to give up when the pool runs short.
+#include "core/session_store.h"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+
+namespace subspace {
+
+SessionInfo Session::Info() const {
+  SessionInfo info;
+  info.id = id;
+  info.tokens = static_cast<int64_t>(tokens.size());
+  info.cached_tokens = cached;
+  info.idle_ttl = idle_ttl;
+  info.created = created;
+  info.last_used = last_used;
+  info.busy = busy();
+  return info;
+}
+
+absl::StatusOr<std::string> NewSessionId() {
+  uint8_t bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(absl::StrFormat("getrandom failed (errno %d)", errno));
+    }
+    got += static_cast<size_t>(n);
+  }
+  std::string id;
+  id.reserve(2 * sizeof(bytes));
+  for (uint8_t b : bytes) id += absl::StrFormat("%02x", b);
+  return id;
+}
+
+absl::StatusOr<Session*> SessionStore::Create(absl::Duration idle_ttl, absl::Time now) {
+  if (idle_ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("idle_ttl must not be negative");
+  }
+  if (static_cast<int>(sessions_.size()) >= max_sessions_) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("too many sessions (max_sessions = %d)", max_sessions_));
+  }
+  absl::StatusOr<std::string> id = NewSessionId();
+  if (!id.ok()) return id.status();
+  auto session = std::make_unique<Session>();
+  session->id = *id;
+  session->idle_ttl = idle_ttl == absl::ZeroDuration() ? default_ttl_ : idle_ttl;
+  session->created = now;
+  session->last_used = now;
+  Session* out = session.get();
+  // 128 random bits do not collide in practice; a collision would only make Create fail.
+  if (!sessions_.try_emplace(*id, std::move(session)).second) {
+    return absl::InternalError("session id collision");
+  }
+  return out;
+}
+
+Session* SessionStore::Find(std::string_view id, absl::Time now) {
+  auto it = sessions_.find(absl::string_view(id.data(), id.size()));
+  if (it == sessions_.end() || it->second->Expired(now)) return nullptr;
+  return it->second.get();
+}
+
+const Session* SessionStore::Find(std::string_view id, absl::Time now) const {
+  auto it = sessions_.find(absl::string_view(id.data(), id.size()));
+  if (it == sessions_.end() || it->second->Expired(now)) return nullptr;
+  return it->second.get();
+}
+
+bool SessionStore::Erase(std::string_view id, std::vector<SeqId>* seqs_to_free) {
+  auto it = sessions_.find(absl::string_view(id.data(), id.size()));
+  if (it == sessions_.end()) return false;
+  if (it->second->seq >= 0) seqs_to_free->push_back(it->second->seq);
+  sessions_.erase(it);
+  return true;
+}
+
+void SessionStore::EvictExpired(absl::Time now, std::vector<SeqId>* seqs_to_free) {
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    if (it->second->Expired(now)) {
+      if (it->second->seq >= 0) seqs_to_free->push_back(it->second->seq);
+      sessions_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+absl::Time SessionStore::NextExpiry() const {
+  absl::Time next = absl::InfiniteFuture();
+  for (const auto& [id, s] : sessions_) {
+    if (!s->busy()) next = std::min(next, s->last_used + s->idle_ttl);
+  }
+  return next;
+}
+
+Session* SessionStore::LeastRecentlyUsedCached() {
+  Session* lru = nullptr;
+  for (auto& [id, s] : sessions_) {
+    if (s->busy() || s->seq < 0) continue;
+    if (lru == nullptr || s->last_used < lru->last_used) lru = s.get();
+  }
+  return lru;
+}
+
+std::vector<SessionInfo> SessionStore::List(absl::Time now) const {
+  std::vector<SessionInfo> out;
+  out.reserve(sessions_.size());
+  for (const auto& [id, s] : sessions_) {
+    if (!s->Expired(now)) out.push_back(s->Info());
+  }
+  return out;
+}
+
+}  // namespace subspace

@@ -1,0 +1,75 @@
+// Sessions: a conversation's token history and the KV-cache sequence that holds its prefix,
+// kept between calls, with ids from the OS CSPRNG, an idle TTL and a cap on how many exist.
+// Bookkeeping only: the engine frees the cache sequences this store hands back, on its thread.
+#ifndef SUBSPACE_CORE_SESSION_STORE_H_
+#define SUBSPACE_CORE_SESSION_STORE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "core/engine.h"
+#include "core/kv_cache.h"
+
+namespace subspace {
+
+struct Session {
+  std::string id;
+  std::vector<int32_t> tokens;  // the conversation so far: every prompt and generated token
+  // The cache sequence holding tokens[0, cached) while the session is idle; -1 when it has
+  // none, or while a request has it (the scheduler owns it then).
+  SeqId seq = -1;
+  int64_t cached = 0;
+  absl::Duration idle_ttl;
+  absl::Time created;
+  absl::Time last_used;
+  uint64_t active_request = 0;  // the request running on it; 0 when idle
+
+  bool busy() const { return active_request != 0; }
+  // Busy sessions never expire: the TTL counts from the end of the last call.
+  bool Expired(absl::Time now) const { return !busy() && now >= last_used + idle_ttl; }
+  SessionInfo Info() const;
+};
+
+// 128 random bits from the OS CSPRNG as 32 lowercase hex digits: unguessable, so an id is
+// also the capability to use the session.
+absl::StatusOr<std::string> NewSessionId();
+
+// Not thread-safe; the engine guards it with its lock.
+class SessionStore {
+ public:
+  SessionStore(int max_sessions, absl::Duration default_ttl)
+      : max_sessions_(max_sessions), default_ttl_(default_ttl) {}
+
+  // `idle_ttl` zero means the default. INVALID_ARGUMENT for a negative TTL;
+  // RESOURCE_EXHAUSTED at max_sessions (expire first: expired sessions still count).
+  absl::StatusOr<Session*> Create(absl::Duration idle_ttl, absl::Time now);
+  // Null when unknown or expired (an expired session is as good as gone, even before the
+  // engine evicts it).
+  Session* Find(std::string_view id, absl::Time now);
+  const Session* Find(std::string_view id, absl::Time now) const;
+  // Removes a session; its cache sequence (if any) goes to `seqs_to_free`. False if unknown.
+  bool Erase(std::string_view id, std::vector<SeqId>* seqs_to_free);
+  // Removes every expired session; their sequences go to `seqs_to_free`.
+  void EvictExpired(absl::Time now, std::vector<SeqId>* seqs_to_free);
+  // When the next idle session expires; InfiniteFuture when none can.
+  absl::Time NextExpiry() const;
+  // The least recently used idle session that holds a cache sequence, or null.
+  Session* LeastRecentlyUsedCached();
+  std::vector<SessionInfo> List(absl::Time now) const;
+  int size() const { return static_cast<int>(sessions_.size()); }
+
+ private:
+  int max_sessions_;
+  absl::Duration default_ttl_;
+  absl::flat_hash_map<std::string, std::unique_ptr<Session>> sessions_;
+};
+
+}  // namespace subspace
+
+#endif  // SUBSPACE_CORE_SESSION_STORE_H_
