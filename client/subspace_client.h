@@ -1,0 +1,87 @@
+// A small synchronous C++ client for the subspace.v1.Subspace gRPC service: one method per RPC,
+// absl::Status errors carrying the gRPC code, per-call deadlines, and the `x-session-id` request
+// header that session-affine proxies route on. Thread-safe: one client may serve many threads.
+#ifndef SUBSPACE_CLIENT_SUBSPACE_CLIENT_H_
+#define SUBSPACE_CLIENT_SUBSPACE_CLIENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/subspace.grpc.pb.h"
+
+namespace subspace::client {
+
+namespace v1 = ::subspace::v1;
+
+// The metadata key carrying the session id of a call, so proxies can route without parsing the
+// body. Set on every call that names a session.
+inline constexpr char kSessionIdHeader[] = "x-session-id";
+
+struct ClientOptions {
+  std::string server = "localhost:50051";  // host:port, or any gRPC target URI
+  // Deadline of each call, from its start; InfiniteDuration() for none.
+  absl::Duration timeout = absl::InfiniteDuration();
+  // Queue calls while the channel connects instead of failing fast with UNAVAILABLE (useful
+  // right after starting a server); the deadline still applies.
+  bool wait_for_ready = false;
+};
+
+// What a finished stream returned besides its chunks.
+struct StreamResult {
+  std::string request_id;
+  v1::StreamFinal final;
+};
+
+// Called for each chunk message (`message.chunk()` is set) as it arrives; return false to
+// cancel the stream (Stream() then returns CANCELLED). Runs on the calling thread.
+using ChunkCallback = std::function<bool(const v1::GenerateStreamResponse& message)>;
+
+// Converts a gRPC status to the absl::Status with the same code and message.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+class SubspaceClient {
+ public:
+  // Opens an insecure channel to options.server (connection happens lazily, on the first call).
+  explicit SubspaceClient(ClientOptions options);
+  // Uses an existing channel, e.g. an in-process one in tests.
+  SubspaceClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
+
+  SubspaceClient(const SubspaceClient&) = delete;
+  SubspaceClient& operator=(const SubspaceClient&) = delete;
+
+  absl::StatusOr<v1::GenerateResponse> Generate(const v1::GenerateRequest& request);
+  // Streams a generation: `on_chunk` sees each chunk in order, and the final message is
+  // returned. A stream that ends without its final message is a DATA_LOSS error.
+  absl::StatusOr<StreamResult> Stream(const v1::GenerateRequest& request,
+                                      const ChunkCallback& on_chunk);
+
+  // idle_ttl_seconds = 0 takes the server's default.
+  absl::StatusOr<v1::Session> CreateSession(uint32_t idle_ttl_seconds = 0);
+  absl::StatusOr<v1::Session> GetSession(const std::string& session_id);
+  absl::StatusOr<std::vector<v1::Session>> ListSessions();
+  absl::Status DeleteSession(const std::string& session_id);
+
+  absl::StatusOr<v1::ModelInfo> GetModelInfo();
+  absl::StatusOr<v1::CacheStats> GetCacheStats();
+
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  // Applies the deadline, wait-for-ready and (when non-empty) the session header.
+  void Prepare(grpc::ClientContext& context, const std::string& session_id) const;
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Subspace::Stub> stub_;
+};
+
+}  // namespace subspace::client
+
+#endif  // SUBSPACE_CLIENT_SUBSPACE_CLIENT_H_

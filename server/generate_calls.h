@@ -1,0 +1,36 @@
+// The reactors of Generate (unary) and GenerateStream (server streaming). Each is also the
+// engine's observer for its request: tokens arrive on the engine thread and are handed to gRPC
+// without blocking; the object lives until both the engine and gRPC are done with it.
+#ifndef SUBSPACE_SERVER_GENERATE_CALLS_H_
+#define SUBSPACE_SERVER_GENERATE_CALLS_H_
+
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/server_callback.h>
+
+#include "absl/status/status.h"
+#include "core/engine.h"
+#include "proto/subspace.grpc.pb.h"
+#include "server/metrics.h"
+
+namespace subspace::server {
+
+// Submits a validated `request` (or answers with Submit's error) and returns the reactor gRPC
+// drives. The response is filled and the call finished when the engine reports the request
+// finished: CANCELLED / DEADLINE_EXCEEDED for those finish reasons, the engine's status on
+// failure. A client cancellation cancels the engine request, freeing its blocks within a step.
+// `response` gets the serialized GenerateResponse.
+grpc::ServerUnaryReactor* StartGenerate(Engine* engine, Metrics* metrics, GenerateRequest request,
+                                        grpc::ByteBuffer* response);
+
+// Streams one chunk per engine step (consecutive chunks are merged while the client is slower
+// than the engine), then a final message with the finish reason, usage and timings, then the
+// status as for StartGenerate. Messages are serialized GenerateStreamResponses.
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartGenerateStream(Engine* engine, Metrics* metrics,
+                                                                GenerateRequest request);
+
+// A stream that ends at once with `status` (the request never reached the engine).
+grpc::ServerWriteReactor<grpc::ByteBuffer>* RejectStream(const absl::Status& status);
+
+}  // namespace subspace::server
+
+#endif  // SUBSPACE_SERVER_GENERATE_CALLS_H_

@@ -1,0 +1,124 @@
+// subspace-server: loads a GGUF model and serves subspace.v1.Subspace, grpc.health.v1.Health and
+// server reflection over gRPC, with Prometheus metrics on a separate HTTP port. SIGTERM or SIGINT
+// drains (health NOT_SERVING, new requests UNAVAILABLE, running ones finish) and exits 0.
+#include <pthread.h>
+
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/time/time.h"
+#include "server/server_app.h"
+#include "spdlog/async.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
+#include "spdlog/spdlog.h"
+#include "tools/cli/dash_flags.h"
+
+ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "path of the GGUF model");
+ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on (gRPC and metrics)");
+ABSL_FLAG(int32_t, port, 50051, "gRPC port; 0 picks a free one and prints it");
+ABSL_FLAG(int32_t, metrics_port, 9090,
+          "Prometheus /metrics HTTP port; 0 picks a free one, -1 turns metrics off");
+ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{256} << 20, "KV cache pool size in bytes");
+ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens");
+ABSL_FLAG(int32_t, max_running, 16, "sequences admitted to the batch at once");
+ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens per engine step (decodes + prefill chunks)");
+ABSL_FLAG(int32_t, max_queue, 256, "waiting requests; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, max_sessions, 1024, "live sessions; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, session_ttl_seconds, 600, "idle time after which a session is dropped");
+ABSL_FLAG(int32_t, drain_seconds, 30, "on SIGTERM, how long running requests may take to finish");
+ABSL_FLAG(int32_t, max_message_bytes, 4 << 20, "largest gRPC request accepted, in bytes");
+ABSL_FLAG(std::string, log_level, "info",
+          "trace, debug, info, warn, error, critical or off (request lines are info)");
+
+namespace {
+
+// Log lines from the engine thread must not wait on stderr: an async logger that drops the
+// oldest line rather than block when its queue is full.
+bool SetUpLogging(const std::string& level_name) {
+  const spdlog::level::level_enum level = spdlog::level::from_str(level_name);
+  if (level == spdlog::level::off && level_name != "off") {
+    std::fprintf(stderr, "subspace-server: unknown --log-level '%s'\n", level_name.c_str());
+    return false;
+  }
+  spdlog::init_thread_pool(8192, 1);
+  auto logger = spdlog::create_async_nb<spdlog::sinks::stderr_color_sink_mt>("subspace");
+  logger->set_level(level);
+  logger->flush_on(spdlog::level::warn);
+  spdlog::set_default_logger(logger);
+  spdlog::flush_every(std::chrono::seconds(1));
+  return true;
+}
+
+subspace::server::ServerAppConfig ConfigFromFlags() {
+  subspace::server::ServerAppConfig c;
+  c.model_path = absl::GetFlag(FLAGS_model);
+  c.host = absl::GetFlag(FLAGS_host);
+  c.port = absl::GetFlag(FLAGS_port);
+  c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  c.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  c.block_size = absl::GetFlag(FLAGS_block_size);
+  c.engine.max_running = absl::GetFlag(FLAGS_max_running);
+  c.engine.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  c.engine.max_queue = absl::GetFlag(FLAGS_max_queue);
+  c.engine.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  c.engine.default_session_ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
+  c.drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
+  c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "subspace-server --model M.gguf [--port 50051] [--metrics-port 9090] ...");
+  std::vector<std::string> args = subspace::cli::NormalizeDashFlags(argc, argv);
+  absl::ParseCommandLine(argc, argv);
+
+  // Block the shutdown signals before any thread starts, so every thread inherits the mask and
+  // only the sigwait below sees them: no work in a signal handler.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  if (!SetUpLogging(absl::GetFlag(FLAGS_log_level))) return 2;
+
+  absl::StatusOr<std::unique_ptr<subspace::server::ServerApp>> app =
+      subspace::server::ServerApp::Start(ConfigFromFlags());
+  if (!app.ok()) {
+    spdlog::critical("cannot start: {}", app.status().ToString());
+    spdlog::shutdown();
+    return 1;
+  }
+  std::printf("subspace-server listening on port %d, metrics port %d\n", (*app)->port(),
+              (*app)->metrics_port());
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("received {}; draining (a second signal exits at once)", strsignal(sig));
+  std::thread([signals] {
+    int again = 0;
+    sigwait(&signals, &again);
+    std::fprintf(stderr, "subspace-server: second %s, exiting without draining\n",
+                 strsignal(again));
+    std::_Exit(1);
+  }).detach();
+
+  (*app)->Shutdown();
+  app->reset();
+  spdlog::shutdown();
+  return 0;
+}

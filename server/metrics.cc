@@ -1,0 +1,277 @@
+// Metric families, the scrape-time engine collector and the HTTP exporter.
+#include "server/metrics.h"
+
+#include <prometheus/client_metric.h>
+#include <prometheus/collectable.h>
+#include <prometheus/gauge.h>
+#include <prometheus/metric_family.h>
+
+#include <exception>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/net_util.h"
+
+namespace subspace::server {
+namespace {
+
+using prometheus::BuildCounter;
+using prometheus::BuildHistogram;
+using prometheus::ClientMetric;
+using prometheus::Histogram;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+// Latency buckets follow vLLM's, extended downwards because a small model on a CPU answers in
+// milliseconds.
+const Histogram::BucketBoundaries& LatencyBuckets() {
+  static const Histogram::BucketBoundaries kBuckets = {
+      0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25,  0.5,
+      0.75,  1.0,    2.5,   5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 320.0};
+  return kBuckets;
+}
+
+const Histogram::BucketBoundaries& InterTokenBuckets() {
+  static const Histogram::BucketBoundaries kBuckets = {
+      0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15,
+      0.2,    0.3,   0.4,    0.5,   0.75, 1.0,   2.5,  5.0,   10.0};
+  return kBuckets;
+}
+
+const Histogram::BucketBoundaries& StepBuckets() {
+  static const Histogram::BucketBoundaries kBuckets = {
+      0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0};
+  return kBuckets;
+}
+
+// Powers of two: tokens per request or per step.
+Histogram::BucketBoundaries TokenBuckets(double max) {
+  Histogram::BucketBoundaries b;
+  for (double v = 1; v <= max; v *= 2) b.push_back(v);
+  return b;
+}
+
+const char* FinishLabel(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kEos:
+      return "eos";
+    case FinishReason::kCancelled:
+      return "cancelled";
+    case FinishReason::kDeadline:
+      return "deadline";
+    case FinishReason::kNone:
+      break;
+  }
+  return "none";
+}
+
+MetricFamily Family(std::string name, std::string help, MetricType type) {
+  MetricFamily f;
+  f.name = std::move(name);
+  f.help = std::move(help);
+  f.type = type;
+  return f;
+}
+
+ClientMetric Gauge(double value, std::vector<ClientMetric::Label> labels = {}) {
+  ClientMetric m;
+  m.label = std::move(labels);
+  m.gauge.value = value;
+  return m;
+}
+
+}  // namespace
+
+double CompressionRatio(const KvCacheStats& cache, const ModelConfig& model) {
+  if (cache.tokens_cached == 0) return 0.0;
+  if (cache.bytes_used_compressed == 0) return 1.0;
+  const double used = static_cast<double>(cache.bytes_used_full + cache.bytes_used_compressed +
+                                          cache.bytes_used_outlier);
+  const double full = static_cast<double>(cache.tokens_cached) * model.n_layers * model.n_kv_heads *
+                      model.head_dim * 2.0 * sizeof(float);
+  return used > 0 ? full / used : 0.0;
+}
+
+// Reads Engine::Stats() once per scrape, so gauges are exact at scrape time and nothing runs
+// between scrapes.
+class Metrics::EngineCollector : public prometheus::Collectable {
+ public:
+  void Attach(const Engine* engine) { engine_.store(engine, std::memory_order_release); }
+
+  std::vector<MetricFamily> Collect() const override {
+    const Engine* engine = engine_.load(std::memory_order_acquire);
+    if (engine == nullptr) return {};
+    const EngineStats s = engine->Stats();
+    const KvCacheStats& c = s.cache;
+    std::vector<MetricFamily> out;
+    const auto gauge = [&out](const char* name, const char* help, double value) {
+      out.push_back(Family(name, help, MetricType::Gauge));
+      out.back().metric.push_back(Gauge(value));
+    };
+    const auto counter = [&out](const char* name, const char* help, double value) {
+      out.push_back(Family(name, help, MetricType::Counter));
+      ClientMetric m;
+      m.counter.value = value;
+      out.back().metric.push_back(std::move(m));
+    };
+    gauge("subspace_requests_running", "Requests admitted to the batch (prefilling or decoding).",
+          s.running);
+    gauge("subspace_requests_waiting", "Requests queued for admission.", s.waiting);
+    gauge("subspace_sessions_active", "Sessions alive (busy or idle).", s.sessions);
+    gauge("subspace_kv_pool_capacity_bytes", "KV cache pool size, allocated at start-up.",
+          static_cast<double>(c.bytes_total));
+    out.push_back(Family("subspace_kv_pool_used_bytes",
+                         "KV cache pool bytes in use, by kind of block.", MetricType::Gauge));
+    out.back().metric.push_back(Gauge(static_cast<double>(c.bytes_used_full), {{"kind", "full"}}));
+    out.back().metric.push_back(
+        Gauge(static_cast<double>(c.bytes_used_compressed), {{"kind", "compressed"}}));
+    out.back().metric.push_back(
+        Gauge(static_cast<double>(c.bytes_used_outlier), {{"kind", "outlier"}}));
+    gauge("subspace_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1).",
+          c.blocks_total > 0 ? static_cast<double>(c.blocks_total - c.blocks_free) / c.blocks_total
+                             : 0.0);
+    gauge("subspace_kv_cached_tokens", "Tokens whose keys and values the cache holds.",
+          static_cast<double>(c.tokens_cached));
+    gauge("subspace_kv_compression_ratio",
+          "Full-rank bytes of the cached tokens over the bytes they take (1: uncompressed).",
+          CompressionRatio(c, engine->model_config()));
+    counter("subspace_preemptions_total",
+            "Requests preempted for lack of cache blocks (recomputed later).",
+            static_cast<double>(s.preemptions_total));
+    counter("subspace_engine_steps_total", "Scheduler steps run.",
+            static_cast<double>(s.steps_total));
+    return out;
+  }
+
+ private:
+  std::atomic<const Engine*> engine_{nullptr};
+};
+
+Metrics::Metrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      collector_(std::make_shared<EngineCollector>()),
+      requests_(BuildCounter()
+                    .Name("subspace_requests_total")
+                    .Help("Generate requests finished, by gRPC status and finish reason.")
+                    .Register(*registry_)),
+      prompt_tokens_(BuildCounter()
+                         .Name("subspace_prompt_tokens_total")
+                         .Help("Prompt tokens of finished requests (reused ones included).")
+                         .Register(*registry_)
+                         .Add({})),
+      generation_tokens_(BuildCounter()
+                             .Name("subspace_generation_tokens_total")
+                             .Help("Tokens generated.")
+                             .Register(*registry_)
+                             .Add({})),
+      reused_tokens_(BuildCounter()
+                         .Name("subspace_reused_tokens_total")
+                         .Help("Session tokens whose KV cache was reused instead of recomputed.")
+                         .Register(*registry_)
+                         .Add({})),
+      ttft_(BuildHistogram()
+                .Name("subspace_time_to_first_token_seconds")
+                .Help("Time from acceptance to the first generated token.")
+                .Register(*registry_)
+                .Add({}, LatencyBuckets())),
+      inter_token_(BuildHistogram()
+                       .Name("subspace_inter_token_latency_seconds")
+                       .Help("Time between consecutive generated tokens of a request.")
+                       .Register(*registry_)
+                       .Add({}, InterTokenBuckets())),
+      request_duration_(BuildHistogram()
+                            .Name("subspace_request_duration_seconds")
+                            .Help("End-to-end time from acceptance to the last token.")
+                            .Register(*registry_)
+                            .Add({}, LatencyBuckets())),
+      queue_time_(BuildHistogram()
+                      .Name("subspace_request_queue_seconds")
+                      .Help("Time from acceptance to the first scheduled step.")
+                      .Register(*registry_)
+                      .Add({}, LatencyBuckets())),
+      prompt_tokens_per_request_(BuildHistogram()
+                                     .Name("subspace_request_prompt_tokens")
+                                     .Help("Prompt tokens per finished request.")
+                                     .Register(*registry_)
+                                     .Add({}, TokenBuckets(1 << 17))),
+      generation_tokens_per_request_(BuildHistogram()
+                                         .Name("subspace_request_generation_tokens")
+                                         .Help("Generated tokens per finished request.")
+                                         .Register(*registry_)
+                                         .Add({}, TokenBuckets(1 << 17))),
+      batch_size_(BuildHistogram()
+                      .Name("subspace_batch_size")
+                      .Help("Tokens per scheduler step (decodes plus prefill chunks).")
+                      .Register(*registry_)
+                      .Add({}, TokenBuckets(1 << 14))),
+      step_duration_(BuildHistogram()
+                         .Name("subspace_step_duration_seconds")
+                         .Help("Wall time of one scheduler step (forward and sampling).")
+                         .Register(*registry_)
+                         .Add({}, StepBuckets())) {}
+
+Metrics::~Metrics() = default;
+
+std::shared_ptr<prometheus::Collectable> Metrics::engine_collector() const { return collector_; }
+
+void Metrics::AttachEngine(const Engine* engine) { collector_->Attach(engine); }
+
+void Metrics::RecordStep(const StepStats& step) {
+  batch_size_.Observe(step.decode_tokens + step.prefill_tokens);
+  step_duration_.Observe(step.seconds);
+}
+
+void Metrics::RecordFinished(const GenerateResult& result, absl::StatusCode code) {
+  requests_
+      .Add({{"status", absl::StatusCodeToString(code)},
+            {"finish_reason", FinishLabel(result.finish)}})
+      .Increment();
+  const GenerateUsage& u = result.usage;
+  prompt_tokens_.Increment(static_cast<double>(u.prompt_tokens));
+  generation_tokens_.Increment(static_cast<double>(u.generated_tokens));
+  reused_tokens_.Increment(static_cast<double>(u.reused_tokens));
+  prompt_tokens_per_request_.Observe(static_cast<double>(u.prompt_tokens));
+  generation_tokens_per_request_.Observe(static_cast<double>(u.generated_tokens));
+  const GenerateTimings& t = result.timings;
+  if (u.generated_tokens > 0) ttft_.Observe(t.ttft_seconds);
+  for (float gap : t.inter_token_seconds) inter_token_.Observe(gap);
+  request_duration_.Observe(t.total_seconds);
+  queue_time_.Observe(t.queue_seconds);
+}
+
+void Metrics::RecordRejected(absl::StatusCode code) {
+  requests_.Add({{"status", absl::StatusCodeToString(code)}, {"finish_reason", "none"}})
+      .Increment();
+}
+
+absl::StatusOr<std::unique_ptr<MetricsExporter>> MetricsExporter::Start(const std::string& host,
+                                                                        int port,
+                                                                        const Metrics& metrics) {
+  const std::string address = JoinHostPort(host, port);
+  std::unique_ptr<prometheus::Exposer> exposer;
+  // civetweb reports a failed bind by throwing; exceptions stop at this boundary.
+  try {
+    exposer = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/2);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
+  }
+  exposer->RegisterCollectable(metrics.registry());
+  exposer->RegisterCollectable(metrics.engine_collector());
+  const std::vector<int> ports = exposer->GetListeningPorts();
+  if (ports.empty() || ports[0] <= 0) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics server on ", address, " reports no listening port"));
+  }
+  return std::unique_ptr<MetricsExporter>(new MetricsExporter(std::move(exposer), ports[0]));
+}
+
+MetricsExporter::~MetricsExporter() = default;
+
+}  // namespace subspace::server

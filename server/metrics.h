@@ -1,0 +1,86 @@
+// Prometheus metrics of the server (prefix subspace_, vLLM's semantics where they overlap):
+// request counters and latency histograms recorded as requests finish, step histograms from the
+// engine's on_step hook, and gauges read from Engine::Stats() when /metrics is scraped.
+#ifndef SUBSPACE_SERVER_METRICS_H_
+#define SUBSPACE_SERVER_METRICS_H_
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/engine.h"
+
+namespace subspace::server {
+
+// Bytes the cached tokens would take full-rank (fp32, the CPU pool's dtype) over the bytes they
+// take; 1 for a full-rank cache and 0 when nothing is cached.
+double CompressionRatio(const KvCacheStats& cache, const ModelConfig& model);
+
+class Metrics {
+ public:
+  Metrics();
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // What an Exposer serves: the registry and the collector of engine gauges.
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+  std::shared_ptr<prometheus::Collectable> engine_collector() const;
+
+  // The engine whose Stats() the gauges show (nullptr: none, the gauges are left out). The
+  // engine must outlive every scrape, i.e. detach or stop the exposer before destroying it.
+  void AttachEngine(const Engine* engine);
+
+  // Engine thread, after every step: two histogram observations.
+  void RecordStep(const StepStats& step);
+  // A request the engine accepted has finished, with the status the client gets.
+  void RecordFinished(const GenerateResult& result, absl::StatusCode code);
+  // A request refused before reaching the engine (validation, unknown session, queue full...).
+  void RecordRejected(absl::StatusCode code);
+
+ private:
+  class EngineCollector;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<EngineCollector> collector_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Counter& prompt_tokens_;
+  prometheus::Counter& generation_tokens_;
+  prometheus::Counter& reused_tokens_;
+  prometheus::Histogram& ttft_;
+  prometheus::Histogram& inter_token_;
+  prometheus::Histogram& request_duration_;
+  prometheus::Histogram& queue_time_;
+  prometheus::Histogram& prompt_tokens_per_request_;
+  prometheus::Histogram& generation_tokens_per_request_;
+  prometheus::Histogram& batch_size_;
+  prometheus::Histogram& step_duration_;
+};
+
+// Serves GET /metrics over HTTP on its own threads (civetweb).
+class MetricsExporter {
+ public:
+  // `port` 0 picks a free one. UNAVAILABLE when the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<MetricsExporter>> Start(const std::string& host, int port,
+                                                                const Metrics& metrics);
+  ~MetricsExporter();
+  int port() const { return port_; }
+
+ private:
+  MetricsExporter(std::unique_ptr<prometheus::Exposer> exposer, int port)
+      : exposer_(std::move(exposer)), port_(port) {}
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_;
+};
+
+}  // namespace subspace::server
+
+#endif  // SUBSPACE_SERVER_METRICS_H_

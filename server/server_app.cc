@@ -1,0 +1,193 @@
+// Start-up and shutdown order of the server; see server_app.h.
+#include "server/server_app.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <chrono>
+#include <utility>
+
+#include "absl/base/call_once.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/gguf.h"
+#include "core/model.h"
+#include "core/paged_kv_cache.h"
+#include "core/tokenizer.h"
+#include "server/net_util.h"
+#include "spdlog/spdlog.h"
+
+namespace subspace::server {
+namespace {
+
+constexpr char kServiceName[] = "subspace.v1.Subspace";
+
+// Both are process-wide switches read when a server is built, and neither is thread-safe.
+void EnableServerPlugins() {
+  static absl::once_flag once;
+  absl::call_once(once, [] {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  });
+}
+
+absl::Status ValidateConfig(const ServerAppConfig& c) {
+  if (c.model_path.empty()) return absl::InvalidArgumentError("--model must be set");
+  if (c.port < 0 || c.port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--port must be in [0, 65535], got ", c.port));
+  }
+  if (c.metrics_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-port must be at most 65535, got ", c.metrics_port));
+  }
+  if (c.kv_cache_bytes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-cache-bytes must be > 0, got ", c.kv_cache_bytes));
+  }
+  if (c.block_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--block-size must be > 0, got ", c.block_size));
+  }
+  if (c.max_message_bytes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-message-bytes must be > 0, got ", c.max_message_bytes));
+  }
+  if (c.drain_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--drain-seconds must be >= 0");
+  }
+  const EngineConfig& e = c.engine;
+  if (e.max_running <= 0 || e.max_batch_tokens <= 0 || e.max_queue < 0 || e.max_sessions < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-running and --max-batch-tokens must be > 0, --max-queue and --max-sessions >= 0; "
+        "got ",
+        e.max_running, ", ", e.max_batch_tokens, ", ", e.max_queue, ", ", e.max_sessions));
+  }
+  if (e.default_session_ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--session-ttl-seconds must be > 0");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ServerApp>> ServerApp::Start(ServerAppConfig config) {
+  if (absl::Status s = ValidateConfig(config); !s.ok()) return s;
+  std::unique_ptr<ServerApp> app(new ServerApp(std::move(config)));
+  if (absl::Status s = app->Init(); !s.ok()) return s;  // ~ServerApp stops what started
+  return app;
+}
+
+ServerApp::ServerApp(ServerAppConfig config) : config_(std::move(config)) {}
+
+ServerApp::~ServerApp() { Shutdown(); }
+
+absl::Status ServerApp::Init() {
+  metrics_registry_ = std::make_unique<Metrics>();
+  service_ = std::make_unique<SubspaceService>(metrics_registry_.get(), config_.limits);
+
+  // Listen before loading, so orchestrators see a live process that is NOT_SERVING yet.
+  EnableServerPlugins();
+  const std::string address = JoinHostPort(config_.host, config_.port);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+  builder.RegisterService(service_.get());
+  builder.SetMaxReceiveMessageSize(config_.max_message_bytes);
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
+    server_.reset();
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  }
+  SetServing(false);
+  spdlog::info("listening on {} (port {})", address, port_);
+
+  if (config_.metrics_port >= 0) {
+    absl::StatusOr<std::unique_ptr<MetricsExporter>> exporter =
+        MetricsExporter::Start(config_.host, config_.metrics_port, *metrics_registry_);
+    if (!exporter.ok()) return exporter.status();
+    metrics_ = *std::move(exporter);
+    spdlog::info("metrics on http://{}/metrics", JoinHostPort(config_.host, metrics_->port()));
+  }
+
+  const absl::Time load_start = absl::Now();
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(config_.model_path);
+  if (!file.ok()) return file.status();
+  std::shared_ptr<const GgufFile> gguf = *std::move(file);
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromGguf(*gguf);
+  if (!tokenizer.ok()) return tokenizer.status();
+  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(gguf);
+  if (!model.ok()) return model.status();
+  const ModelConfig model_config = (*model)->config();
+
+  PagedKvCache::Config cache_config;
+  cache_config.geometry = model_config.cache_geometry();
+  cache_config.block_size = config_.block_size;
+  cache_config.capacity_bytes = config_.kv_cache_bytes;
+  absl::StatusOr<std::unique_ptr<PagedKvCache>> cache = PagedKvCache::Create(cache_config);
+  if (!cache.ok()) return cache.status();
+
+  EngineConfig engine_config = config_.engine;
+  Metrics* metrics = metrics_registry_.get();
+  engine_config.on_step = [metrics,
+                           next = std::move(engine_config.on_step)](const StepStats& step) {
+    metrics->RecordStep(step);
+    if (next) next(step);
+  };
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(
+      std::move(engine_config), *std::move(model), *std::move(tokenizer), *std::move(cache));
+  if (!engine.ok()) return engine.status();
+  engine_ = *std::move(engine);
+
+  const KvCacheStats cache_stats = engine_->Stats().cache;
+  service_->AttachEngine(engine_.get(), CacheDescription{.kind = "full",
+                                                         .pool_bytes = cache_stats.bytes_total,
+                                                         .block_size = config_.block_size});
+  metrics_registry_->AttachEngine(engine_.get());
+  SetServing(true);
+  spdlog::info(
+      "serving model '{}' from {}: {} layers, dim {}, {} heads ({} kv), vocab {}, context {}; "
+      "KV pool {} MiB in {} blocks of {} tokens; loaded in {:.2f} s",
+      model_config.name, config_.model_path, model_config.n_layers, model_config.dim,
+      model_config.n_heads, model_config.n_kv_heads, model_config.n_vocab,
+      model_config.context_length, cache_stats.bytes_total >> 20, cache_stats.blocks_total,
+      config_.block_size, absl::ToDoubleSeconds(absl::Now() - load_start));
+  return absl::OkStatus();
+}
+
+void ServerApp::SetServing(bool serving) {
+  if (server_ == nullptr) return;
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  if (health == nullptr) return;
+  health->SetServingStatus("", serving);
+  health->SetServingStatus(kServiceName, serving);
+}
+
+void ServerApp::BeginDrain() {
+  if (service_ != nullptr) service_->BeginDrain();
+  SetServing(false);
+}
+
+bool ServerApp::Shutdown() {
+  absl::MutexLock lock(&shutdown_mu_);
+  if (shut_down_) return drained_;
+  shut_down_ = true;
+  BeginDrain();
+  if (engine_ != nullptr) {
+    spdlog::info("draining: waiting up to {:.0f} s for running requests",
+                 absl::ToDoubleSeconds(config_.drain_timeout));
+    drained_ = engine_->Drain(config_.drain_timeout);
+    if (!drained_) spdlog::warn("drain timed out; cancelling the requests left");
+  }
+  if (server_ != nullptr) {
+    // Drained calls only have their last messages to flush; after a timed-out drain the rest is
+    // cancelled at once (their reactors finish on OnCancel without waiting for the engine).
+    const auto grace = drained_ ? std::chrono::seconds(5) : std::chrono::seconds(0);
+    server_->Shutdown(std::chrono::system_clock::now() + grace);
+    server_->Wait();
+  }
+  metrics_.reset();
+  if (metrics_registry_ != nullptr) metrics_registry_->AttachEngine(nullptr);
+  spdlog::info("server stopped");
+  return drained_;
+}
+
+}  // namespace subspace::server

@@ -1,0 +1,79 @@
+// Everything a running server is made of, built in order: the gRPC server (Subspace, health,
+// reflection) listening first with health NOT_SERVING, the metrics exporter, then the model,
+// tokenizer, KV cache and engine; health turns SERVING once the engine is attached. main() and
+// the integration tests both start servers through this class.
+#ifndef SUBSPACE_SERVER_SERVER_APP_H_
+#define SUBSPACE_SERVER_SERVER_APP_H_
+
+#include <grpcpp/server.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/engine.h"
+#include "server/metrics.h"
+#include "server/request_validation.h"
+#include "server/service.h"
+
+namespace subspace::server {
+
+struct ServerAppConfig {
+  std::string model_path;
+  std::string host = "0.0.0.0";
+  int port = 50051;         // 0: pick a free port (see ServerApp::port)
+  int metrics_port = 9090;  // 0: pick a free port; negative: no metrics endpoint
+  int64_t kv_cache_bytes = int64_t{256} << 20;
+  int block_size = 16;
+  EngineConfig engine;  // on_step, if set, runs after the metrics hook (engine thread)
+  absl::Duration drain_timeout = absl::Seconds(30);
+  int max_message_bytes = 4 << 20;  // largest request accepted
+  RequestLimits limits;
+};
+
+class ServerApp {
+ public:
+  // Returns once the model is loaded and the server answers (health SERVING). Errors: whatever
+  // loading the model gives, INVALID_ARGUMENT for a bad config, UNAVAILABLE when a port cannot
+  // be bound.
+  static absl::StatusOr<std::unique_ptr<ServerApp>> Start(ServerAppConfig config);
+  ~ServerApp();  // Shutdown()
+
+  int port() const { return port_; }
+  // The bound metrics port, or -1 when metrics are off.
+  int metrics_port() const { return metrics_ ? metrics_->port() : -1; }
+  Engine& engine() { return *engine_; }
+
+  // Health NOT_SERVING and new Generate calls UNAVAILABLE; in-flight requests continue.
+  void BeginDrain();
+  // BeginDrain, then waits up to the drain timeout for in-flight and queued requests, then
+  // stops the gRPC server (cancelling what is left) and the metrics endpoint. Idempotent.
+  // True when every request finished within the drain timeout.
+  bool Shutdown();
+
+ private:
+  explicit ServerApp(ServerAppConfig config);
+  absl::Status Init();
+  void SetServing(bool serving);
+
+  ServerAppConfig config_;
+  int port_ = 0;
+  // Destruction runs bottom-up: the exporter and gRPC server stop before the engine goes.
+  std::unique_ptr<Metrics> metrics_registry_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<SubspaceService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MetricsExporter> metrics_;
+
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  bool drained_ ABSL_GUARDED_BY(shutdown_mu_) = true;
+};
+
+}  // namespace subspace::server
+
+#endif  // SUBSPACE_SERVER_SERVER_APP_H_

@@ -1,0 +1,246 @@
+// The Subspace RPC handlers. Generation goes through generate_calls; everything else is a
+// short engine call answered on gRPC's default unary reactor.
+#include "server/service.h"
+
+#include <google/protobuf/stubs/logging.h>
+
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "server/generate_calls.h"
+#include "server/status_util.h"
+#include "spdlog/spdlog.h"
+
+namespace subspace::server {
+namespace {
+
+grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context,
+                                      const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+void ToProto(const SessionInfo& info, v1::Session* out) {
+  out->set_session_id(info.id);
+  out->set_tokens(static_cast<uint32_t>(info.tokens));
+  out->set_cached_tokens(static_cast<uint32_t>(info.cached_tokens));
+  out->set_idle_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(info.idle_ttl)));
+  out->set_created_unix_ms(absl::ToUnixMillis(info.created));
+  out->set_last_used_unix_ms(absl::ToUnixMillis(info.last_used));
+  out->set_busy(info.busy);
+}
+
+// Deserializes a raw request; on failure says which field is to blame.
+absl::Status ParseRequest(const grpc::ByteBuffer& wire, v1::GenerateRequest* out) {
+  grpc::ByteBuffer copy(wire);  // Deserialize consumes its buffer; slices are shared, not copied
+  {
+    // protobuf logs every string that is not UTF-8; the client is told instead.
+    google::protobuf::LogSilencer silence;
+    if (grpc::SerializationTraits<v1::GenerateRequest>::Deserialize(&copy, out).ok()) {
+      return absl::OkStatus();
+    }
+  }
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (wire.Dump(&slices).ok()) {
+    for (const grpc::Slice& slice : slices) {
+      bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+    }
+  }
+  return DiagnoseUnparsable(bytes, *v1::GenerateRequest::descriptor());
+}
+
+absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
+  const std::chrono::system_clock::time_point deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+}  // namespace
+
+SubspaceService::SubspaceService(Metrics* metrics, RequestLimits limits)
+    : metrics_(metrics), limits_(std::move(limits)) {}
+
+void SubspaceService::AttachEngine(Engine* engine, CacheDescription cache) {
+  cache_ = std::move(cache);
+  engine_.store(engine, std::memory_order_release);
+}
+
+absl::StatusOr<Engine*> SubspaceService::ReadyEngine() const {
+  Engine* engine = engine_.load(std::memory_order_acquire);
+  if (engine == nullptr) return absl::UnavailableError("the server is still loading the model");
+  return engine;
+}
+
+absl::StatusOr<GenerateRequest> SubspaceService::Prepare(const v1::GenerateRequest& request,
+                                                         const grpc::CallbackServerContext& context,
+                                                         Engine** engine_out) const {
+  absl::StatusOr<Engine*> engine = ReadyEngine();
+  if (!engine.ok()) return engine.status();
+  *engine_out = *engine;
+  if (draining_.load(std::memory_order_acquire)) {
+    return absl::UnavailableError("the server is draining and accepts no new requests");
+  }
+  const ModelConfig& model = (*engine)->model_config();
+  if (absl::Status s = ValidateGenerateRequest(request, model, limits_); !s.ok()) return s;
+  // A session with tokens continues its sequence, so its text gets no BOS.
+  bool continues_session = false;
+  if (!request.session_id().empty()) {
+    absl::StatusOr<SessionInfo> session = (*engine)->GetSession(request.session_id());
+    if (!session.ok()) return session.status();
+    continues_session = session->tokens > 0;
+  }
+  absl::StatusOr<GenerateRequest> out =
+      ToEngineRequest(request, (*engine)->tokenizer(), model, limits_, continues_session);
+  if (!out.ok()) return out.status();
+  out->deadline = DeadlineOf(context);
+  if (out->deadline <= absl::Now()) {
+    return absl::DeadlineExceededError("the deadline passed before the request was scheduled");
+  }
+  return out;
+}
+
+void SubspaceService::LogRejected(const v1::GenerateRequest& request,
+                                  const absl::Status& status) const {
+  metrics_->RecordRejected(status.code());
+  spdlog::info("request {} session={} rejected: {}",
+               request.request_id().empty() ? "-" : request.request_id(),
+               request.session_id().empty() ? "-" : request.session_id(), status.ToString());
+}
+
+grpc::ServerUnaryReactor* SubspaceService::Generate(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* wire,
+                                                    grpc::ByteBuffer* response) {
+  v1::GenerateRequest request;
+  Engine* engine = nullptr;
+  const absl::Status parsed = ParseRequest(*wire, &request);
+  absl::StatusOr<GenerateRequest> prepared =
+      parsed.ok() ? Prepare(request, *context, &engine) : parsed;
+  if (!prepared.ok()) {
+    LogRejected(request, prepared.status());
+    return FinishUnary(context, prepared.status());
+  }
+  return StartGenerate(engine, metrics_, *std::move(prepared), response);
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* SubspaceService::GenerateStream(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire) {
+  v1::GenerateRequest request;
+  Engine* engine = nullptr;
+  const absl::Status parsed = ParseRequest(*wire, &request);
+  absl::StatusOr<GenerateRequest> prepared =
+      parsed.ok() ? Prepare(request, *context, &engine) : parsed;
+  if (!prepared.ok()) {
+    LogRejected(request, prepared.status());
+    return RejectStream(prepared.status());
+  }
+  return StartGenerateStream(engine, metrics_, *std::move(prepared));
+}
+
+grpc::ServerUnaryReactor* SubspaceService::CreateSession(grpc::CallbackServerContext* context,
+                                                         const v1::CreateSessionRequest* request,
+                                                         v1::Session* response) {
+  absl::StatusOr<Engine*> engine = ReadyEngine();
+  if (!engine.ok()) return FinishUnary(context, engine.status());
+  if (request->idle_ttl_seconds() > limits_.max_session_ttl_seconds) {
+    return FinishUnary(
+        context, absl::InvalidArgumentError(absl::StrCat("idle_ttl_seconds must be at most ",
+                                                         limits_.max_session_ttl_seconds, ", got ",
+                                                         request->idle_ttl_seconds())));
+  }
+  absl::StatusOr<SessionInfo> session =
+      (*engine)->CreateSession(absl::Seconds(request->idle_ttl_seconds()));
+  if (session.ok()) ToProto(*session, response);
+  return FinishUnary(context, session.status());
+}
+
+grpc::ServerUnaryReactor* SubspaceService::GetSession(grpc::CallbackServerContext* context,
+                                                      const v1::GetSessionRequest* request,
+                                                      v1::Session* response) {
+  absl::StatusOr<Engine*> engine = ReadyEngine();
+  if (!engine.ok()) return FinishUnary(context, engine.status());
+  if (absl::Status s = ValidateId(request->session_id(), "session_id", limits_); !s.ok()) {
+    return FinishUnary(context, s);
+  }
+  absl::StatusOr<SessionInfo> session = (*engine)->GetSession(request->session_id());
+  if (session.ok()) ToProto(*session, response);
+  return FinishUnary(context, session.status());
+}
+
+grpc::ServerUnaryReactor* SubspaceService::ListSessions(grpc::CallbackServerContext* context,
+                                                        const v1::ListSessionsRequest* request,
+                                                        v1::ListSessionsResponse* response) {
+  absl::StatusOr<Engine*> engine = ReadyEngine();
+  if (!engine.ok()) return FinishUnary(context, engine.status());
+  for (const SessionInfo& info : (*engine)->ListSessions()) ToProto(info, response->add_sessions());
+  return FinishUnary(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* SubspaceService::DeleteSession(grpc::CallbackServerContext* context,
+                                                         const v1::DeleteSessionRequest* request,
+                                                         v1::DeleteSessionResponse* response) {
+  absl::StatusOr<Engine*> engine = ReadyEngine();
+  if (!engine.ok()) return FinishUnary(context, engine.status());
+  if (absl::Status s = ValidateId(request->session_id(), "session_id", limits_); !s.ok()) {
+    return FinishUnary(context, s);
+  }
+  return FinishUnary(context, (*engine)->DeleteSession(request->session_id()));
+}
+
+grpc::ServerUnaryReactor* SubspaceService::GetModelInfo(grpc::CallbackServerContext* context,
+                                                        const v1::GetModelInfoRequest* request,
+                                                        v1::ModelInfo* response) {
+  absl::StatusOr<Engine*> engine = ReadyEngine();
+  if (!engine.ok()) return FinishUnary(context, engine.status());
+  const ModelConfig& m = (*engine)->model_config();
+  const Tokenizer& t = (*engine)->tokenizer();
+  response->set_name(m.name);
+  response->set_architecture(m.architecture);
+  response->set_vocab_size(m.n_vocab);
+  response->set_embedding_length(m.dim);
+  response->set_layers(m.n_layers);
+  response->set_heads(m.n_heads);
+  response->set_kv_heads(m.n_kv_heads);
+  response->set_head_dim(m.head_dim);
+  response->set_feed_forward_length(m.ffn_dim);
+  response->set_context_length(m.context_length);
+  response->set_rope_theta(m.rope_theta);
+  response->set_tokenizer_model(t.model_name());
+  response->set_bos_token_id(t.bos_id());
+  response->set_eos_token_id(t.eos_id());
+  v1::CacheConfig* cache = response->mutable_cache();
+  cache->set_kind(cache_.kind);
+  cache->set_pool_bytes(cache_.pool_bytes);
+  cache->set_block_size(cache_.block_size);
+  cache->set_blocks_total((*engine)->Stats().cache.blocks_total);
+  return FinishUnary(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* SubspaceService::GetCacheStats(grpc::CallbackServerContext* context,
+                                                         const v1::GetCacheStatsRequest* request,
+                                                         v1::CacheStats* response) {
+  absl::StatusOr<Engine*> engine = ReadyEngine();
+  if (!engine.ok()) return FinishUnary(context, engine.status());
+  const EngineStats s = (*engine)->Stats();
+  const KvCacheStats& c = s.cache;
+  response->set_pool_bytes_total(c.bytes_total);
+  response->set_bytes_used_full(c.bytes_used_full);
+  response->set_bytes_used_compressed(c.bytes_used_compressed);
+  response->set_bytes_used_outlier(c.bytes_used_outlier);
+  response->set_blocks_total(c.blocks_total);
+  response->set_blocks_free(c.blocks_free);
+  response->set_tokens_cached(c.tokens_cached);
+  response->set_sessions(s.sessions);
+  response->set_running(s.running);
+  response->set_waiting(s.waiting);
+  response->set_compression_ratio(CompressionRatio(c, (*engine)->model_config()));
+  return FinishUnary(context, absl::OkStatus());
+}
+
+}  // namespace subspace::server

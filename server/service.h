@@ -1,0 +1,92 @@
+// subspace.v1.Subspace on gRPC's callback API: validates requests, hands generation to the
+// engine through the reactors in generate_calls.h and answers the session and introspection
+// RPCs directly. Until an engine is attached (the model is loading) every RPC is UNAVAILABLE.
+#ifndef SUBSPACE_SERVER_SERVICE_H_
+#define SUBSPACE_SERVER_SERVICE_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/engine.h"
+#include "proto/subspace.grpc.pb.h"
+#include "server/metrics.h"
+#include "server/request_validation.h"
+
+namespace subspace::server {
+
+// What GetModelInfo reports about the cache beyond Engine::Stats().
+struct CacheDescription {
+  std::string kind = "full";
+  int64_t pool_bytes = 0;
+  int block_size = 0;
+};
+
+// Generate and GenerateStream take raw bytes: protobuf refuses a request whose text is not
+// UTF-8 before a typed handler runs, and gRPC then answers a bare UNIMPLEMENTED; parsing here
+// turns that into INVALID_ARGUMENT naming the field.
+using SubspaceServiceBase = v1::Subspace::WithRawCallbackMethod_Generate<
+    v1::Subspace::WithRawCallbackMethod_GenerateStream<v1::Subspace::CallbackService>>;
+
+class SubspaceService final : public SubspaceServiceBase {
+ public:
+  // `metrics` must outlive the service.
+  SubspaceService(Metrics* metrics, RequestLimits limits);
+
+  // Starts serving with `engine`, which must outlive the gRPC server. Call once.
+  void AttachEngine(Engine* engine, CacheDescription cache);
+  // From now on Generate and GenerateStream answer UNAVAILABLE; the rest keeps working so
+  // clients can still inspect or delete their sessions while the server drains.
+  void BeginDrain() { draining_.store(true, std::memory_order_release); }
+
+  // GenerateRequest in, GenerateResponse out, serialized.
+  grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* context,
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
+  // GenerateRequest in, GenerateStreamResponse messages out, serialized.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerateStream(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
+
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
+                                          const v1::CreateSessionRequest* request,
+                                          v1::Session* response) override;
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
+                                       const v1::GetSessionRequest* request,
+                                       v1::Session* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
+                                         const v1::ListSessionsRequest* request,
+                                         v1::ListSessionsResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteSession(grpc::CallbackServerContext* context,
+                                          const v1::DeleteSessionRequest* request,
+                                          v1::DeleteSessionResponse* response) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const v1::GetModelInfoRequest* request,
+                                         v1::ModelInfo* response) override;
+  grpc::ServerUnaryReactor* GetCacheStats(grpc::CallbackServerContext* context,
+                                          const v1::GetCacheStatsRequest* request,
+                                          v1::CacheStats* response) override;
+
+ private:
+  // The attached engine, or UNAVAILABLE while the model loads.
+  absl::StatusOr<Engine*> ReadyEngine() const;
+  // Everything a Generate call needs before it reaches the engine: availability, field
+  // validation, the session's existence (NOT_FOUND), tokenization and the deadline.
+  absl::StatusOr<GenerateRequest> Prepare(const v1::GenerateRequest& request,
+                                          const grpc::CallbackServerContext& context,
+                                          Engine** engine) const;
+  void LogRejected(const v1::GenerateRequest& request, const absl::Status& status) const;
+
+  Metrics* const metrics_;
+  const RequestLimits limits_;
+  std::atomic<Engine*> engine_{nullptr};
+  CacheDescription cache_;  // written before engine_ is published, read after
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace subspace::server
+
+#endif  // SUBSPACE_SERVER_SERVICE_H_
