@@ -1,6 +1,7 @@
 // BlockPool: one aligned allocation at start-up; Allocate/Free only move ids on a free list.
 #include "core/block_pool.h"
 
+#include <algorithm>
 #include <cassert>
 #include <cstdlib>
 #include <limits>
@@ -79,6 +80,77 @@ void BlockPool::Free(int32_t block) {
   --used_[kind_[block]];
   kind_[block] = kFreeTag;
   free_.push_back(block);
+}
+
+SlabAllocator::SlabAllocator(BlockPool* pool, BlockKind kind)
+    : pool_(pool),
+      kind_(kind),
+      page_class_(static_cast<size_t>(pool->num_blocks()), -1),
+      used_mask_(static_cast<size_t>(pool->num_blocks()), 0),
+      prev_(static_cast<size_t>(pool->num_blocks()), -1),
+      next_(static_cast<size_t>(pool->num_blocks()), -1) {}
+
+int SlabAllocator::AddClass(int64_t slot_bytes) {
+  slot_bytes = (slot_bytes + 15) / 16 * 16;
+  if (slot_bytes <= 0 || slot_bytes > pool_->block_bytes()) return -1;
+  Class c;
+  c.slot_bytes = slot_bytes;
+  c.per_page = static_cast<int>(std::min<int64_t>(pool_->block_bytes() / slot_bytes, kMaxSlotsPerPage));
+  classes_.push_back(c);
+  return static_cast<int>(classes_.size()) - 1;
+}
+
+void SlabAllocator::Unlink(int32_t page) {
+  Class& c = classes_[static_cast<size_t>(page_class_[page])];
+  if (prev_[page] >= 0) next_[prev_[page]] = next_[page];
+  if (next_[page] >= 0) prev_[next_[page]] = prev_[page];
+  if (c.partial_head == page) c.partial_head = next_[page];
+  prev_[page] = next_[page] = -1;
+}
+
+void SlabAllocator::PushPartial(int32_t page) {
+  Class& c = classes_[static_cast<size_t>(page_class_[page])];
+  prev_[page] = -1;
+  next_[page] = c.partial_head;
+  if (c.partial_head >= 0) prev_[c.partial_head] = page;
+  c.partial_head = page;
+}
+
+SlabAllocator::Slot SlabAllocator::Allocate(int cls) {
+  Class& c = classes_[static_cast<size_t>(cls)];
+  int32_t page = c.partial_head;
+  if (page < 0) {
+    page = pool_->Allocate(kind_);
+    if (page < 0) return {};
+    ++pages_held_;
+    page_class_[page] = static_cast<int16_t>(cls);
+    used_mask_[page] = 0;
+    PushPartial(page);
+  }
+  const uint64_t free_bits = ~used_mask_[page];
+  const int index = __builtin_ctzll(free_bits);
+  used_mask_[page] |= uint64_t{1} << index;
+  if (__builtin_popcountll(used_mask_[page]) == c.per_page) Unlink(page);
+  slot_bytes_used_ += c.slot_bytes;
+  return {page, index};
+}
+
+void SlabAllocator::Free(Slot slot) {
+  const int32_t page = slot.page;
+  assert(page >= 0 && page < pool_->num_blocks() && page_class_[page] >= 0);
+  assert((used_mask_[page] >> slot.index) & 1u);
+  Class& c = classes_[static_cast<size_t>(page_class_[page])];
+  const bool was_full = __builtin_popcountll(used_mask_[page]) == c.per_page;
+  used_mask_[page] &= ~(uint64_t{1} << slot.index);
+  slot_bytes_used_ -= c.slot_bytes;
+  if (used_mask_[page] == 0) {
+    if (!was_full) Unlink(page);
+    page_class_[page] = -1;
+    --pages_held_;
+    pool_->Free(page);
+  } else if (was_full) {
+    PushPartial(page);
+  }
 }
 
 }  // namespace subspace

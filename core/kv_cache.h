@@ -25,6 +25,10 @@ struct KvCacheStats {
   int64_t bytes_used_full = 0;
   int64_t bytes_used_compressed = 0;
   int64_t bytes_used_outlier = 0;
+  // What the cached tokens would take full-rank at fp16: tokens_cached * n_layers * 2 (k, v)
+  // * n_kv_heads * head_dim * 2 bytes; effective compression ratio = this / bytes used.
+  // 0 where a cache does not report it.
+  int64_t bytes_full_fp16_equivalent = 0;
   int64_t blocks_total = 0;
   int64_t blocks_free = 0;
   int64_t tokens_cached = 0;  // summed over sequences (not layers)

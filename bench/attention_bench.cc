@@ -1,0 +1,170 @@
+// Decode attention time vs context and batch: full-rank paged cache against the compressed
+// cache (fp16, int8 coefficients, r = d/4, S = 4, W = 64, B = 16), one layer, random K/V and
+// an installed orthonormal basis. Prints time per step and, beside the time ratio, the ratio
+// of bytes the cache holds.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "core/compressed_kv_cache.h"
+#include "core/paged_kv_cache.h"
+
+ABSL_FLAG(std::string, contexts, "1024,4096,16384", "context lengths");
+ABSL_FLAG(std::string, batches, "1,8", "batch sizes");
+ABSL_FLAG(int, iters, 5, "timed decode steps per point (median)");
+ABSL_FLAG(bool, small_geometry, true, "also run the default model's 4/2/64 geometry");
+
+namespace subspace {
+namespace {
+
+std::vector<int> ParseList(const std::string& s) {
+  std::vector<int> out;
+  size_t p = 0;
+  while (p < s.size()) {
+    size_t q = s.find(',', p);
+    if (q == std::string::npos) q = s.size();
+    out.push_back(std::stoi(s.substr(p, q - p)));
+    p = q + 1;
+  }
+  return out;
+}
+
+struct Geo {
+  int n_heads, n_kv, hd;
+};
+
+std::shared_ptr<Basis> RandomBasis(const KvCacheGeometry& g, int r, std::mt19937& rng) {
+  auto b = std::make_shared<Basis>(Basis::Zeros(g, {r}, {r}));
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (LayerBasis& lb : b->layers) {
+    for (auto* m : {&lb.p_k, &lb.p_v}) {
+      for (int h = 0; h < g.n_kv_heads; ++h) {  // Gram-Schmidt per head: [d, r] columns
+        float* a = m->data() + static_cast<size_t>(h) * g.head_dim * r;
+        for (int i = 0; i < g.head_dim * r; ++i) a[i] = n(rng);
+        for (int j = 0; j < r; ++j) {
+          for (int k = 0; k < j; ++k) {
+            float dot = 0;
+            for (int i = 0; i < g.head_dim; ++i) dot += a[i * r + j] * a[i * r + k];
+            for (int i = 0; i < g.head_dim; ++i) a[i * r + j] -= dot * a[i * r + k];
+          }
+          float nn = 0;
+          for (int i = 0; i < g.head_dim; ++i) nn += a[i * r + j] * a[i * r + j];
+          for (int i = 0; i < g.head_dim; ++i) a[i * r + j] /= std::sqrt(nn);
+        }
+      }
+    }
+  }
+  b->MakeOrthogonalFromPkPv();
+  return b;
+}
+
+// Fills `batch` sequences to `ctx` tokens, then times decode attention (one query each).
+// Returns {median seconds per step, bytes used}.
+std::pair<double, int64_t> Run(KvCache& cache, const Geo& geo, int ctx, int batch, int iters,
+                               std::mt19937& rng) {
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const int64_t row = static_cast<int64_t>(geo.n_kv) * geo.hd;
+  const int chunk = 1024;
+  std::vector<float> k(static_cast<size_t>(chunk) * row), v(k.size());
+  for (float& x : k) x = n(rng);
+  for (float& x : v) x = n(rng);
+  std::vector<SeqId> seqs;
+  for (int b = 0; b < batch; ++b) {
+    SeqId s = *cache.CreateSequence();
+    seqs.push_back(s);
+    for (int p = 0; p < ctx; p += chunk) {
+      const int m = std::min(chunk, ctx - p);
+      if (!cache.Reserve(s, m).ok()) {
+        std::fprintf(stderr, "pool too small\n");
+        std::exit(1);
+      }
+      cache.Write(0, s, p, m, k.data(), v.data());
+      (void)cache.Commit(s, p + m);
+    }
+    (void)cache.Reserve(s, 1);
+    cache.Write(0, s, ctx, 1, k.data(), v.data());
+  }
+  std::vector<float> q(static_cast<size_t>(batch) * geo.n_heads * geo.hd), out(q.size());
+  for (float& x : q) x = n(rng);
+  std::vector<AttentionRequest> reqs;
+  for (int b = 0; b < batch; ++b) {
+    reqs.push_back({seqs[b], ctx, 1, q.data() + static_cast<size_t>(b) * geo.n_heads * geo.hd,
+                    out.data() + static_cast<size_t>(b) * geo.n_heads * geo.hd});
+  }
+  cache.Attend(0, reqs, geo.n_heads);  // warm-up
+  std::vector<double> t;
+  for (int i = 0; i < iters; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    cache.Attend(0, reqs, geo.n_heads);
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  const KvCacheStats st = cache.Stats();
+  const int64_t used = st.bytes_used_full + st.bytes_used_compressed + st.bytes_used_outlier;
+  for (SeqId s : seqs) (void)cache.FreeSequence(s);
+  return {t[t.size() / 2], used};
+}
+
+void Table(const Geo& geo, const std::vector<int>& contexts, const std::vector<int>& batches,
+           int iters) {
+  std::printf("\nheads %d, kv heads %d, head_dim %d, r_k = r_v = %d, B 16, S 4, W 64 (1 layer)\n",
+              geo.n_heads, geo.n_kv, geo.hd, geo.hd / 4);
+  std::printf("%7s %5s | %10s | %10s %7s %7s | %10s %7s %7s\n", "context", "batch", "full ms",
+              "fp16 ms", "t ratio", "B ratio", "int8 ms", "t ratio", "B ratio");
+  const KvCacheGeometry g{1, geo.n_kv, geo.hd};
+  std::mt19937 rng(1);
+  for (int ctx : contexts) {
+    for (int batch : batches) {
+      const int64_t pages = static_cast<int64_t>(batch) * (ctx / 16 + 2) + 8;
+      PagedKvCache::Config pc{g, 16, pages * PagedKvCache::BlockBytes(g, 16)};
+      double full_t;
+      int64_t full_b;
+      {
+        auto paged = *PagedKvCache::Create(pc);
+        std::tie(full_t, full_b) = Run(*paged, geo, ctx, batch, iters, rng);
+      }
+      double ct[2];
+      int64_t cb[2];
+      for (int i = 0; i < 2; ++i) {
+        CompressedKvCacheConfig c;
+        c.geometry = g;
+        c.block_size = 16;
+        c.sink_tokens = 4;
+        c.window_tokens = 64;
+        c.coeff_dtype = i == 0 ? CoeffDtype::kFp16 : CoeffDtype::kInt8;
+        // Room for one sequence's full prefill chunk (1024) plus everyone compressed.
+        c.capacity_bytes = (static_cast<int64_t>(batch) * (ctx / 16 / 3 + 8) + 72) *
+                           CompressedKvCache::PageBytes(g, 16);
+        auto cache = *CompressedKvCache::Create(c);
+        const EpochId e = *cache->InstallBasis(RandomBasis(g, geo.hd / 4, rng));
+        (void)cache->SetDefaultEpoch(e);
+        std::tie(ct[i], cb[i]) = Run(*cache, geo, ctx, batch, iters, rng);
+      }
+      std::printf("%7d %5d | %10.3f | %10.3f %7.3f %7.3f | %10.3f %7.3f %7.3f\n", ctx, batch,
+                  full_t * 1e3, ct[0] * 1e3, ct[0] / full_t, static_cast<double>(cb[0]) / full_b,
+                  ct[1] * 1e3, ct[1] / full_t, static_cast<double>(cb[1]) / full_b);
+      std::fflush(stdout);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace subspace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const auto contexts = subspace::ParseList(absl::GetFlag(FLAGS_contexts));
+  const auto batches = subspace::ParseList(absl::GetFlag(FLAGS_batches));
+  const int iters = absl::GetFlag(FLAGS_iters);
+  std::printf("decode attention, median of %d steps; B ratio = bytes held (compressed / full "
+              "fp32 paged)\n", iters);
+  subspace::Table({32, 8, 128}, contexts, batches, iters);
+  if (absl::GetFlag(FLAGS_small_geometry)) subspace::Table({4, 2, 64}, contexts, batches, iters);
+  return 0;
+}

@@ -1,0 +1,782 @@
+// CompressedKvCache.
+//
+// Pool layout. One BlockPool of equal pages, sized once from capacity_bytes; a page is exactly
+// one full block [2][n_kv][B][hd] fp32. Full blocks (sinks, window) and outlier blocks take a
+// page each. Compressed blocks are smaller and are packed several per page by a SlabAllocator
+// (one slot class per distinct compressed-block size, shared by layers of equal ranks): a page
+// holds floor(page / slot) of them (<= 64), goes back to the pool when its last slot is freed,
+// and so both kinds draw from the one budget. Fragmentation: the page tail (page mod slot,
+// e.g. 0 for fp16 at r = d/4 where the slot divides the page) and partly used pages left by
+// frees in the middle (freeing a sequence frees all its slots; at most one partial page per
+// class accumulates from allocation alone). The per-block epoch ids ([n_kv] int32) and the
+// outlier mask live in the host-side block table beside the page id, as the page id does.
+//
+// Policy, at Commit: blocks overlapping the first S tokens stay full; a block is compressed
+// when it lies entirely before length - W, with the sequence's current epoch; its page is
+// freed before the slot is taken, so compression never needs a free page. Tokens whose key
+// residual exceeds the threshold are copied (all KV heads) into the sequence's outlier pages
+// and masked out of the compressed block. Within one step, attention runs before Commit, so
+// a prefill chunk longer than W sees its own early tokens full-rank; they are compressed only
+// for later steps. That is causal and deterministic, but a prompt split into different chunks
+// attends differently at rank < d.
+#include "core/compressed_kv_cache.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_format.h"
+
+namespace subspace {
+
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t kMaxTokens = int64_t{1} << 48;
+constexpr size_t kInitialTableCapacity = 64;
+
+inline float Dot(const float* __restrict a, const float* __restrict b, int n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void Axpy(float p, const float* __restrict x, float* __restrict acc, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) acc[i] += p * x[i];
+}
+
+// out[j] = sum_i m[i, j] x[i].  m: [rows, cols]; x: [rows]; out: [cols]
+inline void MatTVec(const float* m, const float* x, int rows, int cols, float* out) {
+  std::fill(out, out + cols, 0.0f);
+  for (int i = 0; i < rows; ++i) Axpy(x[i], m + static_cast<int64_t>(i) * cols, out, cols);
+}
+
+}  // namespace
+
+int64_t CompressedKvCache::PageBytes(const KvCacheGeometry& g, int block_size) {
+  return 2 * static_cast<int64_t>(g.n_kv_heads) * block_size * g.head_dim *
+         static_cast<int64_t>(sizeof(float));
+}
+
+int64_t CompressedKvCache::CompressedBlockBytes(const KvCacheGeometry& g, int block_size, int r_k,
+                                                int r_v, CoeffDtype dtype) {
+  const int64_t rows = static_cast<int64_t>(g.n_kv_heads) * block_size;
+  return rows * (r_k + r_v) * CoeffBytes(dtype) + 2 * rows * ScaleBytes(dtype);
+}
+
+absl::StatusOr<std::unique_ptr<CompressedKvCache>> CompressedKvCache::Create(
+    const CompressedKvCacheConfig& config) {
+  const KvCacheGeometry& g = config.geometry;
+  if (g.n_layers <= 0 || g.n_kv_heads <= 0 || g.head_dim <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("KV cache geometry must be positive: n_layers=%d n_kv_heads=%d head_dim=%d",
+                        g.n_layers, g.n_kv_heads, g.head_dim));
+  }
+  if (config.block_size <= 0 || config.block_size > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("block_size must be in [1, 64], got %d", config.block_size));
+  }
+  if (config.sink_tokens < 0 || config.window_tokens < 0) {
+    return absl::InvalidArgumentError("sink_tokens and window_tokens must be >= 0");
+  }
+  const auto ranks = [&](const std::vector<int>& given,
+                         const char* name) -> absl::StatusOr<std::vector<int>> {
+    if (given.empty()) return std::vector<int>(static_cast<size_t>(g.n_layers), std::max(1, g.head_dim / 4));
+    if (given.size() != static_cast<size_t>(g.n_layers)) {
+      return absl::InvalidArgumentError(absl::StrFormat("%s needs one rank per layer", name));
+    }
+    for (int r : given) {
+      if (r < 1 || r > g.head_dim) {
+        return absl::InvalidArgumentError(absl::StrFormat("%s rank %d outside [1, %d]", name, r, g.head_dim));
+      }
+    }
+    return given;
+  };
+  absl::StatusOr<std::vector<int>> r_k = ranks(config.r_k, "r_k");
+  if (!r_k.ok()) return r_k.status();
+  absl::StatusOr<std::vector<int>> r_v = ranks(config.r_v, "r_v");
+  if (!r_v.ok()) return r_v.status();
+  const int64_t page_bytes = PageBytes(g, config.block_size);
+  const int64_t num_pages = config.capacity_bytes / page_bytes;
+  if (num_pages < g.n_layers) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "KV cache capacity %d bytes holds %d pages of %d bytes; one token needs %d (one per layer)",
+        config.capacity_bytes, std::max<int64_t>(num_pages, 0), page_bytes, g.n_layers));
+  }
+  absl::StatusOr<std::unique_ptr<BlockPool>> pool =
+      BlockPool::Create(page_bytes / static_cast<int64_t>(sizeof(float)), num_pages);
+  if (!pool.ok()) return pool.status();
+  return std::unique_ptr<CompressedKvCache>(
+      new CompressedKvCache(config, *std::move(r_k), *std::move(r_v), *std::move(pool)));
+}
+
+CompressedKvCache::CompressedKvCache(const CompressedKvCacheConfig& config, std::vector<int> r_k,
+                                     std::vector<int> r_v, std::unique_ptr<BlockPool> pool)
+    : config_(config),
+      r_k_(std::move(r_k)),
+      r_v_(std::move(r_v)),
+      v_half_(static_cast<int64_t>(config.geometry.n_kv_heads) * config.block_size *
+              config.geometry.head_dim),
+      pool_(std::move(pool)),
+      slabs_(pool_.get(), BlockKind::kCompressed),
+      page_scratch_(static_cast<size_t>(pool_->block_floats())) {
+  std::vector<std::pair<int64_t, int>> classes;  // slot bytes -> class
+  for (int l = 0; l < config_.geometry.n_layers; ++l) {
+    const int64_t bytes = CompressedBlockBytes(config_.geometry, config_.block_size, r_k_[l],
+                                               r_v_[l], config_.coeff_dtype);
+    int cls = -1;
+    for (const auto& [b, c] : classes) {
+      if (b == bytes) cls = c;
+    }
+    if (cls < 0) {
+      cls = slabs_.AddClass(bytes);
+      assert(cls >= 0);  // r <= d, so a compressed block never exceeds a page
+      classes.emplace_back(bytes, cls);
+    }
+    slab_class_.push_back(cls);
+  }
+}
+
+CompressedKvCache::Sequence* CompressedKvCache::Find(SeqId seq) {
+  if (seq < 0 || static_cast<size_t>(seq) >= seqs_.size() || !seqs_[seq].live) return nullptr;
+  return &seqs_[seq];
+}
+const CompressedKvCache::Sequence* CompressedKvCache::Find(SeqId seq) const {
+  if (seq < 0 || static_cast<size_t>(seq) >= seqs_.size() || !seqs_[seq].live) return nullptr;
+  return &seqs_[seq];
+}
+
+absl::StatusOr<SeqId> CompressedKvCache::CreateSequence() {
+  SeqId id;
+  if (!free_seq_ids_.empty()) {
+    id = free_seq_ids_.back();
+    free_seq_ids_.pop_back();
+  } else {
+    if (seqs_.size() >= static_cast<size_t>(std::numeric_limits<SeqId>::max())) {
+      return absl::ResourceExhaustedError("too many KV cache sequences");
+    }
+    id = static_cast<SeqId>(seqs_.size());
+    seqs_.emplace_back();
+    Sequence& s = seqs_.back();
+    s.layers.resize(static_cast<size_t>(config_.geometry.n_layers));
+    for (LayerState& ls : s.layers) {
+      ls.table.reserve(kInitialTableCapacity);
+      ls.block_epochs.reserve(kInitialTableCapacity * static_cast<size_t>(config_.geometry.n_kv_heads));
+    }
+  }
+  Sequence& s = seqs_[id];
+  s.live = true;
+  s.length = 0;
+  s.next_compress = 0;
+  s.epoch = default_epoch_;
+  if (s.epoch != kNoEpoch) (void)registry_.Acquire(s.epoch);
+  ++live_sequences_;
+  return id;
+}
+
+void CompressedKvCache::AddEpochUse(LayerState& ls, int layer, EpochId id) {
+  for (LiveEpoch& e : ls.live) {
+    if (e.id == id) {
+      ++e.uses;
+      return;
+    }
+  }
+  ls.live.push_back({id, &registry_.Get(id)->layers[static_cast<size_t>(layer)], 1});
+}
+
+void CompressedKvCache::DropEpochUse(LayerState& ls, EpochId id) {
+  for (size_t i = 0; i < ls.live.size(); ++i) {
+    if (ls.live[i].id == id && --ls.live[i].uses == 0) {
+      ls.live.erase(ls.live.begin() + static_cast<int64_t>(i));
+      return;
+    }
+  }
+}
+
+void CompressedKvCache::FreeEntry(LayerState& ls, int /*layer*/, int64_t b) {
+  BlockEntry& e = ls.table[static_cast<size_t>(b)];
+  if (e.slot < 0) {
+    pool_->Free(e.page);
+  } else {
+    slabs_.Free({e.page, e.slot});
+    const int n_kv = config_.geometry.n_kv_heads;
+    for (int h = 0; h < n_kv; ++h) {
+      EpochId& id = ls.block_epochs[static_cast<size_t>(b * n_kv + h)];
+      DropEpochUse(ls, id);
+      registry_.Release(id);
+      id = kNoEpoch;
+    }
+  }
+  e = BlockEntry{};
+}
+
+absl::Status CompressedKvCache::FreeSequence(SeqId seq) {
+  Sequence* s = Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  for (int l = 0; l < config_.geometry.n_layers; ++l) {
+    LayerState& ls = s->layers[static_cast<size_t>(l)];
+    for (int64_t b = 0; b < static_cast<int64_t>(ls.table.size()); ++b) FreeEntry(ls, l, b);
+    for (int32_t p : ls.outlier_pages) pool_->Free(p);
+    ls.table.clear();
+    ls.block_epochs.clear();
+    ls.live.clear();
+    ls.outlier_pos.clear();
+    ls.outlier_pages.clear();
+  }
+  if (s->epoch != kNoEpoch) registry_.Release(s->epoch);
+  s->epoch = kNoEpoch;
+  tokens_cached_ -= s->length;
+  s->length = 0;
+  s->live = false;
+  free_seq_ids_.push_back(seq);
+  --live_sequences_;
+  return absl::OkStatus();
+}
+
+int64_t CompressedKvCache::Length(SeqId seq) const {
+  const Sequence* s = Find(seq);
+  return s == nullptr ? 0 : s->length;
+}
+
+int64_t CompressedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
+  const Sequence* s = Find(seq);
+  const int64_t length = s == nullptr ? 0 : s->length;
+  const int64_t held = s == nullptr ? 0 : BlocksHeld(*s);
+  const int64_t wanted = length + std::clamp<int64_t>(n, 0, kMaxTokens);
+  return std::max<int64_t>(CeilDiv(wanted, config_.block_size) - held, 0) * config_.geometry.n_layers;
+}
+
+absl::Status CompressedKvCache::Reserve(SeqId seq, int64_t n) {
+  Sequence* s = Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (n < 0) return absl::InvalidArgumentError(absl::StrFormat("cannot reserve %d tokens", n));
+  const int64_t needed = BlocksNeeded(seq, n);
+  if (needed == 0) return absl::OkStatus();
+  if (needed > pool_->num_free()) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "KV cache full: sequence %d needs %d more pages, %d of %d free", seq, needed,
+        pool_->num_free(), pool_->num_blocks()));
+  }
+  const int64_t per_layer = needed / config_.geometry.n_layers;
+  const int n_kv = config_.geometry.n_kv_heads;
+  for (LayerState& ls : s->layers) {
+    for (int64_t i = 0; i < per_layer; ++i) {
+      ls.table.push_back({pool_->Allocate(BlockKind::kFull), -1, 0});
+      ls.block_epochs.insert(ls.block_epochs.end(), static_cast<size_t>(n_kv), kNoEpoch);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void CompressedKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k,
+                              const float* v) {
+  Sequence* s = Find(seq);
+  assert(s != nullptr && layer >= 0 && layer < config_.geometry.n_layers);
+  assert(pos >= 0 && pos + n <= BlocksHeld(*s) * config_.block_size && "write past the reservation");
+  const std::vector<BlockEntry>& table = s->layers[static_cast<size_t>(layer)].table;
+  const int hd = config_.geometry.head_dim;
+  const int n_kv = config_.geometry.n_kv_heads;
+  const int bs = config_.block_size;
+  const size_t head_bytes = static_cast<size_t>(hd) * sizeof(float);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = pos + i;
+    const BlockEntry& e = table[static_cast<size_t>(t / bs)];
+    assert(e.slot < 0 && "write into a compressed block");
+    float* block = pool_->data(e.page);
+    const int64_t slot = t % bs;
+    const float* k_row = k + i * n_kv * hd;  // [n_kv_heads, head_dim]
+    const float* v_row = v + i * n_kv * hd;
+    for (int h = 0; h < n_kv; ++h) {
+      std::memcpy(block + KOffset(h, slot), k_row + static_cast<int64_t>(h) * hd, head_bytes);
+      std::memcpy(block + VOffset(h, slot), v_row + static_cast<int64_t>(h) * hd, head_bytes);
+    }
+  }
+}
+
+absl::Status CompressedKvCache::EnsureEpoch(Sequence& s) {
+  if (s.epoch != kNoEpoch) return absl::OkStatus();
+  // PCA of the sequence's own committed full-rank keys and values (all of them: nothing is
+  // compressed before the first epoch exists).
+  const KvCacheGeometry& g = config_.geometry;
+  const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = config_.block_size;
+  const size_t dd = static_cast<size_t>(hd) * hd;
+  std::vector<std::vector<double>> gk(static_cast<size_t>(g.n_layers)), gv(gk.size());
+  for (int l = 0; l < g.n_layers; ++l) {
+    gk[l].assign(static_cast<size_t>(n_kv) * dd, 0.0);
+    gv[l].assign(static_cast<size_t>(n_kv) * dd, 0.0);
+    const LayerState& ls = s.layers[static_cast<size_t>(l)];
+    for (int64_t b = 0; b * bs < s.length; ++b) {
+      const BlockEntry& e = ls.table[static_cast<size_t>(b)];
+      if (e.slot >= 0) continue;
+      const float* block = pool_->data(e.page);
+      const int nb = static_cast<int>(std::min<int64_t>(bs, s.length - b * bs));
+      for (int h = 0; h < n_kv; ++h) {
+        double* gkh = gk[l].data() + h * dd;
+        double* gvh = gv[l].data() + h * dd;
+        for (int t = 0; t < nb; ++t) {
+          const float* kr = block + KOffset(h, t);
+          const float* vr = block + VOffset(h, t);
+          for (int i = 0; i < hd; ++i) {
+            for (int j = 0; j < hd; ++j) {
+              gkh[static_cast<size_t>(i) * hd + j] += static_cast<double>(kr[i]) * kr[j];
+              gvh[static_cast<size_t>(i) * hd + j] += static_cast<double>(vr[i]) * vr[j];
+            }
+          }
+        }
+      }
+    }
+  }
+  auto basis = std::make_shared<Basis>(PcaBasis(g, r_k_, r_v_, gk, gv));
+  s.epoch = registry_.Register(std::move(basis));  // the sequence holds this reference
+  return absl::OkStatus();
+}
+
+void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
+  const KvCacheGeometry& g = config_.geometry;
+  const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = config_.block_size;
+  const int rk = r_k_[static_cast<size_t>(layer)], rv = r_v_[static_cast<size_t>(layer)];
+  const CoeffDtype dt = config_.coeff_dtype;
+  LayerState& ls = s.layers[static_cast<size_t>(layer)];
+  BlockEntry& e = ls.table[static_cast<size_t>(b)];
+  assert(e.slot < 0);
+  const LayerBasis& basis = registry_.Get(s.epoch)->layers[static_cast<size_t>(layer)];
+
+  float* full = page_scratch_.data();
+  std::memcpy(full, pool_->data(e.page), static_cast<size_t>(pool_->block_bytes()));
+  pool_->Free(e.page);  // before the slot: compression never needs a free page
+  const SlabAllocator::Slot slot = slabs_.Allocate(slab_class_[static_cast<size_t>(layer)]);
+  assert(slot.page >= 0);
+  uint8_t* base = slabs_.data(slot);
+  const int64_t rows = static_cast<int64_t>(n_kv) * bs;
+  uint8_t* k_codes = base;                                  // [n_kv, B, r_k]
+  uint8_t* v_codes = k_codes + rows * rk * CoeffBytes(dt);  // [n_kv, B, r_v]
+  auto* k_scales = reinterpret_cast<uint16_t*>(v_codes + rows * rv * CoeffBytes(dt));  // [n_kv, B]
+  uint16_t* v_scales = k_scales + rows;                                                // [n_kv, B]
+
+  const bool detect = config_.outlier_threshold < 1.0f;
+  uint64_t outliers = 0;
+  thread_local std::vector<float> coeff;
+  coeff.resize(static_cast<size_t>(std::max(rk, rv) + hd));
+  float* c = coeff.data();
+  float* recon = c + std::max(rk, rv);
+  for (int h = 0; h < n_kv; ++h) {
+    const float* pq = basis.p_q.data() + static_cast<size_t>(h) * hd * rk;  // [d, r_k]
+    const float* pk = basis.p_k.data() + static_cast<size_t>(h) * hd * rk;  // [d, r_k]
+    const float* pv = basis.p_v.data() + static_cast<size_t>(h) * hd * rv;  // [d, r_v]
+    for (int t = 0; t < bs; ++t) {
+      const int64_t row = static_cast<int64_t>(h) * bs + t;
+      const float* k = full + KOffset(h, t);
+      MatTVec(pk, k, hd, rk, c);
+      if (detect) {
+        // The key as queries will see it: k^ = P_q c (= P P^T k for orthogonal bases).
+        for (int i = 0; i < hd; ++i) recon[i] = Dot(pq + static_cast<int64_t>(i) * rk, c, rk);
+        double err = 0.0, norm = 0.0;
+        for (int i = 0; i < hd; ++i) {
+          err += static_cast<double>(k[i] - recon[i]) * (k[i] - recon[i]);
+          norm += static_cast<double>(k[i]) * k[i];
+        }
+        if (err > static_cast<double>(config_.outlier_threshold) * config_.outlier_threshold * norm) {
+          outliers |= uint64_t{1} << t;
+        }
+      }
+      EncodeCoeffs(dt, c, rk, k_codes + row * rk * CoeffBytes(dt), k_scales + row);
+      MatTVec(pv, full + VOffset(h, t), hd, rv, c);
+      EncodeCoeffs(dt, c, rv, v_codes + row * rv * CoeffBytes(dt), v_scales + row);
+    }
+  }
+  // Outlier tokens (all heads) move to the outlier pages, in position order.
+  for (int t = 0; t < bs; ++t) {
+    if (!((outliers >> t) & 1u)) continue;
+    const int64_t j = static_cast<int64_t>(ls.outlier_pos.size());
+    if (j % bs == 0) {
+      const int32_t page = pool_->Allocate(BlockKind::kOutlier);
+      if (page < 0) {  // no page: the token stays compressed
+        outliers &= ~(uint64_t{1} << t);
+        ++outliers_dropped_;
+        continue;
+      }
+      ls.outlier_pages.push_back(page);
+    }
+    float* dst = pool_->data(ls.outlier_pages[static_cast<size_t>(j / bs)]);
+    for (int h = 0; h < n_kv; ++h) {
+      std::memcpy(dst + KOffset(h, j % bs), full + KOffset(h, t), static_cast<size_t>(hd) * sizeof(float));
+      std::memcpy(dst + VOffset(h, j % bs), full + VOffset(h, t), static_cast<size_t>(hd) * sizeof(float));
+    }
+    ls.outlier_pos.push_back(b * bs + t);
+  }
+  e = BlockEntry{slot.page, slot.index, outliers};
+  for (int h = 0; h < n_kv; ++h) {
+    ls.block_epochs[static_cast<size_t>(b * n_kv + h)] = s.epoch;
+    (void)registry_.Acquire(s.epoch);
+    AddEpochUse(ls, layer, s.epoch);
+  }
+}
+
+absl::Status CompressedKvCache::Commit(SeqId seq, int64_t length) {
+  Sequence* s = Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  const int bs = config_.block_size;
+  const int64_t reserved = BlocksHeld(*s) * bs;
+  if (length < s->length || length > reserved) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "commit of sequence %d to length %d outside [%d, %d] (committed, reserved)", seq, length,
+        s->length, reserved));
+  }
+  tokens_cached_ += length - s->length;
+  s->length = length;
+  const int64_t first = std::max<int64_t>(s->next_compress, CeilDiv(config_.sink_tokens, bs));
+  const int64_t limit = length - config_.window_tokens;  // blocks ending at or before it go
+  if ((first + 1) * bs > limit) return absl::OkStatus();
+  if (absl::Status st = EnsureEpoch(*s); !st.ok()) return st;
+  int64_t b = first;
+  for (; (b + 1) * bs <= limit; ++b) {
+    for (int l = 0; l < config_.geometry.n_layers; ++l) {
+      if (s->layers[static_cast<size_t>(l)].table[static_cast<size_t>(b)].slot < 0) CompressBlock(*s, l, b);
+    }
+  }
+  s->next_compress = b;
+  return absl::OkStatus();
+}
+
+absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
+  const KvCacheGeometry& g = config_.geometry;
+  const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = config_.block_size;
+  const int rk = r_k_[static_cast<size_t>(layer)], rv = r_v_[static_cast<size_t>(layer)];
+  const CoeffDtype dt = config_.coeff_dtype;
+  LayerState& ls = s.layers[static_cast<size_t>(layer)];
+  BlockEntry& e = ls.table[static_cast<size_t>(b)];
+  float* full = page_scratch_.data();
+  const uint8_t* base = slabs_.data({e.page, e.slot});
+  const int64_t rows = static_cast<int64_t>(n_kv) * bs;
+  const uint8_t* k_codes = base;
+  const uint8_t* v_codes = k_codes + rows * rk * CoeffBytes(dt);
+  const auto* k_scales = reinterpret_cast<const uint16_t*>(v_codes + rows * rv * CoeffBytes(dt));
+  const uint16_t* v_scales = k_scales + rows;
+  std::vector<float> c(static_cast<size_t>(std::max(rk, rv)));
+  for (int h = 0; h < n_kv; ++h) {
+    const LayerBasis& basis =
+        registry_.Get(ls.block_epochs[static_cast<size_t>(b * n_kv + h)])->layers[static_cast<size_t>(layer)];
+    const float* pq = basis.p_q.data() + static_cast<size_t>(h) * hd * rk;  // [d, r_k]
+    const float* rvm = basis.r_v.data() + static_cast<size_t>(h) * rv * hd;  // [r_v, d]
+    for (int t = 0; t < bs; ++t) {
+      const int64_t row = static_cast<int64_t>(h) * bs + t;
+      DecodeCoeffs(dt, k_codes + row * rk * CoeffBytes(dt), k_scales + row, rk, c.data());
+      float* k = full + KOffset(h, t);
+      for (int i = 0; i < hd; ++i) k[i] = Dot(pq + static_cast<int64_t>(i) * rk, c.data(), rk);
+      DecodeCoeffs(dt, v_codes + row * rv * CoeffBytes(dt), v_scales + row, rv, c.data());
+      MatTVec(rvm, c.data(), rv, hd, full + VOffset(h, t));
+    }
+  }
+  // Outliers of this block (the last ones in the store) go back in place.
+  while (!ls.outlier_pos.empty() && ls.outlier_pos.back() >= b * bs) {
+    const int64_t j = static_cast<int64_t>(ls.outlier_pos.size()) - 1;
+    const int t = static_cast<int>(ls.outlier_pos.back() - b * bs);
+    const float* src = pool_->data(ls.outlier_pages[static_cast<size_t>(j / bs)]);
+    for (int h = 0; h < n_kv; ++h) {
+      std::memcpy(full + KOffset(h, t), src + KOffset(h, j % bs), static_cast<size_t>(hd) * sizeof(float));
+      std::memcpy(full + VOffset(h, t), src + VOffset(h, j % bs), static_cast<size_t>(hd) * sizeof(float));
+    }
+    ls.outlier_pos.pop_back();
+    if (j % bs == 0) {
+      pool_->Free(ls.outlier_pages.back());
+      ls.outlier_pages.pop_back();
+    }
+  }
+  FreeEntry(ls, layer, b);
+  const int32_t page = pool_->Allocate(BlockKind::kFull);
+  if (page < 0) return absl::ResourceExhaustedError("no page to expand a truncated compressed block");
+  std::memcpy(pool_->data(page), full, static_cast<size_t>(pool_->block_bytes()));
+  ls.table[static_cast<size_t>(b)] = {page, -1, 0};
+  return absl::OkStatus();
+}
+
+absl::Status CompressedKvCache::Truncate(SeqId seq, int64_t length) {
+  Sequence* s = Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (length < 0 || length > s->length) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("truncate of sequence %d to %d outside [0, %d]", seq, length, s->length));
+  }
+  const int bs = config_.block_size;
+  const int n_kv = config_.geometry.n_kv_heads;
+  const int64_t keep = CeilDiv(length, bs);
+  for (int l = 0; l < config_.geometry.n_layers; ++l) {
+    LayerState& ls = s->layers[static_cast<size_t>(l)];
+    for (int64_t b = keep; b < static_cast<int64_t>(ls.table.size()); ++b) FreeEntry(ls, l, b);
+    ls.table.resize(static_cast<size_t>(keep));
+    ls.block_epochs.resize(static_cast<size_t>(keep * n_kv));
+    while (!ls.outlier_pos.empty() && ls.outlier_pos.back() >= length) ls.outlier_pos.pop_back();
+    while (static_cast<int64_t>(ls.outlier_pages.size()) >
+           CeilDiv(static_cast<int64_t>(ls.outlier_pos.size()), bs)) {
+      pool_->Free(ls.outlier_pages.back());
+      ls.outlier_pages.pop_back();
+    }
+  }
+  tokens_cached_ -= s->length - length;
+  s->length = length;
+  if (length % bs != 0 && keep > 0) {
+    for (int l = 0; l < config_.geometry.n_layers; ++l) {
+      if (s->layers[static_cast<size_t>(l)].table[static_cast<size_t>(keep - 1)].slot < 0) continue;
+      if (absl::Status st = Decompress(*s, l, keep - 1); !st.ok()) return st;
+    }
+    s->next_compress = std::min(s->next_compress, keep - 1);
+  } else {
+    s->next_compress = std::min(s->next_compress, keep);
+  }
+  return absl::OkStatus();
+}
+
+void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) {
+  const int hd = config_.geometry.head_dim;
+  const int n_kv = config_.geometry.n_kv_heads;
+  assert(n_heads > 0 && n_heads % n_kv == 0);
+  assert(layer >= 0 && layer < config_.geometry.n_layers);
+  const int group = n_heads / n_kv;
+  const int bs = config_.block_size;
+  const int rk = r_k_[static_cast<size_t>(layer)], rv = r_v_[static_cast<size_t>(layer)];
+  const CoeffDtype dt = config_.coeff_dtype;
+  const int64_t rows = static_cast<int64_t>(n_kv) * bs;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  std::vector<int64_t> first_item(requests.size() + 1, 0);
+  for (size_t r = 0; r < requests.size(); ++r) first_item[r + 1] = first_item[r] + requests[r].n * n_kv;
+  const int64_t total = first_item.back();
+
+#pragma omp parallel for schedule(dynamic, 1) if (total > 1)
+  for (int64_t item = 0; item < total; ++item) {
+    const size_t r = static_cast<size_t>(
+        std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1);
+    const AttentionRequest& req = requests[r];
+    const int64_t local = item - first_item[r];
+    const int64_t i = local / n_kv;
+    const int kvh = static_cast<int>(local % n_kv);
+    const Sequence& s = seqs_[static_cast<size_t>(req.seq)];
+    const LayerState& ls = s.layers[static_cast<size_t>(layer)];
+    const int64_t n_ctx = req.pos + i + 1;
+    const int n_ep = static_cast<int>(ls.live.size());
+
+    // Per-thread state, grown once to the largest shape seen.
+    thread_local std::vector<float> scratch;
+    const size_t need = static_cast<size_t>(group) * (hd + 2) + static_cast<size_t>(bs) +
+                        static_cast<size_t>(group) * n_ep * (rk + rv) +
+                        static_cast<size_t>(bs) * (rk + rv);
+    if (scratch.size() < need) scratch.resize(need);
+    float* acc = scratch.data();                             // [group, hd]
+    float* run_max = acc + static_cast<size_t>(group) * hd;  // [group]
+    float* run_sum = run_max + group;                        // [group]
+    float* scores = run_sum + group;                         // [B]
+    float* q_coef = scores + bs;                             // [group, n_ep, r_k]
+    float* u_acc = q_coef + static_cast<size_t>(group) * n_ep * rk;  // [group, n_ep, r_v]
+    float* k_dec = u_acc + static_cast<size_t>(group) * n_ep * rv;   // [B, r_k]
+    float* v_dec = k_dec + static_cast<size_t>(bs) * rk;             // [B, r_v]
+    std::fill(acc, acc + static_cast<size_t>(group) * hd, 0.0f);
+    std::fill(run_max, run_max + group, neg_inf);
+    std::fill(run_sum, run_sum + group, 0.0f);
+    std::fill(u_acc, u_acc + static_cast<size_t>(group) * n_ep * rv, 0.0f);
+
+    const float* q_tok = req.q + (i * n_heads + static_cast<int64_t>(kvh) * group) * hd;
+    // Query coefficients once per live epoch: q~_e = P_q[e]^T q.
+    for (int g = 0; g < group; ++g) {
+      for (int e = 0; e < n_ep; ++e) {
+        const float* pq = ls.live[static_cast<size_t>(e)].basis->p_q.data() + static_cast<size_t>(kvh) * hd * rk;
+        MatTVec(pq, q_tok + static_cast<int64_t>(g) * hd, hd, rk,
+                q_coef + (static_cast<size_t>(g) * n_ep + e) * rk);
+      }
+    }
+    // Moves group member g's running max to `new_max`, rescaling everything accumulated.
+    const auto rescale = [&](int g, float new_max) {
+      if (!(new_max > run_max[g])) return;
+      const float corr = std::exp(run_max[g] - new_max);  // 0 on the first block
+      run_sum[g] *= corr;
+      float* acc_g = acc + static_cast<int64_t>(g) * hd;
+#pragma omp simd
+      for (int d = 0; d < hd; ++d) acc_g[d] *= corr;
+      float* u_g = u_acc + static_cast<size_t>(g) * n_ep * rv;
+      for (int d = 0; d < n_ep * rv; ++d) u_g[d] *= corr;
+      run_max[g] = new_max;
+    };
+    // A full-rank run of nb tokens. k_blk, v_blk: [nb, hd]; skip: tokens to ignore (bitmask)
+    const auto full_run = [&](const float* k_blk, const float* v_blk, int nb) {
+      for (int g = 0; g < group; ++g) {
+        const float* q = q_tok + static_cast<int64_t>(g) * hd;
+        float block_max = neg_inf;
+        for (int t = 0; t < nb; ++t) {
+          scores[t] = Dot(q, k_blk + static_cast<int64_t>(t) * hd, hd) * scale;
+          block_max = std::max(block_max, scores[t]);
+        }
+        rescale(g, block_max);
+        float* acc_g = acc + static_cast<int64_t>(g) * hd;
+        for (int t = 0; t < nb; ++t) {
+          const float p = std::exp(scores[t] - run_max[g]);
+          run_sum[g] += p;
+          Axpy(p, v_blk + static_cast<int64_t>(t) * hd, acc_g, hd);
+        }
+      }
+    };
+
+    for (int64_t b0 = 0; b0 < n_ctx; b0 += bs) {
+      const int64_t b = b0 / bs;
+      const BlockEntry& e = ls.table[static_cast<size_t>(b)];
+      const int nb = static_cast<int>(std::min<int64_t>(bs, n_ctx - b0));
+      if (e.slot < 0) {
+        const float* block = pool_->data(e.page);
+        full_run(block + KOffset(kvh, 0), block + VOffset(kvh, 0), nb);
+        continue;
+      }
+      const EpochId id = ls.block_epochs[static_cast<size_t>(b * n_kv + kvh)];
+      int ep = 0;
+      while (ls.live[static_cast<size_t>(ep)].id != id) ++ep;
+      const uint8_t* base = slabs_.data({e.page, e.slot});
+      const uint8_t* k_codes = base;
+      const uint8_t* v_codes = k_codes + rows * rk * CoeffBytes(dt);
+      const auto* k_scales = reinterpret_cast<const uint16_t*>(v_codes + rows * rv * CoeffBytes(dt));
+      const uint16_t* v_scales = k_scales + rows;
+      const int64_t row0 = static_cast<int64_t>(kvh) * bs;
+      for (int t = 0; t < nb; ++t) {
+        DecodeCoeffs(dt, k_codes + (row0 + t) * rk * CoeffBytes(dt), k_scales + row0 + t, rk,
+                     k_dec + static_cast<int64_t>(t) * rk);
+        DecodeCoeffs(dt, v_codes + (row0 + t) * rv * CoeffBytes(dt), v_scales + row0 + t, rv,
+                     v_dec + static_cast<int64_t>(t) * rv);
+      }
+      for (int g = 0; g < group; ++g) {
+        const float* qc = q_coef + (static_cast<size_t>(g) * n_ep + ep) * rk;
+        float block_max = neg_inf;
+        for (int t = 0; t < nb; ++t) {
+          if ((e.outliers >> t) & 1u) continue;  // read full-rank from the outlier store
+          scores[t] = Dot(qc, k_dec + static_cast<int64_t>(t) * rk, rk) * scale;
+          block_max = std::max(block_max, scores[t]);
+        }
+        if (block_max == neg_inf) continue;
+        rescale(g, block_max);
+        float* u_g = u_acc + (static_cast<size_t>(g) * n_ep + ep) * rv;
+        for (int t = 0; t < nb; ++t) {
+          if ((e.outliers >> t) & 1u) continue;
+          const float p = std::exp(scores[t] - run_max[g]);
+          run_sum[g] += p;
+          Axpy(p, v_dec + static_cast<int64_t>(t) * rv, u_g, rv);
+        }
+      }
+    }
+    // Outliers: full-rank tokens in position order, B to a page.
+    const int64_t n_out = static_cast<int64_t>(
+        std::lower_bound(ls.outlier_pos.begin(), ls.outlier_pos.end(), n_ctx) - ls.outlier_pos.begin());
+    for (int64_t j0 = 0; j0 < n_out; j0 += bs) {
+      const float* page = pool_->data(ls.outlier_pages[static_cast<size_t>(j0 / bs)]);
+      full_run(page + KOffset(kvh, 0), page + VOffset(kvh, 0),
+               static_cast<int>(std::min<int64_t>(bs, n_out - j0)));
+    }
+
+    float* out_tok = req.out + (i * n_heads + static_cast<int64_t>(kvh) * group) * hd;
+    for (int g = 0; g < group; ++g) {
+      float* o = out_tok + static_cast<int64_t>(g) * hd;
+      std::copy(acc + static_cast<int64_t>(g) * hd, acc + static_cast<int64_t>(g + 1) * hd, o);
+      // Expand each epoch's value coefficients once: o += R_v[e]^T (sum alpha u).
+      for (int e = 0; e < n_ep; ++e) {
+        const float* rvm = ls.live[static_cast<size_t>(e)].basis->r_v.data() + static_cast<size_t>(kvh) * rv * hd;
+        const float* u_g = u_acc + (static_cast<size_t>(g) * n_ep + e) * rv;
+        for (int j = 0; j < rv; ++j) Axpy(u_g[j], rvm + static_cast<int64_t>(j) * hd, o, hd);
+      }
+      const float inv = 1.0f / run_sum[g];
+#pragma omp simd
+      for (int d = 0; d < hd; ++d) o[d] *= inv;
+    }
+  }
+}
+
+KvCacheStats CompressedKvCache::Stats() const {
+  KvCacheStats st;
+  const int64_t page = pool_->block_bytes();
+  st.bytes_total = pool_->num_blocks() * page;
+  st.bytes_used_full = pool_->num_used(BlockKind::kFull) * page;
+  // Whole slab pages: what the pool cannot give to anyone else (includes slab waste).
+  st.bytes_used_compressed = pool_->num_used(BlockKind::kCompressed) * page;
+  st.bytes_used_outlier = pool_->num_used(BlockKind::kOutlier) * page;
+  st.blocks_total = pool_->num_blocks();
+  st.blocks_free = pool_->num_free();
+  st.tokens_cached = tokens_cached_;
+  st.sequences = live_sequences_;
+  const KvCacheGeometry& g = config_.geometry;
+  st.bytes_full_fp16_equivalent =
+      tokens_cached_ * g.n_layers * 2 * static_cast<int64_t>(g.n_kv_heads) * g.head_dim * 2;
+  return st;
+}
+
+CompressedKvCacheDetail CompressedKvCache::Detail() const {
+  CompressedKvCacheDetail d;
+  d.pages_full = pool_->num_used(BlockKind::kFull);
+  d.pages_compressed = pool_->num_used(BlockKind::kCompressed);
+  d.pages_outlier = pool_->num_used(BlockKind::kOutlier);
+  d.compressed_slot_bytes = slabs_.slot_bytes_used();
+  for (const Sequence& s : seqs_) {
+    if (!s.live) continue;
+    for (const LayerState& ls : s.layers) {
+      for (const BlockEntry& e : ls.table) d.blocks_compressed += e.slot >= 0 ? 1 : 0;
+      d.outlier_tokens += static_cast<int64_t>(ls.outlier_pos.size());
+    }
+  }
+  d.outliers_dropped = outliers_dropped_;
+  d.epochs_live = registry_.live();
+  return d;
+}
+
+absl::StatusOr<EpochId> CompressedKvCache::InstallBasis(std::shared_ptr<const Basis> basis) {
+  if (basis == nullptr) return absl::InvalidArgumentError("null basis");
+  if (absl::Status st = ValidateBasis(*basis, config_.geometry, r_k_, r_v_); !st.ok()) return st;
+  return registry_.Register(std::move(basis));
+}
+
+absl::Status CompressedKvCache::ReleaseEpoch(EpochId id) {
+  if (registry_.Get(id) == nullptr) return absl::NotFoundError(absl::StrFormat("unknown basis epoch %d", id));
+  registry_.Release(id);
+  return absl::OkStatus();
+}
+
+absl::Status CompressedKvCache::SetSequenceEpoch(SeqId seq, EpochId id) {
+  Sequence* s = Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (absl::Status st = registry_.Acquire(id); !st.ok()) return st;
+  if (s->epoch != kNoEpoch) registry_.Release(s->epoch);
+  s->epoch = id;
+  return absl::OkStatus();
+}
+
+absl::Status CompressedKvCache::SetDefaultEpoch(EpochId id) {
+  if (id != kNoEpoch) {
+    if (absl::Status st = registry_.Acquire(id); !st.ok()) return st;
+  }
+  if (default_epoch_ != kNoEpoch) registry_.Release(default_epoch_);
+  default_epoch_ = id;
+  return absl::OkStatus();
+}
+
+EpochId CompressedKvCache::SequenceEpoch(SeqId seq) const {
+  const Sequence* s = Find(seq);
+  return s == nullptr ? kNoEpoch : s->epoch;
+}
+
+bool CompressedKvCache::IsCompressed(SeqId seq, int layer, int64_t block) const {
+  const Sequence* s = Find(seq);
+  if (s == nullptr || layer < 0 || layer >= config_.geometry.n_layers) return false;
+  const LayerState& ls = s->layers[static_cast<size_t>(layer)];
+  return block >= 0 && block < static_cast<int64_t>(ls.table.size()) &&
+         ls.table[static_cast<size_t>(block)].slot >= 0;
+}
+
+EpochId CompressedKvCache::BlockEpoch(SeqId seq, int layer, int64_t block, int kv_head) const {
+  if (!IsCompressed(seq, layer, block)) return kNoEpoch;
+  return Find(seq)->layers[static_cast<size_t>(layer)]
+      .block_epochs[static_cast<size_t>(block * config_.geometry.n_kv_heads + kv_head)];
+}
+
+std::span<const int64_t> CompressedKvCache::OutlierPositions(SeqId seq, int layer) const {
+  const Sequence* s = Find(seq);
+  if (s == nullptr || layer < 0 || layer >= config_.geometry.n_layers) return {};
+  return s->layers[static_cast<size_t>(layer)].outlier_pos;
+}
+
+}  // namespace subspace

@@ -1,0 +1,175 @@
+// Compressed paged KV cache (CPU reference): full-rank fp32 blocks for the attention sinks and
+// the recent window, low-rank coefficient blocks (fp32/fp16/int8) for everything older, and
+// full-rank outlier tokens whose keys the basis represents badly. Attention runs on the
+// coefficients with one streaming softmax across all parts (DESIGN.md, "The compressed KV
+// cache"). See compressed_kv_cache.cc for the pool layout and the policy.
+#ifndef SUBSPACE_CORE_COMPRESSED_KV_CACHE_H_
+#define SUBSPACE_CORE_COMPRESSED_KV_CACHE_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/basis.h"
+#include "core/block_pool.h"
+#include "core/coeff_codec.h"
+#include "core/kv_cache.h"
+
+namespace subspace {
+
+struct CompressedKvCacheConfig {
+  KvCacheGeometry geometry;
+  int block_size = 16;     // B tokens per block, 1..64 (outlier masks are one uint64)
+  int sink_tokens = 4;     // S: blocks overlapping [0, S) stay full-rank forever
+  int window_tokens = 64;  // W: a block is compressed once it lies entirely before length - W
+  // Relative key residual ||k - P_q P_k^T k|| / ||k|| above which a token stays full-rank
+  // (all its KV heads). >= 1 disables outliers.
+  float outlier_threshold = 1.0f;
+  std::vector<int> r_k;  // [n_layers]; empty: head_dim / 4 (at least 1) in every layer
+  std::vector<int> r_v;  // [n_layers]; empty: head_dim / 4
+  CoeffDtype coeff_dtype = CoeffDtype::kFp16;
+  int64_t capacity_bytes = 0;  // pool budget; pages = capacity_bytes / PageBytes
+};
+
+// Breakdown beyond KvCacheStats (tests, benchmarks, metrics).
+struct CompressedKvCacheDetail {
+  int64_t pages_full = 0;
+  int64_t pages_compressed = 0;  // slab pages holding coefficient blocks
+  int64_t pages_outlier = 0;
+  int64_t compressed_slot_bytes = 0;  // payload of the compressed blocks (pages minus waste)
+  int64_t blocks_compressed = 0;      // summed over layers
+  int64_t outlier_tokens = 0;         // summed over layers
+  int64_t outliers_dropped = 0;       // outliers compressed anyway: the pool had no page
+  int64_t epochs_live = 0;
+};
+
+class CompressedKvCache final : public KvCache {
+ public:
+  // INVALID_ARGUMENT for a bad geometry, block size, ranks, or a capacity below one page per
+  // layer.
+  static absl::StatusOr<std::unique_ptr<CompressedKvCache>> Create(
+      const CompressedKvCacheConfig& config);
+
+  // Bytes of one page = one full block: [2][n_kv_heads][B][head_dim] fp32.
+  static int64_t PageBytes(const KvCacheGeometry& geometry, int block_size);
+  // Bytes of one compressed block of a layer with ranks (r_k, r_v), before 16-byte rounding:
+  // codes [n_kv][B][r_k] + [n_kv][B][r_v], and for int8 fp16 scales [2][n_kv][B].
+  static int64_t CompressedBlockBytes(const KvCacheGeometry& geometry, int block_size, int r_k,
+                                      int r_v, CoeffDtype dtype);
+
+  const KvCacheGeometry& geometry() const override { return config_.geometry; }
+  int block_size() const override { return config_.block_size; }
+
+  absl::StatusOr<SeqId> CreateSequence() override;
+  absl::Status FreeSequence(SeqId seq) override;
+  int64_t Length(SeqId seq) const override;
+  // Reserve and BlocksNeeded count full pages for the new tokens, exactly as the paged cache:
+  // new tokens always land in full blocks. Compression at Commit only gives pages back.
+  absl::Status Reserve(SeqId seq, int64_t n) override;
+  int64_t BlocksNeeded(SeqId seq, int64_t n) const override;
+
+  // k, v: [n, n_kv_heads, head_dim] (post-RoPE k); the range must be reserved and not yet
+  // compressed.
+  void Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k, const float* v) override;
+  void Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) override;
+  // Commits, then compresses every full block that has left the window (and the sinks).
+  absl::Status Commit(SeqId seq, int64_t length) override;
+  // Drops tokens at and past `length`. A compressed block cut in the middle is expanded back
+  // to a full block holding the keys as queries saw them (k^ = P_q c, v^ = R_v^T u), so
+  // attention is unchanged and new tokens can be written after it.
+  absl::Status Truncate(SeqId seq, int64_t length) override;
+
+  KvCacheStats Stats() const override;
+  CompressedKvCacheDetail Detail() const;
+
+  // --- Basis epochs ---
+  // Registers an external basis (ranks must match the config); the caller holds one reference
+  // until ReleaseEpoch.
+  absl::StatusOr<EpochId> InstallBasis(std::shared_ptr<const Basis> basis);
+  absl::Status ReleaseEpoch(EpochId id);
+  // Blocks of `seq` compressed from now on use `id`; older blocks keep theirs.
+  absl::Status SetSequenceEpoch(SeqId seq, EpochId id);
+  // Epoch new sequences start with; kNoEpoch: each sequence builds its own by PCA of its own
+  // full-rank keys/values when it first compresses (epoch 0 until calibration exists).
+  absl::Status SetDefaultEpoch(EpochId id);
+  EpochId SequenceEpoch(SeqId seq) const;
+  const BasisRegistry& registry() const { return registry_; }
+  const std::vector<int>& r_k() const { return r_k_; }
+  const std::vector<int>& r_v() const { return r_v_; }
+
+  // --- Introspection (tests) ---
+  bool IsCompressed(SeqId seq, int layer, int64_t block) const;
+  EpochId BlockEpoch(SeqId seq, int layer, int64_t block, int kv_head) const;
+  // Positions of the outlier tokens of one sequence and layer, ascending.
+  std::span<const int64_t> OutlierPositions(SeqId seq, int layer) const;
+  const BlockPool& pool() const { return *pool_; }
+
+ private:
+  struct BlockEntry {
+    int32_t page = -1;  // full block: its page; compressed: the slab page
+    int32_t slot = -1;  // -1: full block; else the slot index in the slab page
+    uint64_t outliers = 0;  // compressed: bit t set = token t is kept in the outlier store
+  };
+  struct LiveEpoch {
+    EpochId id = kNoEpoch;
+    const LayerBasis* basis = nullptr;
+    int64_t uses = 0;  // block-heads of this layer coded with it
+  };
+  struct LayerState {
+    std::vector<BlockEntry> table;       // [blocks]
+    std::vector<EpochId> block_epochs;   // [blocks, n_kv]; kNoEpoch for full blocks
+    std::vector<LiveEpoch> live;         // epochs used by this layer's compressed blocks
+    std::vector<int64_t> outlier_pos;    // [outliers] ascending
+    std::vector<int32_t> outlier_pages;  // [ceil(outliers / B)] pages of [2][n_kv][B][hd]
+  };
+  struct Sequence {
+    bool live = false;
+    int64_t length = 0;
+    int64_t next_compress = 0;  // first block index not yet considered for compression
+    EpochId epoch = kNoEpoch;   // holds one reference
+    std::vector<LayerState> layers;
+  };
+
+  CompressedKvCache(const CompressedKvCacheConfig& config, std::vector<int> r_k,
+                    std::vector<int> r_v, std::unique_ptr<BlockPool> pool);
+
+  Sequence* Find(SeqId seq);
+  const Sequence* Find(SeqId seq) const;
+  int64_t BlocksHeld(const Sequence& s) const {
+    return s.layers.empty() ? 0 : static_cast<int64_t>(s.layers[0].table.size());
+  }
+  int64_t KOffset(int h, int64_t t) const {
+    return (static_cast<int64_t>(h) * config_.block_size + t) * config_.geometry.head_dim;
+  }
+  int64_t VOffset(int h, int64_t t) const { return v_half_ + KOffset(h, t); }
+
+  absl::Status EnsureEpoch(Sequence& s);
+  void CompressBlock(Sequence& s, int layer, int64_t b);
+  void FreeEntry(LayerState& ls, int layer, int64_t b);
+  void AddEpochUse(LayerState& ls, int layer, EpochId id);
+  void DropEpochUse(LayerState& ls, EpochId id);
+  // Expands compressed block b of a layer back into a full block (Truncate).
+  absl::Status Decompress(Sequence& s, int layer, int64_t b);
+
+  CompressedKvCacheConfig config_;
+  std::vector<int> r_k_, r_v_;  // [n_layers]
+  std::vector<int> slab_class_;  // [n_layers] slab class of the layer's compressed blocks
+  int64_t v_half_;
+  std::unique_ptr<BlockPool> pool_;
+  SlabAllocator slabs_;
+  BasisRegistry registry_;
+  EpochId default_epoch_ = kNoEpoch;
+  std::vector<Sequence> seqs_;
+  std::vector<SeqId> free_seq_ids_;
+  int32_t live_sequences_ = 0;
+  int64_t tokens_cached_ = 0;
+  int64_t outliers_dropped_ = 0;
+  std::vector<float> page_scratch_;  // [page floats] compression / expansion staging
+};
+
+}  // namespace subspace
+
+#endif  // SUBSPACE_CORE_COMPRESSED_KV_CACHE_H_

@@ -1,0 +1,564 @@
+// CompressedKvCache: exactness of coefficient-space attention against plain references
+// (full rank = paged cache; rank r = dense attention over the explicitly reconstructed keys
+// k^ = P_q c and values v^ = R_v^T u, in double), several live epochs, outliers, int8,
+// accounting, truncation, memory ratios, and the tiny model end to end (Forward and Engine).
+#include "core/compressed_kv_cache.h"
+
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <vector>
+
+#include "core/engine.h"
+#include "core/paged_kv_cache.h"
+#include "gtest/gtest.h"
+#include "tests/core/tiny_model_util.h"
+
+namespace subspace {
+namespace {
+
+// Columns orthonormal. out: [d, r]
+std::vector<float> RandomOrthonormal(int d, int r, std::mt19937& rng) {
+  std::normal_distribution<double> n(0.0, 1.0);
+  std::vector<double> m(static_cast<size_t>(d) * r);
+  for (double& x : m) x = n(rng);
+  for (int j = 0; j < r; ++j) {
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int k = 0; k < j; ++k) {
+        double dot = 0;
+        for (int i = 0; i < d; ++i) dot += m[i * r + j] * m[i * r + k];
+        for (int i = 0; i < d; ++i) m[i * r + j] -= dot * m[i * r + k];
+      }
+    }
+    double norm = 0;
+    for (int i = 0; i < d; ++i) norm += m[i * r + j] * m[i * r + j];
+    for (int i = 0; i < d; ++i) m[i * r + j] /= std::sqrt(norm);
+  }
+  return std::vector<float>(m.begin(), m.end());
+}
+
+std::shared_ptr<Basis> OrthoBasis(const KvCacheGeometry& g, int rk, int rv, uint32_t seed) {
+  std::mt19937 rng(seed);
+  auto b = std::make_shared<Basis>(Basis::Zeros(g, std::vector<int>(g.n_layers, rk),
+                                                std::vector<int>(g.n_layers, rv)));
+  const size_t d = static_cast<size_t>(g.head_dim);
+  for (LayerBasis& lb : b->layers) {
+    for (int h = 0; h < g.n_kv_heads; ++h) {
+      auto uk = RandomOrthonormal(g.head_dim, rk, rng);
+      auto uv = RandomOrthonormal(g.head_dim, rv, rng);
+      std::copy(uk.begin(), uk.end(), lb.p_k.begin() + static_cast<int64_t>(h * d * rk));
+      std::copy(uv.begin(), uv.end(), lb.p_v.begin() + static_cast<int64_t>(h * d * rv));
+    }
+  }
+  b->MakeOrthogonalFromPkPv();
+  return b;
+}
+
+// KQ-SVD-like: P_q != P_k, R_v != P_v^T (arbitrary matrices; the attention math must not care).
+std::shared_ptr<Basis> ObliqueBasis(const KvCacheGeometry& g, int rk, int rv, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0.0f, 0.5f);
+  auto b = std::make_shared<Basis>(Basis::Zeros(g, std::vector<int>(g.n_layers, rk),
+                                                std::vector<int>(g.n_layers, rv)));
+  for (LayerBasis& lb : b->layers) {
+    for (auto* m : {&lb.p_q, &lb.p_k, &lb.p_v, &lb.r_v}) {
+      for (float& x : *m) x = n(rng);
+    }
+  }
+  return b;
+}
+
+struct Data {
+  // [n_layers][T, n_kv, hd]
+  std::vector<std::vector<float>> k, v;
+};
+
+Data RandomKv(const KvCacheGeometry& g, int64_t T, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  Data d;
+  d.k.resize(g.n_layers);
+  d.v.resize(g.n_layers);
+  const size_t sz = static_cast<size_t>(T) * g.n_kv_heads * g.head_dim;
+  for (int l = 0; l < g.n_layers; ++l) {
+    d.k[l].resize(sz);
+    d.v[l].resize(sz);
+    for (float& x : d.k[l]) x = n(rng);
+    for (float& x : d.v[l]) x = n(rng);
+  }
+  return d;
+}
+
+// Appends tokens [from, to) in one step: reserve, write every layer, commit.
+void Append(KvCache& cache, SeqId seq, const Data& d, int64_t from, int64_t to) {
+  const KvCacheGeometry& g = cache.geometry();
+  const int64_t row = static_cast<int64_t>(g.n_kv_heads) * g.head_dim;
+  ASSERT_TRUE(cache.Reserve(seq, to - from).ok());
+  for (int l = 0; l < g.n_layers; ++l) {
+    cache.Write(l, seq, from, to - from, d.k[l].data() + from * row, d.v[l].data() + from * row);
+  }
+  ASSERT_TRUE(cache.Commit(seq, to).ok());
+}
+
+// Attention of n queries at positions [pos, pos + n) for `layer`. out: [n, n_heads, hd]
+std::vector<float> RunAttend(KvCache& cache, int layer, SeqId seq, int64_t pos, int64_t n,
+                             const std::vector<float>& q, int n_heads) {
+  std::vector<float> out(q.size());
+  AttentionRequest req{seq, pos, n, q.data(), out.data()};
+  cache.Attend(layer, std::span<const AttentionRequest>(&req, 1), n_heads);
+  return out;
+}
+
+// The keys and values each query sees, per layer and token: reconstructed for compressed
+// tokens (from the decoded codes: k^ = P_q c, v^ = R_v^T u), exact for full-rank ones.
+Data EffectiveKv(const CompressedKvCache& cache, SeqId seq, const Data& d, int64_t T,
+                 CoeffDtype dt) {
+  const KvCacheGeometry& g = cache.geometry();
+  const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = cache.block_size();
+  Data eff = d;
+  for (int l = 0; l < g.n_layers; ++l) {
+    const int rk = cache.r_k()[l], rv = cache.r_v()[l];
+    std::vector<bool> outlier(static_cast<size_t>(T), false);
+    for (int64_t p : cache.OutlierPositions(seq, l)) outlier[p] = true;
+    for (int64_t t = 0; t < T; ++t) {
+      if (!cache.IsCompressed(seq, l, t / bs) || outlier[t]) continue;
+      for (int h = 0; h < n_kv; ++h) {
+        const LayerBasis& b =
+            cache.registry().Get(cache.BlockEpoch(seq, l, t / bs, h))->layers[l];
+        const float* k = d.k[l].data() + (t * n_kv + h) * hd;
+        const float* v = d.v[l].data() + (t * n_kv + h) * hd;
+        std::vector<float> c(rk, 0.0f), u(rv, 0.0f), codes(std::max(rk, rv));
+        for (int i = 0; i < hd; ++i) {
+          for (int j = 0; j < rk; ++j) c[j] += b.p_k[(h * hd + i) * rk + j] * k[i];
+          for (int j = 0; j < rv; ++j) u[j] += b.p_v[(h * hd + i) * rv + j] * v[i];
+        }
+        uint16_t s;
+        EncodeCoeffs(dt, c.data(), rk, codes.data(), &s);
+        DecodeCoeffs(dt, codes.data(), &s, rk, c.data());
+        EncodeCoeffs(dt, u.data(), rv, codes.data(), &s);
+        DecodeCoeffs(dt, codes.data(), &s, rv, u.data());
+        float* ek = eff.k[l].data() + (t * n_kv + h) * hd;
+        float* ev = eff.v[l].data() + (t * n_kv + h) * hd;
+        for (int i = 0; i < hd; ++i) {
+          double kk = 0, vv = 0;
+          for (int j = 0; j < rk; ++j) kk += static_cast<double>(b.p_q[(h * hd + i) * rk + j]) * c[j];
+          for (int j = 0; j < rv; ++j) vv += static_cast<double>(b.r_v[(h * rv + j) * hd + i]) * u[j];
+          ek[i] = static_cast<float>(kk);
+          ev[i] = static_cast<float>(vv);
+        }
+      }
+    }
+  }
+  return eff;
+}
+
+// Dense causal attention in double. q: [n, n_heads, hd]; returns [n, n_heads, hd]
+std::vector<float> DenseAttend(const KvCacheGeometry& g, const Data& d, int layer, int64_t pos,
+                               int64_t n, const std::vector<float>& q, int n_heads) {
+  const int hd = g.head_dim, n_kv = g.n_kv_heads, group = n_heads / n_kv;
+  std::vector<float> out(q.size());
+  for (int64_t i = 0; i < n; ++i) {
+    for (int h = 0; h < n_heads; ++h) {
+      const int kvh = h / group;
+      const float* qq = q.data() + (i * n_heads + h) * hd;
+      std::vector<double> logit(pos + i + 1);
+      double mx = -1e300;
+      for (int64_t t = 0; t <= pos + i; ++t) {
+        double s = 0;
+        for (int x = 0; x < hd; ++x) s += static_cast<double>(qq[x]) * d.k[layer][(t * n_kv + kvh) * hd + x];
+        logit[t] = s / std::sqrt(static_cast<double>(hd));
+        mx = std::max(mx, logit[t]);
+      }
+      std::vector<double> o(hd, 0.0);
+      double sum = 0;
+      for (int64_t t = 0; t <= pos + i; ++t) {
+        const double p = std::exp(logit[t] - mx);
+        sum += p;
+        for (int x = 0; x < hd; ++x) o[x] += p * d.v[layer][(t * n_kv + kvh) * hd + x];
+      }
+      for (int x = 0; x < hd; ++x) out[(i * n_heads + h) * hd + x] = static_cast<float>(o[x] / sum);
+    }
+  }
+  return out;
+}
+
+double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_FALSE(std::isnan(a[i]));
+    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
+std::vector<float> RandomQ(int64_t n, int n_heads, int hd, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(n) * n_heads * hd);
+  for (float& x : q) x = nd(rng);
+  return q;
+}
+
+CompressedKvCacheConfig SmallConfig(KvCacheGeometry g, int r, CoeffDtype dt) {
+  CompressedKvCacheConfig c;
+  c.geometry = g;
+  c.block_size = 4;
+  c.sink_tokens = 2;
+  c.window_tokens = 8;
+  c.r_k = std::vector<int>(g.n_layers, r);
+  c.r_v = std::vector<int>(g.n_layers, r);
+  c.coeff_dtype = dt;
+  c.capacity_bytes = 256 * CompressedKvCache::PageBytes(g, c.block_size);
+  return c;
+}
+
+std::unique_ptr<CompressedKvCache> Make(const CompressedKvCacheConfig& c) {
+  auto cache = CompressedKvCache::Create(c);
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  return cache.ok() ? *std::move(cache) : nullptr;
+}
+
+TEST(CompressedKvCacheTest, RejectsBadConfig) {
+  CompressedKvCacheConfig c = SmallConfig({2, 2, 16}, 4, CoeffDtype::kFp16);
+  c.block_size = 65;
+  EXPECT_EQ(CompressedKvCache::Create(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c = SmallConfig({2, 2, 16}, 17, CoeffDtype::kFp16);
+  EXPECT_EQ(CompressedKvCache::Create(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c = SmallConfig({2, 2, 16}, 4, CoeffDtype::kFp16);
+  c.capacity_bytes = CompressedKvCache::PageBytes(c.geometry, 4);
+  EXPECT_EQ(CompressedKvCache::Create(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c = SmallConfig({2, 2, 16}, 4, CoeffDtype::kFp16);
+  auto cache = Make(c);
+  EXPECT_FALSE(cache->InstallBasis(OrthoBasis(c.geometry, 5, 4, 1)).ok());  // wrong rank
+}
+
+// Full rank, fp32 coefficients, an orthonormal basis (installed, or the sequence's own PCA):
+// equals the full-rank paged cache, decode and a prefill chunk, every layer.
+TEST(CompressedKvCacheTest, FullRankEqualsPagedCache) {
+  const KvCacheGeometry g{2, 2, 16};
+  const int n_heads = 4;
+  for (bool pca : {false, true}) {
+    CompressedKvCacheConfig c = SmallConfig(g, 16, CoeffDtype::kFp32);
+    auto cache = Make(c);
+    PagedKvCache::Config pc{g, 4, 256 * PagedKvCache::BlockBytes(g, 4)};
+    auto paged = *PagedKvCache::Create(pc);
+    SeqId s = *cache->CreateSequence();
+    SeqId ps = *paged->CreateSequence();
+    if (!pca) {
+      EpochId e = *cache->InstallBasis(OrthoBasis(g, 16, 16, 7));
+      ASSERT_TRUE(cache->SetSequenceEpoch(s, e).ok());
+      ASSERT_TRUE(cache->ReleaseEpoch(e).ok());
+    }
+    const int64_t T = 45;
+    Data d = RandomKv(g, T + 8, 3);
+    int64_t pos = 0;
+    for (int64_t step : {13, 7, 1, 1, 9, 14}) {
+      Append(*cache, s, d, pos, pos + step);
+      Append(*paged, ps, d, pos, pos + step);
+      pos += step;
+    }
+    ASSERT_EQ(pos, T);
+    EXPECT_TRUE(cache->IsCompressed(s, 0, 1));
+    EXPECT_FALSE(cache->IsCompressed(s, 0, 0));  // sinks
+    // Decode step and a prefill chunk of 8 after it.
+    Append(*cache, s, d, T, T + 8);
+    Append(*paged, ps, d, T, T + 8);
+    for (int l = 0; l < g.n_layers; ++l) {
+      std::vector<float> q = RandomQ(8, n_heads, 16, 11 + l);
+      const double err = RelErr(RunAttend(*cache, l, s, T, 8, q, n_heads),
+                                RunAttend(*paged, l, ps, T, 8, q, n_heads));
+      EXPECT_LE(err, 1e-5) << "pca=" << pca << " layer " << l;
+      std::printf("full rank (%s basis) layer %d: rel err vs paged %.3g\n", pca ? "PCA" : "random",
+                  l, err);
+    }
+  }
+}
+
+class LowRankTest : public ::testing::TestWithParam<CoeffDtype> {};
+
+// Rank r < d with an oblique (KQ-SVD-shaped) basis: equals dense attention over the
+// reconstructed keys/values; then a second epoch joins the same sequence.
+TEST_P(LowRankTest, MatchesReconstructionReferenceAcrossEpochs) {
+  const CoeffDtype dt = GetParam();
+  const KvCacheGeometry g{2, 2, 16};
+  const int n_heads = 6;  // GQA group of 3
+  auto cache = Make(SmallConfig(g, 5, dt));
+  SeqId s = *cache->CreateSequence();
+  EpochId a = *cache->InstallBasis(ObliqueBasis(g, 5, 5, 21));
+  EpochId b = *cache->InstallBasis(OrthoBasis(g, 5, 5, 22));
+  ASSERT_TRUE(cache->SetSequenceEpoch(s, a).ok());
+  const int64_t T = 60;
+  Data d = RandomKv(g, T + 1, 5);
+  Append(*cache, s, d, 0, 30);
+  ASSERT_TRUE(cache->SetSequenceEpoch(s, b).ok());
+  Append(*cache, s, d, 30, 45);
+  for (int64_t p = 45; p < T; ++p) Append(*cache, s, d, p, p + 1);
+  EXPECT_EQ(cache->BlockEpoch(s, 0, 1, 0), a);
+  EXPECT_EQ(cache->BlockEpoch(s, 1, 4, 1), a);
+  EXPECT_EQ(cache->BlockEpoch(s, 0, 6, 0), b);
+  EXPECT_EQ(cache->BlockEpoch(s, 0, 10, 1), b);
+  EXPECT_FALSE(cache->IsCompressed(s, 0, 13));  // window: [52, 60)
+  Data eff = EffectiveKv(*cache, s, d, T + 1, dt);
+  Append(*cache, s, d, T, T + 1);
+  for (int l = 0; l < g.n_layers; ++l) {
+    std::vector<float> q = RandomQ(1, n_heads, 16, 31 + l);
+    const double err = RelErr(RunAttend(*cache, l, s, T, 1, q, n_heads),
+                              DenseAttend(g, eff, l, T, 1, q, n_heads));
+    EXPECT_LE(err, 1e-5) << CoeffDtypeName(dt) << " layer " << l;
+    std::printf("rank 5/16 %s, 2 epochs, layer %d: rel err vs reconstruction %.3g\n",
+                CoeffDtypeName(dt), l, err);
+  }
+  // Refcounts: epochs die with their last block, sequence and installer reference.
+  ASSERT_TRUE(cache->ReleaseEpoch(a).ok());
+  ASSERT_TRUE(cache->ReleaseEpoch(b).ok());
+  EXPECT_EQ(cache->Detail().epochs_live, 2);
+  ASSERT_TRUE(cache->FreeSequence(s).ok());
+  EXPECT_EQ(cache->Detail().epochs_live, 0);
+  EXPECT_EQ(cache->Stats().blocks_free, cache->Stats().blocks_total);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, LowRankTest,
+                         ::testing::Values(CoeffDtype::kFp32, CoeffDtype::kFp16, CoeffDtype::kInt8),
+                         [](const auto& info) { return std::string(CoeffDtypeName(info.param)); });
+
+// int8 and fp16 against fp32 coefficients (same basis): the quantisation error alone.
+TEST(CompressedKvCacheTest, QuantizedCloseToFp32Coefficients) {
+  const KvCacheGeometry g{1, 2, 32};
+  const int n_heads = 4;
+  std::vector<float> q = RandomQ(1, n_heads, 32, 9);
+  Data d = RandomKv(g, 101, 8);
+  std::vector<float> ref;
+  for (CoeffDtype dt : {CoeffDtype::kFp32, CoeffDtype::kFp16, CoeffDtype::kInt8}) {
+    auto cache = Make(SmallConfig(g, 8, dt));
+    SeqId s = *cache->CreateSequence();
+    EpochId e = *cache->InstallBasis(OrthoBasis(g, 8, 8, 4));
+    ASSERT_TRUE(cache->SetSequenceEpoch(s, e).ok());
+    Append(*cache, s, d, 0, 101);
+    std::vector<float> out = RunAttend(*cache, 0, s, 100, 1, q, n_heads);
+    if (dt == CoeffDtype::kFp32) {
+      ref = out;
+      continue;
+    }
+    const double err = RelErr(out, ref);
+    std::printf("%s vs fp32 coefficients: rel err %.3g\n", CoeffDtypeName(dt), err);
+    EXPECT_LE(err, dt == CoeffDtype::kFp16 ? 2e-3 : 2e-2);
+  }
+}
+
+// Tokens the rank-2 basis represents badly stay full-rank and are attended exactly.
+TEST(CompressedKvCacheTest, OutliersKeptExactly) {
+  const KvCacheGeometry g{1, 2, 16};
+  CompressedKvCacheConfig c = SmallConfig(g, 4, CoeffDtype::kFp16);
+  c.outlier_threshold = 0.85f;
+  auto cache = Make(c);
+  SeqId s = *cache->CreateSequence();
+  EpochId e = *cache->InstallBasis(OrthoBasis(g, 4, 4, 2));
+  ASSERT_TRUE(cache->SetSequenceEpoch(s, e).ok());
+  Data d = RandomKv(g, 81, 6);
+  Append(*cache, s, d, 0, 80);
+  const int64_t n_out = static_cast<int64_t>(cache->OutlierPositions(s, 0).size());
+  EXPECT_GT(n_out, 0);
+  EXPECT_LT(n_out, 60);
+  EXPECT_GT(cache->Stats().bytes_used_outlier, 0);
+  std::printf("outliers: %ld of %d compressed tokens\n", static_cast<long>(n_out), 80 - 4 - 8);
+  Data eff = EffectiveKv(*cache, s, d, 81, CoeffDtype::kFp16);
+  for (int64_t p : cache->OutlierPositions(s, 0)) {
+    EXPECT_EQ(eff.k[0][p * 32], d.k[0][p * 32]);  // reference uses the exact key
+  }
+  Append(*cache, s, d, 80, 81);
+  std::vector<float> q = RandomQ(1, 2, 16, 3);
+  EXPECT_LE(RelErr(RunAttend(*cache, 0, s, 80, 1, q, 2), DenseAttend(g, eff, 0, 80, 1, q, 2)), 1e-5);
+}
+
+TEST(CompressedKvCacheTest, ReserveTruncateAccounting) {
+  const KvCacheGeometry g{2, 1, 8};
+  CompressedKvCacheConfig c = SmallConfig(g, 2, CoeffDtype::kFp16);
+  c.capacity_bytes = 12 * CompressedKvCache::PageBytes(g, 4);
+  auto cache = Make(c);
+  SeqId s = *cache->CreateSequence();
+  EpochId e = *cache->InstallBasis(OrthoBasis(g, 2, 2, 1));
+  ASSERT_TRUE(cache->SetDefaultEpoch(e).ok());
+  EXPECT_EQ(cache->BlocksNeeded(s, 24), 12);
+  EXPECT_EQ(cache->Reserve(s, 25).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(cache->Stats().blocks_free, 12);  // all or nothing
+  Data d = RandomKv(g, 64, 1);
+  Append(*cache, s, d, 0, 24);  // pool full before Commit; compression gives pages back
+  KvCacheStats st = cache->Stats();
+  // Blocks 1..3 ([4, 16)) left the window [16, 24): 3 per layer compressed into one slab page
+  // per layer class (shared across layers of equal ranks).
+  EXPECT_TRUE(cache->IsCompressed(s, 1, 3));
+  EXPECT_FALSE(cache->IsCompressed(s, 1, 4));
+  EXPECT_EQ(st.bytes_used_full, 6 * cache->pool().block_bytes());
+  EXPECT_EQ(st.bytes_used_compressed, cache->pool().block_bytes());
+  EXPECT_EQ(st.tokens_cached, 24);
+  EXPECT_EQ(st.bytes_full_fp16_equivalent, 24 * 2 * 2 * 1 * 8 * 2);
+  EXPECT_EQ(cache->Detail().blocks_compressed, 6);
+  // Attention before and after cutting into a compressed block agrees on the kept prefix.
+  std::vector<float> q = RandomQ(1, 2, 8, 5);
+  std::vector<float> before = RunAttend(*cache, 1, s, 9, 1, q, 2);
+  ASSERT_TRUE(cache->Truncate(s, 10).ok());
+  EXPECT_EQ(cache->Length(s), 10);
+  EXPECT_FALSE(cache->IsCompressed(s, 1, 2));  // expanded for rewriting
+  EXPECT_TRUE(cache->IsCompressed(s, 1, 1));
+  EXPECT_LE(RelErr(RunAttend(*cache, 1, s, 9, 1, q, 2), before), 1e-6);
+  // Grows again through the policy, a few tokens per step as the small pool allows.
+  for (int64_t p = 10; p < 40; p += 2) Append(*cache, s, d, p, p + 2);
+  EXPECT_TRUE(cache->IsCompressed(s, 0, 7));
+  ASSERT_TRUE(cache->FreeSequence(s).ok());
+  EXPECT_EQ(cache->Stats().blocks_free, 12);
+  EXPECT_EQ(cache->Stats().bytes_used_compressed, 0);
+  ASSERT_TRUE(cache->SetDefaultEpoch(kNoEpoch).ok());
+  ASSERT_TRUE(cache->ReleaseEpoch(e).ok());
+  EXPECT_EQ(cache->Detail().epochs_live, 0);
+}
+
+// Memory at r = d/4, S = 4, W = 64, B = 16 for a 4k-token sequence.
+TEST(CompressedKvCacheTest, MemoryPerTokenAt4k) {
+  for (KvCacheGeometry g : {KvCacheGeometry{1, 2, 64}, KvCacheGeometry{1, 8, 128}}) {
+    for (CoeffDtype dt : {CoeffDtype::kFp16, CoeffDtype::kInt8}) {
+      CompressedKvCacheConfig c;
+      c.geometry = g;
+      c.block_size = 16;
+      c.sink_tokens = 4;
+      c.window_tokens = 64;
+      c.coeff_dtype = dt;
+      c.capacity_bytes = 300 * CompressedKvCache::PageBytes(g, 16);
+      auto cache = Make(c);
+      SeqId s = *cache->CreateSequence();
+      EpochId e = *cache->InstallBasis(OrthoBasis(g, g.head_dim / 4, g.head_dim / 4, 1));
+      ASSERT_TRUE(cache->SetSequenceEpoch(s, e).ok());
+      Data d = RandomKv(g, 4096, 2);
+      for (int64_t p = 0; p < 4096; p += 512) Append(*cache, s, d, p, p + 512);
+      const KvCacheStats st = cache->Stats();
+      const CompressedKvCacheDetail det = cache->Detail();
+      const double used = static_cast<double>(st.bytes_used_full + st.bytes_used_compressed +
+                                              st.bytes_used_outlier);
+      const double ratio = used / static_cast<double>(st.bytes_full_fp16_equivalent);
+      // The same with full blocks at fp16 (the GPU layout): what the format itself costs.
+      const double ratio_fp16_full =
+          (st.bytes_used_full / 2.0 + st.bytes_used_compressed) / st.bytes_full_fp16_equivalent;
+      std::printf(
+          "n_kv %d hd %d %s: %.1f B/token/layer vs %lld fp16 full-rank = %.1f%% (x%.2f); "
+          "with fp16 full blocks %.1f%%; payload %.1f%% of slab pages\n",
+          g.n_kv_heads, g.head_dim, CoeffDtypeName(dt), used / 4096.0,
+          static_cast<long long>(2 * g.n_kv_heads * g.head_dim * 2), 100 * ratio, 1 / ratio,
+          100 * ratio_fp16_full,
+          100.0 * det.compressed_slot_bytes / std::max<int64_t>(st.bytes_used_compressed, 1));
+      EXPECT_LE(ratio, dt == CoeffDtype::kFp16 ? 0.30 : 0.19);
+      EXPECT_LE(ratio_fp16_full, dt == CoeffDtype::kFp16 ? 0.28 : 0.17);
+    }
+  }
+}
+
+// The tiny model end to end: Forward over the compressed cache at full rank (PCA epoch of the
+// sequence's own keys, fp32 coefficients) matches the paged cache's logits.
+TEST(CompressedKvCacheTest, TinyModelForwardMatchesPaged) {
+  auto tm = testing::LoadTinyModel();
+  ASSERT_TRUE(tm.ok()) << tm.status();
+  const ModelConfig& mc = tm->model->config();
+  const KvCacheGeometry g = mc.cache_geometry();
+  CompressedKvCacheConfig c;
+  c.geometry = g;
+  c.block_size = 4;
+  c.sink_tokens = 1;
+  c.window_tokens = 6;
+  c.r_k = c.r_v = std::vector<int>(g.n_layers, g.head_dim);
+  c.coeff_dtype = CoeffDtype::kFp32;
+  c.capacity_bytes = 256 * CompressedKvCache::PageBytes(g, 4);
+  auto cache = Make(c);
+  auto paged = *testing::MakeTinyCache(mc, 4, 256);
+  std::mt19937 rng(5);
+  std::vector<int32_t> tokens(60);
+  for (int32_t& t : tokens) t = testing::kTinyFirstByte + static_cast<int32_t>(rng() % 200);
+  SeqId s = *cache->CreateSequence(), ps = *paged->CreateSequence();
+  int64_t pos = 0;
+  double worst = 0;
+  for (int64_t n : {20, 1, 1, 15, 1, 1, 1, 20}) {
+    ASSERT_TRUE(cache->Reserve(s, n).ok());
+    ASSERT_TRUE(paged->Reserve(ps, n).ok());
+    std::span<const int32_t> chunk(tokens.data() + pos, static_cast<size_t>(n));
+    std::vector<float> a, b;
+    SequenceChunk ca{s, pos, chunk, true}, cb{ps, pos, chunk, true};
+    ASSERT_TRUE(tm->model->Forward(std::span<const SequenceChunk>(&ca, 1), *cache, &a).ok());
+    ASSERT_TRUE(tm->model->Forward(std::span<const SequenceChunk>(&cb, 1), *paged, &b).ok());
+    worst = std::max(worst, RelErr(a, b));
+    pos += n;
+  }
+  EXPECT_GT(cache->Detail().blocks_compressed, 0);
+  EXPECT_LE(worst, 1e-5);
+  std::printf("tiny model full-rank logits: worst rel err vs paged %.3g\n", worst);
+}
+
+class Collect : public GenerateObserver {
+ public:
+  void OnTokens(std::span<const GeneratedTokenEvent> events) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const GeneratedTokenEvent& e : events) tokens_.push_back(e.token);
+  }
+  void OnFinish(const GenerateResult&) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    cv_.notify_all();
+  }
+  std::vector<int32_t> Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(30), [this] { return done_; });
+    return tokens_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::vector<int32_t> tokens_;
+};
+
+std::vector<int32_t> Gen(Engine& engine, std::vector<int32_t> prompt, int n, std::string session) {
+  GenerateRequest r;
+  r.prompt = std::move(prompt);
+  r.max_new_tokens = n;
+  r.ignore_eos = true;
+  r.session_id = std::move(session);
+  auto obs = std::make_shared<Collect>();
+  EXPECT_TRUE(engine.Submit(std::move(r), obs).ok());
+  return obs->Wait();
+}
+
+// A session continued over several calls equals one call, with the engine on the compressed
+// cache (full rank, so chunking cannot change what attention sees).
+TEST(CompressedKvCacheTest, EngineSessionContinuationIsExact) {
+  auto tm = testing::LoadTinyModel();
+  ASSERT_TRUE(tm.ok());
+  const KvCacheGeometry g = tm->model->config().cache_geometry();
+  CompressedKvCacheConfig c;
+  c.geometry = g;
+  c.block_size = 4;
+  c.sink_tokens = 1;
+  c.window_tokens = 4;
+  c.r_k = c.r_v = std::vector<int>(g.n_layers, g.head_dim);
+  c.coeff_dtype = CoeffDtype::kFp32;
+  c.capacity_bytes = 256 * CompressedKvCache::PageBytes(g, 4);
+  auto engine = *Engine::Create({}, tm->model, tm->tokenizer, Make(c));
+  auto session = engine->CreateSession();
+  ASSERT_TRUE(session.ok());
+  std::vector<int32_t> a = tm->tokenizer->Encode("hello world and the");
+  std::vector<int32_t> b = tm->tokenizer->Encode("of the world", {.add_bos = false});
+  std::vector<int32_t> first = Gen(*engine, a, 12, session->id);
+  std::vector<int32_t> second = Gen(*engine, b, 10, session->id);
+  std::vector<int32_t> all = a;
+  all.insert(all.end(), first.begin(), first.end());
+  all.insert(all.end(), b.begin(), b.end());
+  std::vector<int32_t> one_shot = Gen(*engine, all, 10, "");
+  ASSERT_EQ(second.size(), 10u);
+  EXPECT_EQ(second, one_shot);
+  const KvCacheStats st = engine->Stats().cache;
+  EXPECT_GT(st.bytes_used_compressed, 0);
+}
+
+}  // namespace
+}  // namespace subspace
