@@ -1,8 +1,11 @@
 // subspace: the command-line client of the Subspace gRPC service: generate, stream, sessions,
-// model info, cache stats and a serving benchmark. Errors exit non-zero with the gRPC code name.
+// model info, cache stats, health and a serving benchmark. Errors exit non-zero with the gRPC
+// code name.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -16,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/load_generator.h"
 #include "client/subspace_client.h"
@@ -47,6 +51,10 @@ ABSL_FLAG(bool, ignore_eos, false, "keep generating past the end-of-sequence tok
 ABSL_FLAG(std::string, session, "", "session id to continue");
 ABSL_FLAG(uint32_t, ttl_seconds, 0, "session create: idle TTL; 0 = the server's default");
 
+ABSL_FLAG(std::string, service, "", "health: the service to check; empty = the whole server");
+ABSL_FLAG(double, wait_seconds, 0,
+          "health: poll until SERVING for up to this many seconds; 0 = check once");
+
 ABSL_FLAG(int32_t, num_requests, 100, "bench: number of requests");
 ABSL_FLAG(int32_t, concurrency, 16, "bench: requests in flight at most");
 ABSL_FLAG(double, request_rate, std::numeric_limits<double>::infinity(),
@@ -72,11 +80,15 @@ Commands:
   session create [--ttl-seconds N] | get ID | list | delete ID
   info     model description
   stats    KV cache statistics
+  health   [--service NAME --wait-seconds N] prints SERVING, NOT_SERVING, UNKNOWN or
+           SERVICE_UNKNOWN; exits 0 only when SERVING. --wait-seconds polls until SERVING
+           (an unreachable server counts as not ready) or the time runs out
   bench    [--num-requests N --concurrency C --request-rate R --prompt-tokens 64|32:128
             --output-tokens N|MIN:MAX --prompt-kind tokens|text --seed S --json FILE]
 )";
 
-constexpr const char* kCommands[] = {"generate", "stream", "session", "info", "stats", "bench"};
+constexpr const char* kCommands[] = {"generate", "stream", "session", "info",
+                                     "stats",    "health", "bench"};
 
 bool IsCommand(const std::string& arg) {
   for (const char* c : kCommands) {
@@ -204,6 +216,7 @@ absl::Status RunGenerate(SubspaceClient& client, const std::vector<std::string>&
     return absl::OkStatus();
   }
   std::printf("%s\n", response->text().c_str());
+  std::fflush(stdout);  // the text before the usage on stderr, also when both go to one file
   for (const v1::GeneratedToken& t : response->tokens()) {
     std::string alternatives;
     for (const v1::TokenLogprob& a : t.top_logprobs()) {
@@ -357,6 +370,52 @@ absl::Status RunStats(SubspaceClient& client) {
   return absl::OkStatus();
 }
 
+// Polls health every kHealthPollInterval until SERVING or --wait-seconds pass; each check gets
+// at most kHealthCallTimeout, so one hung connection cannot eat the whole wait.
+constexpr absl::Duration kHealthPollInterval = absl::Milliseconds(200);
+constexpr absl::Duration kHealthCallTimeout = absl::Seconds(2);
+
+// A channel that failed to connect waits out gRPC's reconnect backoff and re-resolution delay
+// (5 s and more) before it tries again, so each check after a failure gets a fresh channel,
+// with a subchannel of its own rather than the old one from the process-wide pool.
+std::unique_ptr<SubspaceClient> FreshClient(const ClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return std::make_unique<SubspaceClient>(
+      grpc::CreateCustomChannel(options.server, grpc::InsecureChannelCredentials(), args), options);
+}
+
+absl::Status RunHealth(ClientOptions options) {
+  const double wait_seconds = absl::GetFlag(FLAGS_wait_seconds);
+  if (!(wait_seconds >= 0)) return absl::InvalidArgumentError("--wait-seconds must be >= 0");
+  const std::string service = absl::GetFlag(FLAGS_service);
+  const bool wait = wait_seconds > 0;
+  if (wait) options.timeout = std::min(options.timeout, kHealthCallTimeout);
+  const absl::Time deadline = absl::Now() + absl::Seconds(wait_seconds);
+  std::unique_ptr<SubspaceClient> client = FreshClient(options);
+  absl::StatusOr<ServingStatus> health = client->Health(service);
+  while (wait && !(health.ok() && *health == health_v1::HealthCheckResponse::SERVING) &&
+         health.status().code() != absl::StatusCode::kUnimplemented) {  // no health service
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) break;
+    absl::SleepFor(std::min(kHealthPollInterval, left));
+    if (!health.ok()) client = FreshClient(options);
+    health = client->Health(service);
+  }
+  const std::string waited = wait ? absl::StrFormat(" (waited %g s)", wait_seconds) : std::string();
+  if (!health.ok()) {
+    return absl::Status(health.status().code(), absl::StrCat(health.status().message(), waited));
+  }
+  const std::string name = health_v1::HealthCheckResponse::ServingStatus_Name(*health);
+  std::printf("%s\n", name.c_str());
+  if (*health != health_v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(
+        absl::StrCat(service.empty() ? "the server" : absl::StrCat("service '", service, "'"),
+                     " is ", name, waited));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RunBenchCommand(SubspaceClient& client) {
   BenchConfig config;
   config.num_requests = absl::GetFlag(FLAGS_num_requests);
@@ -408,6 +467,7 @@ absl::Status Run(const std::vector<char*>& positional, const std::vector<std::st
   if (timeout < 0) return absl::InvalidArgumentError("--timeout-seconds must be >= 0");
   if (timeout > 0) options.timeout = absl::Seconds(timeout);
   options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  if (command == "health") return RunHealth(options);  // with its own channel settings
   SubspaceClient client(options);
 
   if (command == "generate") return RunGenerate(client, stops);

@@ -1,4 +1,4 @@
-// SubspaceClient: blocking calls on the generated stub, translating grpc::Status to
+// SubspaceClient: blocking calls on the generated stubs, translating grpc::Status to
 // absl::Status one-to-one (the codes are the same numbers).
 #include "client/subspace_client.h"
 
@@ -18,7 +18,8 @@ SubspaceClient::SubspaceClient(ClientOptions options)
 SubspaceClient::SubspaceClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
     : options_(std::move(options)),
       channel_(std::move(channel)),
-      stub_(v1::Subspace::NewStub(channel_)) {}
+      stub_(v1::Subspace::NewStub(channel_)),
+      health_stub_(health_v1::Health::NewStub(channel_)) {}
 
 void SubspaceClient::Prepare(grpc::ClientContext& context, const std::string& session_id) const {
   if (options_.timeout != absl::InfiniteDuration()) {
@@ -129,6 +130,20 @@ absl::StatusOr<v1::CacheStats> SubspaceClient::GetCacheStats() {
   grpc::Status status = stub_->GetCacheStats(&context, v1::GetCacheStatsRequest(), &stats);
   if (!status.ok()) return FromGrpcStatus(status);
   return stats;
+}
+
+absl::StatusOr<ServingStatus> SubspaceClient::Health(const std::string& service) {
+  grpc::ClientContext context;
+  Prepare(context, "");
+  health_v1::HealthCheckRequest request;
+  request.set_service(service);
+  health_v1::HealthCheckResponse response;
+  grpc::Status status = health_stub_->Check(&context, request, &response);
+  if (status.error_code() == grpc::StatusCode::NOT_FOUND) {
+    return health_v1::HealthCheckResponse::SERVICE_UNKNOWN;
+  }
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.status();
 }
 
 }  // namespace subspace::client

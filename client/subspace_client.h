@@ -1,6 +1,7 @@
-// A small synchronous C++ client for the subspace.v1.Subspace gRPC service: one method per RPC,
-// absl::Status errors carrying the gRPC code, per-call deadlines, and the `x-session-id` request
-// header that session-affine proxies route on. Thread-safe: one client may serve many threads.
+// A small synchronous C++ client for the subspace.v1.Subspace gRPC service and the standard
+// grpc.health.v1 check: one method per RPC, absl::Status errors carrying the gRPC code, per-call
+// deadlines, and the `x-session-id` request header that session-affine proxies route on.
+// Thread-safe: one client may serve many threads.
 #ifndef SUBSPACE_CLIENT_SUBSPACE_CLIENT_H_
 #define SUBSPACE_CLIENT_SUBSPACE_CLIENT_H_
 
@@ -14,11 +15,14 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "proto/health.grpc.pb.h"
 #include "proto/subspace.grpc.pb.h"
 
 namespace subspace::client {
 
 namespace v1 = ::subspace::v1;
+namespace health_v1 = ::grpc::health::v1;
+using ServingStatus = health_v1::HealthCheckResponse::ServingStatus;
 
 // The metadata key carrying the session id of a call, so proxies can route without parsing the
 // body. Set on every call that names a session.
@@ -71,6 +75,11 @@ class SubspaceClient {
   absl::StatusOr<v1::ModelInfo> GetModelInfo();
   absl::StatusOr<v1::CacheStats> GetCacheStats();
 
+  // grpc.health.v1.Health/Check of `service` ("" is the whole server). A service the server
+  // does not know (Check answers NOT_FOUND) is returned as SERVICE_UNKNOWN, so every answer is
+  // a status; not reaching the server stays an error (UNAVAILABLE, DEADLINE_EXCEEDED).
+  absl::StatusOr<ServingStatus> Health(const std::string& service = "");
+
   const ClientOptions& options() const { return options_; }
 
  private:
@@ -80,6 +89,7 @@ class SubspaceClient {
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Subspace::Stub> stub_;
+  std::unique_ptr<health_v1::Health::Stub> health_stub_;
 };
 
 }  // namespace subspace::client

@@ -1,6 +1,7 @@
-// Tests of the C++ client library and the bench: SubspaceClient and RunBench against a real
-// in-process ServerApp on port 0, the x-session-id header against a recording fake service,
-// and the bench's length parsing and percentile arithmetic.
+// Tests of the C++ client library and the bench: SubspaceClient (the Subspace API and the
+// grpc.health.v1 check) and RunBench against a real in-process ServerApp on port 0, the
+// x-session-id header against a recording fake service, and the bench's length parsing and
+// percentile arithmetic.
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
@@ -155,6 +156,43 @@ TEST_F(ClientServerTest, ServerErrorsKeepTheirCode) {
   nowhere.server = "127.0.0.1:1";
   SubspaceClient unreachable(nowhere);
   EXPECT_EQ(unreachable.GetModelInfo().status().code(), absl::StatusCode::kUnavailable);
+}
+
+// Our generated grpc.health.v1 messages live in this process beside gRPC's built-in health
+// service (upb inside), which the server answers with.
+TEST_F(ClientServerTest, HealthIsServing) {
+  using health_v1::HealthCheckResponse;
+  absl::StatusOr<ServingStatus> health = client_->Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, HealthCheckResponse::SERVING);
+  EXPECT_EQ(client_->Health("subspace.v1.Subspace").value_or(HealthCheckResponse::UNKNOWN),
+            HealthCheckResponse::SERVING);
+  EXPECT_EQ(client_->Health("no.such.Service").value_or(HealthCheckResponse::UNKNOWN),
+            HealthCheckResponse::SERVICE_UNKNOWN);
+
+  ClientOptions nowhere;
+  nowhere.server = "127.0.0.1:1";
+  SubspaceClient unreachable(nowhere);
+  EXPECT_EQ(unreachable.Health().status().code(), absl::StatusCode::kUnavailable);
+}
+
+// Draining needs a server of its own: the suite's keeps serving the other tests.
+TEST(ClientHealthTest, NotServingWhileDraining) {
+  using health_v1::HealthCheckResponse;
+  absl::StatusOr<std::unique_ptr<server::ServerApp>> app =
+      server::ServerApp::Start(TestServerConfig());
+  ASSERT_TRUE(app.ok()) << app.status();
+  ClientOptions options;
+  options.server = absl::StrCat("127.0.0.1:", (*app)->port());
+  options.timeout = absl::Seconds(30);
+  SubspaceClient client(options);
+  EXPECT_EQ(client.Health().value_or(HealthCheckResponse::UNKNOWN), HealthCheckResponse::SERVING);
+  (*app)->BeginDrain();
+  EXPECT_EQ(client.Health().value_or(HealthCheckResponse::UNKNOWN),
+            HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(client.Health("subspace.v1.Subspace").value_or(HealthCheckResponse::UNKNOWN),
+            HealthCheckResponse::NOT_SERVING);
+  EXPECT_TRUE((*app)->Shutdown());
 }
 
 TEST_F(ClientServerTest, SessionLifecycle) {

@@ -43,11 +43,13 @@ pb = pbg = health_pb = health_pbg = None  # generated modules, set by generate_s
 
 
 def generate_stubs(out_dir):
-    """Compiles subspace.proto and health.proto to Python modules in out_dir and imports them."""
+    """Compiles proto/subspace.proto and proto/health.proto (the standard grpc.health.v1, as
+    Debian's python3-grpcio comes without grpcio-health-checking) to Python modules in out_dir
+    and imports them."""
     global pb, pbg, health_pb, health_pbg
-    protos = [(os.path.join(ROOT, "proto"), "subspace.proto"), (HERE, "health.proto")]
+    include = os.path.join(ROOT, "proto")
     protoc, plugin = shutil.which("protoc"), shutil.which("grpc_python_plugin")
-    for include, name in protos:
+    for name in ("subspace.proto", "health.proto"):
         if protoc and plugin:
             cmd = [protoc, "--plugin=protoc-gen-grpc_python=" + plugin]
         else:  # grpc_tools bundles its own protoc; Debian's (1.14) predates proto3 `optional`
@@ -345,6 +347,14 @@ class GrpcClientTest(unittest.TestCase):
         r = self.cli("generate", "--prompt", "x", "--temperature", "-1", expect_ok=False)
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("INVALID_ARGUMENT", r.stderr)
+
+    def test_cli_health(self):
+        self.assertEqual(self.cli("health").stdout, "SERVING\n")
+        r = self.cli("health", "--service", "subspace.v1.Subspace", "--wait-seconds", "5")
+        self.assertEqual(r.stdout, "SERVING\n")
+        r = self.cli("health", "--service", "no.such.Service", expect_ok=False)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertEqual(r.stdout, "SERVICE_UNKNOWN\n")
 
     def test_cli_bench(self):
         out = os.path.join(self.tmp, "bench.json")
