@@ -1,0 +1,140 @@
+#!/usr/bin/python3
+"""Trains Subspace-tiny on the corpus from build_corpus.py (CPU, deterministic, fixed steps).
+
+Each training sequence is BOS followed by (context_length - 1) consecutive tokens of the
+tokenized train split, at a seeded random offset: the same framing the perplexity evaluation
+uses (see eval_lib.py), so train and eval losses are comparable.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import sentencepiece as spm
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import eval_lib  # noqa: E402
+from model import Config, Llama  # noqa: E402
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--data-dir", default="models/data")
+    ap.add_argument("--tokenizer", default="models/work/tokenizer.model")
+    ap.add_argument("--out", default="models/work/ckpt.pt")
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--min-lr-frac", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--ffn", type=int, default=704)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-chunks", type=int, default=24)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+
+    sp = spm.SentencePieceProcessor(model_file=args.tokenizer)
+    cfg = Config(vocab_size=sp.vocab_size(), n_layers=args.layers, ffn_dim=args.ffn,
+                 context_length=max(512, args.seq))
+    t0 = time.time()
+    train_ids = np.array(eval_lib.encode_file(sp, os.path.join(args.data_dir, "train.txt")),
+                         dtype=np.int64)
+    val_ids = eval_lib.encode_file(sp, os.path.join(args.data_dir, "val.txt"))
+    val_windows = eval_lib.windows(val_ids, cfg.context_length)[: args.eval_chunks]
+    log("tokenized train=%d val=%d tokens in %.1fs" % (len(train_ids), len(val_ids),
+                                                       time.time() - t0))
+
+    model = Llama(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    log("config %s" % json.dumps(cfg.__dict__))
+    log("params %d (%.2f M)" % (n_params, n_params / 1e6))
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+    def lr_at(step):
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        p = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 *
+                          (1 + math.cos(math.pi * p)))
+
+    history = []
+
+    def save(step):
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        tmp = args.out + ".tmp"
+        torch.save({"config": cfg.__dict__, "model": model.state_dict(), "step": step,
+                    "args": vars(args), "history": history}, tmp)
+        os.replace(tmp, args.out)
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"config": cfg.__dict__, "step": step, "params": n_params,
+                       "args": vars(args), "history": history}, f, indent=1)
+
+    n_body = args.seq - 1
+    tokens_per_step = args.batch * args.seq
+    t_start = time.time()
+    run_loss = None
+    for step in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        offs = rng.integers(0, len(train_ids) - n_body - 1, size=args.batch)
+        seqs = np.stack([np.concatenate(([eval_lib.BOS], train_ids[o:o + n_body]))
+                         for o in offs])
+        x = torch.from_numpy(seqs)
+        logits = model(x[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+        opt.step()
+        lv = loss.item()
+        run_loss = lv if run_loss is None else 0.9 * run_loss + 0.1 * lv
+        done = step + 1
+        if done % args.log_every == 0 or done == 1:
+            el = time.time() - t_start
+            eta = el / done * (args.steps - done)
+            log("step %5d/%d loss %.4f (ema %.4f) lr %.2e gnorm %.2f | %.2f s/step "
+                "%.0f tok/s | elapsed %s eta %s" % (
+                    done, args.steps, lv, run_loss, lr_at(step), gnorm, el / done,
+                    done * tokens_per_step / el, fmt(el), fmt(eta)))
+        if done % args.eval_every == 0 or done == args.steps:
+            model.eval()
+            vl = eval_lib.mean_nll(model, val_windows)
+            model.train()
+            history.append({"step": done, "train_loss_ema": round(run_loss, 4),
+                            "val_loss": round(vl, 4), "elapsed_s": round(time.time() - t_start)})
+            log("eval step %d train_loss_ema %.4f val_loss %.4f (val ppl %.2f, %d chunks)" % (
+                done, run_loss, vl, math.exp(vl), len(val_windows)))
+            save(done)
+    log("done in %s; checkpoint %s" % (fmt(time.time() - t_start), args.out))
+
+
+def fmt(s):
+    s = int(s)
+    return "%d:%02d:%02d" % (s // 3600, s // 60 % 60, s % 60)
+
+
+if __name__ == "__main__":
+    main()
