@@ -105,7 +105,9 @@ absl::Status RunGenerate(LlamaModel& model, KvCache& cache, const Tokenizer& tok
 
   Sampler sampler(params);
   StopMatcher stops(absl::GetFlag(FLAGS_stop));
-  StreamDecoder decoder(tokenizer);
+  // The prompt is echoed first, so the continuation keeps its leading space; only text that
+  // starts the output drops the space the tokenizer's dummy prefix added.
+  StreamDecoder decoder(tokenizer, /*strip_leading_space=*/absl::GetFlag(FLAGS_prompt).empty());
   std::vector<float> logits;
   const int n_vocab = model.config().n_vocab;
 
