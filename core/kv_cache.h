@@ -27,7 +27,7 @@ struct KvCacheStats {
   int64_t bytes_used_outlier = 0;
   // What the cached tokens would take full-rank at fp16: tokens_cached * n_layers * 2 (k, v)
   // * n_kv_heads * head_dim * 2 bytes; effective compression ratio = this / bytes used.
-  // 0 where a cache does not report it.
+  // Below 1 for the fp32 full-rank cache (0.5), above 1 once blocks are compressed.
   int64_t bytes_full_fp16_equivalent = 0;
   int64_t blocks_total = 0;
   int64_t blocks_free = 0;

@@ -318,6 +318,8 @@ KvCacheStats PagedKvCache::Stats() const {
   st.blocks_total = pool_->num_blocks();
   st.blocks_free = pool_->num_free();
   st.tokens_cached = tokens_cached_;
+  st.bytes_full_fp16_equivalent = tokens_cached_ * geometry_.n_layers * 2 *
+                                  geometry_.n_kv_heads * geometry_.head_dim * 2;
   st.sequences = live_sequences_;
   return st;
 }

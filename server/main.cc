@@ -11,11 +11,13 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/server_app.h"
 #include "spdlog/async.h"
@@ -29,7 +31,19 @@ ABSL_FLAG(int32_t, port, 50051, "gRPC port; 0 picks a free one and prints it");
 ABSL_FLAG(int32_t, metrics_port, 9090,
           "Prometheus /metrics HTTP port; 0 picks a free one, -1 turns metrics off");
 ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{256} << 20, "KV cache pool size in bytes");
-ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens");
+ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens (at most 64 when compressed)");
+ABSL_FLAG(std::string, kv_cache, "compressed",
+          "KV cache: 'compressed' (low-rank blocks outside the sinks and the window) or 'full' "
+          "(full-rank fp32 paged)");
+ABSL_FLAG(int32_t, kv_sink_tokens, 4, "compressed cache: first tokens kept full-rank (sinks)");
+ABSL_FLAG(int32_t, kv_window_tokens, 64, "compressed cache: last tokens kept full-rank");
+ABSL_FLAG(int32_t, kv_rank_k, 0, "compressed cache: key rank per KV head; 0 = head_dim / 4");
+ABSL_FLAG(int32_t, kv_rank_v, 0, "compressed cache: value rank per KV head; 0 = head_dim / 4");
+ABSL_FLAG(std::string, kv_coeff_dtype, "fp16",
+          "compressed cache: coefficient storage, fp16 or int8 (fp32 for exactness checks)");
+ABSL_FLAG(float, kv_outlier_threshold, 1.0f,
+          "compressed cache: relative key residual above which a token stays full-rank; "
+          ">= 1 turns outliers off");
 ABSL_FLAG(int32_t, max_running, 16, "sequences admitted to the batch at once");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens per engine step (decodes + prefill chunks)");
 ABSL_FLAG(int32_t, max_queue, 256, "waiting requests; more get RESOURCE_EXHAUSTED");
@@ -59,7 +73,8 @@ bool SetUpLogging(const std::string& level_name) {
   return true;
 }
 
-subspace::server::ServerAppConfig ConfigFromFlags() {
+// Only the names are parsed here; ServerApp::Start checks the values.
+absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   subspace::server::ServerAppConfig c;
   c.model_path = absl::GetFlag(FLAGS_model);
   c.host = absl::GetFlag(FLAGS_host);
@@ -67,6 +82,19 @@ subspace::server::ServerAppConfig ConfigFromFlags() {
   c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   c.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   c.block_size = absl::GetFlag(FLAGS_block_size);
+  absl::StatusOr<subspace::server::KvCacheKind> kind =
+      subspace::server::ParseKvCacheKind(absl::GetFlag(FLAGS_kv_cache));
+  if (!kind.ok()) return kind.status();
+  absl::StatusOr<subspace::CoeffDtype> dtype =
+      subspace::server::ParseCoeffDtype(absl::GetFlag(FLAGS_kv_coeff_dtype));
+  if (!dtype.ok()) return dtype.status();
+  c.kv_cache.kind = *kind;
+  c.kv_cache.sink_tokens = absl::GetFlag(FLAGS_kv_sink_tokens);
+  c.kv_cache.window_tokens = absl::GetFlag(FLAGS_kv_window_tokens);
+  c.kv_cache.rank_k = absl::GetFlag(FLAGS_kv_rank_k);
+  c.kv_cache.rank_v = absl::GetFlag(FLAGS_kv_rank_v);
+  c.kv_cache.coeff_dtype = *dtype;
+  c.kv_cache.outlier_threshold = absl::GetFlag(FLAGS_kv_outlier_threshold);
   c.engine.max_running = absl::GetFlag(FLAGS_max_running);
   c.engine.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   c.engine.max_queue = absl::GetFlag(FLAGS_max_queue);
@@ -81,7 +109,8 @@ subspace::server::ServerAppConfig ConfigFromFlags() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "subspace-server --model M.gguf [--port 50051] [--metrics-port 9090] ...");
+      "subspace-server --model M.gguf [--port 50051] [--metrics-port 9090] "
+      "[--kv-cache compressed|full] ...");
   std::vector<std::string> args = subspace::cli::NormalizeDashFlags(argc, argv);
   absl::ParseCommandLine(argc, argv);
 
@@ -95,8 +124,13 @@ int main(int argc, char** argv) {
 
   if (!SetUpLogging(absl::GetFlag(FLAGS_log_level))) return 2;
 
+  absl::StatusOr<subspace::server::ServerAppConfig> config = ConfigFromFlags();
+  if (!config.ok()) {
+    std::fprintf(stderr, "subspace-server: %s\n", std::string(config.status().message()).c_str());
+    return 2;
+  }
   absl::StatusOr<std::unique_ptr<subspace::server::ServerApp>> app =
-      subspace::server::ServerApp::Start(ConfigFromFlags());
+      subspace::server::ServerApp::Start(*std::move(config));
   if (!app.ok()) {
     spdlog::critical("cannot start: {}", app.status().ToString());
     spdlog::shutdown();

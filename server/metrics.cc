@@ -88,14 +88,11 @@ ClientMetric Gauge(double value, std::vector<ClientMetric::Label> labels = {}) {
 
 }  // namespace
 
-double CompressionRatio(const KvCacheStats& cache, const ModelConfig& model) {
-  if (cache.tokens_cached == 0) return 0.0;
-  if (cache.bytes_used_compressed == 0) return 1.0;
+double CompressionRatio(const KvCacheStats& cache) {
   const double used = static_cast<double>(cache.bytes_used_full + cache.bytes_used_compressed +
                                           cache.bytes_used_outlier);
-  const double full = static_cast<double>(cache.tokens_cached) * model.n_layers * model.n_kv_heads *
-                      model.head_dim * 2.0 * sizeof(float);
-  return used > 0 ? full / used : 0.0;
+  if (cache.tokens_cached == 0 || used <= 0) return 0.0;
+  return static_cast<double>(cache.bytes_full_fp16_equivalent) / used;
 }
 
 // Reads Engine::Stats() once per scrape, so gauges are exact at scrape time and nothing runs
@@ -139,8 +136,9 @@ class Metrics::EngineCollector : public prometheus::Collectable {
     gauge("subspace_kv_cached_tokens", "Tokens whose keys and values the cache holds.",
           static_cast<double>(c.tokens_cached));
     gauge("subspace_kv_compression_ratio",
-          "Full-rank bytes of the cached tokens over the bytes they take (1: uncompressed).",
-          CompressionRatio(c, engine->model_config()));
+          "Full-rank fp16 bytes of the cached tokens over the KV pool bytes in use (0 when "
+          "empty; at most 0.5 for the fp32 full cache, above 1 when compression pays).",
+          CompressionRatio(c));
     counter("subspace_preemptions_total",
             "Requests preempted for lack of cache blocks (recomputed later).",
             static_cast<double>(s.preemptions_total));

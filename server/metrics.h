@@ -20,9 +20,11 @@
 
 namespace subspace::server {
 
-// Bytes the cached tokens would take full-rank (fp32, the CPU pool's dtype) over the bytes they
-// take; 1 for a full-rank cache and 0 when nothing is cached.
-double CompressionRatio(const KvCacheStats& cache, const ModelConfig& model);
+// Effective compression ratio: the bytes the cached tokens would take full-rank at fp16
+// (KvCacheStats::bytes_full_fp16_equivalent) over the pool bytes in use (full, compressed and
+// outlier pages, partly filled ones whole); 0 when nothing is cached. The fp32 full-rank cache
+// reports at most 0.5; the compressed cache passes 1 once enough blocks are compressed.
+double CompressionRatio(const KvCacheStats& cache);
 
 class Metrics {
  public:

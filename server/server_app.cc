@@ -13,7 +13,6 @@
 #include "absl/time/clock.h"
 #include "core/gguf.h"
 #include "core/model.h"
-#include "core/paged_kv_cache.h"
 #include "core/tokenizer.h"
 #include "server/net_util.h"
 #include "spdlog/spdlog.h"
@@ -65,7 +64,7 @@ absl::Status ValidateConfig(const ServerAppConfig& c) {
   if (e.default_session_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--session-ttl-seconds must be > 0");
   }
-  return absl::OkStatus();
+  return ValidateKvCacheOptions(c.kv_cache, c.block_size);
 }
 
 }  // namespace
@@ -118,11 +117,10 @@ absl::Status ServerApp::Init() {
   if (!model.ok()) return model.status();
   const ModelConfig model_config = (*model)->config();
 
-  PagedKvCache::Config cache_config;
-  cache_config.geometry = model_config.cache_geometry();
-  cache_config.block_size = config_.block_size;
-  cache_config.capacity_bytes = config_.kv_cache_bytes;
-  absl::StatusOr<std::unique_ptr<PagedKvCache>> cache = PagedKvCache::Create(cache_config);
+  const KvCacheOptions cache_options =
+      ResolveKvCacheOptions(config_.kv_cache, model_config.cache_geometry());
+  absl::StatusOr<std::unique_ptr<KvCache>> cache = CreateKvCache(
+      cache_options, model_config.cache_geometry(), config_.block_size, config_.kv_cache_bytes);
   if (!cache.ok()) return cache.status();
 
   EngineConfig engine_config = config_.engine;
@@ -138,18 +136,27 @@ absl::Status ServerApp::Init() {
   engine_ = *std::move(engine);
 
   const KvCacheStats cache_stats = engine_->Stats().cache;
-  service_->AttachEngine(engine_.get(), CacheDescription{.kind = "full",
+  service_->AttachEngine(engine_.get(), CacheDescription{.options = cache_options,
                                                          .pool_bytes = cache_stats.bytes_total,
                                                          .block_size = config_.block_size});
   metrics_registry_->AttachEngine(engine_.get());
   SetServing(true);
   spdlog::info(
       "serving model '{}' from {}: {} layers, dim {}, {} heads ({} kv), vocab {}, context {}; "
-      "KV pool {} MiB in {} blocks of {} tokens; loaded in {:.2f} s",
+      "{} KV cache, pool {} MiB in {} blocks of {} tokens; loaded in {:.2f} s",
       model_config.name, config_.model_path, model_config.n_layers, model_config.dim,
       model_config.n_heads, model_config.n_kv_heads, model_config.n_vocab,
-      model_config.context_length, cache_stats.bytes_total >> 20, cache_stats.blocks_total,
-      config_.block_size, absl::ToDoubleSeconds(absl::Now() - load_start));
+      model_config.context_length, KvCacheKindName(cache_options.kind),
+      cache_stats.bytes_total >> 20, cache_stats.blocks_total, config_.block_size,
+      absl::ToDoubleSeconds(absl::Now() - load_start));
+  if (cache_options.kind == KvCacheKind::kCompressed) {
+    spdlog::info(
+        "compressed KV cache: {} sink and {} window tokens full-rank, ranks k {} v {} of {}, "
+        "{} coefficients, outlier threshold {}",
+        cache_options.sink_tokens, cache_options.window_tokens, cache_options.rank_k,
+        cache_options.rank_v, model_config.head_dim, CoeffDtypeName(cache_options.coeff_dtype),
+        cache_options.outlier_threshold);
+  }
   return absl::OkStatus();
 }
 

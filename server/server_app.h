@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/engine.h"
+#include "server/kv_cache_options.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
 #include "server/service.h"
@@ -29,7 +30,8 @@ struct ServerAppConfig {
   int metrics_port = 9090;  // 0: pick a free port; negative: no metrics endpoint
   int64_t kv_cache_bytes = int64_t{256} << 20;
   int block_size = 16;
-  EngineConfig engine;  // on_step, if set, runs after the metrics hook (engine thread)
+  KvCacheOptions kv_cache;  // full or compressed, and the compressed cache's policy
+  EngineConfig engine;      // on_step, if set, runs after the metrics hook (engine thread)
   absl::Duration drain_timeout = absl::Seconds(30);
   int max_message_bytes = 4 << 20;  // largest request accepted
   RequestLimits limits;
@@ -38,8 +40,8 @@ struct ServerAppConfig {
 class ServerApp {
  public:
   // Returns once the model is loaded and the server answers (health SERVING). Errors: whatever
-  // loading the model gives, INVALID_ARGUMENT for a bad config, UNAVAILABLE when a port cannot
-  // be bound.
+  // loading the model gives, INVALID_ARGUMENT for a bad config (a cache rank above the model's
+  // head_dim included), UNAVAILABLE when a port cannot be bound.
   static absl::StatusOr<std::unique_ptr<ServerApp>> Start(ServerAppConfig config);
   ~ServerApp();  // Shutdown()
 

@@ -215,10 +215,19 @@ grpc::ServerUnaryReactor* SubspaceService::GetModelInfo(grpc::CallbackServerCont
   response->set_bos_token_id(t.bos_id());
   response->set_eos_token_id(t.eos_id());
   v1::CacheConfig* cache = response->mutable_cache();
-  cache->set_kind(cache_.kind);
+  const KvCacheOptions& o = cache_.options;
+  cache->set_kind(KvCacheKindName(o.kind));
   cache->set_pool_bytes(cache_.pool_bytes);
   cache->set_block_size(cache_.block_size);
   cache->set_blocks_total((*engine)->Stats().cache.blocks_total);
+  if (o.kind == KvCacheKind::kCompressed) {
+    cache->set_sink_tokens(o.sink_tokens);
+    cache->set_window_tokens(o.window_tokens);
+    cache->set_rank_k(o.rank_k);
+    cache->set_rank_v(o.rank_v);
+    cache->set_coeff_dtype(CoeffDtypeName(o.coeff_dtype));
+    cache->set_outlier_threshold(o.outlier_threshold);
+  }
   return FinishUnary(context, absl::OkStatus());
 }
 
@@ -239,7 +248,7 @@ grpc::ServerUnaryReactor* SubspaceService::GetCacheStats(grpc::CallbackServerCon
   response->set_sessions(s.sessions);
   response->set_running(s.running);
   response->set_waiting(s.waiting);
-  response->set_compression_ratio(CompressionRatio(c, (*engine)->model_config()));
+  response->set_compression_ratio(CompressionRatio(c));
   return FinishUnary(context, absl::OkStatus());
 }
 

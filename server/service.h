@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "core/engine.h"
 #include "proto/subspace.grpc.pb.h"
+#include "server/kv_cache_options.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
 
@@ -21,7 +22,7 @@ namespace subspace::server {
 
 // What GetModelInfo reports about the cache beyond Engine::Stats().
 struct CacheDescription {
-  std::string kind = "full";
+  KvCacheOptions options;  // as built: ranks resolved; the policy is reported for kCompressed only
   int64_t pool_bytes = 0;
   int block_size = 0;
 };

@@ -25,6 +25,7 @@ namespace subspace {
 namespace {
 
 using ::subspace::testing::ChannelTo;
+using ::subspace::testing::ExpectedCompressionRatio;
 using ::subspace::testing::TestServerConfig;
 using ::subspace::testing::WaitFor;
 
@@ -541,7 +542,7 @@ TEST_F(ServerTest, ModelInfoAndCacheStats) {
   EXPECT_EQ(info.tokenizer_model(), "llama");
   EXPECT_EQ(info.bos_token_id(), 1);
   EXPECT_EQ(info.eos_token_id(), 2);
-  EXPECT_EQ(info.cache().kind(), "full");
+  EXPECT_EQ(info.cache().kind(), server::KvCacheKindName(TestServerConfig().kv_cache.kind));
   EXPECT_EQ(info.cache().block_size(), 8u);
   EXPECT_GT(info.cache().blocks_total(), 0u);
 
@@ -562,7 +563,11 @@ TEST_F(ServerTest, ModelInfoAndCacheStats) {
   EXPECT_EQ(held.tokens_cached(), 3u + 5u - 1u);
   EXPECT_LT(held.blocks_free(), held.blocks_total());
   EXPECT_GT(held.bytes_used_full(), 0u);
-  EXPECT_EQ(held.compression_ratio(), 1.0);
+  EXPECT_EQ(held.bytes_used_compressed(), 0u);  // 7 tokens: all in the window
+  // Full-rank fp16 bytes over pool bytes: 7 tokens * 2 layers * 2 * 2 kv_heads * 8 * 2 = 896
+  // over one 1024-byte fp32 block per layer, with either kind of cache.
+  EXPECT_DOUBLE_EQ(held.compression_ratio(), ExpectedCompressionRatio(held, info));
+  EXPECT_DOUBLE_EQ(held.compression_ratio(), 896.0 / 2048.0);
 }
 
 }  // namespace

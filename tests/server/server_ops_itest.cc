@@ -30,6 +30,7 @@ namespace {
 using ::subspace::testing::ChannelTo;
 using ::subspace::testing::HealthCheck;
 using ::subspace::testing::HttpGet;
+using ::subspace::testing::MetricValue;
 using ::subspace::testing::ReflectionListServices;
 using ::subspace::testing::TestServerConfig;
 using ::subspace::testing::WaitFor;
@@ -130,12 +131,15 @@ TEST_F(ServerOpsTest, MetricsEndpoint) {
            "subspace_kv_pool_used_bytes{kind=\"outlier\"} 0",
            "subspace_kv_cache_usage_ratio 0",
            "subspace_kv_cached_tokens 0",
-           "subspace_kv_compression_ratio 0",
            "subspace_preemptions_total 0",
            "subspace_engine_steps_total",
        }) {
     EXPECT_TRUE(absl::StrContains(body, expected)) << "missing: " << expected;
   }
+  // Nothing is cached once the request finished: the ratio is 0 by definition, not 0.5 or 1.
+  absl::StatusOr<double> ratio = MetricValue(body, "subspace_kv_compression_ratio");
+  ASSERT_TRUE(ratio.ok()) << ratio.status();
+  EXPECT_EQ(*ratio, 0.0);
 
   const char* kPromtool = "/usr/bin/promtool";
   if (access(kPromtool, X_OK) != 0) GTEST_SKIP() << "promtool not installed; lint skipped";
@@ -283,6 +287,62 @@ TEST(ServerBinaryTest, SigtermDrainsAndExitsZero) {
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(WIFEXITED(status)) << status;
   EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+// Runs the binary on the tiny model with `flags` added, expecting it to exit by itself:
+// {exit status, stderr}.
+std::pair<int, std::string> RunServerUntilExit(const std::vector<std::string>& flags) {
+  int err_pipe[2];
+  if (pipe(err_pipe) != 0) return {-1, "pipe failed"};
+  std::vector<std::string> args = {SUBSPACE_SERVER_BIN, "--model",
+                                   subspace::testing::TinyModelPath()};
+  for (const char* a : {"--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1"}) {
+    args.push_back(a);
+  }
+  args.insert(args.end(), flags.begin(), flags.end());
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) return {-1, "fork failed"};
+  if (pid == 0) {
+    dup2(err_pipe[1], STDERR_FILENO);
+    close(err_pipe[0]);
+    close(err_pipe[1]);
+    execv(SUBSPACE_SERVER_BIN, argv.data());
+    _exit(127);
+  }
+  close(err_pipe[1]);
+  std::string err;
+  char buf[4096];
+  for (ssize_t n; (n = read(err_pipe[0], buf, sizeof(buf))) > 0;) err.append(buf, n);
+  close(err_pipe[0]);
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return {-1, err};
+  return {WEXITSTATUS(status), err};
+}
+
+// Bad cache flags stop the binary at start with a message naming the flag: names are refused
+// before anything starts (exit 2), values the model bounds once it is loaded (exit 1).
+TEST(ServerBinaryTest, BadCacheFlagsExitNonZeroWithAMessage) {
+  const struct {
+    std::vector<std::string> flags;
+    int exit_status;
+    std::string message;
+  } cases[] = {
+      {{"--kv-cache", "paged"}, 2, "--kv-cache must be 'full' or 'compressed', got 'paged'"},
+      {{"--kv-coeff-dtype=bf16"}, 2, "--kv-coeff-dtype must be 'fp16', 'int8' or 'fp32'"},
+      {{"--kv-window-tokens", "-1"}, 1, "--kv-window-tokens must be >= 0, got -1"},
+      {{"--kv-outlier-threshold", "0"}, 1, "--kv-outlier-threshold must be a finite number > 0"},
+      {{"--kv-rank-k", "9"}, 1, "--kv-rank-k must be in [1, 8] (the model's head_dim)"},
+      {{"--kv-cache=compressed", "--block-size", "128"}, 1, "--block-size must be at most 64"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.flags[0]);
+    const auto [status, err] = RunServerUntilExit(c.flags);
+    EXPECT_EQ(status, c.exit_status) << err;
+    EXPECT_TRUE(absl::StrContains(err, c.message)) << err;
+  }
 }
 #endif
 

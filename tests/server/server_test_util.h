@@ -12,6 +12,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -216,6 +218,34 @@ inline absl::StatusOr<std::pair<std::string, std::string>> HttpGet(int port,
   const size_t header_end = response.find("\r\n\r\n");
   if (header_end == std::string::npos) return absl::InternalError("no HTTP header end");
   return std::make_pair(response.substr(0, response.find("\r\n")), response.substr(header_end + 4));
+}
+
+// The effective compression ratio GetCacheStats should report, from the stats themselves:
+// full-rank fp16 bytes of the cached tokens over the pool bytes in use (0 when empty).
+inline double ExpectedCompressionRatio(const v1::CacheStats& stats, const v1::ModelInfo& model) {
+  const double used = static_cast<double>(stats.bytes_used_full() + stats.bytes_used_compressed() +
+                                          stats.bytes_used_outlier());
+  if (stats.tokens_cached() == 0 || used == 0) return 0.0;
+  const double fp16_bytes = static_cast<double>(stats.tokens_cached()) * model.layers() * 2 *
+                            model.kv_heads() * model.head_dim() * 2;
+  return fp16_bytes / used;
+}
+
+// The value of the sample `series` (name and labels exactly as exposed) in a Prometheus text
+// body, or NOT_FOUND.
+inline absl::StatusOr<double> MetricValue(const std::string& body, const std::string& series) {
+  const std::string prefix = series + " ";
+  for (size_t at = 0; at < body.size();) {
+    const size_t end = std::min(body.find('\n', at), body.size());
+    if (body.compare(at, prefix.size(), prefix) == 0) {
+      double value = 0;
+      if (absl::SimpleAtod(body.substr(at + prefix.size(), end - at - prefix.size()), &value)) {
+        return value;
+      }
+    }
+    at = end + 1;
+  }
+  return absl::NotFoundError(absl::StrCat("no sample ", series));
 }
 
 // Polls `condition` until it holds or kTestWait passes.

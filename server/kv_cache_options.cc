@@ -1,0 +1,122 @@
+// Flag-level checks and construction of the server's KV cache; see kv_cache_options.h.
+#include "server/kv_cache_options.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/compressed_kv_cache.h"
+#include "core/paged_kv_cache.h"
+
+namespace subspace::server {
+namespace {
+
+constexpr int kMaxCompressedBlockSize = 64;  // CompressedKvCacheConfig::block_size
+
+absl::Status CheckRank(int rank, int head_dim, const char* flag) {
+  if (rank < 1 || rank > head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " must be in [1, ", head_dim,
+                                                   "] (the model's head_dim) or 0, got ", rank));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const char* KvCacheKindName(KvCacheKind kind) {
+  return kind == KvCacheKind::kFull ? "full" : "compressed";
+}
+
+absl::StatusOr<KvCacheKind> ParseKvCacheKind(std::string_view name) {
+  if (name == "full") return KvCacheKind::kFull;
+  if (name == "compressed") return KvCacheKind::kCompressed;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--kv-cache must be 'full' or 'compressed', got '", std::string(name), "'"));
+}
+
+absl::StatusOr<CoeffDtype> ParseCoeffDtype(std::string_view name) {
+  for (CoeffDtype dtype : {CoeffDtype::kFp32, CoeffDtype::kFp16, CoeffDtype::kInt8}) {
+    if (name == CoeffDtypeName(dtype)) return dtype;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--kv-coeff-dtype must be 'fp16', 'int8' or 'fp32', got '", std::string(name), "'"));
+}
+
+absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
+  if (o.kind == KvCacheKind::kFull) return absl::OkStatus();
+  if (block_size > kMaxCompressedBlockSize) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--block-size must be at most ", kMaxCompressedBlockSize,
+                     " with --kv-cache=compressed, got ", block_size));
+  }
+  if (o.sink_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-sink-tokens must be >= 0, got ", o.sink_tokens));
+  }
+  if (o.window_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-window-tokens must be >= 0, got ", o.window_tokens));
+  }
+  // The upper bound (head_dim) is checked once the model is loaded.
+  if (o.rank_k < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-rank-k must be >= 0 (0: head_dim / 4), got ", o.rank_k));
+  }
+  if (o.rank_v < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-rank-v must be >= 0 (0: head_dim / 4), got ", o.rank_v));
+  }
+  if (o.coeff_dtype != CoeffDtype::kFp32 && o.coeff_dtype != CoeffDtype::kFp16 &&
+      o.coeff_dtype != CoeffDtype::kInt8) {
+    return absl::InvalidArgumentError("--kv-coeff-dtype is not a known dtype");
+  }
+  // NaN fails both comparisons; 0 would keep every token with any residual full-rank.
+  if (!(o.outlier_threshold > 0.0f) || !std::isfinite(o.outlier_threshold)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-outlier-threshold must be a finite number > 0 (>= 1: no outliers), got ",
+                     o.outlier_threshold));
+  }
+  return absl::OkStatus();
+}
+
+KvCacheOptions ResolveKvCacheOptions(KvCacheOptions o, const KvCacheGeometry& g) {
+  if (o.kind == KvCacheKind::kFull) return o;
+  const int default_rank = std::max(1, g.head_dim / 4);  // CompressedKvCache's default
+  if (o.rank_k == 0) o.rank_k = default_rank;
+  if (o.rank_v == 0) o.rank_v = default_rank;
+  return o;
+}
+
+absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
+                                                       const KvCacheGeometry& g, int block_size,
+                                                       int64_t capacity_bytes) {
+  if (o.kind == KvCacheKind::kFull) {
+    PagedKvCache::Config c;
+    c.geometry = g;
+    c.block_size = block_size;
+    c.capacity_bytes = capacity_bytes;
+    absl::StatusOr<std::unique_ptr<PagedKvCache>> cache = PagedKvCache::Create(c);
+    if (!cache.ok()) return cache.status();
+    return std::unique_ptr<KvCache>(*std::move(cache));
+  }
+  if (absl::Status s = CheckRank(o.rank_k, g.head_dim, "--kv-rank-k"); !s.ok()) return s;
+  if (absl::Status s = CheckRank(o.rank_v, g.head_dim, "--kv-rank-v"); !s.ok()) return s;
+  CompressedKvCacheConfig c;
+  c.geometry = g;
+  c.block_size = block_size;
+  c.sink_tokens = o.sink_tokens;
+  c.window_tokens = o.window_tokens;
+  c.outlier_threshold = o.outlier_threshold;
+  c.r_k.assign(static_cast<size_t>(g.n_layers), o.rank_k);
+  c.r_v.assign(static_cast<size_t>(g.n_layers), o.rank_v);
+  c.coeff_dtype = o.coeff_dtype;
+  c.capacity_bytes = capacity_bytes;
+  absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache = CompressedKvCache::Create(c);
+  if (!cache.ok()) return cache.status();
+  return std::unique_ptr<KvCache>(*std::move(cache));
+}
+
+}  // namespace subspace::server

@@ -1,0 +1,54 @@
+// Which KV cache the server builds (full-rank paged or low-rank compressed) and the compressed
+// cache's policy, as the --kv-* flags set them; checked before the model loads, and turned into
+// a cache once the model's geometry is known.
+#ifndef SUBSPACE_SERVER_KV_CACHE_OPTIONS_H_
+#define SUBSPACE_SERVER_KV_CACHE_OPTIONS_H_
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/coeff_codec.h"
+#include "core/kv_cache.h"
+
+namespace subspace::server {
+
+enum class KvCacheKind : uint8_t { kFull, kCompressed };
+
+// Both caches draw from one pool of --kv-cache-bytes cut into --block-size token blocks; those
+// two live in ServerAppConfig. The rest applies to the compressed cache only.
+struct KvCacheOptions {
+  KvCacheKind kind = KvCacheKind::kCompressed;
+  int sink_tokens = 4;     // S: the blocks overlapping [0, S) stay full-rank
+  int window_tokens = 64;  // W: the last W tokens stay full-rank
+  int rank_k = 0;          // key coefficients per token and KV head; 0: head_dim / 4
+  int rank_v = 0;          // value coefficients; 0: head_dim / 4
+  CoeffDtype coeff_dtype = CoeffDtype::kFp16;
+  // Relative key residual above which a token stays full-rank; >= 1: no outliers.
+  float outlier_threshold = 1.0f;
+};
+
+const char* KvCacheKindName(KvCacheKind kind);  // "full" or "compressed"
+// INVALID_ARGUMENT naming the flag for anything but the names below.
+absl::StatusOr<KvCacheKind> ParseKvCacheKind(std::string_view name);  // full | compressed
+absl::StatusOr<CoeffDtype> ParseCoeffDtype(std::string_view name);    // fp32 | fp16 | int8
+
+// The checks that need no model, as INVALID_ARGUMENT naming the flag. block_size is
+// --block-size (the compressed cache keeps one 64-bit outlier mask per block).
+absl::Status ValidateKvCacheOptions(const KvCacheOptions& options, int block_size);
+
+// `options` with the model-dependent defaults filled in: rank 0 becomes head_dim / 4 (at least
+// 1). The full cache's options are returned unchanged.
+KvCacheOptions ResolveKvCacheOptions(KvCacheOptions options, const KvCacheGeometry& geometry);
+
+// Builds the cache from resolved options. INVALID_ARGUMENT naming the flag when a rank exceeds
+// the model's head_dim; otherwise whatever the cache's Create returns (a pool too small).
+absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& resolved,
+                                                       const KvCacheGeometry& geometry,
+                                                       int block_size, int64_t capacity_bytes);
+
+}  // namespace subspace::server
+
+#endif  // SUBSPACE_SERVER_KV_CACHE_OPTIONS_H_

@@ -1,0 +1,356 @@
+// The server over the compressed KV cache: GetModelInfo reports the cache's configuration,
+// long generations compress blocks (GetCacheStats, /metrics and the compression ratio agree),
+// at rank = head_dim with fp32 coefficients greedy outputs equal the full cache's (sessions
+// included), and bad cache settings are INVALID_ARGUMENT naming the flag.
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+#include "proto/subspace.grpc.pb.h"
+#include "server/kv_cache_options.h"
+#include "server/server_app.h"
+#include "tests/server/server_test_util.h"
+
+namespace subspace {
+namespace {
+
+using ::subspace::server::KvCacheKind;
+using ::subspace::testing::ChannelTo;
+using ::subspace::testing::ExpectedCompressionRatio;
+using ::subspace::testing::HttpGet;
+using ::subspace::testing::MetricValue;
+using ::subspace::testing::TestServerConfig;
+using ::subspace::testing::WaitFor;
+
+// The tiny model has head_dim 8 and B = 8 here: with S = 4 and W = 8 a sequence keeps block 0
+// and its last one or two blocks full-rank and compresses everything between.
+server::ServerAppConfig CompressedConfig(int rank, CoeffDtype dtype) {
+  server::ServerAppConfig c = TestServerConfig();
+  c.kv_cache.kind = KvCacheKind::kCompressed;
+  c.kv_cache.sink_tokens = 4;
+  c.kv_cache.window_tokens = 8;
+  c.kv_cache.rank_k = rank;
+  c.kv_cache.rank_v = rank;
+  c.kv_cache.coeff_dtype = dtype;
+  return c;
+}
+
+server::ServerAppConfig FullConfig() {
+  server::ServerAppConfig c = TestServerConfig();
+  c.kv_cache.kind = KvCacheKind::kFull;
+  return c;
+}
+
+v1::GenerateRequest TokensRequest(const std::vector<int32_t>& ids, uint32_t max_new) {
+  v1::GenerateRequest r;
+  for (int32_t id : ids) r.mutable_tokens()->add_ids(id);
+  r.mutable_sampling()->set_max_new_tokens(max_new);
+  r.mutable_sampling()->set_ignore_eos(true);
+  return r;
+}
+
+std::vector<int32_t> Ids(const v1::GenerateResponse& r) {
+  return {r.token_ids().begin(), r.token_ids().end()};
+}
+
+// One in-process server and a stub for it.
+class Server {
+ public:
+  explicit Server(const server::ServerAppConfig& config) {
+    absl::StatusOr<std::unique_ptr<server::ServerApp>> app = server::ServerApp::Start(config);
+    EXPECT_TRUE(app.ok()) << app.status();
+    if (!app.ok()) return;
+    app_ = *std::move(app);
+    stub_ = v1::Subspace::NewStub(ChannelTo(app_->port()));
+  }
+  ~Server() {
+    if (app_ != nullptr) {
+      EXPECT_TRUE(app_->Shutdown());
+    }
+  }
+  bool ok() const { return app_ != nullptr; }
+  server::ServerApp& app() { return *app_; }
+
+  v1::GenerateResponse Generate(const v1::GenerateRequest& request) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::GenerateResponse response;
+    const grpc::Status status = stub_->Generate(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response;
+  }
+  v1::GenerateResponse Generate(const v1::GenerateRequest& request, const std::string& session) {
+    v1::GenerateRequest with_session = request;
+    with_session.set_session_id(session);
+    return Generate(with_session);
+  }
+  std::string CreateSession() {
+    grpc::ClientContext context;
+    v1::Session session;
+    EXPECT_TRUE(stub_->CreateSession(&context, v1::CreateSessionRequest(), &session).ok());
+    return session.session_id();
+  }
+  void DeleteSession(const std::string& id) {
+    grpc::ClientContext context;
+    v1::DeleteSessionRequest request;
+    request.set_session_id(id);
+    v1::DeleteSessionResponse response;
+    EXPECT_TRUE(stub_->DeleteSession(&context, request, &response).ok());
+  }
+  v1::ModelInfo ModelInfo() {
+    grpc::ClientContext context;
+    v1::ModelInfo info;
+    EXPECT_TRUE(stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok());
+    return info;
+  }
+  v1::CacheStats CacheStats() {
+    grpc::ClientContext context;
+    v1::CacheStats stats;
+    EXPECT_TRUE(stub_->GetCacheStats(&context, v1::GetCacheStatsRequest(), &stats).ok());
+    return stats;
+  }
+
+ private:
+  std::unique_ptr<server::ServerApp> app_;
+  std::unique_ptr<v1::Subspace::Stub> stub_;
+};
+
+TEST(CompressedCacheServerTest, ModelInfoReportsTheCacheConfig) {
+  server::ServerAppConfig config = CompressedConfig(/*rank=*/0, CoeffDtype::kInt8);
+  config.kv_cache.window_tokens = 16;
+  config.kv_cache.rank_v = 3;
+  config.kv_cache.outlier_threshold = 0.5f;
+  {
+    Server s(config);
+    ASSERT_TRUE(s.ok());
+    const v1::CacheConfig cache = s.ModelInfo().cache();
+    EXPECT_EQ(cache.kind(), "compressed");
+    EXPECT_EQ(cache.block_size(), 8u);
+    EXPECT_GT(cache.blocks_total(), 0u);
+    EXPECT_EQ(cache.pool_bytes(), s.CacheStats().pool_bytes_total());
+    EXPECT_EQ(cache.sink_tokens(), 4u);
+    EXPECT_EQ(cache.window_tokens(), 16u);
+    EXPECT_EQ(cache.rank_k(), 2u);  // 0 resolves to head_dim / 4
+    EXPECT_EQ(cache.rank_v(), 3u);
+    EXPECT_EQ(cache.coeff_dtype(), "int8");
+    EXPECT_EQ(cache.outlier_threshold(), 0.5f);
+  }
+  Server full(FullConfig());
+  ASSERT_TRUE(full.ok());
+  const v1::CacheConfig cache = full.ModelInfo().cache();
+  EXPECT_EQ(cache.kind(), "full");
+  EXPECT_EQ(cache.block_size(), 8u);
+  EXPECT_EQ(cache.rank_k(), 0u);  // the compressed policy is not reported for the full cache
+  EXPECT_EQ(cache.coeff_dtype(), "");
+}
+
+// A session holds its tokens after the call, so the stats show what a long sequence takes.
+TEST(CompressedCacheServerTest, LongGenerationCompressesBlocksAndReportsThem) {
+  server::ServerAppConfig config = CompressedConfig(/*rank=*/0, CoeffDtype::kFp16);
+  config.metrics_port = 0;
+  Server s(config);
+  ASSERT_TRUE(s.ok());
+  const v1::ModelInfo info = s.ModelInfo();
+  const v1::CacheStats idle = s.CacheStats();
+  EXPECT_EQ(idle.tokens_cached(), 0u);
+  EXPECT_EQ(idle.compression_ratio(), 0.0);
+
+  const std::string session = s.CreateSession();
+  const v1::GenerateResponse r = s.Generate(TokensRequest({1, 300, 301}, 240), session);
+  ASSERT_EQ(r.token_ids_size(), 240);
+  const v1::CacheStats held = s.CacheStats();
+  EXPECT_EQ(held.tokens_cached(), 3u + 240u - 1u);  // the last token is never written
+  EXPECT_GT(held.bytes_used_compressed(), 0u);
+  EXPECT_GT(held.bytes_used_full(), 0u);
+  EXPECT_EQ(held.bytes_used_outlier(), 0u);  // threshold 1: outliers off
+  EXPECT_EQ(held.blocks_total() - held.blocks_free(),
+            (held.bytes_used_full() + held.bytes_used_compressed()) /
+                (held.pool_bytes_total() / held.blocks_total()));
+  EXPECT_DOUBLE_EQ(held.compression_ratio(), ExpectedCompressionRatio(held, info));
+  // 242 tokens at rank d/4 in fp16: most blocks are compressed, so fewer bytes than fp16.
+  EXPECT_GT(held.compression_ratio(), 1.0);
+
+  absl::StatusOr<std::pair<std::string, std::string>> scrape =
+      HttpGet(s.app().metrics_port(), "/metrics");
+  ASSERT_TRUE(scrape.ok()) << scrape.status();
+  const std::string& body = scrape->second;
+  absl::StatusOr<double> compressed =
+      MetricValue(body, "subspace_kv_pool_used_bytes{kind=\"compressed\"}");
+  ASSERT_TRUE(compressed.ok()) << compressed.status();
+  EXPECT_GT(*compressed, 0.0);
+  EXPECT_EQ(*compressed, static_cast<double>(held.bytes_used_compressed()));
+  absl::StatusOr<double> full = MetricValue(body, "subspace_kv_pool_used_bytes{kind=\"full\"}");
+  ASSERT_TRUE(full.ok()) << full.status();
+  EXPECT_EQ(*full, static_cast<double>(held.bytes_used_full()));
+  absl::StatusOr<double> ratio = MetricValue(body, "subspace_kv_compression_ratio");
+  ASSERT_TRUE(ratio.ok()) << ratio.status();
+  EXPECT_NEAR(*ratio, held.compression_ratio(), 1e-9 * held.compression_ratio());
+
+  // Deleting the session gives every page back, compressed ones included.
+  s.DeleteSession(session);
+  ASSERT_TRUE(WaitFor([&s] {
+    const v1::CacheStats st = s.CacheStats();
+    return st.blocks_free() == st.blocks_total();
+  }));
+  const v1::CacheStats after = s.CacheStats();
+  EXPECT_EQ(after.bytes_used_compressed(), 0u);
+  EXPECT_EQ(after.compression_ratio(), 0.0);
+}
+
+// A block-sized sequence held by the full cache: 7 tokens in one 8-token fp32 block per layer,
+// 7 * 2 layers * 2 * 2 kv_heads * 8 * 2 bytes = 896 fp16 bytes over 2 * 1024 pool bytes.
+TEST(CompressedCacheServerTest, FullCacheRatioIsBelowOneHalf) {
+  Server s(FullConfig());
+  ASSERT_TRUE(s.ok());
+  const std::string session = s.CreateSession();
+  s.Generate(TokensRequest({1, 300, 301}, 5), session);
+  const v1::CacheStats held = s.CacheStats();
+  EXPECT_EQ(held.tokens_cached(), 7u);
+  EXPECT_EQ(held.bytes_used_full(), 2048u);
+  EXPECT_EQ(held.bytes_used_compressed(), 0u);
+  EXPECT_DOUBLE_EQ(held.compression_ratio(), ExpectedCompressionRatio(held, s.ModelInfo()));
+  EXPECT_DOUBLE_EQ(held.compression_ratio(), 896.0 / 2048.0);
+}
+
+// At rank = head_dim the PCA basis is a complete orthonormal basis and fp32 coefficients lose
+// nothing, so attention equals the full cache's up to rounding and greedy tokens are equal.
+TEST(CompressedCacheServerTest, FullRankFp32MatchesTheFullCache) {
+  const std::vector<std::vector<int32_t>> prompts = {
+      {1, 300, 301}, {1, 290, 291, 292, 293, 294, 295, 296, 297, 298, 299}, {1, 305}};
+  std::vector<std::vector<int32_t>> expected;
+  {
+    Server full(FullConfig());
+    ASSERT_TRUE(full.ok());
+    for (const auto& p : prompts) expected.push_back(Ids(full.Generate(TokensRequest(p, 120))));
+  }
+  Server s(CompressedConfig(/*rank=*/8, CoeffDtype::kFp32));
+  ASSERT_TRUE(s.ok());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(i);
+    const std::string session = s.CreateSession();
+    EXPECT_EQ(Ids(s.Generate(TokensRequest(prompts[i], 120), session)), expected[i]);
+    EXPECT_GT(s.CacheStats().bytes_used_compressed(), 0u);  // the comparison covered compression
+    s.DeleteSession(session);
+  }
+}
+
+// A session continued over two calls equals one call over the concatenation: the first call's
+// old blocks are compressed when the second call attends to them. Exact at full rank only:
+// below it, the one-call prefill attends to its own early tokens full-rank and builds its PCA
+// basis from more tokens (compressed_kv_cache.cc, "Policy").
+TEST(CompressedCacheServerTest, FullRankSessionOverTwoCallsEqualsOneCall) {
+  Server s(CompressedConfig(/*rank=*/8, CoeffDtype::kFp32));
+  ASSERT_TRUE(s.ok());
+  const std::vector<int32_t> a = {1, 300, 301, 302, 290};
+  const std::vector<int32_t> b = {303, 304, 291};
+  const std::string session = s.CreateSession();
+  const v1::GenerateResponse r1 = s.Generate(TokensRequest(a, 60), session);
+  EXPECT_GT(s.CacheStats().bytes_used_compressed(), 0u);
+  const v1::GenerateResponse r2 = s.Generate(TokensRequest(b, 60), session);
+  EXPECT_EQ(r2.usage().reused_tokens(), a.size() + 60 - 1);
+
+  std::vector<int32_t> all = a;
+  all.insert(all.end(), r1.token_ids().begin(), r1.token_ids().end());
+  all.insert(all.end(), b.begin(), b.end());
+  EXPECT_EQ(Ids(r2), Ids(s.Generate(TokensRequest(all, 60))));
+}
+
+// Below full rank outputs may differ from the full cache's, but a session still reuses its
+// compressed blocks, and the same calls give the same tokens.
+TEST(CompressedCacheServerTest, LowRankSessionsAreDeterministic) {
+  for (CoeffDtype dtype : {CoeffDtype::kFp16, CoeffDtype::kInt8}) {
+    SCOPED_TRACE(CoeffDtypeName(dtype));
+    Server s(CompressedConfig(/*rank=*/0, dtype));
+    ASSERT_TRUE(s.ok());
+    std::vector<std::vector<int32_t>> runs;
+    for (int run = 0; run < 2; ++run) {
+      const std::string session = s.CreateSession();
+      const v1::GenerateResponse r1 =
+          s.Generate(TokensRequest({1, 300, 301, 302, 290}, 60), session);
+      const v1::GenerateResponse r2 = s.Generate(TokensRequest({303, 304, 291}, 60), session);
+      EXPECT_EQ(r2.usage().reused_tokens(), 5u + 60u - 1u);
+      EXPECT_GT(s.CacheStats().bytes_used_compressed(), 0u);
+      std::vector<int32_t> ids = Ids(r1);
+      ids.insert(ids.end(), r2.token_ids().begin(), r2.token_ids().end());
+      runs.push_back(ids);
+      s.DeleteSession(session);
+    }
+    EXPECT_EQ(runs[0], runs[1]);
+  }
+}
+
+struct BadCacheCase {
+  std::string name;
+  std::function<void(server::ServerAppConfig&)> mutate;
+  std::string expected;  // substring of the status message
+};
+
+TEST(CompressedCacheServerTest, BadCacheConfigIsInvalidArgumentNamingTheFlag) {
+  const std::vector<BadCacheCase> cases = {
+      {"sinks", [](server::ServerAppConfig& c) { c.kv_cache.sink_tokens = -1; },
+       "--kv-sink-tokens must be >= 0, got -1"},
+      {"window", [](server::ServerAppConfig& c) { c.kv_cache.window_tokens = -8; },
+       "--kv-window-tokens must be >= 0, got -8"},
+      {"rank_k negative", [](server::ServerAppConfig& c) { c.kv_cache.rank_k = -1; },
+       "--kv-rank-k must be >= 0"},
+      {"rank_v negative", [](server::ServerAppConfig& c) { c.kv_cache.rank_v = -2; },
+       "--kv-rank-v must be >= 0"},
+      {"rank_k above head_dim", [](server::ServerAppConfig& c) { c.kv_cache.rank_k = 9; },
+       "--kv-rank-k must be in [1, 8] (the model's head_dim) or 0, got 9"},
+      {"rank_v above head_dim", [](server::ServerAppConfig& c) { c.kv_cache.rank_v = 64; },
+       "--kv-rank-v must be in [1, 8]"},
+      {"threshold 0", [](server::ServerAppConfig& c) { c.kv_cache.outlier_threshold = 0.0f; },
+       "--kv-outlier-threshold must be a finite number > 0"},
+      {"threshold nan",
+       [](server::ServerAppConfig& c) {
+         c.kv_cache.outlier_threshold = std::numeric_limits<float>::quiet_NaN();
+       },
+       "--kv-outlier-threshold"},
+      {"threshold inf",
+       [](server::ServerAppConfig& c) {
+         c.kv_cache.outlier_threshold = std::numeric_limits<float>::infinity();
+       },
+       "--kv-outlier-threshold"},
+      {"block size", [](server::ServerAppConfig& c) { c.block_size = 128; },
+       "--block-size must be at most 64 with --kv-cache=compressed, got 128"},
+  };
+  for (const BadCacheCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    server::ServerAppConfig config = CompressedConfig(/*rank=*/0, CoeffDtype::kFp16);
+    c.mutate(config);
+    const absl::Status status = server::ServerApp::Start(config).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_TRUE(absl::StrContains(status.message(), c.expected)) << status;
+  }
+  // The compressed policy does not constrain the full cache.
+  server::ServerAppConfig full = FullConfig();
+  full.block_size = 128;
+  full.kv_cache.rank_k = 64;
+  EXPECT_TRUE(server::ServerApp::Start(full).ok());
+}
+
+TEST(KvCacheOptionsTest, ParsesFlagNames) {
+  EXPECT_EQ(server::ParseKvCacheKind("full").value(), KvCacheKind::kFull);
+  EXPECT_EQ(server::ParseKvCacheKind("compressed").value(), KvCacheKind::kCompressed);
+  const absl::Status kind = server::ParseKvCacheKind("paged").status();
+  EXPECT_EQ(kind.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(kind.message(), "--kv-cache must be 'full' or 'compressed', got 'paged'");
+  EXPECT_EQ(server::ParseCoeffDtype("fp16").value(), CoeffDtype::kFp16);
+  EXPECT_EQ(server::ParseCoeffDtype("int8").value(), CoeffDtype::kInt8);
+  EXPECT_EQ(server::ParseCoeffDtype("fp32").value(), CoeffDtype::kFp32);
+  const absl::Status dtype = server::ParseCoeffDtype("bf16").status();
+  EXPECT_EQ(dtype.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(dtype.message(), "--kv-coeff-dtype must be 'fp16', 'int8' or 'fp32', got 'bf16'");
+}
+
+}  // namespace
+}  // namespace subspace
