@@ -1,9 +1,11 @@
 // Decode attention time vs context and batch: full-rank paged cache against the compressed
 // cache (fp16, int8 coefficients, r = d/4, S = 4, W = 64, B = 16), one layer, random K/V and
 // an installed orthonormal basis. Prints time per step and, beside the time ratio, the ratio
-// of bytes the cache holds.
+// of bytes the cache holds. With --epoch_table, first the cost of building a PCA epoch 0
+// (Gram matrices + eigendecomposition) and of the Commit that triggers it.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -14,11 +16,14 @@
 #include "absl/flags/parse.h"
 #include "core/compressed_kv_cache.h"
 #include "core/paged_kv_cache.h"
+#include "core/pca.h"
 
 ABSL_FLAG(std::string, contexts, "1024,4096,16384", "context lengths");
 ABSL_FLAG(std::string, batches, "1,8", "batch sizes");
 ABSL_FLAG(int, iters, 5, "timed decode steps per point (median)");
 ABSL_FLAG(bool, small_geometry, true, "also run the default model's 4/2/64 geometry");
+ABSL_FLAG(bool, epoch_table, true, "time building a PCA epoch 0 (6x2x64 and 32x8x128)");
+ABSL_FLAG(bool, attention_table, true, "time decode attention");
 
 namespace subspace {
 namespace {
@@ -154,6 +159,110 @@ void Table(const Geo& geo, const std::vector<int>& contexts, const std::vector<i
   }
 }
 
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Epoch 0 for one model geometry from T tokens of synthetic keys/values (a decaying spectrum,
+// like real activations). "before" columns are the pre-LAPACK code path: the scalar Gram loop
+// over every token and serial Jacobi; "after" is dsyrk + dsyevd over (layer, head) in parallel.
+void EpochTable() {
+  UseSingleThreadedBlas();  // as the server runs it (cpu::MatMul switches OpenBLAS threads off)
+  std::printf(
+      "\nPCA epoch 0, r = d/4, T = 1024 tokens; ms (Jacobi at 32x8x128 timed on 16 "
+      "of the matrices and scaled)\n");
+  std::printf("%-12s | %11s %11s | %11s %11s %11s | %12s %12s\n", "geometry", "gram loop",
+              "gram dsyrk", "Jacobi 1thr", "dsyevd 1thr", "PcaBasis", "Commit 1st", "Commit 2nd");
+  for (const KvCacheGeometry g : {KvCacheGeometry{6, 2, 64}, KvCacheGeometry{32, 8, 128}}) {
+    const int d = g.head_dim, T = 1024, r = d / 4, n_kv = g.n_kv_heads;
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> scale(static_cast<size_t>(d));
+    for (int i = 0; i < d; ++i) scale[i] = std::exp(-0.05f * i);
+    // [n_layers][T, n_kv, d], one set reused as K and V
+    std::vector<std::vector<float>> kv(static_cast<size_t>(g.n_layers));
+    for (auto& x : kv) {
+      x.resize(static_cast<size_t>(T) * n_kv * d);
+      for (size_t i = 0; i < x.size(); ++i) x[i] = nd(rng) * scale[i % d];
+    }
+    const size_t dd = static_cast<size_t>(d) * d;
+    std::vector<std::vector<double>> grams(static_cast<size_t>(g.n_layers),
+                                           std::vector<double>(n_kv * dd, 0.0));
+    auto t0 = std::chrono::steady_clock::now();
+    for (int l = 0; l < g.n_layers; ++l) {  // the old EnsureEpoch loop, for K only: x2 below
+      for (int h = 0; h < n_kv; ++h) {
+        double* gh = grams[l].data() + h * dd;
+        for (int t = 0; t < T; ++t) {
+          const float* x = kv[l].data() + (static_cast<size_t>(t) * n_kv + h) * d;
+          for (int i = 0; i < d; ++i) {
+            for (int j = 0; j < d; ++j)
+              gh[static_cast<size_t>(i) * d + j] += static_cast<double>(x[i]) * x[j];
+          }
+        }
+      }
+    }
+    const double gram_loop = 2 * Seconds(t0);
+    t0 = std::chrono::steady_clock::now();
+    std::vector<double> rows(static_cast<size_t>(T) * d);
+    for (int rep = 0; rep < 2; ++rep) {
+      for (int l = 0; l < g.n_layers; ++l) {
+        for (int h = 0; h < n_kv; ++h) {
+          for (int t = 0; t < T; ++t) {
+            const float* x = kv[l].data() + (static_cast<size_t>(t) * n_kv + h) * d;
+            std::copy(x, x + d, rows.begin() + static_cast<int64_t>(t) * d);
+          }
+          GramOfRows(rows.data(), T, d, grams[l].data() + h * dd);
+        }
+      }
+    }
+    const double gram_blas = Seconds(t0);
+    const int mats = 2 * g.n_layers * n_kv;
+    const int jacobi_mats = d > 64 ? 16 : mats;
+    std::vector<float> out(static_cast<size_t>(d) * r);
+    t0 = std::chrono::steady_clock::now();
+    for (int m = 0; m < jacobi_mats; ++m) {
+      const std::vector<double> gm(
+          grams[m / 2 % g.n_layers].begin() + (m / 2 / g.n_layers % n_kv) * dd,
+          grams[m / 2 % g.n_layers].begin() + (m / 2 / g.n_layers % n_kv + 1) * dd);
+      TopEigenvectors(d, gm, r, out.data(), EigenSolver::kJacobi);
+    }
+    const double jacobi = Seconds(t0) * mats / jacobi_mats;
+    t0 = std::chrono::steady_clock::now();
+    for (int m = 0; m < mats; ++m) {
+      const std::vector<double> gm(
+          grams[m / 2 % g.n_layers].begin() + (m / 2 / g.n_layers % n_kv) * dd,
+          grams[m / 2 % g.n_layers].begin() + (m / 2 / g.n_layers % n_kv + 1) * dd);
+      TopEigenvectors(d, gm, r, out.data(), EigenSolver::kLapack);
+    }
+    const double lapack = Seconds(t0);
+    const std::vector<int> ranks(static_cast<size_t>(g.n_layers), r);
+    (void)PcaBasis(g, ranks, ranks, grams, grams);  // warm-up: starts the OpenMP pool
+    t0 = std::chrono::steady_clock::now();
+    const Basis basis = PcaBasis(g, ranks, ranks, grams, grams);
+    const double pca_basis = Seconds(t0);
+    // Through the cache: two sequences prefill T tokens in one chunk; the first Commit builds
+    // the epoch (and compresses), the second only compresses.
+    CompressedKvCacheConfig c;
+    c.geometry = g;
+    c.capacity_bytes = static_cast<int64_t>(2 * (T / 16 + 2) * g.n_layers + 8) *
+                       CompressedKvCache::PageBytes(g, 16);
+    auto cache = *CompressedKvCache::Create(c);
+    double commit[2];
+    for (int i = 0; i < 2; ++i) {
+      const SeqId s = *cache->CreateSequence();
+      (void)cache->Reserve(s, T);
+      for (int l = 0; l < g.n_layers; ++l) cache->Write(l, s, 0, T, kv[l].data(), kv[l].data());
+      t0 = std::chrono::steady_clock::now();
+      (void)cache->Commit(s, T);
+      commit[i] = Seconds(t0);
+    }
+    std::printf("%2dx%dx%-7d | %11.2f %11.2f | %11.2f %11.2f %11.2f | %12.2f %12.2f\n", g.n_layers,
+                n_kv, d, gram_loop * 1e3, gram_blas * 1e3, jacobi * 1e3, lapack * 1e3,
+                pca_basis * 1e3, commit[0] * 1e3, commit[1] * 1e3);
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 }  // namespace subspace
 
@@ -164,6 +273,8 @@ int main(int argc, char** argv) {
   const int iters = absl::GetFlag(FLAGS_iters);
   std::printf("decode attention, median of %d steps; B ratio = bytes held (compressed / full "
               "fp32 paged)\n", iters);
+  if (absl::GetFlag(FLAGS_epoch_table)) subspace::EpochTable();
+  if (!absl::GetFlag(FLAGS_attention_table)) return 0;
   subspace::Table({32, 8, 128}, contexts, batches, iters);
   if (absl::GetFlag(FLAGS_small_geometry)) subspace::Table({4, 2, 64}, contexts, batches, iters);
   return 0;

@@ -5,7 +5,6 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "core/pca.h"
 
 namespace subspace {
 
@@ -65,20 +64,25 @@ absl::Status ValidateBasis(const Basis& b, const KvCacheGeometry& g, const std::
 
 Basis PcaBasis(const KvCacheGeometry& g, const std::vector<int>& r_k, const std::vector<int>& r_v,
                const std::vector<std::vector<double>>& grams_k,
-               const std::vector<std::vector<double>>& grams_v) {
+               const std::vector<std::vector<double>>& grams_v, EigenSolver solver) {
   Basis b = Basis::Zeros(g, r_k, r_v);
   const int d = g.head_dim;
   const size_t dd = static_cast<size_t>(d) * d;
-  for (size_t l = 0; l < b.layers.size(); ++l) {
+  // One item per (layer, head, K or V); each writes its own slice of the basis.
+  const int64_t items = static_cast<int64_t>(g.n_layers) * g.n_kv_heads * 2;
+  UseSingleThreadedBlas();
+#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
+  for (int64_t item = 0; item < items; ++item) {
+    const size_t l = static_cast<size_t>(item / (2 * g.n_kv_heads));
+    const int h = static_cast<int>(item / 2 % g.n_kv_heads);
+    const bool keys = item % 2 == 0;
     LayerBasis& lb = b.layers[l];
-    for (int h = 0; h < g.n_kv_heads; ++h) {
-      const std::vector<double> gk(grams_k[l].begin() + static_cast<int64_t>(h * dd),
-                                   grams_k[l].begin() + static_cast<int64_t>((h + 1) * dd));
-      const std::vector<double> gv(grams_v[l].begin() + static_cast<int64_t>(h * dd),
-                                   grams_v[l].begin() + static_cast<int64_t>((h + 1) * dd));
-      TopEigenvectors(d, gk, lb.rank_k, lb.p_k.data() + static_cast<size_t>(h) * d * lb.rank_k);
-      TopEigenvectors(d, gv, lb.rank_v, lb.p_v.data() + static_cast<size_t>(h) * d * lb.rank_v);
-    }
+    const int r = keys ? lb.rank_k : lb.rank_v;
+    const double* gram = (keys ? grams_k : grams_v)[l].data() + h * dd;
+    float* out = (keys ? lb.p_k : lb.p_v).data() + static_cast<size_t>(h) * d * r;
+    std::vector<double> values(static_cast<size_t>(r)), vecs(static_cast<size_t>(d) * r);
+    TopEigenpairs(d, gram, r, solver, values.data(), vecs.data());
+    for (size_t i = 0; i < vecs.size(); ++i) out[i] = static_cast<float>(vecs[i]);
   }
   b.MakeOrthogonalFromPkPv();
   return b;

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/kv_cache.h"
+#include "core/pca.h"
 
 namespace subspace {
 
@@ -48,12 +49,14 @@ struct Basis {
 absl::Status ValidateBasis(const Basis& b, const KvCacheGeometry& g, const std::vector<int>& r_k,
                            const std::vector<int>& r_v);
 
-// Epoch 0 until calibration exists: PCA of one sequence's own keys and values. grams_k,
+// Epoch 0 until calibration exists: PCA of one sequence's keys and values. grams_k,
 // grams_v: per layer [n_kv, d, d] (K^T K and V^T V accumulated in double); the top-r_k / r_v
-// eigenvectors per head become an orthogonal basis.
+// eigenvectors per head become an orthogonal basis. The 2 * n_layers * n_kv eigenproblems
+// run in parallel (OpenMP); kJacobi is the slow reference (tests, benchmark).
 Basis PcaBasis(const KvCacheGeometry& g, const std::vector<int>& r_k, const std::vector<int>& r_v,
                const std::vector<std::vector<double>>& grams_k,
-               const std::vector<std::vector<double>>& grams_v);
+               const std::vector<std::vector<double>>& grams_v,
+               EigenSolver solver = EigenSolver::kLapack);
 
 // Refcounted epochs. Register hands the caller one reference; Release drops one and deletes
 // the epoch at zero. Not thread-safe for mutation: the cache mutates it from the engine thread

@@ -19,15 +19,27 @@
 // a prefill chunk longer than W sees its own early tokens full-rank; they are compressed only
 // for later steps. That is causal and deterministic, but a prompt split into different chunks
 // attends differently at rank < d.
+//
+// Epoch 0 (self-calibration). Until the calibration tool's basis file exists, the first
+// sequence that compresses with no default epoch set builds one by PCA of its own keys and
+// values (Gram matrices by dsyrk over at most kPcaMaxTokens tokens, then LAPACK per layer x
+// KV head, in parallel) and installs it as the default: every later sequence, and any created
+// earlier that has not compressed yet, uses it without an eigendecomposition. That one build
+// runs on the engine thread (~7 ms for 6 layers x 2 heads x d=64, ~0.4 s for 32 x 8 x 128;
+// bench/attention_bench.cc); per-sequence PCA made every sequence pay it. A default set
+// explicitly (SetDefaultEpoch) replaces the self-calibrated one for new sequences.
 #include "core/compressed_kv_cache.h"
 
 #include <algorithm>
+#include <bit>
 #include <cassert>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
 #include "absl/strings/str_format.h"
+#include "core/cpu/attention_kernels.h"
+#include "core/pca.h"
 
 namespace subspace {
 
@@ -36,6 +48,10 @@ namespace {
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t kMaxTokens = int64_t{1} << 48;
 constexpr size_t kInitialTableCapacity = 64;
+// Compressed blocks attention prefetches ahead of the one it reads.
+constexpr int64_t kPrefetchBlocks = 2;
+// Tokens a self-calibrated PCA epoch is built from, at most.
+constexpr int64_t kPcaMaxTokens = 1024;
 
 inline float Dot(const float* __restrict a, const float* __restrict b, int n) {
   float sum = 0.0f;
@@ -299,40 +315,57 @@ void CompressedKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, cons
 
 absl::Status CompressedKvCache::EnsureEpoch(Sequence& s) {
   if (s.epoch != kNoEpoch) return absl::OkStatus();
-  // PCA of the sequence's own committed full-rank keys and values (all of them: nothing is
-  // compressed before the first epoch exists).
+  if (default_epoch_ != kNoEpoch && !config_.per_sequence_pca) {
+    // Created before the default existed (or before it was self-calibrated).
+    if (absl::Status st = registry_.Acquire(default_epoch_); !st.ok()) return st;
+    s.epoch = default_epoch_;
+    return absl::OkStatus();
+  }
+  const EpochId id = registry_.Register(PcaOfSequence(s));  // the sequence's reference
+  ++pca_epochs_built_;
+  s.epoch = id;
+  if (!config_.per_sequence_pca) {
+    if (absl::Status st = registry_.Acquire(id); !st.ok()) return st;  // the default's
+    default_epoch_ = id;
+    default_self_calibrated_ = true;
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const Basis> CompressedKvCache::PcaOfSequence(const Sequence& s) const {
+  // Grams of the committed full-rank keys and values (all of them: nothing is compressed
+  // before the first epoch exists), at most kPcaMaxTokens evenly spaced ones: well above d,
+  // and it bounds the dsyrk work of a long first prompt.
   const KvCacheGeometry& g = config_.geometry;
   const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = config_.block_size;
   const size_t dd = static_cast<size_t>(hd) * hd;
+  const int64_t stride = std::max<int64_t>(1, CeilDiv(s.length, kPcaMaxTokens));
   std::vector<std::vector<double>> gk(static_cast<size_t>(g.n_layers)), gv(gk.size());
   for (int l = 0; l < g.n_layers; ++l) {
-    gk[l].assign(static_cast<size_t>(n_kv) * dd, 0.0);
-    gv[l].assign(static_cast<size_t>(n_kv) * dd, 0.0);
+    gk[static_cast<size_t>(l)].assign(static_cast<size_t>(n_kv) * dd, 0.0);
+    gv[static_cast<size_t>(l)].assign(static_cast<size_t>(n_kv) * dd, 0.0);
+  }
+  UseSingleThreadedBlas();
+  const int64_t items = static_cast<int64_t>(g.n_layers) * n_kv * 2;  // (layer, head, K or V)
+#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
+  for (int64_t item = 0; item < items; ++item) {
+    const int l = static_cast<int>(item / (2 * n_kv));
+    const int h = static_cast<int>(item / 2 % n_kv);
+    const bool keys = item % 2 == 0;
     const LayerState& ls = s.layers[static_cast<size_t>(l)];
-    for (int64_t b = 0; b * bs < s.length; ++b) {
-      const BlockEntry& e = ls.table[static_cast<size_t>(b)];
+    thread_local std::vector<double> rows;  // [sampled tokens, hd]
+    rows.clear();
+    for (int64_t t = 0; t < s.length; t += stride) {
+      const BlockEntry& e = ls.table[static_cast<size_t>(t / bs)];
       if (e.slot >= 0) continue;
       const float* block = pool_->data(e.page);
-      const int nb = static_cast<int>(std::min<int64_t>(bs, s.length - b * bs));
-      for (int h = 0; h < n_kv; ++h) {
-        double* gkh = gk[l].data() + h * dd;
-        double* gvh = gv[l].data() + h * dd;
-        for (int t = 0; t < nb; ++t) {
-          const float* kr = block + KOffset(h, t);
-          const float* vr = block + VOffset(h, t);
-          for (int i = 0; i < hd; ++i) {
-            for (int j = 0; j < hd; ++j) {
-              gkh[static_cast<size_t>(i) * hd + j] += static_cast<double>(kr[i]) * kr[j];
-              gvh[static_cast<size_t>(i) * hd + j] += static_cast<double>(vr[i]) * vr[j];
-            }
-          }
-        }
-      }
+      const float* x = block + (keys ? KOffset(h, t % bs) : VOffset(h, t % bs));
+      rows.insert(rows.end(), x, x + hd);
     }
+    double* gram = (keys ? gk : gv)[static_cast<size_t>(l)].data() + static_cast<size_t>(h) * dd;
+    GramOfRows(rows.data(), static_cast<int64_t>(rows.size()) / hd, hd, gram);
   }
-  auto basis = std::make_shared<Basis>(PcaBasis(g, r_k_, r_v_, gk, gv));
-  s.epoch = registry_.Register(std::move(basis));  // the sequence holds this reference
-  return absl::OkStatus();
+  return std::make_shared<Basis>(PcaBasis(g, r_k_, r_v_, gk, gv));
 }
 
 void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
@@ -359,33 +392,43 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
 
   const bool detect = config_.outlier_threshold < 1.0f;
   uint64_t outliers = 0;
+  const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
   thread_local std::vector<float> coeff;
-  coeff.resize(static_cast<size_t>(std::max(rk, rv) + hd));
-  float* c = coeff.data();
-  float* recon = c + std::max(rk, rv);
+  coeff.resize(static_cast<size_t>(bs) * (rk + rv + hd));
+  float* ck = coeff.data();                          // [B, r_k]
+  float* cv = ck + static_cast<size_t>(bs) * rk;     // [B, r_v]
+  float* recon = cv + static_cast<size_t>(bs) * rv;  // [B, d]
   for (int h = 0; h < n_kv; ++h) {
     const float* pq = basis.p_q.data() + static_cast<size_t>(h) * hd * rk;  // [d, r_k]
     const float* pk = basis.p_k.data() + static_cast<size_t>(h) * hd * rk;  // [d, r_k]
     const float* pv = basis.p_v.data() + static_cast<size_t>(h) * hd * rv;  // [d, r_v]
+    // The whole block at once: C = K P_k is the accumulation kernel with the B key rows as
+    // weights over the d rows of P_k.
+    std::fill(ck, ck + static_cast<size_t>(bs) * (rk + rv), 0.0f);
+    kernels.accumulate(full + KOffset(h, 0), bs, cpu::KvRows{pk}, hd, rk, ck, rk);
+    kernels.accumulate(full + VOffset(h, 0), bs, cpu::KvRows{pv}, hd, rv, cv, rv);
+    if (detect) {
+      // The keys as queries will see them: k^ = P_q c (= P P^T k for orthogonal bases).
+      kernels.scores(ck, rk, bs, cpu::KvRows{pq}, hd, rk, 1.0f, recon);
+    }
     for (int t = 0; t < bs; ++t) {
       const int64_t row = static_cast<int64_t>(h) * bs + t;
-      const float* k = full + KOffset(h, t);
-      MatTVec(pk, k, hd, rk, c);
       if (detect) {
-        // The key as queries will see it: k^ = P_q c (= P P^T k for orthogonal bases).
-        for (int i = 0; i < hd; ++i) recon[i] = Dot(pq + static_cast<int64_t>(i) * rk, c, rk);
+        const float* k = full + KOffset(h, t);
+        const float* kr = recon + static_cast<size_t>(t) * hd;
         double err = 0.0, norm = 0.0;
         for (int i = 0; i < hd; ++i) {
-          err += static_cast<double>(k[i] - recon[i]) * (k[i] - recon[i]);
+          err += static_cast<double>(k[i] - kr[i]) * (k[i] - kr[i]);
           norm += static_cast<double>(k[i]) * k[i];
         }
         if (err > static_cast<double>(config_.outlier_threshold) * config_.outlier_threshold * norm) {
           outliers |= uint64_t{1} << t;
         }
       }
-      EncodeCoeffs(dt, c, rk, k_codes + row * rk * CoeffBytes(dt), k_scales + row);
-      MatTVec(pv, full + VOffset(h, t), hd, rv, c);
-      EncodeCoeffs(dt, c, rv, v_codes + row * rv * CoeffBytes(dt), v_scales + row);
+      EncodeCoeffs(dt, ck + static_cast<size_t>(t) * rk, rk, k_codes + row * rk * CoeffBytes(dt),
+                   k_scales + row);
+      EncodeCoeffs(dt, cv + static_cast<size_t>(t) * rv, rv, v_codes + row * rv * CoeffBytes(dt),
+                   v_scales + row);
     }
   }
   // Outlier tokens (all heads) move to the outlier pages, in position order.
@@ -542,6 +585,7 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
   const int64_t rows = static_cast<int64_t>(n_kv) * bs;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
 
   std::vector<int64_t> first_item(requests.size() + 1, 0);
   for (size_t r = 0; r < requests.size(); ++r) first_item[r + 1] = first_item[r] + requests[r].n * n_kv;
@@ -562,67 +606,71 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
 
     // Per-thread state, grown once to the largest shape seen.
     thread_local std::vector<float> scratch;
-    const size_t need = static_cast<size_t>(group) * (hd + 2) + static_cast<size_t>(bs) +
-                        static_cast<size_t>(group) * n_ep * (rk + rv) +
-                        static_cast<size_t>(bs) * (rk + rv);
+    const size_t need =
+        static_cast<size_t>(group) * (hd + 2 + bs) + static_cast<size_t>(group) * n_ep * (rk + rv);
     if (scratch.size() < need) scratch.resize(need);
     float* acc = scratch.data();                             // [group, hd]
     float* run_max = acc + static_cast<size_t>(group) * hd;  // [group]
     float* run_sum = run_max + group;                        // [group]
-    float* scores = run_sum + group;                         // [B]
-    float* q_coef = scores + bs;                             // [group, n_ep, r_k]
+    float* scores = run_sum + group;                         // [group, B]
+    float* q_coef = scores + static_cast<size_t>(group) * bs;        // [group, n_ep, r_k]
     float* u_acc = q_coef + static_cast<size_t>(group) * n_ep * rk;  // [group, n_ep, r_v]
-    float* k_dec = u_acc + static_cast<size_t>(group) * n_ep * rv;   // [B, r_k]
-    float* v_dec = k_dec + static_cast<size_t>(bs) * rk;             // [B, r_v]
     std::fill(acc, acc + static_cast<size_t>(group) * hd, 0.0f);
     std::fill(run_max, run_max + group, neg_inf);
     std::fill(run_sum, run_sum + group, 0.0f);
+    std::fill(q_coef, q_coef + static_cast<size_t>(group) * n_ep * rk, 0.0f);
     std::fill(u_acc, u_acc + static_cast<size_t>(group) * n_ep * rv, 0.0f);
 
     const float* q_tok = req.q + (i * n_heads + static_cast<int64_t>(kvh) * group) * hd;
-    // Query coefficients once per live epoch: q~_e = P_q[e]^T q.
-    for (int g = 0; g < group; ++g) {
-      for (int e = 0; e < n_ep; ++e) {
-        const float* pq = ls.live[static_cast<size_t>(e)].basis->p_q.data() + static_cast<size_t>(kvh) * hd * rk;
-        MatTVec(pq, q_tok + static_cast<int64_t>(g) * hd, hd, rk,
-                q_coef + (static_cast<size_t>(g) * n_ep + e) * rk);
-      }
+    // Query coefficients once per live epoch: q~_e = P_q[e]^T q = sum_i q[i] P_q[e][i, :].
+    for (int e = 0; e < n_ep; ++e) {
+      const float* pq =
+          ls.live[static_cast<size_t>(e)].basis->p_q.data() + static_cast<size_t>(kvh) * hd * rk;
+      kernels.accumulate(q_tok, group, cpu::KvRows{pq}, hd, rk,
+                         q_coef + static_cast<size_t>(e) * rk, static_cast<int64_t>(n_ep) * rk);
     }
-    // Moves group member g's running max to `new_max`, rescaling everything accumulated.
-    const auto rescale = [&](int g, float new_max) {
-      if (!(new_max > run_max[g])) return;
-      const float corr = std::exp(run_max[g] - new_max);  // 0 on the first block
-      run_sum[g] *= corr;
-      float* acc_g = acc + static_cast<int64_t>(g) * hd;
-#pragma omp simd
-      for (int d = 0; d < hd; ++d) acc_g[d] *= corr;
-      float* u_g = u_acc + static_cast<size_t>(g) * n_ep * rv;
-      for (int d = 0; d < n_ep * rv; ++d) u_g[d] *= corr;
-      run_max[g] = new_max;
-    };
-    // A full-rank run of nb tokens. k_blk, v_blk: [nb, hd]; skip: tokens to ignore (bitmask)
-    const auto full_run = [&](const float* k_blk, const float* v_blk, int nb) {
+    // Online softmax over the scores of one block ([group, nb]; -inf = token masked out):
+    // rescales what group member g accumulated to the new running max (acc and every epoch's
+    // u), turns its scores into weights and adds them to run_sum.
+    const auto softmax_block = [&](int nb) {
       for (int g = 0; g < group; ++g) {
-        const float* q = q_tok + static_cast<int64_t>(g) * hd;
-        float block_max = neg_inf;
-        for (int t = 0; t < nb; ++t) {
-          scores[t] = Dot(q, k_blk + static_cast<int64_t>(t) * hd, hd) * scale;
-          block_max = std::max(block_max, scores[t]);
+        float* p = scores + static_cast<int64_t>(g) * nb;
+        const float block_max = *std::max_element(p, p + nb);
+        if (block_max == neg_inf) {  // every token masked: nothing to add
+          std::fill(p, p + nb, 0.0f);
+          continue;
         }
-        rescale(g, block_max);
-        float* acc_g = acc + static_cast<int64_t>(g) * hd;
-        for (int t = 0; t < nb; ++t) {
-          const float p = std::exp(scores[t] - run_max[g]);
-          run_sum[g] += p;
-          Axpy(p, v_blk + static_cast<int64_t>(t) * hd, acc_g, hd);
+        if (block_max > run_max[g]) {
+          const float corr = std::exp(run_max[g] - block_max);  // 0 on the first block
+          run_sum[g] *= corr;
+          kernels.scale(acc + static_cast<int64_t>(g) * hd, hd, corr);
+          kernels.scale(u_acc + static_cast<size_t>(g) * n_ep * rv, n_ep * rv, corr);
+          run_max[g] = block_max;
         }
+        run_sum[g] += kernels.exp_sum(p, nb, run_max[g]);
       }
+    };
+    // A full-rank run of nb tokens. k_blk, v_blk: [nb, hd]
+    const auto full_run = [&](const float* k_blk, const float* v_blk, int nb) {
+      kernels.scores(q_tok, hd, group, cpu::KvRows{k_blk}, nb, hd, scale, scores);
+      softmax_block(nb);
+      kernels.accumulate(scores, group, cpu::KvRows{v_blk}, nb, hd, acc, hd);
     };
 
     for (int64_t b0 = 0; b0 < n_ctx; b0 += bs) {
       const int64_t b = b0 / bs;
       const BlockEntry& e = ls.table[static_cast<size_t>(b)];
       const int nb = static_cast<int>(std::min<int64_t>(bs, n_ctx - b0));
+      // Slots are scattered over slab pages: fetch this head's codes kPrefetchBlocks ahead.
+      if (b0 + kPrefetchBlocks * bs < n_ctx) {
+        const BlockEntry& ahead = ls.table[static_cast<size_t>(b + kPrefetchBlocks)];
+        if (ahead.slot >= 0) {
+          const uint8_t* codes = slabs_.data({ahead.page, ahead.slot});
+          cpu::PrefetchBytes(codes + kvh * bs * rk * CoeffBytes(dt), bs * rk * CoeffBytes(dt));
+          cpu::PrefetchBytes(codes + (rows * rk + kvh * bs * rv) * CoeffBytes(dt),
+                             bs * rv * CoeffBytes(dt));
+        }
+      }
       if (e.slot < 0) {
         const float* block = pool_->data(e.page);
         full_run(block + KOffset(kvh, 0), block + VOffset(kvh, 0), nb);
@@ -637,30 +685,19 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
       const auto* k_scales = reinterpret_cast<const uint16_t*>(v_codes + rows * rv * CoeffBytes(dt));
       const uint16_t* v_scales = k_scales + rows;
       const int64_t row0 = static_cast<int64_t>(kvh) * bs;
-      for (int t = 0; t < nb; ++t) {
-        DecodeCoeffs(dt, k_codes + (row0 + t) * rk * CoeffBytes(dt), k_scales + row0 + t, rk,
-                     k_dec + static_cast<int64_t>(t) * rk);
-        DecodeCoeffs(dt, v_codes + (row0 + t) * rv * CoeffBytes(dt), v_scales + row0 + t, rv,
-                     v_dec + static_cast<int64_t>(t) * rv);
+      // Coefficients are read in their stored type; int8 row scales fold into the products.
+      const cpu::KvRows k_rows{k_codes + row0 * rk * CoeffBytes(dt), k_scales + row0, dt};
+      const cpu::KvRows v_rows{v_codes + row0 * rv * CoeffBytes(dt), v_scales + row0, dt};
+      kernels.scores(q_coef + static_cast<size_t>(ep) * rk, static_cast<int64_t>(n_ep) * rk, group,
+                     k_rows, nb, rk, scale, scores);
+      for (uint64_t m = e.outliers; m != 0; m &= m - 1) {  // read full-rank from the outlier store
+        const int t = std::countr_zero(m);
+        if (t >= nb) break;
+        for (int g = 0; g < group; ++g) scores[static_cast<int64_t>(g) * nb + t] = neg_inf;
       }
-      for (int g = 0; g < group; ++g) {
-        const float* qc = q_coef + (static_cast<size_t>(g) * n_ep + ep) * rk;
-        float block_max = neg_inf;
-        for (int t = 0; t < nb; ++t) {
-          if ((e.outliers >> t) & 1u) continue;  // read full-rank from the outlier store
-          scores[t] = Dot(qc, k_dec + static_cast<int64_t>(t) * rk, rk) * scale;
-          block_max = std::max(block_max, scores[t]);
-        }
-        if (block_max == neg_inf) continue;
-        rescale(g, block_max);
-        float* u_g = u_acc + (static_cast<size_t>(g) * n_ep + ep) * rv;
-        for (int t = 0; t < nb; ++t) {
-          if ((e.outliers >> t) & 1u) continue;
-          const float p = std::exp(scores[t] - run_max[g]);
-          run_sum[g] += p;
-          Axpy(p, v_dec + static_cast<int64_t>(t) * rv, u_g, rv);
-        }
-      }
+      softmax_block(nb);
+      kernels.accumulate(scores, group, v_rows, nb, rv, u_acc + static_cast<size_t>(ep) * rv,
+                         static_cast<int64_t>(n_ep) * rv);
     }
     // Outliers: full-rank tokens in position order, B to a page.
     const int64_t n_out = static_cast<int64_t>(
@@ -679,11 +716,9 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
       for (int e = 0; e < n_ep; ++e) {
         const float* rvm = ls.live[static_cast<size_t>(e)].basis->r_v.data() + static_cast<size_t>(kvh) * rv * hd;
         const float* u_g = u_acc + (static_cast<size_t>(g) * n_ep + e) * rv;
-        for (int j = 0; j < rv; ++j) Axpy(u_g[j], rvm + static_cast<int64_t>(j) * hd, o, hd);
+        kernels.accumulate(u_g, 1, cpu::KvRows{rvm}, rv, hd, o, hd);
       }
-      const float inv = 1.0f / run_sum[g];
-#pragma omp simd
-      for (int d = 0; d < hd; ++d) o[d] *= inv;
+      kernels.scale(o, hd, 1.0f / run_sum[g]);
     }
   }
 }
@@ -721,6 +756,8 @@ CompressedKvCacheDetail CompressedKvCache::Detail() const {
   }
   d.outliers_dropped = outliers_dropped_;
   d.epochs_live = registry_.live();
+  d.pca_epochs_built = pca_epochs_built_;
+  d.default_self_calibrated = default_self_calibrated_;
   return d;
 }
 
@@ -751,6 +788,7 @@ absl::Status CompressedKvCache::SetDefaultEpoch(EpochId id) {
   }
   if (default_epoch_ != kNoEpoch) registry_.Release(default_epoch_);
   default_epoch_ = id;
+  default_self_calibrated_ = false;
   return absl::OkStatus();
 }
 

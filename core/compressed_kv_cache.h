@@ -32,6 +32,11 @@ struct CompressedKvCacheConfig {
   std::vector<int> r_v;  // [n_layers]; empty: head_dim / 4
   CoeffDtype coeff_dtype = CoeffDtype::kFp16;
   int64_t capacity_bytes = 0;  // pool budget; pages = capacity_bytes / PageBytes
+  // Without an installed default epoch, the first sequence to compress builds one by PCA of
+  // its own keys/values and it becomes the default for everyone (self-calibration). true: every
+  // sequence builds its own instead, as before the sharing (experiments, tests); each then
+  // costs an eigendecomposition on the engine thread.
+  bool per_sequence_pca = false;
 };
 
 // Breakdown beyond KvCacheStats (tests, benchmarks, metrics).
@@ -44,6 +49,8 @@ struct CompressedKvCacheDetail {
   int64_t outlier_tokens = 0;         // summed over layers
   int64_t outliers_dropped = 0;       // outliers compressed anyway: the pool had no page
   int64_t epochs_live = 0;
+  int64_t pca_epochs_built = 0;          // PCA bases computed by this cache (self-calibration)
+  bool default_self_calibrated = false;  // the default epoch is a self-calibrated one
 };
 
 class CompressedKvCache final : public KvCache {
@@ -92,9 +99,13 @@ class CompressedKvCache final : public KvCache {
   absl::Status ReleaseEpoch(EpochId id);
   // Blocks of `seq` compressed from now on use `id`; older blocks keep theirs.
   absl::Status SetSequenceEpoch(SeqId seq, EpochId id);
-  // Epoch new sequences start with; kNoEpoch: each sequence builds its own by PCA of its own
-  // full-rank keys/values when it first compresses (epoch 0 until calibration exists).
+  // Epoch new sequences start with, and that sequences still without one pick up when they
+  // first compress. While it is kNoEpoch, the first sequence to compress builds epoch 0 by PCA
+  // of its own full-rank keys/values and installs it here (self-calibration: the stopgap until
+  // the calibration tool's basis file exists; config.per_sequence_pca keeps one per sequence).
+  // An epoch set here explicitly replaces a self-calibrated one and is never replaced by one.
   absl::Status SetDefaultEpoch(EpochId id);
+  EpochId default_epoch() const { return default_epoch_; }
   EpochId SequenceEpoch(SeqId seq) const;
   const BasisRegistry& registry() const { return registry_; }
   const std::vector<int>& r_k() const { return r_k_; }
@@ -146,7 +157,9 @@ class CompressedKvCache final : public KvCache {
   }
   int64_t VOffset(int h, int64_t t) const { return v_half_ + KOffset(h, t); }
 
+  // Gives `s` an epoch before its first compression: the default, else a PCA of its keys.
   absl::Status EnsureEpoch(Sequence& s);
+  std::shared_ptr<const Basis> PcaOfSequence(const Sequence& s) const;
   void CompressBlock(Sequence& s, int layer, int64_t b);
   void FreeEntry(LayerState& ls, int layer, int64_t b);
   void AddEpochUse(LayerState& ls, int layer, EpochId id);
@@ -162,6 +175,8 @@ class CompressedKvCache final : public KvCache {
   SlabAllocator slabs_;
   BasisRegistry registry_;
   EpochId default_epoch_ = kNoEpoch;
+  bool default_self_calibrated_ = false;
+  int64_t pca_epochs_built_ = 0;
   std::vector<Sequence> seqs_;
   std::vector<SeqId> free_seq_ids_;
   int32_t live_sequences_ = 0;

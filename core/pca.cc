@@ -1,12 +1,70 @@
-// Cyclic Jacobi: each rotation zeroes one off-diagonal pair; sweeps until the off-diagonal
-// mass is negligible. O(n^3) per sweep, ~6-10 sweeps; quadratic convergence at the end.
+// Eigensolvers for PCA bases. LAPACK (linked through OpenBLAS) first reduces the matrix to
+// tridiagonal form (4/3 n^3, blocked) and then solves that; Jacobi stays as the reference:
+// O(n^3) per sweep, ~6-10 sweeps, column-strided rotations.
+//
+// Which LAPACK driver, measured on the 2-core EPYC dev box, one thread, r = n/4, time per matrix:
+//   n                        32       64      128      256
+//   dsyevr RANGE='I' (top r) 0.09 ms  0.41 ms  1.70 ms  7.07 ms
+//   dsyevd (all, D&C)        0.07 ms  0.25 ms  0.94 ms  4.29 ms
+//   Jacobi (this file)                ~1.8 ms  ~20 ms
+// dsyevr's partial range goes through bisection + inverse iteration (dstebz/dstein), which
+// at these sizes costs more than divide and conquer computing every eigenpair, so dsyevd.
 #include "core/pca.h"
+
+#include <cblas.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <mutex>
 #include <numeric>
+#include <vector>
+
+// LAPACK from OpenBLAS, 32-bit integers (Debian's libopenblas0 is not ILP64). gfortran passes
+// the length of each CHARACTER argument as a hidden trailing size_t.
+extern "C" void dsyevd_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda,
+                        double* w, double* work, const int* lwork, int* iwork, const int* liwork,
+                        int* info, size_t jobz_len, size_t uplo_len);
+// OpenBLAS's own API (a netlib cblas.h lacks it); see core/cpu/matmul.cc.
+extern "C" void openblas_set_num_threads(int num_threads);
 
 namespace subspace {
+
+namespace {
+
+// Top-r eigenpairs by dsyevd. false if LAPACK reports an error. values: [r]; vecs: [n, r]
+bool TopEigenpairsLapack(int n, const double* gram, int r, double* values, double* vecs) {
+  // Row-major and column-major agree on a symmetric matrix. On return `a` holds the
+  // eigenvectors as columns (column-major), eigenvalues ascending.
+  std::vector<double> a(gram, gram + static_cast<size_t>(n) * n);
+  std::vector<double> w(static_cast<size_t>(n));
+  const int lwork = 1 + 6 * n + 2 * n * n, liwork = 3 + 5 * n;  // the documented minimums
+  std::vector<double> work(static_cast<size_t>(lwork));
+  std::vector<int> iwork(static_cast<size_t>(liwork));
+  int info = 0;
+  dsyevd_("V", "U", &n, a.data(), &n, w.data(), work.data(), &lwork, iwork.data(), &liwork, &info,
+          1, 1);
+  if (info != 0) return false;
+  for (int j = 0; j < r; ++j) {  // ascending -> descending
+    const size_t src = static_cast<size_t>(n - 1 - j);
+    values[j] = w[src];
+    for (int i = 0; i < n; ++i) vecs[static_cast<size_t>(i) * r + j] = a[src * n + i];
+  }
+  return true;
+}
+
+void TopEigenpairsJacobi(int n, const double* gram, int r, double* values, double* vecs) {
+  std::vector<double> a(gram, gram + static_cast<size_t>(n) * n), all_values, all_vecs;
+  SymmetricEigen(n, a, &all_values, &all_vecs);
+  for (int j = 0; j < r; ++j) {
+    values[j] = all_values[static_cast<size_t>(j)];
+    for (int i = 0; i < n; ++i) {
+      vecs[static_cast<size_t>(i) * r + j] = all_vecs[static_cast<size_t>(i) * n + j];
+    }
+  }
+}
+
+}  // namespace
 
 void SymmetricEigen(int n, std::vector<double>& a, std::vector<double>* values,
                     std::vector<double>* vecs) {
@@ -61,14 +119,46 @@ void SymmetricEigen(int n, std::vector<double>& a, std::vector<double>* values,
   }
 }
 
-void TopEigenvectors(int n, const std::vector<double>& gram, int r, float* out) {
-  std::vector<double> a = gram, values, vecs;
-  SymmetricEigen(n, a, &values, &vecs);
-  for (int i = 0; i < n; ++i) {
-    for (int j = 0; j < r; ++j) {
-      out[static_cast<size_t>(i) * r + j] = static_cast<float>(vecs[static_cast<size_t>(i) * n + j]);
+void TopEigenpairs(int n, const double* gram, int r, EigenSolver solver, double* values,
+                   double* vecs) {
+  if (r <= 0) return;
+  if (solver == EigenSolver::kJacobi || !TopEigenpairsLapack(n, gram, r, values, vecs)) {
+    TopEigenpairsJacobi(n, gram, r, values, vecs);
+  }
+  for (int j = 0; j < r; ++j) {
+    int arg = 0;
+    for (int i = 1; i < n; ++i) {
+      if (std::fabs(vecs[static_cast<size_t>(i) * r + j]) >
+          std::fabs(vecs[static_cast<size_t>(arg) * r + j])) {
+        arg = i;
+      }
+    }
+    if (vecs[static_cast<size_t>(arg) * r + j] < 0) {
+      for (int i = 0; i < n; ++i)
+        vecs[static_cast<size_t>(i) * r + j] = -vecs[static_cast<size_t>(i) * r + j];
     }
   }
+}
+
+void TopEigenvectors(int n, const std::vector<double>& gram, int r, float* out,
+                     EigenSolver solver) {
+  std::vector<double> values(static_cast<size_t>(r)), vecs(static_cast<size_t>(n) * r);
+  TopEigenpairs(n, gram.data(), r, solver, values.data(), vecs.data());
+  for (size_t i = 0; i < vecs.size(); ++i) out[i] = static_cast<float>(vecs[i]);
+}
+
+void GramOfRows(const double* x, int64_t rows, int d, double* gram) {
+  cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, d, static_cast<int>(rows), 1.0, x, d, 0.0,
+              gram, d);
+  for (int i = 0; i < d; ++i) {
+    for (int j = 0; j < i; ++j)
+      gram[static_cast<size_t>(i) * d + j] = gram[static_cast<size_t>(j) * d + i];
+  }
+}
+
+void UseSingleThreadedBlas() {
+  static std::once_flag once;
+  std::call_once(once, [] { openblas_set_num_threads(1); });
 }
 
 }  // namespace subspace

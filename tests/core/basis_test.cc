@@ -1,7 +1,10 @@
-// Jacobi eigendecomposition, PCA epoch construction and the epoch registry's refcounts.
+// Eigensolvers (LAPACK dsyevd against the Jacobi reference), PCA epoch construction and the
+// epoch registry's refcounts.
 #include "core/basis.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <vector>
 
@@ -34,6 +37,102 @@ TEST(PcaTest, JacobiReconstructsAndSorts) {
     }
   }
   EXPECT_LE(err, 1e-9);
+}
+
+// A Gram matrix of `samples` Gaussian rows with per-coordinate scales decaying like
+// activations (a few strong directions), rotated by a random orthogonal-ish mix. [n, n]
+std::vector<double> RandomGram(int n, int samples, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  std::vector<double> mix(static_cast<size_t>(n) * n);
+  for (double& v : mix) v = nd(rng);
+  std::vector<double> x(static_cast<size_t>(samples) * n, 0.0), z(static_cast<size_t>(n));
+  for (int t = 0; t < samples; ++t) {
+    for (int i = 0; i < n; ++i) z[i] = nd(rng) * std::exp(-0.1 * i);
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < n; ++j) x[static_cast<size_t>(t) * n + i] += mix[i * n + j] * z[j];
+    }
+  }
+  std::vector<double> gram(static_cast<size_t>(n) * n);
+  GramOfRows(x.data(), samples, n, gram.data());
+  return gram;
+}
+
+// dsyevd's top-r eigenpairs equal Jacobi's (eigenvectors after the shared sign rule, within
+// the perturbation bound eps * lambda_max / gap: the tail of a decaying spectrum has close
+// eigenvalues), and GramOfRows equals the plain sum of outer products.
+TEST(PcaTest, LapackMatchesJacobi) {
+  double worst_val = 0, worst_vec = 0, worst_orth = 0;
+  for (int n : {8, 24, 64, 128}) {
+    const std::vector<double> gram = RandomGram(n, 3 * n, static_cast<uint32_t>(n));
+    std::vector<double> all(n), all_vecs(static_cast<size_t>(n) * n);
+    TopEigenpairs(n, gram.data(), n, EigenSolver::kJacobi, all.data(), all_vecs.data());
+    for (int r : {1, 4, n / 4, n}) {
+      std::vector<double> va(r), vb(r), ea(static_cast<size_t>(n) * r), eb(ea.size());
+      TopEigenpairs(n, gram.data(), r, EigenSolver::kLapack, va.data(), ea.data());
+      TopEigenpairs(n, gram.data(), r, EigenSolver::kJacobi, vb.data(), eb.data());
+      for (int j = 0; j < r; ++j) {
+        if (j > 0) {
+          EXPECT_GE(va[j - 1], va[j]);
+        }
+        worst_val = std::max(worst_val, std::fabs(va[j] - vb[j]) / std::fabs(vb[0]));
+        const double gap = std::min(j > 0 ? all[j - 1] - all[j] : all[0],
+                                    j + 1 < n ? all[j] - all[j + 1] : all[0]);
+        for (int i = 0; i < n; ++i) {  // error in units of 1e-12 * lambda_max / gap
+          worst_vec = std::max(worst_vec,
+                               std::fabs(ea[i * r + j] - eb[i * r + j]) * gap / (1e-12 * all[0]));
+        }
+        for (int c = 0; c <= j; ++c) {
+          double dot = 0;
+          for (int i = 0; i < n; ++i) dot += ea[i * r + j] * ea[i * r + c];
+          worst_orth = std::max(worst_orth, std::fabs(dot - (c == j ? 1.0 : 0.0)));
+        }
+      }
+    }
+  }
+  std::printf(
+      "dsyevd vs Jacobi: eigenvalues %.3g (rel. to largest), eigenvectors %.3g x "
+      "1e-12 lambda_max / gap, orthonormality %.3g\n",
+      worst_val, worst_vec, worst_orth);
+  EXPECT_LE(worst_val, 1e-12);
+  EXPECT_LE(worst_vec, 1.0);
+  EXPECT_LE(worst_orth, 1e-12);
+
+  const int n = 5, rows = 7;
+  std::vector<double> x(rows * n), gram(n * n, -1.0);
+  std::mt19937 rng(1);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  for (double& v : x) v = nd(rng);
+  GramOfRows(x.data(), rows, n, gram.data());
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      double ref = 0;
+      for (int t = 0; t < rows; ++t) ref += x[t * n + i] * x[t * n + j];
+      EXPECT_NEAR(gram[i * n + j], ref, 1e-12);
+    }
+  }
+}
+
+TEST(BasisTest, PcaBasisSolversAgree) {
+  const KvCacheGeometry g{2, 2, 32};
+  std::vector<std::vector<double>> gk(2), gv(2);
+  for (int l = 0; l < 2; ++l) {
+    for (int h = 0; h < 2; ++h) {
+      const auto a = RandomGram(32, 100, 10 + l * 2 + h), b = RandomGram(32, 100, 20 + l * 2 + h);
+      gk[l].insert(gk[l].end(), a.begin(), a.end());
+      gv[l].insert(gv[l].end(), b.begin(), b.end());
+    }
+  }
+  const Basis a = PcaBasis(g, {8, 4}, {8, 6}, gk, gv, EigenSolver::kLapack);
+  const Basis b = PcaBasis(g, {8, 4}, {8, 6}, gk, gv, EigenSolver::kJacobi);
+  for (int l = 0; l < 2; ++l) {
+    for (auto m : {&LayerBasis::p_q, &LayerBasis::p_k, &LayerBasis::p_v, &LayerBasis::r_v}) {
+      const std::vector<float>& x = a.layers[l].*m;
+      const std::vector<float>& y = b.layers[l].*m;
+      ASSERT_EQ(x.size(), y.size());
+      for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(x[i], y[i], 1e-6) << "layer " << l;
+    }
+  }
 }
 
 TEST(BasisTest, PcaBasisIsOrthonormalAndFindsTheSubspace) {

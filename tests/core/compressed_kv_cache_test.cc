@@ -13,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "core/cpu/matmul_internal.h"
 #include "core/engine.h"
 #include "core/paged_kv_cache.h"
 #include "gtest/gtest.h"
@@ -279,12 +280,63 @@ TEST(CompressedKvCacheTest, FullRankEqualsPagedCache) {
   }
 }
 
+// Without an installed basis, the first sequence to compress builds epoch 0 by PCA and it
+// becomes the default: sequences created before and after it reuse it, no second PCA. An
+// explicitly set default then takes over for new sequences.
+TEST(CompressedKvCacheTest, SelfCalibratedEpochIsSharedAndYieldsToAnExplicitOne) {
+  const KvCacheGeometry g{2, 2, 16};
+  auto cache = Make(SmallConfig(g, 4, CoeffDtype::kFp16));
+  Data d = RandomKv(g, 64, 9);
+  SeqId a = *cache->CreateSequence(), early = *cache->CreateSequence();
+  EXPECT_EQ(cache->default_epoch(), kNoEpoch);
+  Append(*cache, a, d, 0, 45);
+  ASSERT_TRUE(cache->IsCompressed(a, 0, 1));
+  const EpochId e0 = cache->SequenceEpoch(a);
+  EXPECT_NE(e0, kNoEpoch);
+  EXPECT_EQ(cache->default_epoch(), e0);
+  EXPECT_TRUE(cache->Detail().default_self_calibrated);
+  SeqId late = *cache->CreateSequence();
+  EXPECT_EQ(cache->SequenceEpoch(late), e0);
+  Append(*cache, early, d, 0, 45);
+  Append(*cache, late, d, 0, 45);
+  EXPECT_EQ(cache->BlockEpoch(early, 1, 2, 1), e0);
+  EXPECT_EQ(cache->BlockEpoch(late, 0, 1, 0), e0);
+  EXPECT_EQ(cache->Detail().pca_epochs_built, 1);
+
+  EpochId installed = *cache->InstallBasis(OrthoBasis(g, 4, 4, 3));
+  ASSERT_TRUE(cache->SetDefaultEpoch(installed).ok());
+  ASSERT_TRUE(cache->ReleaseEpoch(installed).ok());
+  EXPECT_FALSE(cache->Detail().default_self_calibrated);
+  SeqId next = *cache->CreateSequence();
+  Append(*cache, next, d, 0, 45);
+  EXPECT_EQ(cache->BlockEpoch(next, 0, 1, 0), installed);
+  EXPECT_EQ(cache->BlockEpoch(a, 0, 1, 0), e0);  // old blocks keep theirs
+  EXPECT_EQ(cache->Detail().pca_epochs_built, 1);
+  // e0 lives while blocks use it, then goes; the installed default stays.
+  for (SeqId s : {a, early, late, next}) ASSERT_TRUE(cache->FreeSequence(s).ok());
+  EXPECT_EQ(cache->registry().Get(e0), nullptr);
+  EXPECT_EQ(cache->Detail().epochs_live, 1);
+}
+
+TEST(CompressedKvCacheTest, PerSequencePcaOption) {
+  const KvCacheGeometry g{2, 2, 16};
+  CompressedKvCacheConfig c = SmallConfig(g, 4, CoeffDtype::kFp16);
+  c.per_sequence_pca = true;
+  auto cache = Make(c);
+  Data d = RandomKv(g, 64, 9), d2 = RandomKv(g, 64, 10);
+  SeqId a = *cache->CreateSequence(), b = *cache->CreateSequence();
+  Append(*cache, a, d, 0, 45);
+  Append(*cache, b, d2, 0, 45);
+  EXPECT_NE(cache->SequenceEpoch(a), cache->SequenceEpoch(b));
+  EXPECT_EQ(cache->default_epoch(), kNoEpoch);
+  EXPECT_EQ(cache->Detail().pca_epochs_built, 2);
+}
+
 class LowRankTest : public ::testing::TestWithParam<CoeffDtype> {};
 
 // Rank r < d with an oblique (KQ-SVD-shaped) basis: equals dense attention over the
 // reconstructed keys/values; then a second epoch joins the same sequence.
-TEST_P(LowRankTest, MatchesReconstructionReferenceAcrossEpochs) {
-  const CoeffDtype dt = GetParam();
+void CheckLowRankAcrossEpochs(CoeffDtype dt, const char* isa) {
   const KvCacheGeometry g{2, 2, 16};
   const int n_heads = 6;  // GQA group of 3
   auto cache = Make(SmallConfig(g, 5, dt));
@@ -310,8 +362,8 @@ TEST_P(LowRankTest, MatchesReconstructionReferenceAcrossEpochs) {
     const double err = RelErr(RunAttend(*cache, l, s, T, 1, q, n_heads),
                               DenseAttend(g, eff, l, T, 1, q, n_heads));
     EXPECT_LE(err, 1e-5) << CoeffDtypeName(dt) << " layer " << l;
-    std::printf("rank 5/16 %s, 2 epochs, layer %d: rel err vs reconstruction %.3g\n",
-                CoeffDtypeName(dt), l, err);
+    std::printf("rank 5/16 %s, 2 epochs, layer %d (%s kernels): rel err vs reconstruction %.3g\n",
+                CoeffDtypeName(dt), l, isa, err);
   }
   // Refcounts: epochs die with their last block, sequence and installer reference.
   ASSERT_TRUE(cache->ReleaseEpoch(a).ok());
@@ -320,6 +372,17 @@ TEST_P(LowRankTest, MatchesReconstructionReferenceAcrossEpochs) {
   ASSERT_TRUE(cache->FreeSequence(s).ok());
   EXPECT_EQ(cache->Detail().epochs_live, 0);
   EXPECT_EQ(cache->Stats().blocks_free, cache->Stats().blocks_total);
+}
+
+// With the AVX2 attention kernels and with their scalar twins (the fallback).
+TEST_P(LowRankTest, MatchesReconstructionReferenceAcrossEpochs) {
+  using cpu::internal::Isa;
+  std::vector<Isa> isas = {Isa::kScalar};
+  if (cpu::internal::DetectedIsa() >= Isa::kAvx2) isas.push_back(Isa::kAvx2);
+  for (Isa isa : isas) {
+    cpu::internal::ScopedMaxIsa cap(isa);
+    CheckLowRankAcrossEpochs(GetParam(), isa == Isa::kScalar ? "scalar" : "avx2");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, LowRankTest,

@@ -1,6 +1,6 @@
 // PagedKvCache: block accounting, all-or-nothing reservation, sequence recycling, and
 // attention against a plain dense double-precision reference across block sizes, GQA/MQA,
-// several sequences and chunked prefill.
+// several sequences and chunked prefill, with the AVX2 kernels and the scalar fallback.
 #include "core/paged_kv_cache.h"
 
 #include <cmath>
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/cpu/matmul_internal.h"
 #include "gtest/gtest.h"
 
 namespace subspace {
@@ -199,8 +200,7 @@ class PagedAttendTest : public ::testing::TestWithParam<AttendCase> {};
 // Several sequences of different lengths, filled by chunked prefill (uneven chunks written
 // and attended in one batch per step), then a batched decode step; every step's output is
 // compared with the dense reference over the sequence's whole history.
-TEST_P(PagedAttendTest, MatchesDenseReference) {
-  const AttendCase c = GetParam();
+void CheckAgainstDenseReference(const AttendCase& c) {
   const int n_layers = 2;
   const KvCacheGeometry g{n_layers, c.n_kv, c.head_dim};
   auto cache = MakeCache(g, c.block_size, 4096);
@@ -259,7 +259,20 @@ TEST_P(PagedAttendTest, MatchesDenseReference) {
       ASSERT_TRUE(cache->Commit(ids[s], cache->Length(ids[s]) + chunks[s][step]).ok());
     }
   }
-  RecordProperty("max_abs_error", std::to_string(worst));
+  ::testing::Test::RecordProperty("max_abs_error", std::to_string(worst));
+}
+
+// With the AVX2 attention kernels and with their scalar twins (the fallback).
+TEST_P(PagedAttendTest, MatchesDenseReference) {
+  std::vector<cpu::internal::Isa> isas = {cpu::internal::Isa::kScalar};
+  if (cpu::internal::DetectedIsa() >= cpu::internal::Isa::kAvx2) {
+    isas.push_back(cpu::internal::Isa::kAvx2);
+  }
+  for (cpu::internal::Isa isa : isas) {
+    SCOPED_TRACE(isa == cpu::internal::Isa::kScalar ? "scalar" : "avx2");
+    cpu::internal::ScopedMaxIsa cap(isa);
+    CheckAgainstDenseReference(GetParam());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Geometries, PagedAttendTest,

@@ -1,0 +1,319 @@
+// Attention block kernels: the scalar twins (reference and fallback) and the AVX2/FMA/F16C
+// versions. The AVX2 versions keep fp16/int8 rows in their stored type and widen 8 elements
+// at a time in registers (F16C vcvtph2ps, vpmovsxbd + vcvtdq2ps); an int8 row's scale
+// multiplies the finished dot product (scores) or the softmax weight (accumulation), never
+// the elements.
+#include "core/cpu/attention_kernels.h"
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/cpu/simd.h"
+
+namespace subspace::cpu {
+namespace {
+
+using internal::Isa;
+
+// Element i of row t, widened (scalar path). The int8 row scale is applied by the caller.
+inline float Elem(const KvRows& r, int64_t idx) {
+  switch (r.dtype) {
+    case CoeffDtype::kFp32:
+      return static_cast<const float*>(r.data)[idx];
+    case CoeffDtype::kFp16:
+      return HalfToFloat(static_cast<const uint16_t*>(r.data)[idx]);
+    case CoeffDtype::kInt8:
+      return static_cast<float>(static_cast<const int8_t*>(r.data)[idx]);
+  }
+  return 0.0f;
+}
+
+inline float RowScale(const KvRows& r, int t) {
+  return r.dtype == CoeffDtype::kInt8 ? HalfToFloat(r.scales[t]) : 1.0f;
+}
+
+void ScoresScalar(const float* q, int64_t q_stride, int group, KvRows k, int nb, int dim,
+                  float scale, float* scores) {
+  for (int g = 0; g < group; ++g) {
+    const float* qg = q + g * q_stride;
+    for (int t = 0; t < nb; ++t) {
+      float sum = 0.0f;
+      for (int d = 0; d < dim; ++d) sum += qg[d] * Elem(k, static_cast<int64_t>(t) * dim + d);
+      scores[static_cast<int64_t>(g) * nb + t] = scale * RowScale(k, t) * sum;
+    }
+  }
+}
+
+void AccumulateScalar(const float* p, int group, KvRows v, int nb, int dim, float* acc,
+                      int64_t acc_stride) {
+  for (int g = 0; g < group; ++g) {
+    float* ag = acc + g * acc_stride;
+    for (int t = 0; t < nb; ++t) {
+      const float w = p[static_cast<int64_t>(g) * nb + t] * RowScale(v, t);
+      for (int d = 0; d < dim; ++d) ag[d] += w * Elem(v, static_cast<int64_t>(t) * dim + d);
+    }
+  }
+}
+
+float ExpSumScalar(float* s, int n, float max) {
+  float sum = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    s[i] = std::exp(s[i] - max);
+    sum += s[i];
+  }
+  return sum;
+}
+
+void ScaleScalar(float* x, int n, float a) {
+  for (int i = 0; i < n; ++i) x[i] *= a;
+}
+
+constexpr AttentionKernels kScalarKernels = {ScoresScalar, AccumulateScalar, ExpSumScalar,
+                                             ScaleScalar};
+
+#ifdef SUBSPACE_HAVE_X86
+
+// Eight elements of a row as fp32, and the scalar tail, per stored type.
+template <CoeffDtype D>
+SUBSPACE_AVX2 inline __m256 Load8(const void* base, int64_t idx) {
+  if constexpr (D == CoeffDtype::kFp32) {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + idx);
+  } else if constexpr (D == CoeffDtype::kFp16) {
+    return simd::LoadF16(static_cast<const uint16_t*>(base) + idx);
+  } else {
+    return simd::LoadI8(static_cast<const int8_t*>(base) + idx);
+  }
+}
+
+template <CoeffDtype D>
+SUBSPACE_AVX2 inline float Load1(const void* base, int64_t idx) {
+  if constexpr (D == CoeffDtype::kFp32) {
+    return static_cast<const float*>(base)[idx];
+  } else if constexpr (D == CoeffDtype::kFp16) {
+    return simd::F16ToF32(static_cast<const uint16_t*>(base)[idx]);
+  } else {
+    return static_cast<float>(static_cast<const int8_t*>(base)[idx]);
+  }
+}
+
+template <CoeffDtype D>
+SUBSPACE_AVX2 inline float RowScaleAvx2(const KvRows& r, int t) {
+  if constexpr (D == CoeffDtype::kInt8) {
+    return simd::F16ToF32(r.scales[t]);
+  } else {
+    return 1.0f;
+  }
+}
+
+// q · row over dim elements. q: [dim]
+template <CoeffDtype D>
+SUBSPACE_AVX2 inline float Dot1(const float* q, const void* k, int64_t row0, int dim) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int d = 0;
+  for (; d + 16 <= dim; d += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), Load8<D>(k, row0 + d), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), Load8<D>(k, row0 + d + 8), a1);
+  }
+  if (d + 8 <= dim) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), Load8<D>(k, row0 + d), a0);
+    d += 8;
+  }
+  float sum = simd::HorizontalSum(_mm256_add_ps(a0, a1));
+  for (; d < dim; ++d) sum += q[d] * Load1<D>(k, row0 + d);
+  return sum;
+}
+
+// Per query, four rows at once with two accumulators each: eight FMA chains hide the FMA
+// latency. (Tiling several queries per row slice, which loads each row once per group,
+// measured slower with GCC 12: it reloads q from memory per FMA and spills the tails.)
+// noinline: with all three dtypes inlined into the dispatching switch, GCC 12 ran out of
+// registers and spilled q and the row pointers inside the hot loop (2x slower).
+template <CoeffDtype D>
+SUBSPACE_AVX2 __attribute__((noinline)) void ScoresAvx2T(const float* q, int64_t q_stride,
+                                                         int group, KvRows k, int nb, int dim,
+                                                         float scale, float* scores) {
+  const void* kd = k.data;
+  for (int g = 0; g < group; ++g) {
+    const float* qg = q + g * q_stride;
+    float* sg = scores + static_cast<int64_t>(g) * nb;
+    int t = 0;
+    for (; t + 4 <= nb; t += 4) {
+      const int64_t r0 = static_cast<int64_t>(t) * dim, r1 = r0 + dim, r2 = r1 + dim, r3 = r2 + dim;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+      int d = 0;
+      for (; d + 16 <= dim; d += 16) {
+        const __m256 qa = _mm256_loadu_ps(qg + d), qb = _mm256_loadu_ps(qg + d + 8);
+        a0 = _mm256_fmadd_ps(qa, Load8<D>(kd, r0 + d), a0);
+        a1 = _mm256_fmadd_ps(qa, Load8<D>(kd, r1 + d), a1);
+        a2 = _mm256_fmadd_ps(qa, Load8<D>(kd, r2 + d), a2);
+        a3 = _mm256_fmadd_ps(qa, Load8<D>(kd, r3 + d), a3);
+        b0 = _mm256_fmadd_ps(qb, Load8<D>(kd, r0 + d + 8), b0);
+        b1 = _mm256_fmadd_ps(qb, Load8<D>(kd, r1 + d + 8), b1);
+        b2 = _mm256_fmadd_ps(qb, Load8<D>(kd, r2 + d + 8), b2);
+        b3 = _mm256_fmadd_ps(qb, Load8<D>(kd, r3 + d + 8), b3);
+      }
+      if (d + 8 <= dim) {
+        const __m256 qa = _mm256_loadu_ps(qg + d);
+        a0 = _mm256_fmadd_ps(qa, Load8<D>(kd, r0 + d), a0);
+        a1 = _mm256_fmadd_ps(qa, Load8<D>(kd, r1 + d), a1);
+        a2 = _mm256_fmadd_ps(qa, Load8<D>(kd, r2 + d), a2);
+        a3 = _mm256_fmadd_ps(qa, Load8<D>(kd, r3 + d), a3);
+        d += 8;
+      }
+      float s[4] = {
+          simd::HorizontalSum(_mm256_add_ps(a0, b0)), simd::HorizontalSum(_mm256_add_ps(a1, b1)),
+          simd::HorizontalSum(_mm256_add_ps(a2, b2)), simd::HorizontalSum(_mm256_add_ps(a3, b3))};
+      for (; d < dim; ++d) {
+        s[0] += qg[d] * Load1<D>(kd, r0 + d);
+        s[1] += qg[d] * Load1<D>(kd, r1 + d);
+        s[2] += qg[d] * Load1<D>(kd, r2 + d);
+        s[3] += qg[d] * Load1<D>(kd, r3 + d);
+      }
+      for (int i = 0; i < 4; ++i) sg[t + i] = scale * RowScaleAvx2<D>(k, t + i) * s[i];
+    }
+    for (; t < nb; ++t) {
+      sg[t] = scale * RowScaleAvx2<D>(k, t) * Dot1<D>(qg, kd, static_cast<int64_t>(t) * dim, dim);
+    }
+  }
+}
+
+// G accumulator rows x C vectors of 8 columns stay in registers across all nb rows (acc is
+// read and written once per block, not once per token); each widened row slice feeds all G.
+// p: [G, nb] weights; acc: [G] rows at acc_stride, columns [d0, d0 + 8C)
+template <CoeffDtype D, int G, int C>
+SUBSPACE_AVX2 inline void AccumulateTile(const float* p, const KvRows& v, int nb, int dim, int d0,
+                                         float* acc, int64_t acc_stride) {
+  const void* vd = v.data;
+  __m256 a[G][C];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) a[g][c] = _mm256_loadu_ps(acc + g * acc_stride + d0 + 8 * c);
+  }
+  for (int t = 0; t < nb; ++t) {
+    const float rs = RowScaleAvx2<D>(v, t);
+    __m256 rows[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) rows[c] = Load8<D>(vd, static_cast<int64_t>(t) * dim + d0 + 8 * c);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __m256 w = _mm256_set1_ps(p[static_cast<int64_t>(g) * nb + t] * rs);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) a[g][c] = _mm256_fmadd_ps(w, rows[c], a[g][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + g * acc_stride + d0 + 8 * c, a[g][c]);
+  }
+}
+
+template <CoeffDtype D, int G, int C>
+SUBSPACE_AVX2 inline void AccumulateGroup(const float* p, const KvRows& v, int nb, int dim,
+                                          float* acc, int64_t acc_stride) {
+  int d = 0;
+  for (; d + 8 * C <= dim; d += 8 * C) AccumulateTile<D, G, C>(p, v, nb, dim, d, acc, acc_stride);
+  for (; d + 8 <= dim; d += 8) AccumulateTile<D, G, 1>(p, v, nb, dim, d, acc, acc_stride);
+  for (; d < dim; ++d) {
+    for (int g = 0; g < G; ++g) {
+      float s = acc[g * acc_stride + d];
+      for (int t = 0; t < nb; ++t) {
+        s += p[static_cast<int64_t>(g) * nb + t] * RowScaleAvx2<D>(v, t) *
+             Load1<D>(v.data, static_cast<int64_t>(t) * dim + d);
+      }
+      acc[g * acc_stride + d] = s;
+    }
+  }
+}
+
+template <CoeffDtype D>
+SUBSPACE_AVX2 __attribute__((noinline)) void AccumulateAvx2T(const float* p, int group, KvRows v,
+                                                             int nb, int dim, float* acc,
+                                                             int64_t acc_stride) {
+  int g = 0;
+  for (; g + 4 <= group; g += 4) {
+    AccumulateGroup<D, 4, 2>(p + static_cast<int64_t>(g) * nb, v, nb, dim, acc + g * acc_stride,
+                             acc_stride);
+  }
+  const float* pg = p + static_cast<int64_t>(g) * nb;
+  float* ag = acc + g * acc_stride;
+  switch (group - g) {
+    case 3:
+      return AccumulateGroup<D, 3, 2>(pg, v, nb, dim, ag, acc_stride);
+    case 2:
+      return AccumulateGroup<D, 2, 4>(pg, v, nb, dim, ag, acc_stride);
+    case 1:
+      return AccumulateGroup<D, 1, 4>(pg, v, nb, dim, ag, acc_stride);
+    default:
+      return;
+  }
+}
+
+SUBSPACE_AVX2 void ScoresAvx2(const float* q, int64_t q_stride, int group, KvRows k, int nb,
+                              int dim, float scale, float* scores) {
+  switch (k.dtype) {
+    case CoeffDtype::kFp32:
+      return ScoresAvx2T<CoeffDtype::kFp32>(q, q_stride, group, k, nb, dim, scale, scores);
+    case CoeffDtype::kFp16:
+      return ScoresAvx2T<CoeffDtype::kFp16>(q, q_stride, group, k, nb, dim, scale, scores);
+    case CoeffDtype::kInt8:
+      return ScoresAvx2T<CoeffDtype::kInt8>(q, q_stride, group, k, nb, dim, scale, scores);
+  }
+}
+
+SUBSPACE_AVX2 void AccumulateAvx2(const float* p, int group, KvRows v, int nb, int dim, float* acc,
+                                  int64_t acc_stride) {
+  switch (v.dtype) {
+    case CoeffDtype::kFp32:
+      return AccumulateAvx2T<CoeffDtype::kFp32>(p, group, v, nb, dim, acc, acc_stride);
+    case CoeffDtype::kFp16:
+      return AccumulateAvx2T<CoeffDtype::kFp16>(p, group, v, nb, dim, acc, acc_stride);
+    case CoeffDtype::kInt8:
+      return AccumulateAvx2T<CoeffDtype::kInt8>(p, group, v, nb, dim, acc, acc_stride);
+  }
+}
+
+SUBSPACE_AVX2 float ExpSumAvx2(float* s, int n, float max) {
+  const __m256 m = _mm256_set1_ps(max);
+  __m256 sum8 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = simd::Exp(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+    _mm256_storeu_ps(s + i, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = simd::HorizontalSum(sum8);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max);
+    sum += s[i];
+  }
+  return sum;
+}
+
+SUBSPACE_AVX2 void ScaleAvx2(float* x, int n, float a) {
+  const __m256 a8 = _mm256_set1_ps(a);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), a8));
+  for (; i < n; ++i) x[i] *= a;
+}
+
+constexpr AttentionKernels kAvx2Kernels = {ScoresAvx2, AccumulateAvx2, ExpSumAvx2, ScaleAvx2};
+
+#endif  // SUBSPACE_HAVE_X86
+
+}  // namespace
+
+const AttentionKernels& AttentionKernelsFor(Isa isa) {
+#ifdef SUBSPACE_HAVE_X86
+  if (isa >= Isa::kAvx2 && internal::DetectedIsa() >= Isa::kAvx2) return kAvx2Kernels;
+#endif
+  return kScalarKernels;
+}
+
+const AttentionKernels& ActiveAttentionKernels() {
+  return AttentionKernelsFor(internal::ActiveIsa());
+}
+
+}  // namespace subspace::cpu

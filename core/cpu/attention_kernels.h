@@ -1,0 +1,52 @@
+// Inner loops of CPU decode/prefill attention over one block of B tokens: q·k scores for a
+// GQA group, the softmax exponentials, and the probability-weighted accumulation of value
+// rows. Rows are fp32 (full-rank blocks) or low-rank coefficients in fp16 / int8 with one fp16
+// scale per row, read in their stored type. Each kernel has a scalar twin and an
+// AVX2/FMA/F16C version, picked at run time like the MatMul kernels (cpu::internal::ActiveIsa).
+#ifndef SUBSPACE_CORE_CPU_ATTENTION_KERNELS_H_
+#define SUBSPACE_CORE_CPU_ATTENTION_KERNELS_H_
+
+#include <cstdint>
+
+#include "core/coeff_codec.h"
+#include "core/cpu/matmul_internal.h"
+
+namespace subspace::cpu {
+
+// nb rows of `dim` elements, row stride `dim`, as the cache stores them.
+struct KvRows {
+  const void* data = nullptr;        // [nb, dim] fp32, fp16 bits or int8 codes
+  const uint16_t* scales = nullptr;  // [nb] fp16 row scales (kInt8 only)
+  CoeffDtype dtype = CoeffDtype::kFp32;
+};
+
+struct AttentionKernels {
+  // scores[g * nb + t] = scale * q_g · row_t for g < group, t < nb.
+  // q: [group] rows of dim at stride q_stride; scores: [group, nb]
+  void (*scores)(const float* q, int64_t q_stride, int group, KvRows k, int nb, int dim,
+                 float scale, float* scores);
+  // acc_g += sum_t p[g * nb + t] * row_t for g < group.
+  // p: [group, nb]; acc: [group] rows of dim at stride acc_stride
+  void (*accumulate)(const float* p, int group, KvRows v, int nb, int dim, float* acc,
+                     int64_t acc_stride);
+  // s[i] = exp(s[i] - max) in place; returns their sum. s: [n]
+  float (*exp_sum)(float* s, int n, float max);
+  // x[i] *= a. x: [n]
+  void (*scale)(float* x, int n, float a);
+};
+
+// Asks for [p, p + bytes) to be brought into cache. Blocks sit on scattered pool pages, so
+// the hardware prefetcher restarts at each one; the caches prefetch blocks a little ahead of
+// the one they work on. p: [bytes]
+inline void PrefetchBytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
+// The kernels for an ISA (tests compare them); ActiveAttentionKernels() follows ActiveIsa().
+const AttentionKernels& AttentionKernelsFor(internal::Isa isa);
+const AttentionKernels& ActiveAttentionKernels();
+
+}  // namespace subspace::cpu
+
+#endif  // SUBSPACE_CORE_CPU_ATTENTION_KERNELS_H_

@@ -1,0 +1,189 @@
+// Attention block kernels: the AVX2 versions against their scalar twins and both against a
+// float64 reference, for fp32 / fp16 / int8 rows, odd dims (tails of 1..7 and 8..15), partial
+// blocks, GQA groups, strided q/acc, and outputs poisoned with NaN so an element left
+// unwritten fails. Tolerance: |got - ref| <= 1e-5 * sum |terms| + 1e-30 for the products
+// (fp32 accumulation in a different order), 3e-7 relative for exp (simd::Exp is ~2 ulp).
+#include "core/cpu/attention_kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cpu/matmul_internal.h"
+#include "core/ggml_types.h"
+
+namespace subspace::cpu {
+namespace {
+
+using internal::Isa;
+
+constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+constexpr double kTol = 1e-5;
+
+std::vector<Isa> IsasToTest() {
+  std::vector<Isa> isas = {Isa::kScalar};
+  if (internal::DetectedIsa() >= Isa::kAvx2) isas.push_back(Isa::kAvx2);
+  return isas;
+}
+
+// nb rows of dim elements in one dtype, plus their exact values in double.
+struct Rows {
+  std::vector<float> f32;
+  std::vector<uint16_t> f16;
+  std::vector<int8_t> i8;
+  std::vector<uint16_t> scales;
+  std::vector<double> exact;  // [nb, dim], row scale applied
+  CoeffDtype dtype;
+  KvRows view() const {
+    const void* data = dtype == CoeffDtype::kFp32   ? static_cast<const void*>(f32.data())
+                       : dtype == CoeffDtype::kFp16 ? static_cast<const void*>(f16.data())
+                                                    : static_cast<const void*>(i8.data());
+    return {data, dtype == CoeffDtype::kInt8 ? scales.data() : nullptr, dtype};
+  }
+};
+
+Rows MakeRows(CoeffDtype dt, int nb, int dim, std::mt19937& rng) {
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  Rows r;
+  r.dtype = dt;
+  const size_t count = static_cast<size_t>(nb) * dim;
+  r.exact.resize(count);
+  if (dt == CoeffDtype::kFp32) {
+    r.f32.resize(count);
+    for (size_t i = 0; i < count; ++i) r.exact[i] = r.f32[i] = n(rng);
+  } else if (dt == CoeffDtype::kFp16) {
+    r.f16.resize(count);
+    for (size_t i = 0; i < count; ++i) {
+      r.f16[i] = Fp32ToFp16(n(rng));
+      r.exact[i] = HalfToFloat(r.f16[i]);
+    }
+  } else {
+    r.i8.resize(count);
+    r.scales.resize(static_cast<size_t>(nb));
+    std::uniform_int_distribution<int> code(-127, 127);
+    for (int t = 0; t < nb; ++t) {
+      r.scales[t] = Fp32ToFp16(0.01f + 0.02f * std::fabs(n(rng)));
+      for (int d = 0; d < dim; ++d) {
+        const size_t i = static_cast<size_t>(t) * dim + d;
+        r.i8[i] = static_cast<int8_t>(code(rng));
+        r.exact[i] = static_cast<double>(HalfToFloat(r.scales[t])) * r.i8[i];
+      }
+    }
+  }
+  return r;
+}
+
+std::string Name(Isa isa, CoeffDtype dt, int group, int nb, int dim) {
+  return std::string(isa == Isa::kScalar ? "scalar " : "avx2 ") + CoeffDtypeName(dt) + " group " +
+         std::to_string(group) + " nb " + std::to_string(nb) + " dim " + std::to_string(dim);
+}
+
+TEST(AttentionKernelsTest, ScoresAndAccumulateMatchFloat64) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  double worst[2] = {0, 0};  // [scalar, avx2], error / tolerance scale
+  for (CoeffDtype dt : {CoeffDtype::kFp32, CoeffDtype::kFp16, CoeffDtype::kInt8}) {
+    for (int dim : {1, 5, 8, 13, 16, 24, 32, 40, 64, 100, 128}) {
+      for (int nb : {1, 3, 4, 5, 16, 17}) {
+        for (int group : {1, 3, 4}) {
+          const Rows rows = MakeRows(dt, nb, dim, rng);
+          const int64_t q_stride = dim + 3, acc_stride = dim + 5;  // strided, as in the caches
+          std::vector<float> q(static_cast<size_t>(group) * q_stride);
+          for (float& x : q) x = n(rng);
+          std::vector<float> p(static_cast<size_t>(group) * nb);
+          for (float& x : p) x = std::fabs(n(rng));
+          std::vector<float> acc0(static_cast<size_t>(group) * acc_stride);
+          for (float& x : acc0) x = n(rng);
+          const float scale = 0.3f;
+          for (Isa isa : IsasToTest()) {
+            const AttentionKernels& k = AttentionKernelsFor(isa);
+            const std::string name = Name(isa, dt, group, nb, dim);
+            std::vector<float> scores(static_cast<size_t>(group) * nb, kNan);
+            k.scores(q.data(), q_stride, group, rows.view(), nb, dim, scale, scores.data());
+            std::vector<float> acc = acc0;
+            for (int g = 0; g < group; ++g) {  // poison the gaps of the stride: must stay
+              for (int64_t d = dim; d < acc_stride; ++d) acc[g * acc_stride + d] = kNan;
+            }
+            k.accumulate(p.data(), group, rows.view(), nb, dim, acc.data(), acc_stride);
+            for (int g = 0; g < group; ++g) {
+              for (int t = 0; t < nb; ++t) {
+                double ref = 0, mag = 0;
+                for (int d = 0; d < dim; ++d) {
+                  const double term = static_cast<double>(q[g * q_stride + d]) *
+                                      rows.exact[static_cast<size_t>(t) * dim + d];
+                  ref += term;
+                  mag += std::fabs(term);
+                }
+                const double got = scores[static_cast<size_t>(g) * nb + t];
+                ASSERT_FALSE(std::isnan(got)) << name;
+                const double err = std::fabs(got - scale * ref) / (scale * mag + 1e-30);
+                worst[isa == Isa::kAvx2] = std::max(worst[isa == Isa::kAvx2], err);
+                ASSERT_LE(err, kTol) << name << " score g " << g << " t " << t;
+              }
+              for (int d = 0; d < dim; ++d) {
+                double ref = acc0[g * acc_stride + d], mag = std::fabs(ref);
+                for (int t = 0; t < nb; ++t) {
+                  const double term = static_cast<double>(p[static_cast<size_t>(g) * nb + t]) *
+                                      rows.exact[static_cast<size_t>(t) * dim + d];
+                  ref += term;
+                  mag += std::fabs(term);
+                }
+                const double got = acc[g * acc_stride + d];
+                ASSERT_FALSE(std::isnan(got)) << name;
+                const double err = std::fabs(got - ref) / (mag + 1e-30);
+                worst[isa == Isa::kAvx2] = std::max(worst[isa == Isa::kAvx2], err);
+                ASSERT_LE(err, kTol) << name << " acc g " << g << " d " << d;
+              }
+              for (int64_t d = dim; d < acc_stride; ++d) {
+                ASSERT_TRUE(std::isnan(acc[g * acc_stride + d])) << name << " wrote past dim";
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("worst relative error (of sum |terms|): scalar %.3g, avx2 %.3g (tolerance %.0e)\n",
+              worst[0], worst[1], kTol);
+}
+
+TEST(AttentionKernelsTest, ExpSumAndScale) {
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-30.0f, 0.0f);
+  for (Isa isa : IsasToTest()) {
+    const AttentionKernels& k = AttentionKernelsFor(isa);
+    for (int n : {1, 7, 8, 16, 19, 64}) {
+      std::vector<float> s(static_cast<size_t>(n));
+      for (float& x : s) x = u(rng) + 2.0f;
+      s[0] = -std::numeric_limits<float>::infinity();  // a masked token weighs exactly 0
+      const std::vector<float> in = s;
+      const float max = 2.0f;
+      const float sum = k.exp_sum(s.data(), n, max);
+      double ref_sum = 0;
+      for (int i = 0; i < n; ++i) {
+        const double ref = std::exp(static_cast<double>(in[i]) - max);
+        ref_sum += ref;
+        EXPECT_LE(std::fabs(s[i] - ref), 3e-7 * ref + 1e-37) << i << " of " << n;
+      }
+      EXPECT_EQ(s[0], 0.0f);
+      EXPECT_LE(std::fabs(sum - ref_sum), 1e-6 * ref_sum + 1e-37);
+      std::vector<float> x(in.begin() + 1, in.end()), y = x;
+      k.scale(x.data(), n - 1, 0.25f);
+      for (int i = 0; i < n - 1; ++i) EXPECT_EQ(x[i], y[i] * 0.25f);
+    }
+  }
+}
+
+// ActiveAttentionKernels follows the ISA cap the MatMul tests use.
+TEST(AttentionKernelsTest, ActiveFollowsScopedMaxIsa) {
+  internal::ScopedMaxIsa cap(Isa::kScalar);
+  EXPECT_EQ(&ActiveAttentionKernels(), &AttentionKernelsFor(Isa::kScalar));
+}
+
+}  // namespace
+}  // namespace subspace::cpu
