@@ -142,10 +142,10 @@ void Table(const Geo& geo, const std::vector<int>& contexts, const std::vector<i
         c.block_size = 16;
         c.sink_tokens = 4;
         c.window_tokens = 64;
-        c.coeff_dtype = i == 0 ? CoeffDtype::kFp16 : CoeffDtype::kInt8;
+        c.coeff_dtype = i == 0 ? CoeffDtype::kFp16 : CoeffDtype::kInt8;  // fp16 full blocks
         // Room for one sequence's full prefill chunk (1024) plus everyone compressed.
         c.capacity_bytes = (static_cast<int64_t>(batch) * (ctx / 16 / 3 + 8) + 72) *
-                           CompressedKvCache::PageBytes(g, 16);
+                           CompressedKvCache::PageBytes(g, 16, c.full_dtype);
         auto cache = *CompressedKvCache::Create(c);
         const EpochId e = *cache->InstallBasis(RandomBasis(g, geo.hd / 4, rng));
         (void)cache->SetDefaultEpoch(e);
@@ -245,7 +245,7 @@ void EpochTable() {
     CompressedKvCacheConfig c;
     c.geometry = g;
     c.capacity_bytes = static_cast<int64_t>(2 * (T / 16 + 2) * g.n_layers + 8) *
-                       CompressedKvCache::PageBytes(g, 16);
+                       CompressedKvCache::PageBytes(g, 16, c.full_dtype);
     auto cache = *CompressedKvCache::Create(c);
     double commit[2];
     for (int i = 0; i < 2; ++i) {

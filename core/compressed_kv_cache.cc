@@ -1,12 +1,14 @@
 // CompressedKvCache.
 //
 // Pool layout. One BlockPool of equal pages, sized once from capacity_bytes; a page is exactly
-// one full block [2][n_kv][B][hd] fp32. Full blocks (sinks, window) and outlier blocks take a
-// page each. Compressed blocks are smaller and are packed several per page by a SlabAllocator
+// one full block [2][n_kv][B][hd] at full_dtype (fp16 by default, as the GPU layout; fp32 for
+// exactness tests). Full blocks (sinks, window) and outlier blocks take a page each.
+// Compressed blocks are smaller and are packed several per page by a SlabAllocator
 // (one slot class per distinct compressed-block size, shared by layers of equal ranks): a page
 // holds floor(page / slot) of them (<= 64), goes back to the pool when its last slot is freed,
 // and so both kinds draw from the one budget. Fragmentation: the page tail (page mod slot,
-// e.g. 0 for fp16 at r = d/4 where the slot divides the page) and partly used pages left by
+// e.g. 0 for fp16 coefficients at r = d/4, 4 slots to an fp16 page; int8 at d/4 packs 7 to an
+// fp16 page, leaving 4/256 of it at d = 64 and 36/512 at d = 128) and partly used pages left by
 // frees in the middle (freeing a sequence frees all its slots; at most one partial page per
 // class accumulates from allocation alone). The per-block epoch ids ([n_kv] int32) and the
 // outlier mask live in the host-side block table beside the page id, as the page id does.
@@ -73,9 +75,9 @@ inline void MatTVec(const float* m, const float* x, int rows, int cols, float* o
 
 }  // namespace
 
-int64_t CompressedKvCache::PageBytes(const KvCacheGeometry& g, int block_size) {
-  return 2 * static_cast<int64_t>(g.n_kv_heads) * block_size * g.head_dim *
-         static_cast<int64_t>(sizeof(float));
+int64_t CompressedKvCache::PageBytes(const KvCacheGeometry& g, int block_size,
+                                     CoeffDtype full_dtype) {
+  return 2 * static_cast<int64_t>(g.n_kv_heads) * block_size * g.head_dim * CoeffBytes(full_dtype);
 }
 
 int64_t CompressedKvCache::CompressedBlockBytes(const KvCacheGeometry& g, int block_size, int r_k,
@@ -116,7 +118,24 @@ absl::StatusOr<std::unique_ptr<CompressedKvCache>> CompressedKvCache::Create(
   if (!r_k.ok()) return r_k.status();
   absl::StatusOr<std::vector<int>> r_v = ranks(config.r_v, "r_v");
   if (!r_v.ok()) return r_v.status();
-  const int64_t page_bytes = PageBytes(g, config.block_size);
+  if (config.full_dtype != CoeffDtype::kFp32 && config.full_dtype != CoeffDtype::kFp16) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "full_dtype must be fp32 or fp16, got %s", CoeffDtypeName(config.full_dtype)));
+  }
+  const int64_t page_bytes = PageBytes(g, config.block_size, config.full_dtype);
+  for (int l = 0; l < g.n_layers; ++l) {
+    // The slab allocator rounds slots up to 16 bytes and needs one to fit in a page.
+    const int64_t slot = CeilDiv(CompressedBlockBytes(g, config.block_size, (*r_k)[l], (*r_v)[l],
+                                                      config.coeff_dtype),
+                                 16) * 16;
+    if (slot > page_bytes) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer %d: a %s compressed block at ranks (%d, %d) takes %d bytes, more than a %s full "
+          "block (%d); lower the ranks or use fp32 full blocks",
+          l, CoeffDtypeName(config.coeff_dtype), (*r_k)[l], (*r_v)[l], slot,
+          CoeffDtypeName(config.full_dtype), page_bytes));
+    }
+  }
   const int64_t num_pages = config.capacity_bytes / page_bytes;
   if (num_pages < g.n_layers) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -137,9 +156,10 @@ CompressedKvCache::CompressedKvCache(const CompressedKvCacheConfig& config, std:
       r_v_(std::move(r_v)),
       v_half_(static_cast<int64_t>(config.geometry.n_kv_heads) * config.block_size *
               config.geometry.head_dim),
+      full_bytes_(CoeffBytes(config.full_dtype)),
       pool_(std::move(pool)),
       slabs_(pool_.get(), BlockKind::kCompressed),
-      page_scratch_(static_cast<size_t>(pool_->block_floats())) {
+      page_scratch_(static_cast<size_t>(2 * v_half_)) {
   std::vector<std::pair<int64_t, int>> classes;  // slot bytes -> class
   for (int l = 0; l < config_.geometry.n_layers; ++l) {
     const int64_t bytes = CompressedBlockBytes(config_.geometry, config_.block_size, r_k_[l],
@@ -150,7 +170,7 @@ CompressedKvCache::CompressedKvCache(const CompressedKvCacheConfig& config, std:
     }
     if (cls < 0) {
       cls = slabs_.AddClass(bytes);
-      assert(cls >= 0);  // r <= d, so a compressed block never exceeds a page
+      assert(cls >= 0);  // Create checked that a slot fits in a page
       classes.emplace_back(bytes, cls);
     }
     slab_class_.push_back(cls);
@@ -297,19 +317,35 @@ void CompressedKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, cons
   const int hd = config_.geometry.head_dim;
   const int n_kv = config_.geometry.n_kv_heads;
   const int bs = config_.block_size;
-  const size_t head_bytes = static_cast<size_t>(hd) * sizeof(float);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = pos + i;
     const BlockEntry& e = table[static_cast<size_t>(t / bs)];
     assert(e.slot < 0 && "write into a compressed block");
-    float* block = pool_->data(e.page);
     const int64_t slot = t % bs;
     const float* k_row = k + i * n_kv * hd;  // [n_kv_heads, head_dim]
     const float* v_row = v + i * n_kv * hd;
     for (int h = 0; h < n_kv; ++h) {
-      std::memcpy(block + KOffset(h, slot), k_row + static_cast<int64_t>(h) * hd, head_bytes);
-      std::memcpy(block + VOffset(h, slot), v_row + static_cast<int64_t>(h) * hd, head_bytes);
+      StoreFull(k_row + static_cast<int64_t>(h) * hd, hd, FullAt(e.page, KOffset(h, slot)));
+      StoreFull(v_row + static_cast<int64_t>(h) * hd, hd, FullAt(e.page, VOffset(h, slot)));
     }
+  }
+}
+
+void CompressedKvCache::StoreFull(const float* src, int64_t n, uint8_t* dst) const {
+  if (config_.full_dtype == CoeffDtype::kFp32) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  } else {
+    cpu::ActiveAttentionKernels().to_fp16(src, static_cast<int>(n),
+                                          reinterpret_cast<uint16_t*>(dst));
+  }
+}
+
+void CompressedKvCache::LoadFull(const uint8_t* src, int64_t n, float* dst) const {
+  if (config_.full_dtype == CoeffDtype::kFp32) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  } else {
+    const auto* h = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = HalfToFloat(h[i]);
   }
 }
 
@@ -354,13 +390,14 @@ std::shared_ptr<const Basis> CompressedKvCache::PcaOfSequence(const Sequence& s)
     const bool keys = item % 2 == 0;
     const LayerState& ls = s.layers[static_cast<size_t>(l)];
     thread_local std::vector<double> rows;  // [sampled tokens, hd]
+    thread_local std::vector<float> x;      // [hd] one row widened from full_dtype
     rows.clear();
+    x.resize(static_cast<size_t>(hd));
     for (int64_t t = 0; t < s.length; t += stride) {
       const BlockEntry& e = ls.table[static_cast<size_t>(t / bs)];
       if (e.slot >= 0) continue;
-      const float* block = pool_->data(e.page);
-      const float* x = block + (keys ? KOffset(h, t % bs) : VOffset(h, t % bs));
-      rows.insert(rows.end(), x, x + hd);
+      LoadFull(FullAt(e.page, keys ? KOffset(h, t % bs) : VOffset(h, t % bs)), hd, x.data());
+      rows.insert(rows.end(), x.begin(), x.end());
     }
     double* gram = (keys ? gk : gv)[static_cast<size_t>(l)].data() + static_cast<size_t>(h) * dd;
     GramOfRows(rows.data(), static_cast<int64_t>(rows.size()) / hd, hd, gram);
@@ -378,8 +415,8 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
   assert(e.slot < 0);
   const LayerBasis& basis = registry_.Get(s.epoch)->layers[static_cast<size_t>(layer)];
 
-  float* full = page_scratch_.data();
-  std::memcpy(full, pool_->data(e.page), static_cast<size_t>(pool_->block_bytes()));
+  float* full = page_scratch_.data();  // [2, n_kv, B, hd] widened to fp32
+  LoadFull(FullAt(e.page, 0), 2 * v_half_, full);
   pool_->Free(e.page);  // before the slot: compression never needs a free page
   const SlabAllocator::Slot slot = slabs_.Allocate(slab_class_[static_cast<size_t>(layer)]);
   assert(slot.page >= 0);
@@ -444,10 +481,11 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
       }
       ls.outlier_pages.push_back(page);
     }
-    float* dst = pool_->data(ls.outlier_pages[static_cast<size_t>(j / bs)]);
+    // Widened from full_dtype and narrowed back: the stored bits, unchanged.
+    const int32_t dst = ls.outlier_pages[static_cast<size_t>(j / bs)];
     for (int h = 0; h < n_kv; ++h) {
-      std::memcpy(dst + KOffset(h, j % bs), full + KOffset(h, t), static_cast<size_t>(hd) * sizeof(float));
-      std::memcpy(dst + VOffset(h, j % bs), full + VOffset(h, t), static_cast<size_t>(hd) * sizeof(float));
+      StoreFull(full + KOffset(h, t), hd, FullAt(dst, KOffset(h, j % bs)));
+      StoreFull(full + VOffset(h, t), hd, FullAt(dst, VOffset(h, j % bs)));
     }
     ls.outlier_pos.push_back(b * bs + t);
   }
@@ -518,10 +556,10 @@ absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
   while (!ls.outlier_pos.empty() && ls.outlier_pos.back() >= b * bs) {
     const int64_t j = static_cast<int64_t>(ls.outlier_pos.size()) - 1;
     const int t = static_cast<int>(ls.outlier_pos.back() - b * bs);
-    const float* src = pool_->data(ls.outlier_pages[static_cast<size_t>(j / bs)]);
+    const int32_t src = ls.outlier_pages[static_cast<size_t>(j / bs)];
     for (int h = 0; h < n_kv; ++h) {
-      std::memcpy(full + KOffset(h, t), src + KOffset(h, j % bs), static_cast<size_t>(hd) * sizeof(float));
-      std::memcpy(full + VOffset(h, t), src + VOffset(h, j % bs), static_cast<size_t>(hd) * sizeof(float));
+      LoadFull(FullAt(src, KOffset(h, j % bs)), hd, full + KOffset(h, t));
+      LoadFull(FullAt(src, VOffset(h, j % bs)), hd, full + VOffset(h, t));
     }
     ls.outlier_pos.pop_back();
     if (j % bs == 0) {
@@ -532,7 +570,7 @@ absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
   FreeEntry(ls, layer, b);
   const int32_t page = pool_->Allocate(BlockKind::kFull);
   if (page < 0) return absl::ResourceExhaustedError("no page to expand a truncated compressed block");
-  std::memcpy(pool_->data(page), full, static_cast<size_t>(pool_->block_bytes()));
+  StoreFull(full, 2 * v_half_, FullAt(page, 0));  // k^, v^ rounded to full_dtype
   ls.table[static_cast<size_t>(b)] = {page, -1, 0};
   return absl::OkStatus();
 }
@@ -582,6 +620,7 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
   const int bs = config_.block_size;
   const int rk = r_k_[static_cast<size_t>(layer)], rv = r_v_[static_cast<size_t>(layer)];
   const CoeffDtype dt = config_.coeff_dtype;
+  const CoeffDtype full_dt = config_.full_dtype;
   const int64_t rows = static_cast<int64_t>(n_kv) * bs;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -650,11 +689,12 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
         run_sum[g] += kernels.exp_sum(p, nb, run_max[g]);
       }
     };
-    // A full-rank run of nb tokens. k_blk, v_blk: [nb, hd]
-    const auto full_run = [&](const float* k_blk, const float* v_blk, int nb) {
-      kernels.scores(q_tok, hd, group, cpu::KvRows{k_blk}, nb, hd, scale, scores);
+    // A full-rank run of nb tokens, rows read in full_dtype. k_blk, v_blk: [nb, hd]
+    const auto full_run = [&](const uint8_t* k_blk, const uint8_t* v_blk, int nb) {
+      kernels.scores(q_tok, hd, group, cpu::KvRows{k_blk, nullptr, full_dt}, nb, hd, scale,
+                     scores);
       softmax_block(nb);
-      kernels.accumulate(scores, group, cpu::KvRows{v_blk}, nb, hd, acc, hd);
+      kernels.accumulate(scores, group, cpu::KvRows{v_blk, nullptr, full_dt}, nb, hd, acc, hd);
     };
 
     for (int64_t b0 = 0; b0 < n_ctx; b0 += bs) {
@@ -672,8 +712,7 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
         }
       }
       if (e.slot < 0) {
-        const float* block = pool_->data(e.page);
-        full_run(block + KOffset(kvh, 0), block + VOffset(kvh, 0), nb);
+        full_run(FullAt(e.page, KOffset(kvh, 0)), FullAt(e.page, VOffset(kvh, 0)), nb);
         continue;
       }
       const EpochId id = ls.block_epochs[static_cast<size_t>(b * n_kv + kvh)];
@@ -703,8 +742,8 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
     const int64_t n_out = static_cast<int64_t>(
         std::lower_bound(ls.outlier_pos.begin(), ls.outlier_pos.end(), n_ctx) - ls.outlier_pos.begin());
     for (int64_t j0 = 0; j0 < n_out; j0 += bs) {
-      const float* page = pool_->data(ls.outlier_pages[static_cast<size_t>(j0 / bs)]);
-      full_run(page + KOffset(kvh, 0), page + VOffset(kvh, 0),
+      const int32_t page = ls.outlier_pages[static_cast<size_t>(j0 / bs)];
+      full_run(FullAt(page, KOffset(kvh, 0)), FullAt(page, VOffset(kvh, 0)),
                static_cast<int>(std::min<int64_t>(bs, n_out - j0)));
     }
 

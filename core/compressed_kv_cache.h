@@ -1,6 +1,6 @@
-// Compressed paged KV cache (CPU reference): full-rank fp32 blocks for the attention sinks and
-// the recent window, low-rank coefficient blocks (fp32/fp16/int8) for everything older, and
-// full-rank outlier tokens whose keys the basis represents badly. Attention runs on the
+// Compressed paged KV cache (CPU reference): full-rank fp16 (or fp32) blocks for the attention
+// sinks and the recent window, low-rank coefficient blocks (fp32/fp16/int8) for everything
+// older, and full-rank outlier tokens whose keys the basis represents badly. Attention runs on the
 // coefficients with one streaming softmax across all parts (DESIGN.md, "The compressed KV
 // cache"). See compressed_kv_cache.cc for the pool layout and the policy.
 #ifndef SUBSPACE_CORE_COMPRESSED_KV_CACHE_H_
@@ -31,6 +31,9 @@ struct CompressedKvCacheConfig {
   std::vector<int> r_k;  // [n_layers]; empty: head_dim / 4 (at least 1) in every layer
   std::vector<int> r_v;  // [n_layers]; empty: head_dim / 4
   CoeffDtype coeff_dtype = CoeffDtype::kFp16;
+  // Full-rank blocks (sinks, window, outliers): kFp16 (as the GPU layout stores them) or kFp32
+  // (exactness tests: attention then equals PagedKvCache's at rank = head_dim). Sets the page.
+  CoeffDtype full_dtype = CoeffDtype::kFp16;
   int64_t capacity_bytes = 0;  // pool budget; pages = capacity_bytes / PageBytes
   // Without an installed default epoch, the first sequence to compress builds one by PCA of
   // its own keys/values and it becomes the default for everyone (self-calibration). true: every
@@ -55,13 +58,14 @@ struct CompressedKvCacheDetail {
 
 class CompressedKvCache final : public KvCache {
  public:
-  // INVALID_ARGUMENT for a bad geometry, block size, ranks, or a capacity below one page per
-  // layer.
+  // INVALID_ARGUMENT for a bad geometry, block size, ranks, full_dtype, a compressed block
+  // larger than a page (fp32 coefficients at high rank with fp16 full blocks), or a capacity
+  // below one page per layer.
   static absl::StatusOr<std::unique_ptr<CompressedKvCache>> Create(
       const CompressedKvCacheConfig& config);
 
-  // Bytes of one page = one full block: [2][n_kv_heads][B][head_dim] fp32.
-  static int64_t PageBytes(const KvCacheGeometry& geometry, int block_size);
+  // Bytes of one page = one full block: [2][n_kv_heads][B][head_dim] at full_dtype.
+  static int64_t PageBytes(const KvCacheGeometry& geometry, int block_size, CoeffDtype full_dtype);
   // Bytes of one compressed block of a layer with ranks (r_k, r_v), before 16-byte rounding:
   // codes [n_kv][B][r_k] + [n_kv][B][r_v], and for int8 fp16 scales [2][n_kv][B].
   static int64_t CompressedBlockBytes(const KvCacheGeometry& geometry, int block_size, int r_k,
@@ -79,14 +83,15 @@ class CompressedKvCache final : public KvCache {
   int64_t BlocksNeeded(SeqId seq, int64_t n) const override;
 
   // k, v: [n, n_kv_heads, head_dim] (post-RoPE k); the range must be reserved and not yet
-  // compressed.
+  // compressed. Stored rounded to full_dtype.
   void Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k, const float* v) override;
   void Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) override;
   // Commits, then compresses every full block that has left the window (and the sinks).
   absl::Status Commit(SeqId seq, int64_t length) override;
   // Drops tokens at and past `length`. A compressed block cut in the middle is expanded back
   // to a full block holding the keys as queries saw them (k^ = P_q c, v^ = R_v^T u), so
-  // attention is unchanged and new tokens can be written after it.
+  // attention is unchanged (up to rounding k^, v^ to an fp16 full_dtype) and new tokens can
+  // be written after it.
   absl::Status Truncate(SeqId seq, int64_t length) override;
 
   KvCacheStats Stats() const override;
@@ -156,6 +161,17 @@ class CompressedKvCache final : public KvCache {
     return (static_cast<int64_t>(h) * config_.block_size + t) * config_.geometry.head_dim;
   }
   int64_t VOffset(int h, int64_t t) const { return v_half_ + KOffset(h, t); }
+  // Full-rank rows in the pool: element `offset` (KOffset / VOffset) of page `page`, stored at
+  // full_dtype. Typed views go through these, never through pool_->data's float*.
+  uint8_t* FullAt(int32_t page, int64_t offset) {
+    return reinterpret_cast<uint8_t*>(pool_->data(page)) + offset * full_bytes_;
+  }
+  const uint8_t* FullAt(int32_t page, int64_t offset) const {
+    return reinterpret_cast<const uint8_t*>(pool_->data(page)) + offset * full_bytes_;
+  }
+  // n elements between fp32 and full_dtype. src/dst: [n]
+  void StoreFull(const float* src, int64_t n, uint8_t* dst) const;
+  void LoadFull(const uint8_t* src, int64_t n, float* dst) const;
 
   // Gives `s` an epoch before its first compression: the default, else a PCA of its keys.
   absl::Status EnsureEpoch(Sequence& s);
@@ -170,7 +186,8 @@ class CompressedKvCache final : public KvCache {
   CompressedKvCacheConfig config_;
   std::vector<int> r_k_, r_v_;  // [n_layers]
   std::vector<int> slab_class_;  // [n_layers] slab class of the layer's compressed blocks
-  int64_t v_half_;
+  int64_t v_half_;      // elements of the K half of a full block: n_kv * B * head_dim
+  int64_t full_bytes_;  // bytes of one full-rank element: 4 (fp32) or 2 (fp16)
   std::unique_ptr<BlockPool> pool_;
   SlabAllocator slabs_;
   BasisRegistry registry_;
@@ -182,7 +199,7 @@ class CompressedKvCache final : public KvCache {
   int32_t live_sequences_ = 0;
   int64_t tokens_cached_ = 0;
   int64_t outliers_dropped_ = 0;
-  std::vector<float> page_scratch_;  // [page floats] compression / expansion staging
+  std::vector<float> page_scratch_;  // [2 * v_half_] fp32 full block: compression / expansion
 };
 
 }  // namespace subspace

@@ -8,7 +8,7 @@ scripts/setup.sh
 scripts/build.sh
 
 MODEL=${MODEL:-models/subspace-tiny.gguf}
-SESSION_TOKENS=16  # per session turn; the fallback model's context is only 64 tokens
+SESSION_TOKENS=64  # per session turn: enough for blocks to leave the 64-token window
 if [[ ! -f $MODEL && $MODEL == models/subspace-tiny.gguf ]]; then
   fallback=build/test_data/gqa_f32.gguf
   if [[ ! -f $fallback ]]; then
@@ -81,14 +81,12 @@ SESSION=$("${CLIENT[@]}" session create)
 echo "created session $SESSION"
 "${CLIENT[@]}" generate --session "$SESSION" --prompt "In the beginning" \
   --max-new-tokens "$SESSION_TOKENS"
-"${CLIENT[@]}" generate --session "$SESSION" --prompt " and the earth" \
+"${CLIENT[@]}" generate --session "$SESSION" --prompt "And the LORD said" \
   --max-new-tokens "$SESSION_TOKENS"
 "${CLIENT[@]}" session get "$SESSION"
-"${CLIENT[@]}" session delete "$SESSION"
-echo "deleted session $SESSION"
 
 echo
-echo "== KV cache stats"
+echo "== KV cache stats while the session holds its cache (blocks past the window are compressed)"
 "${CLIENT[@]}" stats
 
 echo
@@ -96,7 +94,11 @@ echo "== /metrics excerpt (http://127.0.0.1:$METRICS_PORT/metrics)"
 metrics=$(curl -fsS "http://127.0.0.1:$METRICS_PORT/metrics")
 grep -m1 -E '^subspace_requests_total\{.*status="OK"' <<<"$metrics" || true
 grep -m1 -E '^subspace_generation_tokens_total' <<<"$metrics" || true
-grep -m1 -E '^subspace_kv_pool_used_bytes\{kind="full"\}' <<<"$metrics" || true
+grep -E '^subspace_kv_pool_used_bytes\{' <<<"$metrics" || true
+grep -m1 -E '^subspace_kv_compression_ratio' <<<"$metrics" || true
+
+"${CLIENT[@]}" session delete "$SESSION"
+echo "deleted session $SESSION"
 
 echo
 echo "== stopping subspace-server (SIGTERM)"

@@ -45,6 +45,14 @@ absl::StatusOr<CoeffDtype> ParseCoeffDtype(std::string_view name) {
       "--kv-coeff-dtype must be 'fp16', 'int8' or 'fp32', got '", std::string(name), "'"));
 }
 
+absl::StatusOr<CoeffDtype> ParseFullDtype(std::string_view name) {
+  for (CoeffDtype dtype : {CoeffDtype::kFp32, CoeffDtype::kFp16}) {
+    if (name == CoeffDtypeName(dtype)) return dtype;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--kv-full-dtype must be 'fp16' or 'fp32', got '", std::string(name), "'"));
+}
+
 absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
   if (o.kind == KvCacheKind::kFull) return absl::OkStatus();
   if (block_size > kMaxCompressedBlockSize) {
@@ -72,6 +80,9 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
   if (o.coeff_dtype != CoeffDtype::kFp32 && o.coeff_dtype != CoeffDtype::kFp16 &&
       o.coeff_dtype != CoeffDtype::kInt8) {
     return absl::InvalidArgumentError("--kv-coeff-dtype is not a known dtype");
+  }
+  if (o.full_dtype != CoeffDtype::kFp32 && o.full_dtype != CoeffDtype::kFp16) {
+    return absl::InvalidArgumentError("--kv-full-dtype must be fp16 or fp32");
   }
   // NaN fails both comparisons; 0 would keep every token with any residual full-rank.
   if (!(o.outlier_threshold > 0.0f) || !std::isfinite(o.outlier_threshold)) {
@@ -113,6 +124,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
   c.r_k.assign(static_cast<size_t>(g.n_layers), o.rank_k);
   c.r_v.assign(static_cast<size_t>(g.n_layers), o.rank_v);
   c.coeff_dtype = o.coeff_dtype;
+  c.full_dtype = o.full_dtype;
   c.capacity_bytes = capacity_bytes;
   absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache = CompressedKvCache::Create(c);
   if (!cache.ok()) return cache.status();

@@ -26,6 +26,8 @@ struct KvCacheOptions {
   int rank_k = 0;          // key coefficients per token and KV head; 0: head_dim / 4
   int rank_v = 0;          // value coefficients; 0: head_dim / 4
   CoeffDtype coeff_dtype = CoeffDtype::kFp16;
+  // Full-rank blocks (sinks, window, outliers): fp16, or fp32 for exactness checks.
+  CoeffDtype full_dtype = CoeffDtype::kFp16;
   // Relative key residual above which a token stays full-rank; >= 1: no outliers.
   float outlier_threshold = 1.0f;
 };
@@ -34,6 +36,7 @@ const char* KvCacheKindName(KvCacheKind kind);  // "full" or "compressed"
 // INVALID_ARGUMENT naming the flag for anything but the names below.
 absl::StatusOr<KvCacheKind> ParseKvCacheKind(std::string_view name);  // full | compressed
 absl::StatusOr<CoeffDtype> ParseCoeffDtype(std::string_view name);    // fp32 | fp16 | int8
+absl::StatusOr<CoeffDtype> ParseFullDtype(std::string_view name);     // fp16 | fp32
 
 // The checks that need no model, as INVALID_ARGUMENT naming the flag. block_size is
 // --block-size (the compressed cache keeps one 64-bit outlier mask per block).

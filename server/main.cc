@@ -41,6 +41,9 @@ ABSL_FLAG(int32_t, kv_rank_k, 0, "compressed cache: key rank per KV head; 0 = he
 ABSL_FLAG(int32_t, kv_rank_v, 0, "compressed cache: value rank per KV head; 0 = head_dim / 4");
 ABSL_FLAG(std::string, kv_coeff_dtype, "fp16",
           "compressed cache: coefficient storage, fp16 or int8 (fp32 for exactness checks)");
+ABSL_FLAG(std::string, kv_full_dtype, "fp16",
+          "compressed cache: storage of the full-rank blocks (sinks, window, outliers), fp16 "
+          "(fp32 for exactness checks)");
 ABSL_FLAG(float, kv_outlier_threshold, 1.0f,
           "compressed cache: relative key residual above which a token stays full-rank; "
           ">= 1 turns outliers off");
@@ -88,12 +91,16 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   absl::StatusOr<subspace::CoeffDtype> dtype =
       subspace::server::ParseCoeffDtype(absl::GetFlag(FLAGS_kv_coeff_dtype));
   if (!dtype.ok()) return dtype.status();
+  absl::StatusOr<subspace::CoeffDtype> full_dtype =
+      subspace::server::ParseFullDtype(absl::GetFlag(FLAGS_kv_full_dtype));
+  if (!full_dtype.ok()) return full_dtype.status();
   c.kv_cache.kind = *kind;
   c.kv_cache.sink_tokens = absl::GetFlag(FLAGS_kv_sink_tokens);
   c.kv_cache.window_tokens = absl::GetFlag(FLAGS_kv_window_tokens);
   c.kv_cache.rank_k = absl::GetFlag(FLAGS_kv_rank_k);
   c.kv_cache.rank_v = absl::GetFlag(FLAGS_kv_rank_v);
   c.kv_cache.coeff_dtype = *dtype;
+  c.kv_cache.full_dtype = *full_dtype;
   c.kv_cache.outlier_threshold = absl::GetFlag(FLAGS_kv_outlier_threshold);
   c.engine.max_running = absl::GetFlag(FLAGS_max_running);
   c.engine.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);

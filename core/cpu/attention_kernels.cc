@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "core/cpu/simd.h"
+#include "core/ggml_types.h"
 
 namespace subspace::cpu {
 namespace {
@@ -68,8 +69,12 @@ void ScaleScalar(float* x, int n, float a) {
   for (int i = 0; i < n; ++i) x[i] *= a;
 }
 
+void ToFp16Scalar(const float* x, int n, uint16_t* out) {
+  for (int i = 0; i < n; ++i) out[i] = Fp32ToFp16(x[i]);
+}
+
 constexpr AttentionKernels kScalarKernels = {ScoresScalar, AccumulateScalar, ExpSumScalar,
-                                             ScaleScalar};
+                                             ScaleScalar, ToFp16Scalar};
 
 #ifdef SUBSPACE_HAVE_X86
 
@@ -299,7 +304,19 @@ SUBSPACE_AVX2 void ScaleAvx2(float* x, int n, float a) {
   for (; i < n; ++i) x[i] *= a;
 }
 
-constexpr AttentionKernels kAvx2Kernels = {ScoresAvx2, AccumulateAvx2, ExpSumAvx2, ScaleAvx2};
+// F16C rounds to nearest even like Fp32ToFp16, so both ISAs store the same bits.
+SUBSPACE_AVX2 void ToFp16Avx2(const float* x, int n, uint16_t* out) {
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), kRound));
+  }
+  for (; i < n; ++i) out[i] = Fp32ToFp16(x[i]);
+}
+
+constexpr AttentionKernels kAvx2Kernels = {ScoresAvx2, AccumulateAvx2, ExpSumAvx2, ScaleAvx2,
+                                           ToFp16Avx2};
 
 #endif  // SUBSPACE_HAVE_X86
 

@@ -1,7 +1,7 @@
 // Inner loops of CPU decode/prefill attention over one block of B tokens: q·k scores for a
 // GQA group, the softmax exponentials, and the probability-weighted accumulation of value
-// rows. Rows are fp32 (full-rank blocks) or low-rank coefficients in fp16 / int8 with one fp16
-// scale per row, read in their stored type. Each kernel has a scalar twin and an
+// rows. Rows are fp32 / fp16 (full-rank blocks) or low-rank coefficients in fp32 / fp16 / int8
+// with one fp16 scale per row, read in their stored type. Each kernel has a scalar twin and an
 // AVX2/FMA/F16C version, picked at run time like the MatMul kernels (cpu::internal::ActiveIsa).
 #ifndef SUBSPACE_CORE_CPU_ATTENTION_KERNELS_H_
 #define SUBSPACE_CORE_CPU_ATTENTION_KERNELS_H_
@@ -33,6 +33,9 @@ struct AttentionKernels {
   float (*exp_sum)(float* s, int n, float max);
   // x[i] *= a. x: [n]
   void (*scale)(float* x, int n, float a);
+  // out[i] = fp16(x[i]), round to nearest even (full-rank K/V rows as the cache stores them).
+  // x: [n]; out: [n] fp16 bits
+  void (*to_fp16)(const float* x, int n, uint16_t* out);
 };
 
 // Asks for [p, p + bytes) to be brought into cache. Blocks sit on scattered pool pages, so

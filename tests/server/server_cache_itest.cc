@@ -1,7 +1,7 @@
 // The server over the compressed KV cache: GetModelInfo reports the cache's configuration,
 // long generations compress blocks (GetCacheStats, /metrics and the compression ratio agree),
-// at rank = head_dim with fp32 coefficients greedy outputs equal the full cache's (sessions
-// included), and bad cache settings are INVALID_ARGUMENT naming the flag.
+// at rank = head_dim with fp32 coefficients and fp32 full blocks greedy outputs equal the full
+// cache's (sessions included), and bad cache settings are INVALID_ARGUMENT naming the flag.
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -33,7 +33,8 @@ using ::subspace::testing::WaitFor;
 
 // The tiny model has head_dim 8 and B = 8 here: with S = 4 and W = 8 a sequence keeps block 0
 // and its last one or two blocks full-rank and compresses everything between.
-server::ServerAppConfig CompressedConfig(int rank, CoeffDtype dtype) {
+server::ServerAppConfig CompressedConfig(int rank, CoeffDtype dtype,
+                                         CoeffDtype full_dtype = CoeffDtype::kFp16) {
   server::ServerAppConfig c = TestServerConfig();
   c.kv_cache.kind = KvCacheKind::kCompressed;
   c.kv_cache.sink_tokens = 4;
@@ -41,6 +42,7 @@ server::ServerAppConfig CompressedConfig(int rank, CoeffDtype dtype) {
   c.kv_cache.rank_k = rank;
   c.kv_cache.rank_v = rank;
   c.kv_cache.coeff_dtype = dtype;
+  c.kv_cache.full_dtype = full_dtype;
   return c;
 }
 
@@ -137,6 +139,8 @@ TEST(CompressedCacheServerTest, ModelInfoReportsTheCacheConfig) {
     EXPECT_EQ(cache.block_size(), 8u);
     EXPECT_GT(cache.blocks_total(), 0u);
     EXPECT_EQ(cache.pool_bytes(), s.CacheStats().pool_bytes_total());
+    // A page is one fp16 full block (the default --kv-full-dtype): [2][2 kv heads][8][8] x 2 B.
+    EXPECT_EQ(cache.pool_bytes() / cache.blocks_total(), 512u);
     EXPECT_EQ(cache.sink_tokens(), 4u);
     EXPECT_EQ(cache.window_tokens(), 16u);
     EXPECT_EQ(cache.rank_k(), 2u);  // 0 resolves to head_dim / 4
@@ -221,8 +225,9 @@ TEST(CompressedCacheServerTest, FullCacheRatioIsBelowOneHalf) {
   EXPECT_DOUBLE_EQ(held.compression_ratio(), 896.0 / 2048.0);
 }
 
-// At rank = head_dim the PCA basis is a complete orthonormal basis and fp32 coefficients lose
-// nothing, so attention equals the full cache's up to rounding and greedy tokens are equal.
+// At rank = head_dim the PCA basis is a complete orthonormal basis and fp32 coefficients over
+// fp32 full blocks lose nothing, so attention equals the full cache's up to rounding and greedy
+// tokens are equal.
 TEST(CompressedCacheServerTest, FullRankFp32MatchesTheFullCache) {
   const std::vector<std::vector<int32_t>> prompts = {
       {1, 300, 301}, {1, 290, 291, 292, 293, 294, 295, 296, 297, 298, 299}, {1, 305}};
@@ -232,7 +237,7 @@ TEST(CompressedCacheServerTest, FullRankFp32MatchesTheFullCache) {
     ASSERT_TRUE(full.ok());
     for (const auto& p : prompts) expected.push_back(Ids(full.Generate(TokensRequest(p, 120))));
   }
-  Server s(CompressedConfig(/*rank=*/8, CoeffDtype::kFp32));
+  Server s(CompressedConfig(/*rank=*/8, CoeffDtype::kFp32, CoeffDtype::kFp32));
   ASSERT_TRUE(s.ok());
   for (size_t i = 0; i < prompts.size(); ++i) {
     SCOPED_TRACE(i);
@@ -248,7 +253,7 @@ TEST(CompressedCacheServerTest, FullRankFp32MatchesTheFullCache) {
 // below it, the one-call prefill attends to its own early tokens full-rank and builds its PCA
 // basis from more tokens (compressed_kv_cache.cc, "Policy").
 TEST(CompressedCacheServerTest, FullRankSessionOverTwoCallsEqualsOneCall) {
-  Server s(CompressedConfig(/*rank=*/8, CoeffDtype::kFp32));
+  Server s(CompressedConfig(/*rank=*/8, CoeffDtype::kFp32, CoeffDtype::kFp32));
   ASSERT_TRUE(s.ok());
   const std::vector<int32_t> a = {1, 300, 301, 302, 290};
   const std::vector<int32_t> b = {303, 304, 291};
@@ -320,6 +325,14 @@ TEST(CompressedCacheServerTest, BadCacheConfigIsInvalidArgumentNamingTheFlag) {
          c.kv_cache.outlier_threshold = std::numeric_limits<float>::infinity();
        },
        "--kv-outlier-threshold"},
+      {"full dtype", [](server::ServerAppConfig& c) { c.kv_cache.full_dtype = CoeffDtype::kInt8; },
+       "--kv-full-dtype must be fp16 or fp32"},
+      {"fp32 coefficients at full rank over fp16 full blocks",
+       [](server::ServerAppConfig& c) {
+         c.kv_cache.rank_k = c.kv_cache.rank_v = 8;
+         c.kv_cache.coeff_dtype = CoeffDtype::kFp32;
+       },
+       "use fp32 full blocks"},
       {"block size", [](server::ServerAppConfig& c) { c.block_size = 128; },
        "--block-size must be at most 64 with --kv-cache=compressed, got 128"},
   };
@@ -350,6 +363,11 @@ TEST(KvCacheOptionsTest, ParsesFlagNames) {
   const absl::Status dtype = server::ParseCoeffDtype("bf16").status();
   EXPECT_EQ(dtype.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(dtype.message(), "--kv-coeff-dtype must be 'fp16', 'int8' or 'fp32', got 'bf16'");
+  EXPECT_EQ(server::ParseFullDtype("fp16").value(), CoeffDtype::kFp16);
+  EXPECT_EQ(server::ParseFullDtype("fp32").value(), CoeffDtype::kFp32);
+  const absl::Status full = server::ParseFullDtype("int8").status();
+  EXPECT_EQ(full.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(full.message(), "--kv-full-dtype must be 'fp16' or 'fp32', got 'int8'");
 }
 
 }  // namespace

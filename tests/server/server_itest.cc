@@ -565,9 +565,10 @@ TEST_F(ServerTest, ModelInfoAndCacheStats) {
   EXPECT_GT(held.bytes_used_full(), 0u);
   EXPECT_EQ(held.bytes_used_compressed(), 0u);  // 7 tokens: all in the window
   // Full-rank fp16 bytes over pool bytes: 7 tokens * 2 layers * 2 * 2 kv_heads * 8 * 2 = 896
-  // over one 1024-byte fp32 block per layer, with either kind of cache.
+  // over one 512-byte block per layer (the compressed cache stores full blocks in fp16 by
+  // default, --kv-full-dtype).
   EXPECT_DOUBLE_EQ(held.compression_ratio(), ExpectedCompressionRatio(held, info));
-  EXPECT_DOUBLE_EQ(held.compression_ratio(), 896.0 / 2048.0);
+  EXPECT_DOUBLE_EQ(held.compression_ratio(), 896.0 / 1024.0);
 }
 
 }  // namespace
