@@ -53,24 +53,6 @@ Histogram::BucketBoundaries TokenBuckets(double max) {
   return b;
 }
 
-const char* FinishLabel(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::kLength:
-      return "length";
-    case FinishReason::kStop:
-      return "stop";
-    case FinishReason::kEos:
-      return "eos";
-    case FinishReason::kCancelled:
-      return "cancelled";
-    case FinishReason::kDeadline:
-      return "deadline";
-    case FinishReason::kNone:
-      break;
-  }
-  return "none";
-}
-
 MetricFamily Family(std::string name, std::string help, MetricType type) {
   MetricFamily f;
   f.name = std::move(name);
@@ -228,7 +210,7 @@ void Metrics::RecordStep(const StepStats& step) {
 void Metrics::RecordFinished(const GenerateResult& result, absl::StatusCode code) {
   requests_
       .Add({{"status", absl::StatusCodeToString(code)},
-            {"finish_reason", FinishLabel(result.finish)}})
+            {"finish_reason", FinishReasonName(result.finish)}})
       .Increment();
   const GenerateUsage& u = result.usage;
   prompt_tokens_.Increment(static_cast<double>(u.prompt_tokens));
