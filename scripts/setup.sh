@@ -10,6 +10,7 @@ PACKAGES=(
   libopenblas-dev libopenblas0-pthread
   python3 python3-numpy python3-torch python3-sentencepiece python3-grpcio
   prometheus curl
+  nginx python3-yaml
 )
 
 missing=()
