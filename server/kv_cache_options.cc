@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/basis_file.h"
 #include "core/compressed_kv_cache.h"
 #include "core/paged_kv_cache.h"
 
@@ -54,7 +55,12 @@ absl::StatusOr<CoeffDtype> ParseFullDtype(std::string_view name) {
 }
 
 absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
-  if (o.kind == KvCacheKind::kFull) return absl::OkStatus();
+  if (o.kind == KvCacheKind::kFull) {
+    if (!o.bases_path.empty()) {
+      return absl::InvalidArgumentError("--bases needs --kv-cache=compressed");
+    }
+    return absl::OkStatus();
+  }
   if (block_size > kMaxCompressedBlockSize) {
     return absl::InvalidArgumentError(
         absl::StrCat("--block-size must be at most ", kMaxCompressedBlockSize,
@@ -67,6 +73,10 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
   if (o.window_tokens < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--kv-window-tokens must be >= 0, got ", o.window_tokens));
+  }
+  if (!o.bases_path.empty() && (o.rank_k != 0 || o.rank_v != 0)) {
+    return absl::InvalidArgumentError(
+        "--kv-rank-k and --kv-rank-v must be left at 0 with --bases (the file sets the ranks)");
   }
   // The upper bound (head_dim) is checked once the model is loaded.
   if (o.rank_k < 0) {
@@ -93,8 +103,26 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
   return absl::OkStatus();
 }
 
-KvCacheOptions ResolveKvCacheOptions(KvCacheOptions o, const KvCacheGeometry& g) {
+absl::StatusOr<std::shared_ptr<const Basis>> LoadBases(const std::string& path,
+                                                       const GgufFile& model,
+                                                       const KvCacheGeometry& geometry) {
+  absl::StatusOr<BasisFile> file = ReadBasisFile(path);
+  if (!file.ok()) return file.status();
+  if (absl::Status s = CheckBasisMatchesModel(*file, geometry, ModelChecksum(model)); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("--bases ", path, ": ", s.message()));
+  }
+  return std::make_shared<const Basis>(std::move(file->basis));
+}
+
+KvCacheOptions ResolveKvCacheOptions(KvCacheOptions o, const KvCacheGeometry& g,
+                                     const Basis* bases) {
   if (o.kind == KvCacheKind::kFull) return o;
+  if (bases != nullptr) {
+    for (const LayerBasis& lb : bases->layers) {
+      o.rank_k = std::max(o.rank_k, lb.rank_k);
+      o.rank_v = std::max(o.rank_v, lb.rank_v);
+    }
+  }
   const int default_rank = std::max(1, g.head_dim / 4);  // CompressedKvCache's default
   if (o.rank_k == 0) o.rank_k = default_rank;
   if (o.rank_v == 0) o.rank_v = default_rank;
@@ -103,7 +131,8 @@ KvCacheOptions ResolveKvCacheOptions(KvCacheOptions o, const KvCacheGeometry& g)
 
 absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
                                                        const KvCacheGeometry& g, int block_size,
-                                                       int64_t capacity_bytes) {
+                                                       int64_t capacity_bytes,
+                                                       std::shared_ptr<const Basis> bases) {
   if (o.kind == KvCacheKind::kFull) {
     PagedKvCache::Config c;
     c.geometry = g;
@@ -123,11 +152,27 @@ absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
   c.outlier_threshold = o.outlier_threshold;
   c.r_k.assign(static_cast<size_t>(g.n_layers), o.rank_k);
   c.r_v.assign(static_cast<size_t>(g.n_layers), o.rank_v);
+  if (bases != nullptr) {
+    if (bases->layers.size() != static_cast<size_t>(g.n_layers)) {
+      return absl::InvalidArgumentError("--bases: the basis does not match the model's layers");
+    }
+    for (size_t l = 0; l < bases->layers.size(); ++l) {
+      c.r_k[l] = bases->layers[l].rank_k;
+      c.r_v[l] = bases->layers[l].rank_v;
+    }
+  }
   c.coeff_dtype = o.coeff_dtype;
   c.full_dtype = o.full_dtype;
   c.capacity_bytes = capacity_bytes;
   absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache = CompressedKvCache::Create(c);
   if (!cache.ok()) return cache.status();
+  if (bases != nullptr) {
+    absl::StatusOr<EpochId> epoch = (*cache)->InstallBasis(std::move(bases));
+    if (!epoch.ok()) return epoch.status();
+    // The default holds its own reference; ours is not needed past installation.
+    if (absl::Status s = (*cache)->SetDefaultEpoch(*epoch); !s.ok()) return s;
+    if (absl::Status s = (*cache)->ReleaseEpoch(*epoch); !s.ok()) return s;
+  }
   return std::unique_ptr<KvCache>(*std::move(cache));
 }
 

@@ -6,11 +6,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/basis.h"
 #include "core/coeff_codec.h"
+#include "core/gguf.h"
 #include "core/kv_cache.h"
 
 namespace subspace::server {
@@ -30,6 +33,10 @@ struct KvCacheOptions {
   CoeffDtype full_dtype = CoeffDtype::kFp16;
   // Relative key residual above which a token stays full-rank; >= 1: no outliers.
   float outlier_threshold = 1.0f;
+  // --bases: a calibrated basis file (subspace-calibrate) installed as the default epoch; its
+  // per-layer ranks replace rank_k / rank_v, which must then be left at 0. Empty: none (the
+  // cache self-calibrates from the first sequence).
+  std::string bases_path;
 };
 
 const char* KvCacheKindName(KvCacheKind kind);  // "full" or "compressed"
@@ -42,15 +49,27 @@ absl::StatusOr<CoeffDtype> ParseFullDtype(std::string_view name);     // fp16 | 
 // --block-size (the compressed cache keeps one 64-bit outlier mask per block).
 absl::Status ValidateKvCacheOptions(const KvCacheOptions& options, int block_size);
 
+// Reads the --bases file and checks it against the model: its geometry and the model file's
+// checksum (ModelChecksum). INVALID_ARGUMENT naming the file and the mismatch; NOT_FOUND when
+// the file does not exist.
+absl::StatusOr<std::shared_ptr<const Basis>> LoadBases(const std::string& path,
+                                                       const GgufFile& model,
+                                                       const KvCacheGeometry& geometry);
+
 // `options` with the model-dependent defaults filled in: rank 0 becomes head_dim / 4 (at least
-// 1). The full cache's options are returned unchanged.
-KvCacheOptions ResolveKvCacheOptions(KvCacheOptions options, const KvCacheGeometry& geometry);
+// 1), or with `bases` the largest rank of its layers (for reporting; the cache takes the ranks
+// per layer from the basis). The full cache's options are returned unchanged.
+KvCacheOptions ResolveKvCacheOptions(KvCacheOptions options, const KvCacheGeometry& geometry,
+                                     const Basis* bases = nullptr);
 
 // Builds the cache from resolved options. INVALID_ARGUMENT naming the flag when a rank exceeds
-// the model's head_dim; otherwise whatever the cache's Create returns (a pool too small).
+// the model's head_dim; otherwise whatever the cache's Create returns (a pool too small). With
+// `bases` (compressed only; from LoadBases), the cache gets the basis's per-layer ranks and the
+// basis is installed as its default epoch.
 absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& resolved,
                                                        const KvCacheGeometry& geometry,
-                                                       int block_size, int64_t capacity_bytes);
+                                                       int block_size, int64_t capacity_bytes,
+                                                       std::shared_ptr<const Basis> bases = nullptr);
 
 }  // namespace subspace::server
 

@@ -47,6 +47,9 @@ ABSL_FLAG(std::string, kv_full_dtype, "fp16",
 ABSL_FLAG(float, kv_outlier_threshold, 1.0f,
           "compressed cache: relative key residual above which a token stays full-rank; "
           ">= 1 turns outliers off");
+ABSL_FLAG(std::string, bases, "",
+          "compressed cache: basis file from subspace-calibrate, installed as the default epoch "
+          "(its per-layer ranks replace --kv-rank-k/--kv-rank-v)");
 ABSL_FLAG(int32_t, max_running, 16, "sequences admitted to the batch at once");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens per engine step (decodes + prefill chunks)");
 ABSL_FLAG(int32_t, max_queue, 256, "waiting requests; more get RESOURCE_EXHAUSTED");
@@ -102,6 +105,7 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.kv_cache.coeff_dtype = *dtype;
   c.kv_cache.full_dtype = *full_dtype;
   c.kv_cache.outlier_threshold = absl::GetFlag(FLAGS_kv_outlier_threshold);
+  c.kv_cache.bases_path = absl::GetFlag(FLAGS_bases);
   c.engine.max_running = absl::GetFlag(FLAGS_max_running);
   c.engine.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   c.engine.max_queue = absl::GetFlag(FLAGS_max_queue);

@@ -6,11 +6,13 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <chrono>
+#include <memory>
 #include <utility>
 
 #include "absl/base/call_once.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/basis.h"
 #include "core/gguf.h"
 #include "core/model.h"
 #include "core/tokenizer.h"
@@ -117,10 +119,20 @@ absl::Status ServerApp::Init() {
   if (!model.ok()) return model.status();
   const ModelConfig model_config = (*model)->config();
 
+  std::shared_ptr<const Basis> bases;
+  if (!config_.kv_cache.bases_path.empty()) {
+    absl::StatusOr<std::shared_ptr<const Basis>> loaded =
+        LoadBases(config_.kv_cache.bases_path, *gguf, model_config.cache_geometry());
+    if (!loaded.ok()) return loaded.status();
+    bases = *std::move(loaded);
+    spdlog::info("basis file {} loaded; it becomes the compressed cache's default epoch",
+                 config_.kv_cache.bases_path);
+  }
   const KvCacheOptions cache_options =
-      ResolveKvCacheOptions(config_.kv_cache, model_config.cache_geometry());
-  absl::StatusOr<std::unique_ptr<KvCache>> cache = CreateKvCache(
-      cache_options, model_config.cache_geometry(), config_.block_size, config_.kv_cache_bytes);
+      ResolveKvCacheOptions(config_.kv_cache, model_config.cache_geometry(), bases.get());
+  absl::StatusOr<std::unique_ptr<KvCache>> cache =
+      CreateKvCache(cache_options, model_config.cache_geometry(), config_.block_size,
+                    config_.kv_cache_bytes, std::move(bases));
   if (!cache.ok()) return cache.status();
 
   EngineConfig engine_config = config_.engine;

@@ -1,10 +1,13 @@
 // The server over the compressed KV cache: GetModelInfo reports the cache's configuration,
 // long generations compress blocks (GetCacheStats, /metrics and the compression ratio agree),
 // at rank = head_dim with fp32 coefficients and fp32 full blocks greedy outputs equal the full
-// cache's (sessions included), and bad cache settings are INVALID_ARGUMENT naming the flag.
+// cache's (sessions included), bad cache settings are INVALID_ARGUMENT naming the flag, and a
+// calibrated --bases file is installed at start (mismatched ones rejected).
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -14,6 +17,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "core/basis_file.h"
+#include "core/calibration.h"
+#include "core/model.h"
 #include "gtest/gtest.h"
 #include "proto/subspace.grpc.pb.h"
 #include "server/kv_cache_options.h"
@@ -349,6 +355,81 @@ TEST(CompressedCacheServerTest, BadCacheConfigIsInvalidArgumentNamingTheFlag) {
   full.block_size = 128;
   full.kv_cache.rank_k = 64;
   EXPECT_TRUE(server::ServerApp::Start(full).ok());
+}
+
+// A basis file calibrated on the tiny model (subspace-calibrate's code path) is installed at
+// start: its per-layer ranks size the cache, generation compresses blocks with it; a file
+// calibrated on another model, or of another geometry, stops the start with INVALID_ARGUMENT.
+TEST(CompressedCacheServerTest, BasesFileIsInstalledAndMismatchesAreRejected) {
+  auto calibrate = [](const std::shared_ptr<const GgufFile>& gguf, const std::string& path) {
+    absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(gguf);
+    ASSERT_TRUE(model.ok()) << model.status();
+    std::vector<int32_t> tokens;
+    for (int i = 0; i < 200; ++i) tokens.push_back(3 + (i * 37) % 250);
+    absl::StatusOr<CalibrationStats> stats = CollectCalibrationStats(
+        **model, tokens, {.window = 64, .max_tokens = 0, .bos = 1, .progress = {}});
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    absl::StatusOr<CalibratedBasis> basis = ComputeCalibratedBasis(*stats, {.energy = 0.9});
+    ASSERT_TRUE(basis.ok()) << basis.status();
+    const BasisFileInfo info{.method_k = "kqsvd", .method_v = "kqsvd", .energy = 0.9,
+                             .calibration_tokens = static_cast<uint64_t>(stats->key_tokens),
+                             .model_checksum = ModelChecksum(*gguf)};
+    ASSERT_TRUE(WriteBasisFile(path, info, basis->basis).ok());
+  };
+  const std::string dir = ::testing::TempDir();
+  const std::string good = dir + "/bases_good.gguf", other = dir + "/bases_other_model.gguf",
+                    geometry = dir + "/bases_other_geometry.gguf";
+  absl::StatusOr<std::unique_ptr<GgufFile>> tiny = GgufFile::Open(testing::TinyModelPath());
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  calibrate(std::shared_ptr<const GgufFile>(*std::move(tiny)), good);
+  calibrate(*GgufFile::FromBytes(testing::BuildTinyLlamaGguf({.context = 256, .seed = 2})), other);
+  calibrate(*GgufFile::FromBytes(testing::BuildTinyLlamaGguf({.kv_heads = 1, .context = 256})),
+            geometry);
+  absl::StatusOr<BasisFile> file = ReadBasisFile(good);
+  ASSERT_TRUE(file.ok()) << file.status();
+  uint32_t max_rank_k = 0, max_rank_v = 0;
+  for (const LayerBasis& lb : file->basis.layers) {
+    max_rank_k = std::max<uint32_t>(max_rank_k, lb.rank_k);
+    max_rank_v = std::max<uint32_t>(max_rank_v, lb.rank_v);
+  }
+
+  server::ServerAppConfig config = CompressedConfig(/*rank=*/0, CoeffDtype::kFp16);
+  config.kv_cache.bases_path = good;
+  {
+    Server s(config);
+    ASSERT_TRUE(s.ok());
+    const v1::ModelInfo info = s.ModelInfo();
+    EXPECT_EQ(info.cache().kind(), "compressed");
+    EXPECT_EQ(info.cache().rank_k(), max_rank_k);  // reported: the largest layer rank
+    EXPECT_EQ(info.cache().rank_v(), max_rank_v);
+    const std::string session = s.CreateSession();
+    const v1::GenerateResponse r = s.Generate(TokensRequest({1, 300, 301}, 60), session);
+    EXPECT_EQ(r.token_ids_size(), 60);
+    const v1::CacheStats held = s.CacheStats();
+    EXPECT_EQ(held.tokens_cached(), 3u + 60u - 1u);
+    EXPECT_GT(held.bytes_used_compressed(), 0u);
+    EXPECT_DOUBLE_EQ(held.compression_ratio(), ExpectedCompressionRatio(held, info));
+    s.DeleteSession(session);
+  }
+  for (const auto& [path, expected] :
+       {std::pair{other, "calibrated on a different model"}, std::pair{geometry, "geometry"},
+        std::pair{dir + "/no_such_bases.gguf", "no_such_bases.gguf"}}) {
+    SCOPED_TRACE(path);
+    config.kv_cache.bases_path = path;
+    const absl::Status status = server::ServerApp::Start(config).status();
+    EXPECT_FALSE(status.ok());
+    EXPECT_TRUE(absl::StrContains(status.message(), expected)) << status;
+    if (path != dir + "/no_such_bases.gguf") {
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    }
+  }
+  config.kv_cache.bases_path = good;
+  config.kv_cache.rank_k = 2;
+  EXPECT_EQ(server::ServerApp::Start(config).status().code(), absl::StatusCode::kInvalidArgument);
+  server::ServerAppConfig full = FullConfig();
+  full.kv_cache.bases_path = good;
+  EXPECT_EQ(server::ServerApp::Start(full).status().code(), absl::StatusCode::kInvalidArgument);
+  for (const std::string& p : {good, other, geometry}) std::remove(p.c_str());
 }
 
 TEST(KvCacheOptionsTest, ParsesFlagNames) {

@@ -1,0 +1,168 @@
+// subspace-calibrate: runs a model over calibration text, accumulates per-head key, query and
+// value Gram matrices, turns them into a basis epoch (KQ-SVD, K-SVD or Eigen) and writes the
+// basis file the server loads with --bases. Deterministic for the same inputs.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "core/basis_file.h"
+#include "core/calibration.h"
+#include "core/model.h"
+#include "core/tokenizer.h"
+#include "tools/cli/dash_flags.h"
+
+ABSL_FLAG(std::string, model, "", "path of the GGUF model");
+ABSL_FLAG(std::string, text, "", "calibration text: a file, or a directory of files (sorted)");
+ABSL_FLAG(std::string, out, "", "path of the basis file to write");
+ABSL_FLAG(std::string, method_k, "kqsvd", "key basis: kqsvd | ksvd | eigen");
+ABSL_FLAG(std::string, method_v, "kqsvd", "value basis: kqsvd | ksvd");
+ABSL_FLAG(int32_t, rank, 0, "fixed rank for every layer (exclusive with --energy)");
+ABSL_FLAG(double, energy, 0.0, "per-layer rank capturing this fraction of the spectrum, (0, 1]");
+ABSL_FLAG(int64_t, max_tokens, 0, "calibrate on at most this many tokens; 0 = all");
+ABSL_FLAG(int32_t, window, 512, "tokens per calibration sequence (capped by the context)");
+
+namespace subspace {
+namespace {
+
+absl::StatusOr<std::vector<std::string>> TextFiles(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) return std::vector<std::string>{path};
+  if (!fs::is_directory(path, ec)) return absl::NotFoundError(absl::StrCat("no such file: ", path));
+  std::vector<std::string> files;
+  for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
+    if (e.is_regular_file()) files.push_back(e.path().string());
+  }
+  if (ec) return absl::InternalError(absl::StrCat("cannot list ", path, ": ", ec.message()));
+  std::sort(files.begin(), files.end());  // deterministic order
+  if (files.empty()) return absl::NotFoundError(absl::StrCat("no files in ", path));
+  return files;
+}
+
+absl::Status Run() {
+  const std::string model_path = absl::GetFlag(FLAGS_model), out = absl::GetFlag(FLAGS_out);
+  if (model_path.empty() || out.empty() || absl::GetFlag(FLAGS_text).empty()) {
+    return absl::InvalidArgumentError("--model, --text and --out are required");
+  }
+  absl::StatusOr<KeyBasisMethod> method_k = ParseKeyBasisMethod(absl::GetFlag(FLAGS_method_k));
+  if (!method_k.ok()) return method_k.status();
+  absl::StatusOr<ValueBasisMethod> method_v = ParseValueBasisMethod(absl::GetFlag(FLAGS_method_v));
+  if (!method_v.ok()) return method_v.status();
+  BasisMethodOptions bo{.method_k = *method_k, .method_v = *method_v,
+                        .rank = absl::GetFlag(FLAGS_rank), .energy = absl::GetFlag(FLAGS_energy)};
+  if ((bo.rank > 0) == (bo.energy > 0.0) || bo.rank < 0 || bo.energy < 0.0 || bo.energy > 1.0) {
+    return absl::InvalidArgumentError("set exactly one of --rank R (>= 1) and --energy E in (0, 1]");
+  }
+
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(model_path);
+  if (!file.ok()) return file.status();
+  std::shared_ptr<const GgufFile> gguf = *std::move(file);
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromGguf(*gguf);
+  if (!tokenizer.ok()) return tokenizer.status();
+  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(gguf);
+  if (!model.ok()) return model.status();
+  const ModelConfig& c = (*model)->config();
+  if (bo.rank > c.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("--rank must be at most head_dim ", c.head_dim));
+  }
+
+  absl::StatusOr<std::vector<std::string>> files = TextFiles(absl::GetFlag(FLAGS_text));
+  if (!files.ok()) return files.status();
+  std::vector<int32_t> tokens;
+  const int64_t max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  for (const std::string& f : *files) {
+    std::ifstream in(f, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    if (!in) return absl::InternalError(absl::StrCat("cannot read ", f));
+    const std::vector<int32_t> t = (*tokenizer)->Encode(ss.str(), {.add_bos = false});
+    tokens.insert(tokens.end(), t.begin(), t.end());
+    if (max_tokens > 0 && static_cast<int64_t>(tokens.size()) >= max_tokens) break;
+  }
+  const uint64_t checksum = ModelChecksum(*gguf);
+  std::fprintf(stderr,
+               "model %s: %d layers, %d heads (%d kv), head_dim %d; %zu text tokens from %zu "
+               "file(s), calibrating on %lld\n",
+               model_path.c_str(), c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, tokens.size(),
+               files->size(),
+               static_cast<long long>(max_tokens > 0 ? std::min<int64_t>(max_tokens, tokens.size())
+                                                     : static_cast<int64_t>(tokens.size())));
+
+  const auto start = std::chrono::steady_clock::now();
+  auto seconds_since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  };
+  CalibrationRunOptions ro{.window = absl::GetFlag(FLAGS_window), .max_tokens = max_tokens,
+                           .bos = (*tokenizer)->bos_id(), .progress = {}};
+  ro.progress = [&](int64_t done, int64_t total) {
+    const double s = seconds_since(start);
+    const double eta = done > 0 ? s * static_cast<double>(total - done) / done : 0.0;
+    std::fprintf(stderr, "\rcalibrating: %lld / %lld tokens (%.0f%%), %.0f tok/s, ETA %.0f s   ",
+                 static_cast<long long>(done), static_cast<long long>(total), 100.0 * done / total,
+                 done / std::max(s, 1e-9), eta);
+    if (done == total) std::fprintf(stderr, "\n");
+  };
+  absl::StatusOr<CalibrationStats> stats = CollectCalibrationStats(**model, tokens, ro);
+  if (!stats.ok()) return stats.status();
+  const double forward_s = seconds_since(start);
+
+  const auto basis_start = std::chrono::steady_clock::now();
+  absl::StatusOr<CalibratedBasis> basis = ComputeCalibratedBasis(*stats, bo);
+  if (!basis.ok()) return basis.status();
+  const double basis_s = seconds_since(basis_start);
+
+  const BasisFileInfo info{.method_k = KeyBasisMethodName(bo.method_k),
+                           .method_v = ValueBasisMethodName(bo.method_v),
+                           .energy = bo.energy,
+                           .calibration_tokens = static_cast<uint64_t>(stats->key_tokens),
+                           .model_checksum = checksum};
+  if (absl::Status s = WriteBasisFile(out, info, basis->basis); !s.ok()) return s;
+
+  std::printf("method k %s, v %s; %s; %lld tokens (BOS per window included)\n",
+              info.method_k.c_str(), info.method_v.c_str(),
+              bo.rank > 0 ? absl::StrCat("rank ", bo.rank).c_str()
+                          : absl::StrCat("energy ", bo.energy).c_str(),
+              static_cast<long long>(stats->key_tokens));
+  std::printf("%5s %5s %9s %5s %9s\n", "layer", "r_k", "energy_k", "r_v", "energy_v");
+  int64_t coeffs = 0;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerBasis& lb = basis->basis.layers[static_cast<size_t>(l)];
+    std::printf("%5d %5d %9.4f %5d %9.4f\n", l, lb.rank_k, basis->energy_k[static_cast<size_t>(l)],
+                lb.rank_v, basis->energy_v[static_cast<size_t>(l)]);
+    coeffs += lb.rank_k + lb.rank_v;
+  }
+  std::printf("coefficients per token and KV head, mean over layers: %.1f of %d (%.2fx)\n",
+              static_cast<double>(coeffs) / c.n_layers, 2 * c.head_dim,
+              2.0 * c.head_dim * c.n_layers / static_cast<double>(coeffs));
+  std::printf("forward %.2f s, bases %.3f s; wrote %s\n", forward_s, basis_s, out.c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace subspace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "subspace-calibrate --model M.gguf --text FILE_OR_DIR --out bases.gguf "
+      "[--method-k kqsvd|ksvd|eigen] [--method-v kqsvd|ksvd] (--rank R | --energy E) "
+      "[--max-tokens N] [--window 512]");
+  std::vector<std::string> args = subspace::cli::NormalizeDashFlags(argc, argv);
+  absl::ParseCommandLine(argc, argv);
+  absl::Status status = subspace::Run();
+  if (!status.ok()) {
+    std::fprintf(stderr, "subspace-calibrate: %s\n", status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
