@@ -50,6 +50,9 @@ ABSL_FLAG(int32_t, logprobs, 0, "top alternatives to return per token, [0, 20]")
 ABSL_FLAG(bool, ignore_eos, false, "keep generating past the end-of-sequence token");
 ABSL_FLAG(std::string, session, "", "session id to continue");
 ABSL_FLAG(uint32_t, ttl_seconds, 0, "session create: idle TTL; 0 = the server's default");
+ABSL_FLAG(std::string, id, "",
+          "session create: the session's id, 32 to 64 characters from [A-Za-z0-9_-] with at least "
+          "128 random bits; empty = 128 random bits made here");
 
 ABSL_FLAG(std::string, service, "", "health: the service to check; empty = the whole server");
 ABSL_FLAG(double, wait_seconds, 0,
@@ -77,7 +80,7 @@ Commands:
            --repetition-penalty R --seed S --stop A,B --logprobs N --ignore-eos
            --session ID --request JSON --json]
   stream   (the flags of generate) prints tokens as they arrive, then usage on stderr
-  session create [--ttl-seconds N] | get ID | list | delete ID
+  session create [--ttl-seconds N] [--id ID] | get ID | list | delete ID
   info     model description
   stats    KV cache statistics
   health   [--service NAME --wait-seconds N] prints SERVING, NOT_SERVING, UNKNOWN or
@@ -292,7 +295,8 @@ absl::Status RunSession(SubspaceClient& client, const std::vector<char*>& args) 
   const bool json = absl::GetFlag(FLAGS_json);
   const std::string verb = args.size() > 1 ? args[1] : "";
   if (verb == "create") {
-    absl::StatusOr<v1::Session> session = client.CreateSession(absl::GetFlag(FLAGS_ttl_seconds));
+    absl::StatusOr<v1::Session> session =
+        client.CreateSession(absl::GetFlag(FLAGS_ttl_seconds), absl::GetFlag(FLAGS_id));
     if (!session.ok()) return session.status();
     if (json) {
       std::fputs(ToJson(*session, true).c_str(), stdout);

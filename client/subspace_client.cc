@@ -2,9 +2,37 @@
 // absl::Status one-to-one (the codes are the same numbers).
 #include "client/subspace_client.h"
 
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace subspace::client {
+
+absl::StatusOr<std::string> NewSessionId() {
+  uint8_t bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(absl::StrCat("getrandom failed (errno ", errno, ")"));
+    }
+    got += static_cast<size_t>(n);
+  }
+  constexpr char kHex[] = "0123456789abcdef";
+  std::string id;
+  id.reserve(2 * sizeof(bytes));
+  for (uint8_t b : bytes) {
+    id += kHex[b >> 4];
+    id += kHex[b & 0xF];
+  }
+  return id;
+}
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -74,11 +102,16 @@ absl::StatusOr<StreamResult> SubspaceClient::Stream(const v1::GenerateRequest& r
   return result;
 }
 
-absl::StatusOr<v1::Session> SubspaceClient::CreateSession(uint32_t idle_ttl_seconds) {
+absl::StatusOr<v1::Session> SubspaceClient::CreateSession(uint32_t idle_ttl_seconds,
+                                                          const std::string& session_id) {
+  // Made here, not by the server, so the routing key exists before the session does.
+  absl::StatusOr<std::string> id = session_id.empty() ? NewSessionId() : session_id;
+  if (!id.ok()) return id.status();
   grpc::ClientContext context;
-  Prepare(context, "");
+  Prepare(context, *id);
   v1::CreateSessionRequest request;
   request.set_idle_ttl_seconds(idle_ttl_seconds);
+  request.set_session_id(*id);
   v1::Session session;
   grpc::Status status = stub_->CreateSession(&context, request, &session);
   if (!status.ok()) return FromGrpcStatus(status);

@@ -47,6 +47,10 @@ struct StreamResult {
 // cancel the stream (Stream() then returns CANCELLED). Runs on the calling thread.
 using ChunkCallback = std::function<bool(const v1::GenerateStreamResponse& message)>;
 
+// A fresh session id: 128 bits from the OS CSPRNG (getrandom) as 32 lowercase hex digits, the
+// same form as the ids the server makes.
+absl::StatusOr<std::string> NewSessionId();
+
 // Converts a gRPC status to the absl::Status with the same code and message.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
@@ -66,8 +70,14 @@ class SubspaceClient {
   absl::StatusOr<StreamResult> Stream(const v1::GenerateRequest& request,
                                       const ChunkCallback& on_chunk);
 
-  // idle_ttl_seconds = 0 takes the server's default.
-  absl::StatusOr<v1::Session> CreateSession(uint32_t idle_ttl_seconds = 0);
+  // idle_ttl_seconds = 0 takes the server's default. The session's id is made here
+  // (NewSessionId()) unless `session_id` is given, and is sent both in the request and as the
+  // `x-session-id` header, so a session-affine proxy sends the create and every later call of
+  // the session to the same replica. A given id must follow the server's rule (32 to 64
+  // characters from [A-Za-z0-9_-]) and should hold at least 128 random bits: it is the
+  // capability to use the session. ALREADY_EXISTS when a live session has it.
+  absl::StatusOr<v1::Session> CreateSession(uint32_t idle_ttl_seconds = 0,
+                                            const std::string& session_id = "");
   absl::StatusOr<v1::Session> GetSession(const std::string& session_id);
   absl::StatusOr<std::vector<v1::Session>> ListSessions();
   absl::Status DeleteSession(const std::string& session_id);

@@ -87,7 +87,7 @@ class Engine::Impl {
   absl::StatusOr<RequestId> Submit(GenerateRequest request,
                                    std::shared_ptr<GenerateObserver> observer);
   void Cancel(RequestId id);
-  absl::StatusOr<SessionInfo> CreateSession(absl::Duration idle_ttl);
+  absl::StatusOr<SessionInfo> CreateSession(absl::Duration idle_ttl, std::string_view proposed_id);
   absl::StatusOr<SessionInfo> GetSession(std::string_view id) const;
   std::vector<SessionInfo> ListSessions() const;
   absl::Status DeleteSession(std::string_view id);
@@ -306,15 +306,16 @@ void Engine::Impl::Cancel(RequestId id) {
   kicked_ = true;
 }
 
-absl::StatusOr<SessionInfo> Engine::Impl::CreateSession(absl::Duration idle_ttl) {
+absl::StatusOr<SessionInfo> Engine::Impl::CreateSession(absl::Duration idle_ttl,
+                                                        std::string_view proposed_id) {
   const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
   if (draining_ || stop_) return absl::UnavailableError("the engine is draining");
-  // Expired sessions must not hold slots against max_sessions.
+  // Expired sessions must not hold slots against max_sessions, nor keep their ids taken.
   const size_t before = seqs_to_free_.size();
   sessions_.EvictExpired(now, &seqs_to_free_);
   if (seqs_to_free_.size() != before) kicked_ = true;
-  absl::StatusOr<Session*> session = sessions_.Create(idle_ttl, now);
+  absl::StatusOr<Session*> session = sessions_.Create(idle_ttl, now, proposed_id);
   if (!session.ok()) return session.status();
   next_session_expiry_ = std::min(next_session_expiry_, now + (*session)->idle_ttl);
   kicked_ = true;  // the loop may be asleep until a later expiry
@@ -648,8 +649,9 @@ absl::StatusOr<RequestId> Engine::Submit(GenerateRequest request,
   return impl_->Submit(std::move(request), std::move(observer));
 }
 void Engine::Cancel(RequestId id) { impl_->Cancel(id); }
-absl::StatusOr<SessionInfo> Engine::CreateSession(absl::Duration idle_ttl) {
-  return impl_->CreateSession(idle_ttl);
+absl::StatusOr<SessionInfo> Engine::CreateSession(absl::Duration idle_ttl,
+                                                  std::string_view proposed_id) {
+  return impl_->CreateSession(idle_ttl, proposed_id);
 }
 absl::StatusOr<SessionInfo> Engine::GetSession(std::string_view id) const {
   return impl_->GetSession(id);

@@ -143,7 +143,12 @@ class Engine {
   // Zero `idle_ttl`: the configured default. INVALID_ARGUMENT for a negative TTL;
   // RESOURCE_EXHAUSTED at max_sessions; UNAVAILABLE when draining. Busy sessions never expire;
   // SessionInfo's counts are as of the session's last finished request.
-  absl::StatusOr<SessionInfo> CreateSession(absl::Duration idle_ttl = absl::ZeroDuration());
+  // `proposed_id` empty: a fresh 128-bit random id. Otherwise the session takes that id (so a
+  // client can route on it before the session exists), ALREADY_EXISTS when a live session has
+  // it. The engine does not judge its form or randomness: the caller does (the server checks it
+  // in request_validation).
+  absl::StatusOr<SessionInfo> CreateSession(absl::Duration idle_ttl = absl::ZeroDuration(),
+                                            std::string_view proposed_id = {});
   absl::StatusOr<SessionInfo> GetSession(std::string_view id) const;
   std::vector<SessionInfo> ListSessions() const;
   // NOT_FOUND when unknown; a running request on it is cancelled first.

@@ -44,7 +44,8 @@ absl::StatusOr<std::string> NewSessionId() {
   return id;
 }
 
-absl::StatusOr<Session*> SessionStore::Create(absl::Duration idle_ttl, absl::Time now) {
+absl::StatusOr<Session*> SessionStore::Create(absl::Duration idle_ttl, absl::Time now,
+                                              std::string_view proposed_id) {
   if (idle_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("idle_ttl must not be negative");
   }
@@ -52,8 +53,12 @@ absl::StatusOr<Session*> SessionStore::Create(absl::Duration idle_ttl, absl::Tim
     return absl::ResourceExhaustedError(
         absl::StrFormat("too many sessions (max_sessions = %d)", max_sessions_));
   }
-  absl::StatusOr<std::string> id = NewSessionId();
+  absl::StatusOr<std::string> id =
+      proposed_id.empty() ? NewSessionId() : absl::StatusOr<std::string>(proposed_id);
   if (!id.ok()) return id.status();
+  if (!proposed_id.empty() && sessions_.contains(*id)) {
+    return absl::AlreadyExistsError(absl::StrFormat("session %s already exists", *id));
+  }
   auto session = std::make_unique<Session>();
   session->id = *id;
   session->idle_ttl = idle_ttl == absl::ZeroDuration() ? default_ttl_ : idle_ttl;
@@ -61,6 +66,7 @@ absl::StatusOr<Session*> SessionStore::Create(absl::Duration idle_ttl, absl::Tim
   session->last_used = now;
   Session* out = session.get();
   // 128 random bits do not collide in practice; a collision would only make Create fail.
+  // (A proposed id was checked above.)
   if (!sessions_.try_emplace(*id, std::move(session)).second) {
     return absl::InternalError("session id collision");
   }

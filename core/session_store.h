@@ -48,7 +48,10 @@ class SessionStore {
 
   // `idle_ttl` zero means the default. INVALID_ARGUMENT for a negative TTL;
   // RESOURCE_EXHAUSTED at max_sessions (expire first: expired sessions still count).
-  absl::StatusOr<Session*> Create(absl::Duration idle_ttl, absl::Time now);
+  // `proposed_id` empty: a fresh NewSessionId(); otherwise that id, ALREADY_EXISTS when a stored
+  // session has it (expire first: an expired one still holds its id).
+  absl::StatusOr<Session*> Create(absl::Duration idle_ttl, absl::Time now,
+                                  std::string_view proposed_id = {});
   // Null when unknown or expired (an expired session is as good as gone, even before the
   // engine evicts it).
   Session* Find(std::string_view id, absl::Time now);

@@ -198,6 +198,26 @@ absl::Status ValidateId(std::string_view id, std::string_view field, const Reque
   return absl::OkStatus();
 }
 
+absl::Status ValidateProposedSessionId(std::string_view id, std::string_view field) {
+  if (id.empty()) return absl::OkStatus();
+  if (static_cast<int>(id.size()) < kMinProposedSessionIdBytes ||
+      static_cast<int>(id.size()) > kMaxProposedSessionIdBytes) {
+    return Invalid(Absl(field), " must be ", kMinProposedSessionIdBytes, " to ",
+                   kMaxProposedSessionIdBytes, " characters, got ", id.size());
+  }
+  for (size_t i = 0; i < id.size(); ++i) {
+    const char c = id[i];
+    const bool ok = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                    c == '_' || c == '-';
+    if (!ok) {
+      return Invalid(Absl(field), " may hold only [A-Za-z0-9_-] (bad byte 0x",
+                     absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2), " at offset ", i,
+                     ")");
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateGenerateRequest(const v1::GenerateRequest& request, const ModelConfig& model,
                                      const RequestLimits& limits) {
   switch (request.prompt_case()) {

@@ -47,6 +47,14 @@ absl::Status DiagnoseUnparsable(std::string_view wire,
 // keys). `field` names the field in the message.
 absl::Status ValidateId(std::string_view id, std::string_view field, const RequestLimits& limits);
 
+// CreateSessionRequest.session_id when set (empty is fine: the server makes the id):
+// kMinProposedSessionIdBytes..kMaxProposedSessionIdBytes characters from [A-Za-z0-9_-]. The
+// minimum keeps ids long enough to hold 128 random bits in hex; the alphabet is safe in headers,
+// logs and URLs. `field` names the field in the message.
+inline constexpr int kMinProposedSessionIdBytes = 32;
+inline constexpr int kMaxProposedSessionIdBytes = 64;
+absl::Status ValidateProposedSessionId(std::string_view id, std::string_view field);
+
 // Everything in `request` that needs no tokenizer: the prompt is set and non-empty, text is valid
 // UTF-8 within the size limit, token ids lie in [0, vocab), ids are well-formed and every
 // sampling parameter is in range.

@@ -154,8 +154,11 @@ grpc::ServerUnaryReactor* SubspaceService::CreateSession(grpc::CallbackServerCon
                                                          limits_.max_session_ttl_seconds, ", got ",
                                                          request->idle_ttl_seconds())));
   }
+  if (absl::Status s = ValidateProposedSessionId(request->session_id(), "session_id"); !s.ok()) {
+    return FinishUnary(context, s);
+  }
   absl::StatusOr<SessionInfo> session =
-      (*engine)->CreateSession(absl::Seconds(request->idle_ttl_seconds()));
+      (*engine)->CreateSession(absl::Seconds(request->idle_ttl_seconds()), request->session_id());
   if (session.ok()) ToProto(*session, response);
   return FinishUnary(context, session.status());
 }

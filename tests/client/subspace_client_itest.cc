@@ -199,6 +199,18 @@ TEST_F(ClientServerTest, SessionLifecycle) {
   absl::StatusOr<v1::Session> session = client_->CreateSession(30);
   ASSERT_TRUE(session.ok()) << session.status();
   EXPECT_EQ(session->idle_ttl_seconds(), 30u);
+  EXPECT_EQ(session->session_id().size(), 32u);  // made by the client library
+  {
+    // A caller-chosen id: taken by the real server, and not twice.
+    const std::string id = "lifecycle-test-0123456789abcdef0123";
+    absl::StatusOr<v1::Session> chosen = client_->CreateSession(0, id);
+    ASSERT_TRUE(chosen.ok()) << chosen.status();
+    EXPECT_EQ(chosen->session_id(), id);
+    EXPECT_EQ(client_->CreateSession(0, id).status().code(), absl::StatusCode::kAlreadyExists);
+    EXPECT_EQ(client_->CreateSession(0, "short").status().code(),
+              absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE(client_->DeleteSession(id).ok());
+  }
   v1::GenerateRequest request = TokenRequest({5, 6, 7}, 2);
   request.set_session_id(session->session_id());
   absl::StatusOr<v1::GenerateResponse> first = client_->Generate(request);
@@ -285,6 +297,10 @@ class RecordingService final : public v1::Subspace::Service {
     absl::MutexLock lock(&mu_);
     return headers_;
   }
+  std::vector<std::string> created_ids() {
+    absl::MutexLock lock(&mu_);
+    return created_ids_;
+  }
 
   grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest*,
                         v1::GenerateResponse*) override {
@@ -299,6 +315,16 @@ class RecordingService final : public v1::Subspace::Service {
   }
   grpc::Status GetSession(grpc::ServerContext* context, const v1::GetSessionRequest*,
                           v1::Session*) override {
+    return Record(context);
+  }
+  // Echoes the proposed id, as the real server does.
+  grpc::Status CreateSession(grpc::ServerContext* context, const v1::CreateSessionRequest* request,
+                             v1::Session* session) override {
+    {
+      absl::MutexLock lock(&mu_);
+      created_ids_.push_back(request->session_id());
+    }
+    session->set_session_id(request->session_id());
     return Record(context);
   }
   grpc::Status DeleteSession(grpc::ServerContext* context, const v1::DeleteSessionRequest*,
@@ -318,6 +344,7 @@ class RecordingService final : public v1::Subspace::Service {
 
   absl::Mutex mu_;
   std::vector<std::string> headers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> created_ids_ ABSL_GUARDED_BY(mu_);  // CreateSessionRequest.session_id
 };
 
 TEST(SessionHeaderTest, SetExactlyWhenASessionIsNamed) {
@@ -343,6 +370,43 @@ TEST(SessionHeaderTest, SetExactlyWhenASessionIsNamed) {
   ASSERT_TRUE(client.GetSession("s-2").ok());
   ASSERT_TRUE(client.DeleteSession("s-3").ok());
   EXPECT_EQ(service.headers(), (std::vector<std::string>{"<none>", "s-1", "s-1", "s-2", "s-3"}));
+  server->Shutdown();
+}
+
+// CreateSession makes the id client-side and sends it in the request and as the header, so an
+// affine proxy routes the create like every later call of the session.
+TEST(SessionHeaderTest, CreateSendsItsIdAsTheHeader) {
+  RecordingService service;
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+
+  ClientOptions options;
+  options.server = absl::StrCat("127.0.0.1:", port);
+  options.timeout = absl::Seconds(30);
+  SubspaceClient client(options);
+  absl::StatusOr<v1::Session> made = client.CreateSession();
+  ASSERT_TRUE(made.ok()) << made.status();
+  absl::StatusOr<v1::Session> made2 = client.CreateSession(10);
+  ASSERT_TRUE(made2.ok()) << made2.status();
+  const std::string given = "caller-chosen_id-0123456789abcdefABCDEF";
+  absl::StatusOr<v1::Session> chosen = client.CreateSession(0, given);
+  ASSERT_TRUE(chosen.ok()) << chosen.status();
+
+  const std::vector<std::string> ids = service.created_ids();
+  ASSERT_EQ(ids.size(), 3u);
+  EXPECT_EQ(service.headers(), ids);
+  EXPECT_EQ(ids[0], made->session_id());
+  EXPECT_EQ(ids[1], made2->session_id());
+  EXPECT_EQ(ids[2], given);
+  EXPECT_NE(ids[0], ids[1]);
+  for (const std::string& id : {ids[0], ids[1]}) {
+    EXPECT_EQ(id.size(), 32u);
+    EXPECT_EQ(id.find_first_not_of("0123456789abcdef"), std::string::npos) << id;
+  }
   server->Shutdown();
 }
 

@@ -495,6 +495,42 @@ TEST(EngineTest, SessionEvictedFromThePoolIsRecomputed) {
   EXPECT_EQ(second.tokens, one_shot.tokens);
 }
 
+// A client-proposed id (so a proxy can route on it before the session exists) is the session's
+// id; a live one cannot be taken twice, an expired or deleted one can. Its form is the server's
+// concern (request_validation), not the engine's.
+TEST(EngineTest, ProposedSessionId) {
+  auto engine = MakeEngine(EngineConfig());
+  ASSERT_NE(engine, nullptr);
+  const std::string id = "0123456789abcdef0123456789abcdef";
+  absl::StatusOr<SessionInfo> session = engine->CreateSession(absl::Seconds(30), id);
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_EQ(session->id, id);
+  EXPECT_EQ(session->idle_ttl, absl::Seconds(30));
+  EXPECT_TRUE(engine->GetSession(id).ok());
+
+  absl::StatusOr<SessionInfo> again = engine->CreateSession(absl::ZeroDuration(), id);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(engine->ListSessions().size(), 1u);
+
+  // The session works like a server-made one.
+  Generate(*engine, Greedy({1, 5, 6}, 2, id));
+  EXPECT_EQ(engine->GetSession(id)->tokens, 5);
+
+  ASSERT_TRUE(engine->DeleteSession(id).ok());
+  EXPECT_TRUE(engine->CreateSession(absl::ZeroDuration(), id).ok());
+
+  // An expired session no longer holds its id.
+  const std::string short_lived = "short-lived_session-0123456789ABCDEF";
+  ASSERT_TRUE(engine->CreateSession(absl::Milliseconds(1), short_lived).ok());
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_TRUE(engine->CreateSession(absl::ZeroDuration(), short_lived).ok());
+
+  // Without a proposal the engine still makes 32 hex digits.
+  absl::StatusOr<SessionInfo> made = engine->CreateSession();
+  ASSERT_TRUE(made.ok());
+  EXPECT_EQ(made->id.size(), 32u);
+}
+
 TEST(EngineTest, SessionErrors) {
   EngineConfig config;
   config.max_sessions = 2;

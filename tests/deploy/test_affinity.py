@@ -4,24 +4,21 @@ running deploy/nginx/subspace.conf (its replica list and listen port replaced) i
 foreground from a temporary prefix, and calls through it:
 
 - the `subspace` CLI (health, generate) works through the proxy;
-- a session created with routing key K in `x-session-id`, then continued with the same key,
-  finds its session on every call (no NOT_FOUND) and reuses its cached tokens;
-- the sessions of many keys land on both replicas, each session on exactly one.
-
-Routing key vs. session id: CreateSession cannot take a client-chosen id, so a session's
-server-made id is not known when the create call is routed. The client therefore picks a
-routing key first and sends it as x-session-id on the create call and on every later call of
-that session (docs/operations.md, "Scaling out"). The C++ client library sends the session id
-itself as x-session-id, which routes the later calls right only when the create call happened
-to land on the replica that id hashes to; this test does not rely on that.
+- sessions made the plain way -- `subspace session create`, then `subspace generate --session
+  ID` -- find their session on every call (no NOT_FOUND) and reuse its cached tokens: the client
+  library makes the session id before the create call and sends it as x-session-id on that call
+  and every later one, so all of them hash to the replica holding the session
+  (docs/operations.md, "Scaling out");
+- those sessions land on both replicas, each on exactly one, and proposing a taken id through
+  the proxy reaches the replica that has it (ALREADY_EXISTS).
 """
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import unittest
-import uuid
 
 if not os.environ.get("SUBSPACE_TEST_REEXEC"):
     try:
@@ -38,7 +35,7 @@ from deploy_util import (DEPLOY, ROOT, Server, free_port, run_client,  # noqa: E
                          stop_process)
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
-SESSION_KEYS = 20
+SESSIONS = 20
 pb = pbg = None
 
 
@@ -139,40 +136,38 @@ class AffinityTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("generated 4 tokens", r.stderr)
 
-    def test_same_key_same_replica(self):
-        proxy = self.stub(self.proxy)
-        placed = {}  # session id -> routing key
-        for i in range(SESSION_KEYS):
-            key = [("x-session-id", "key-%s" % uuid.uuid4().hex)]
-            session = proxy.CreateSession(pb.CreateSessionRequest(), metadata=key, timeout=30)
-            placed[session.session_id] = key
-            for turn in range(3):
-                req = pb.GenerateRequest(text=" And God said %d" % turn,
-                                         session_id=session.session_id,
-                                         sampling=pb.SamplingParams(max_new_tokens=2))
-                resp = proxy.Generate(req, metadata=key, timeout=30)  # NOT_FOUND if misrouted
-                self.assertEqual(resp.usage.generated_tokens, 2)
+    def test_sessions_stay_on_their_replica(self):
+        sessions = []
+        for i in range(SESSIONS):
+            r = run_client("--server", self.proxy, "session", "create")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            sid = r.stdout.strip()
+            self.assertRegex(sid, r"^[0-9a-f]{32}$")
+            sessions.append(sid)
+            for turn in range(2):
+                r = run_client("--server", self.proxy, "--json", "generate", "--session", sid,
+                               "--prompt", " And God said %d" % turn, "--max-new-tokens", "2")
+                self.assertEqual(r.returncode, 0, r.stderr)  # NOT_FOUND if misrouted
+                self.assertNotIn("NOT_FOUND", r.stderr)
+                usage = json.loads(r.stdout)["usage"]
+                self.assertEqual(usage["generated_tokens"], 2)
                 if turn > 0:
-                    self.assertGreater(resp.usage.reused_tokens, 0, "session cache not reused")
+                    self.assertGreater(usage["reused_tokens"], 0, "session cache not reused")
 
         per_replica = []
-        for r in self.replicas:
-            listed = self.stub(r.address).ListSessions(pb.ListSessionsRequest(), timeout=30)
-            per_replica.append({s.session_id for s in listed.sessions} & set(placed))
-        self.assertEqual(per_replica[0] | per_replica[1], set(placed))
+        for rep in self.replicas:
+            listed = self.stub(rep.address).ListSessions(pb.ListSessionsRequest(), timeout=30)
+            per_replica.append({s.session_id for s in listed.sessions} & set(sessions))
+        self.assertEqual(per_replica[0] | per_replica[1], set(sessions))
         self.assertFalse(per_replica[0] & per_replica[1])
-        # 20 random keys on a two-server ring: all on one replica has odds below 1e-4.
+        # 20 random ids on a two-server ring: all on one replica has odds below 1e-4.
         self.assertTrue(per_replica[0] and per_replica[1],
                         "every session on one replica: %s" % [len(s) for s in per_replica])
 
-        # A key keeps its replica: a second session with an old key joins the first.
-        sid, key = next(iter(placed.items()))
-        again = proxy.CreateSession(pb.CreateSessionRequest(), metadata=key, timeout=30)
-        home = 0 if sid in per_replica[0] else 1
-        listed = self.stub(self.replicas[home].address).ListSessions(
-            pb.ListSessionsRequest(), timeout=30)
-        self.assertIn(again.session_id, {s.session_id for s in listed.sessions})
-
+        # The id routes the create itself: proposing a taken one reaches its replica.
+        r = run_client("--server", self.proxy, "session", "create", "--id", sessions[0])
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("ALREADY_EXISTS", r.stderr)
 
 if __name__ == "__main__":
     unittest.main()

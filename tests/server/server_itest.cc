@@ -303,6 +303,61 @@ TEST_F(ServerTest, SessionReuseIsExact) {
   EXPECT_EQ(r3.usage().prompt_tokens() + 1, fresh.usage().prompt_tokens());
 }
 
+// A client-proposed session id is taken as is (so a proxy can route on it before the session
+// exists), a malformed one is refused naming the field, and a live one cannot be taken twice.
+TEST_F(ServerTest, ProposedSessionId) {
+  auto create = [this](const std::string& id, v1::Session* session) {
+    grpc::ClientContext context;
+    v1::CreateSessionRequest request;
+    request.set_session_id(id);
+    return stub_->CreateSession(&context, request, session);
+  };
+  const std::string hex = "00112233445566778899aabbccddeeff";
+  const std::string uuid_like = "6f1c2b9e-3a4d-4e5f-8a7b-0c1d2e3f4a5b_Zz";
+  for (const std::string& id : {hex, uuid_like, std::string(64, 'x')}) {
+    v1::Session session;
+    const grpc::Status status = create(id, &session);
+    ASSERT_TRUE(status.ok()) << id << ": " << status.error_message();
+    EXPECT_EQ(session.session_id(), id);
+  }
+  {
+    // Later calls find it under that id.
+    v1::GenerateRequest request = TextRequest("hello", 2);
+    request.set_session_id(hex);
+    v1::GenerateResponse response;
+    ASSERT_TRUE(Generate(request, &response).ok());
+    grpc::ClientContext context;
+    v1::GetSessionRequest get;
+    get.set_session_id(hex);
+    v1::Session session;
+    ASSERT_TRUE(stub_->GetSession(&context, get, &session).ok());
+    EXPECT_GT(session.tokens(), 0u);
+  }
+  {
+    v1::Session session;
+    const grpc::Status status = create(hex, &session);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::ALREADY_EXISTS) << status.error_message();
+  }
+  const std::vector<std::string> bad_ids = {std::string(31, 'a'),
+                                            std::string(65, 'a'),
+                                            "00112233445566778899aabbccddeef!",
+                                            "00112233445566778899aabbccddeef.",
+                                            "0011223344556677 8899aabbccddeeff",
+                                            "00112233445566778899aabbccddeef\xc3\xa9"};
+  for (const std::string& bad : bad_ids) {
+    v1::Session session;
+    const grpc::Status status = create(bad, &session);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad;
+    EXPECT_NE(status.error_message().find("session_id"), std::string::npos)
+        << status.error_message();
+  }
+  // Only the three good ones exist.
+  grpc::ClientContext context;
+  v1::ListSessionsResponse list;
+  ASSERT_TRUE(stub_->ListSessions(&context, v1::ListSessionsRequest(), &list).ok());
+  EXPECT_EQ(list.sessions_size(), 3);
+}
+
 TEST_F(ServerTest, SessionRpcs) {
   const std::string s1 = CreateSession();
   const std::string s2 = CreateSession();
