@@ -2,37 +2,17 @@
 // absl::Status one-to-one (the codes are the same numbers).
 #include "client/subspace_client.h"
 
-#include <sys/random.h>
-
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/random_id.h"
 
 namespace subspace::client {
 
-absl::StatusOr<std::string> NewSessionId() {
-  uint8_t bytes[16];
-  size_t got = 0;
-  while (got < sizeof(bytes)) {
-    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return absl::InternalError(absl::StrCat("getrandom failed (errno ", errno, ")"));
-    }
-    got += static_cast<size_t>(n);
-  }
-  constexpr char kHex[] = "0123456789abcdef";
-  std::string id;
-  id.reserve(2 * sizeof(bytes));
-  for (uint8_t b : bytes) {
-    id += kHex[b >> 4];
-    id += kHex[b & 0xF];
-  }
-  return id;
-}
+absl::StatusOr<std::string> NewSessionId() { return NewRandomHexId(); }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();

@@ -2,8 +2,6 @@
 // session's cache to give up when the pool runs short.
 #include "core/session_store.h"
 
-#include <sys/random.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstddef>
@@ -12,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "core/random_id.h"
 
 namespace subspace {
 
@@ -27,22 +26,7 @@ SessionInfo Session::Info() const {
   return info;
 }
 
-absl::StatusOr<std::string> NewSessionId() {
-  uint8_t bytes[16];
-  size_t got = 0;
-  while (got < sizeof(bytes)) {
-    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return absl::InternalError(absl::StrFormat("getrandom failed (errno %d)", errno));
-    }
-    got += static_cast<size_t>(n);
-  }
-  std::string id;
-  id.reserve(2 * sizeof(bytes));
-  for (uint8_t b : bytes) id += absl::StrFormat("%02x", b);
-  return id;
-}
+absl::StatusOr<std::string> NewSessionId() { return NewRandomHexId(); }
 
 absl::StatusOr<Session*> SessionStore::Create(absl::Duration idle_ttl, absl::Time now,
                                               std::string_view proposed_id) {
