@@ -175,40 +175,21 @@ CompressedKvCache::CompressedKvCache(const CompressedKvCacheConfig& config, std:
   }
 }
 
-CompressedKvCache::Sequence* CompressedKvCache::Find(SeqId seq) {
-  if (seq < 0 || static_cast<size_t>(seq) >= seqs_.size() || !seqs_[seq].live) return nullptr;
-  return &seqs_[seq];
-}
-const CompressedKvCache::Sequence* CompressedKvCache::Find(SeqId seq) const {
-  if (seq < 0 || static_cast<size_t>(seq) >= seqs_.size() || !seqs_[seq].live) return nullptr;
-  return &seqs_[seq];
-}
-
 absl::StatusOr<SeqId> CompressedKvCache::CreateSequence() {
-  SeqId id;
-  if (!free_seq_ids_.empty()) {
-    id = free_seq_ids_.back();
-    free_seq_ids_.pop_back();
-  } else {
-    if (seqs_.size() >= static_cast<size_t>(std::numeric_limits<SeqId>::max())) {
-      return absl::ResourceExhaustedError("too many KV cache sequences");
-    }
-    id = static_cast<SeqId>(seqs_.size());
-    seqs_.emplace_back();
-    Sequence& s = seqs_.back();
+  absl::StatusOr<SeqId> id = seqs_.Acquire([&](Sequence& s) {
     s.layers.resize(static_cast<size_t>(config_.geometry.n_layers));
     for (LayerState& ls : s.layers) {
       ls.table.reserve(kInitialTableCapacity);
-      ls.block_epochs.reserve(kInitialTableCapacity * static_cast<size_t>(config_.geometry.n_kv_heads));
+      ls.block_epochs.reserve(kInitialTableCapacity *
+                              static_cast<size_t>(config_.geometry.n_kv_heads));
     }
-  }
-  Sequence& s = seqs_[id];
-  s.live = true;
+  });
+  if (!id.ok()) return id;
+  Sequence& s = seqs_[*id];
   s.length = 0;
   s.next_compress = 0;
   s.epoch = default_epoch_;
   if (s.epoch != kNoEpoch) (void)registry_.Acquire(s.epoch);
-  ++live_sequences_;
   return id;
 }
 
@@ -249,7 +230,7 @@ void CompressedKvCache::FreeEntry(LayerState& ls, int /*layer*/, int64_t b) {
 }
 
 absl::Status CompressedKvCache::FreeSequence(SeqId seq) {
-  Sequence* s = Find(seq);
+  Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
   for (int l = 0; l < config_.geometry.n_layers; ++l) {
     LayerState& ls = s->layers[static_cast<size_t>(l)];
@@ -265,19 +246,17 @@ absl::Status CompressedKvCache::FreeSequence(SeqId seq) {
   s->epoch = kNoEpoch;
   tokens_cached_ -= s->length;
   s->length = 0;
-  s->live = false;
-  free_seq_ids_.push_back(seq);
-  --live_sequences_;
+  seqs_.Release(seq);
   return absl::OkStatus();
 }
 
 int64_t CompressedKvCache::Length(SeqId seq) const {
-  const Sequence* s = Find(seq);
+  const Sequence* s = seqs_.Find(seq);
   return s == nullptr ? 0 : s->length;
 }
 
 int64_t CompressedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
-  const Sequence* s = Find(seq);
+  const Sequence* s = seqs_.Find(seq);
   const int64_t length = s == nullptr ? 0 : s->length;
   const int64_t held = s == nullptr ? 0 : BlocksHeld(*s);
   const int64_t wanted = length + std::clamp<int64_t>(n, 0, kMaxTokens);
@@ -285,7 +264,7 @@ int64_t CompressedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
 }
 
 absl::Status CompressedKvCache::Reserve(SeqId seq, int64_t n) {
-  Sequence* s = Find(seq);
+  Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
   if (n < 0) return absl::InvalidArgumentError(absl::StrFormat("cannot reserve %d tokens", n));
   const int64_t needed = BlocksNeeded(seq, n);
@@ -308,7 +287,7 @@ absl::Status CompressedKvCache::Reserve(SeqId seq, int64_t n) {
 
 void CompressedKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k,
                               const float* v) {
-  Sequence* s = Find(seq);
+  Sequence* s = seqs_.Find(seq);
   assert(s != nullptr && layer >= 0 && layer < config_.geometry.n_layers);
   assert(pos >= 0 && pos + n <= BlocksHeld(*s) * config_.block_size && "write past the reservation");
   const std::vector<BlockEntry>& table = s->layers[static_cast<size_t>(layer)].table;
@@ -496,7 +475,7 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
 }
 
 absl::Status CompressedKvCache::Commit(SeqId seq, int64_t length) {
-  Sequence* s = Find(seq);
+  Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
   const int bs = config_.block_size;
   const int64_t reserved = BlocksHeld(*s) * bs;
@@ -574,7 +553,7 @@ absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
 }
 
 absl::Status CompressedKvCache::Truncate(SeqId seq, int64_t length) {
-  Sequence* s = Find(seq);
+  Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
   if (length < 0 || length > s->length) {
     return absl::InvalidArgumentError(
@@ -620,7 +599,7 @@ KvCacheStats CompressedKvCache::Stats() const {
   st.blocks_total = pool_->num_blocks();
   st.blocks_free = pool_->num_free();
   st.tokens_cached = tokens_cached_;
-  st.sequences = live_sequences_;
+  st.sequences = seqs_.live();
   const KvCacheGeometry& g = config_.geometry;
   st.bytes_full_fp16_equivalent =
       tokens_cached_ * g.n_layers * 2 * static_cast<int64_t>(g.n_kv_heads) * g.head_dim * 2;
@@ -633,7 +612,7 @@ CompressedKvCacheDetail CompressedKvCache::Detail() const {
   d.pages_compressed = pool_->num_used(BlockKind::kCompressed);
   d.pages_outlier = pool_->num_used(BlockKind::kOutlier);
   d.compressed_slot_bytes = slabs_.slot_bytes_used();
-  for (const Sequence& s : seqs_) {
+  for (const Sequence& s : seqs_.all()) {
     if (!s.live) continue;
     for (const LayerState& ls : s.layers) {
       for (const BlockEntry& e : ls.table) d.blocks_compressed += e.slot >= 0 ? 1 : 0;
@@ -660,7 +639,7 @@ absl::Status CompressedKvCache::ReleaseEpoch(EpochId id) {
 }
 
 absl::Status CompressedKvCache::SetSequenceEpoch(SeqId seq, EpochId id) {
-  Sequence* s = Find(seq);
+  Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
   if (absl::Status st = registry_.Acquire(id); !st.ok()) return st;
   if (s->epoch != kNoEpoch) registry_.Release(s->epoch);
@@ -679,12 +658,12 @@ absl::Status CompressedKvCache::SetDefaultEpoch(EpochId id) {
 }
 
 EpochId CompressedKvCache::SequenceEpoch(SeqId seq) const {
-  const Sequence* s = Find(seq);
+  const Sequence* s = seqs_.Find(seq);
   return s == nullptr ? kNoEpoch : s->epoch;
 }
 
 bool CompressedKvCache::IsCompressed(SeqId seq, int layer, int64_t block) const {
-  const Sequence* s = Find(seq);
+  const Sequence* s = seqs_.Find(seq);
   if (s == nullptr || layer < 0 || layer >= config_.geometry.n_layers) return false;
   const LayerState& ls = s->layers[static_cast<size_t>(layer)];
   return block >= 0 && block < static_cast<int64_t>(ls.table.size()) &&
@@ -693,12 +672,12 @@ bool CompressedKvCache::IsCompressed(SeqId seq, int layer, int64_t block) const 
 
 EpochId CompressedKvCache::BlockEpoch(SeqId seq, int layer, int64_t block, int kv_head) const {
   if (!IsCompressed(seq, layer, block)) return kNoEpoch;
-  return Find(seq)->layers[static_cast<size_t>(layer)]
+  return seqs_.Find(seq)->layers[static_cast<size_t>(layer)]
       .block_epochs[static_cast<size_t>(block * config_.geometry.n_kv_heads + kv_head)];
 }
 
 std::span<const int64_t> CompressedKvCache::OutlierPositions(SeqId seq, int layer) const {
-  const Sequence* s = Find(seq);
+  const Sequence* s = seqs_.Find(seq);
   if (s == nullptr || layer < 0 || layer >= config_.geometry.n_layers) return {};
   return s->layers[static_cast<size_t>(layer)].outlier_pos;
 }

@@ -17,6 +17,7 @@
 #include "core/block_pool.h"
 #include "core/coeff_codec.h"
 #include "core/kv_cache.h"
+#include "core/sequence_slots.h"
 
 namespace subspace {
 
@@ -152,8 +153,6 @@ class CompressedKvCache final : public KvCache {
   CompressedKvCache(const CompressedKvCacheConfig& config, std::vector<int> r_k,
                     std::vector<int> r_v, std::unique_ptr<BlockPool> pool);
 
-  Sequence* Find(SeqId seq);
-  const Sequence* Find(SeqId seq) const;
   int64_t BlocksHeld(const Sequence& s) const {
     return s.layers.empty() ? 0 : static_cast<int64_t>(s.layers[0].table.size());
   }
@@ -194,9 +193,7 @@ class CompressedKvCache final : public KvCache {
   EpochId default_epoch_ = kNoEpoch;
   bool default_self_calibrated_ = false;
   int64_t pca_epochs_built_ = 0;
-  std::vector<Sequence> seqs_;
-  std::vector<SeqId> free_seq_ids_;
-  int32_t live_sequences_ = 0;
+  SequenceSlots<Sequence> seqs_;
   int64_t tokens_cached_ = 0;
   int64_t outliers_dropped_ = 0;
   std::vector<float> page_scratch_;  // [2 * v_half_] fp32 full block: compression / expansion

@@ -48,7 +48,7 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
     const int64_t local = item - first_item[r];
     const int64_t i = local / n_kv;
     const int kvh = static_cast<int>(local % n_kv);
-    const Sequence& s = seqs_[static_cast<size_t>(req.seq)];
+    const Sequence& s = seqs_[req.seq];
     const LayerState& ls = s.layers[static_cast<size_t>(layer)];
     const int64_t n_ctx = req.pos + i + 1;
     const int n_ep = static_cast<int>(ls.live.size());

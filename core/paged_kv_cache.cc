@@ -65,36 +65,12 @@ PagedKvCache::PagedKvCache(const Config& config, std::unique_ptr<BlockPool> pool
               config.geometry.head_dim),
       pool_(std::move(pool)) {}
 
-PagedKvCache::Sequence* PagedKvCache::Find(SeqId seq) {
-  if (seq < 0 || static_cast<size_t>(seq) >= seqs_.size() || !seqs_[seq].live) return nullptr;
-  return &seqs_[seq];
-}
-
-const PagedKvCache::Sequence* PagedKvCache::Find(SeqId seq) const {
-  if (seq < 0 || static_cast<size_t>(seq) >= seqs_.size() || !seqs_[seq].live) return nullptr;
-  return &seqs_[seq];
-}
-
 absl::StatusOr<SeqId> PagedKvCache::CreateSequence() {
-  SeqId id;
-  if (!free_seq_ids_.empty()) {
-    // A recycled slot keeps its tables' capacity: no allocation for the new sequence.
-    id = free_seq_ids_.back();
-    free_seq_ids_.pop_back();
-  } else {
-    if (seqs_.size() >= static_cast<size_t>(std::numeric_limits<SeqId>::max())) {
-      return absl::ResourceExhaustedError("too many KV cache sequences");
-    }
-    id = static_cast<SeqId>(seqs_.size());
-    seqs_.emplace_back();
-    Sequence& s = seqs_.back();
+  absl::StatusOr<SeqId> id = seqs_.Acquire([&](Sequence& s) {
     s.tables.resize(static_cast<size_t>(geometry_.n_layers));
     for (std::vector<int32_t>& t : s.tables) t.reserve(kInitialTableCapacity);
-  }
-  Sequence& s = seqs_[id];
-  s.live = true;
-  s.length = 0;
-  ++live_sequences_;
+  });
+  if (id.ok()) seqs_[*id].length = 0;
   return id;
 }
 
@@ -106,35 +82,33 @@ void PagedKvCache::ReleaseBlocksPast(Sequence& s, int64_t keep) {
 }
 
 absl::Status PagedKvCache::FreeSequence(SeqId seq) {
-  Sequence* s = Find(seq);
+  Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
   ReleaseBlocksPast(*s, 0);
   tokens_cached_ -= s->length;
   s->length = 0;
-  s->live = false;
-  free_seq_ids_.push_back(seq);
-  --live_sequences_;
+  seqs_.Release(seq);
   return absl::OkStatus();
 }
 
 int64_t PagedKvCache::Length(SeqId seq) const {
-  const Sequence* s = Find(seq);
+  const Sequence* s = seqs_.Find(seq);
   return s == nullptr ? 0 : s->length;
 }
 
 int64_t PagedKvCache::ReservedTokens(SeqId seq) const {
-  const Sequence* s = Find(seq);
+  const Sequence* s = seqs_.Find(seq);
   return s == nullptr ? 0 : BlocksHeld(*s) * block_size_;
 }
 
 std::span<const int32_t> PagedKvCache::BlockTable(SeqId seq, int layer) const {
-  const Sequence* s = Find(seq);
+  const Sequence* s = seqs_.Find(seq);
   if (s == nullptr || layer < 0 || layer >= geometry_.n_layers) return {};
   return s->tables[static_cast<size_t>(layer)];
 }
 
 int64_t PagedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
-  const Sequence* s = Find(seq);
+  const Sequence* s = seqs_.Find(seq);
   const int64_t length = s == nullptr ? 0 : s->length;
   const int64_t held = s == nullptr ? 0 : BlocksHeld(*s);
   const int64_t wanted = length + std::clamp<int64_t>(n, 0, kMaxTokens);
@@ -143,7 +117,7 @@ int64_t PagedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
 }
 
 absl::Status PagedKvCache::Reserve(SeqId seq, int64_t n) {
-  Sequence* s = Find(seq);
+  Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
   if (n < 0) return absl::InvalidArgumentError(absl::StrFormat("cannot reserve %d tokens", n));
   const int64_t needed = BlocksNeeded(seq, n);
@@ -167,7 +141,7 @@ absl::Status PagedKvCache::Reserve(SeqId seq, int64_t n) {
 
 void PagedKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k,
                          const float* v) {
-  Sequence* s = Find(seq);
+  Sequence* s = seqs_.Find(seq);
   assert(s != nullptr && layer >= 0 && layer < geometry_.n_layers);
   assert(pos >= 0 && pos + n <= BlocksHeld(*s) * block_size_ && "write past the reservation");
   const std::vector<int32_t>& table = s->tables[static_cast<size_t>(layer)];
@@ -248,7 +222,7 @@ void PagedKvCache::Attend(int layer, std::span<const AttentionRequest> requests,
   for (int64_t it = 0; it < total; ++it) {
     const Item& item = items[static_cast<size_t>(it)];
     const AttentionRequest& req = requests[static_cast<size_t>(item.req)];
-    const Sequence& s = seqs_[static_cast<size_t>(req.seq)];
+    const Sequence& s = seqs_[req.seq];
     const std::vector<int32_t>& table = s.tables[static_cast<size_t>(layer)];
     const int64_t n_ctx = req.pos + item.i + 1;  // causal: tokens [0, pos + i]
 
@@ -344,7 +318,7 @@ void PagedKvCache::Attend(int layer, std::span<const AttentionRequest> requests,
 }
 
 absl::Status PagedKvCache::Commit(SeqId seq, int64_t length) {
-  Sequence* s = Find(seq);
+  Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
   const int64_t reserved = BlocksHeld(*s) * block_size_;
   if (length < s->length || length > reserved) {
@@ -359,7 +333,7 @@ absl::Status PagedKvCache::Commit(SeqId seq, int64_t length) {
 }
 
 absl::Status PagedKvCache::Truncate(SeqId seq, int64_t length) {
-  Sequence* s = Find(seq);
+  Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
   if (length < 0 || length > s->length) {
     return absl::InvalidArgumentError(
@@ -379,9 +353,9 @@ KvCacheStats PagedKvCache::Stats() const {
   st.blocks_total = pool_->num_blocks();
   st.blocks_free = pool_->num_free();
   st.tokens_cached = tokens_cached_;
-  st.bytes_full_fp16_equivalent = tokens_cached_ * geometry_.n_layers * 2 *
-                                  geometry_.n_kv_heads * geometry_.head_dim * 2;
-  st.sequences = live_sequences_;
+  st.bytes_full_fp16_equivalent =
+      tokens_cached_ * geometry_.n_layers * 2 * geometry_.n_kv_heads * geometry_.head_dim * 2;
+  st.sequences = seqs_.live();
   return st;
 }
 

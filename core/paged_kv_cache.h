@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "core/block_pool.h"
 #include "core/kv_cache.h"
+#include "core/sequence_slots.h"
 
 namespace subspace {
 
@@ -61,8 +62,6 @@ class PagedKvCache final : public KvCache {
 
   PagedKvCache(const Config& config, std::unique_ptr<BlockPool> pool);
 
-  Sequence* Find(SeqId seq);
-  const Sequence* Find(SeqId seq) const;
   int64_t BlocksHeld(const Sequence& s) const {
     return s.tables.empty() ? 0 : static_cast<int64_t>(s.tables[0].size());
   }
@@ -79,9 +78,7 @@ class PagedKvCache final : public KvCache {
   int block_size_;
   int64_t v_half_;  // floats of the K half of a block: n_kv_heads * B * head_dim
   std::unique_ptr<BlockPool> pool_;
-  std::vector<Sequence> seqs_;       // indexed by SeqId; dead slots are reused
-  std::vector<SeqId> free_seq_ids_;  // LIFO of dead slots
-  int32_t live_sequences_ = 0;
+  SequenceSlots<Sequence> seqs_;
   int64_t tokens_cached_ = 0;
 };
 
