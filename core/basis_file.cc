@@ -224,6 +224,20 @@ absl::StatusOr<BasisFile> ParseBasisFile(const GgufFile& file) {
       ranks[side].push_back(static_cast<int>(x));
     }
   }
+  // Every tensor must lie in the file as F32, so a geometry whose tensors need more bytes than
+  // the file has is corrupt -- checked before allocating, or a few hundred bytes claiming huge
+  // dimensions would make Basis::Zeros allocate gigabytes (found by basis_file_fuzzer).
+  unsigned __int128 needed = 0;  // dims up to 65536 each: 64 bits could overflow
+  for (int l = 0; l < g.n_layers; ++l) {
+    needed += static_cast<unsigned __int128>(g.n_kv_heads) * static_cast<uint64_t>(g.head_dim) *
+              (2 * static_cast<uint64_t>(ranks[0][l]) + 2 * static_cast<uint64_t>(ranks[1][l])) *
+              sizeof(float);
+  }
+  if (needed > file.bytes().size()) {
+    return Invalid(absl::StrFormat(
+        "%d layers x %d KV heads x head_dim %d need more tensor bytes than the file's %d",
+        g.n_layers, g.n_kv_heads, g.head_dim, file.bytes().size()));
+  }
   out.basis = Basis::Zeros(g, ranks[0], ranks[1]);
   const int64_t d = g.head_dim;
   for (int l = 0; l < g.n_layers; ++l) {

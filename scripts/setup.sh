@@ -11,6 +11,7 @@ PACKAGES=(
   python3 python3-numpy python3-torch python3-sentencepiece python3-grpcio
   prometheus curl
   nginx python3-yaml
+  clang libclang-rt-14-dev libomp-dev
 )
 
 missing=()

@@ -13,6 +13,9 @@
 //   F32 n=64 sgemm added ~15 ms), and one core idled while the other converted.
 #include <cblas.h>
 #include <omp.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -35,8 +38,10 @@ namespace {
 Isa Detect() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
+  // F16C through CPUID leaf 1: clang before 15 rejects __builtin_cpu_supports("f16c").
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
     return Isa::kAvx2;
   }
 #endif

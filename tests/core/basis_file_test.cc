@@ -165,6 +165,22 @@ TEST(BasisFileTest, RejectsInconsistentFiles) {
   }
 }
 
+// Regression (basis_file_fuzzer): a file of a few hundred bytes whose geometry claims tensors of
+// terabytes must be refused before anything is allocated, not abort on a huge allocation.
+TEST(BasisFileTest, RejectsGeometryLargerThanTheFile) {
+  GgufBuilder b;
+  b.AddString("subspace.basis.method_k", "ksvd").AddString("subspace.basis.method_v", "ksvd");
+  b.AddFloat64("subspace.basis.energy", 0).AddUint64("subspace.basis.calibration_tokens", 1);
+  b.AddUint64("subspace.basis.model_fnv1a64", 1).AddUint32("subspace.basis.n_layers", 1);
+  b.AddUint32("subspace.basis.n_kv_heads", 65536).AddUint32("subspace.basis.head_dim", 65536);
+  b.AddInt32Array("subspace.basis.rank_k", {65536}).AddInt32Array("subspace.basis.rank_v", {65536});
+  const absl::StatusOr<BasisFile> f = Parse(b.Build());
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(f.status().message().find("need more tensor bytes than the file's"), std::string::npos)
+      << f.status();
+}
+
 TEST(BasisFileTest, ModelChecksumIdentifiesTheFile) {
   auto a = GgufFile::FromBytes(testing::BuildTinyLlamaGguf({.seed = 1}));
   auto a2 = GgufFile::FromBytes(testing::BuildTinyLlamaGguf({.seed = 1}));

@@ -9,9 +9,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <iterator>
 #include <limits>
 #include <ostream>
+#include <sstream>
 #include <random>
 #include <string>
 #include <utility>
@@ -522,6 +524,22 @@ TEST(SoftmaxTest, MatchesFloat64Reference) {
       }
     }
   }
+}
+
+// Regression: DetectedIsa() read F16C through __builtin_cpu_supports("f16c"), which clang 14
+// rejects at compile time (the fuzz build); it now reads CPUID. It must still pick AVX2 exactly
+// when the CPU has AVX2, FMA and F16C, as /proc/cpuinfo lists them.
+TEST(IsaTest, DetectsAvx2ExactlyWhenCpuHasAvx2FmaF16c) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line) && line.rfind("flags", 0) != 0) {
+  }
+  if (line.empty()) GTEST_SKIP() << "no /proc/cpuinfo flags line";
+  std::istringstream words(line.substr(line.find(':') + 1));
+  std::vector<std::string> flags(std::istream_iterator<std::string>(words), {});
+  auto has = [&](const char* f) { return std::find(flags.begin(), flags.end(), f) != flags.end(); };
+  const bool avx2 = has("avx2") && has("fma") && has("f16c");
+  EXPECT_EQ(internal::DetectedIsa() == Isa::kAvx2, avx2);
 }
 
 }  // namespace

@@ -1,0 +1,2 @@
+
+And God said*req-1

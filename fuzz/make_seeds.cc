@@ -1,0 +1,116 @@
+// Writes the committed seed corpora under fuzz/corpus/ (run by hand after a format change:
+//   cmake --build build-fuzz --target fuzz_make_seeds && build-fuzz/bin/fuzz_make_seeds fuzz/corpus
+// ). Every seed is small and valid, so the fuzzers start from deep inside each parser.
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/basis.h"
+#include "core/basis_file.h"
+#include "proto/subspace.pb.h"
+#include "tests/core/gguf_test_util.h"
+#include "tests/core/tiny_model_util.h"
+
+namespace subspace::fuzz {
+namespace {
+
+void Write(const std::filesystem::path& path, const std::string& bytes) {
+  std::filesystem::create_directories(path.parent_path());
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+void GgufSeeds(const std::filesystem::path& dir) {
+  using testing::GgufBuilder;
+  Write(dir / "empty_v3.gguf", GgufBuilder(3).Build());
+  Write(dir / "empty_v2.gguf", GgufBuilder(2).Build());
+  GgufBuilder all;
+  all.AddUint8("u8", 1).AddInt8("i8", -1).AddUint16("u16", 2).AddInt16("i16", -2);
+  all.AddUint32("u32", 3).AddInt32("i32", -3).AddUint64("u64", 4).AddInt64("i64", -4);
+  all.AddFloat32("f32", 0.5f).AddFloat64("f64", 0.25).AddBool("b", true);
+  all.AddString("general.architecture", "llama");
+  all.AddStringArray("sa", {"a", "bc"}).AddFloatArray("fa", {1, 2}).AddInt32Array("ia", {1, -1});
+  Write(dir / "all_types.gguf", all.Build());
+  testing::TinyModelOptions o{
+      .dim = 8, .heads = 2, .kv_heads = 1, .layers = 1, .ffn = 8, .context = 16};
+  Write(dir / "tiny_llama.gguf", testing::BuildTinyLlamaGguf(o));
+}
+
+void BasisSeeds(const std::filesystem::path& dir) {
+  const KvCacheGeometry g{1, 1, 4};
+  Basis b = Basis::Zeros(g, {2}, {1});
+  float x = 0.5f;
+  for (LayerBasis& lb : b.layers)
+    for (auto* m : {&lb.p_q, &lb.p_k, &lb.p_v, &lb.r_v})
+      for (float& v : *m) v = (x += 0.25f);
+  BasisFileInfo info{.method_k = "kqsvd",
+                     .method_v = "ksvd",
+                     .energy = 0.9,
+                     .calibration_tokens = 64,
+                     .model_checksum = 42};
+  Write(dir / "one_layer.gguf", *SerializeBasisFile(info, b));
+  const KvCacheGeometry g2{2, 2, 2};
+  info.energy = 0;
+  Write(dir / "two_layers.gguf", *SerializeBasisFile(info, Basis::Zeros(g2, {1, 2}, {2, 1})));
+}
+
+void TextSeeds(const std::filesystem::path& dir) {
+  const std::vector<std::string> texts = {
+      "In the beginning God created the heaven and the earth.",
+      " leading space and  double  spaces\n\ttabs",
+      "<s>special</s> tokens <unk>",
+      "w\xC3\xB6rld \xE2\x82\xAC \xF0\x9F\x98\x80 \xE4\xB8\xAD\xE6\x96\x87",
+      "\xFF\xFE invalid \xC3 bytes \xED\xA0\x80",
+  };
+  for (size_t i = 0; i < texts.size(); ++i) Write(dir / ("text" + std::to_string(i)), texts[i]);
+}
+
+void RequestSeeds(const std::filesystem::path& dir) {
+  v1::GenerateRequest text;
+  text.set_text("And God said");
+  text.set_request_id("req-1");
+  Write(dir / "text.pb", text.SerializeAsString());
+
+  v1::GenerateRequest full;
+  full.set_text("Blessed are they that");
+  full.set_session_id("session-1");
+  v1::SamplingParams* s = full.mutable_sampling();
+  s->set_max_new_tokens(16);
+  s->set_temperature(0.8f);
+  s->set_top_k(40);
+  s->set_top_p(0.9f);
+  s->set_min_p(0.05f);
+  s->set_repetition_penalty(1.1f);
+  s->set_seed(7);
+  s->add_stop("\n");
+  s->add_stop("Amen");
+  s->set_logprobs(3);
+  s->set_ignore_eos(true);
+  Write(dir / "sampling.pb", full.SerializeAsString());
+
+  v1::GenerateRequest tokens;
+  for (int id : {1, 15, 300, 2}) tokens.mutable_tokens()->add_ids(id);
+  Write(dir / "tokens.pb", tokens.SerializeAsString());
+
+  v1::GenerateRequest bad;
+  bad.mutable_tokens()->add_ids(-1);
+  bad.mutable_sampling()->set_top_p(1.5f);
+  Write(dir / "invalid.pb", bad.SerializeAsString());
+}
+
+}  // namespace
+}  // namespace subspace::fuzz
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s CORPUS_DIR\n", argv[0]);
+    return 2;
+  }
+  const std::filesystem::path root = argv[1];
+  subspace::fuzz::GgufSeeds(root / "gguf");
+  subspace::fuzz::BasisSeeds(root / "basis_file");
+  subspace::fuzz::TextSeeds(root / "tokenizer");
+  subspace::fuzz::RequestSeeds(root / "request");
+  return 0;
+}
