@@ -63,9 +63,12 @@ absl::Status CheckGrams(const std::vector<std::vector<double>>& grams, const KvC
 
 const char* KeyBasisMethodName(KeyBasisMethod m) {
   switch (m) {
-    case KeyBasisMethod::kKsvd: return "ksvd";
-    case KeyBasisMethod::kEigen: return "eigen";
-    case KeyBasisMethod::kKqsvd: return "kqsvd";
+    case KeyBasisMethod::kKsvd:
+      return "ksvd";
+    case KeyBasisMethod::kEigen:
+      return "eigen";
+    case KeyBasisMethod::kKqsvd:
+      return "kqsvd";
   }
   return "?";
 }
@@ -86,8 +89,8 @@ absl::StatusOr<ValueBasisMethod> ParseValueBasisMethod(std::string_view name) {
   for (ValueBasisMethod m : {ValueBasisMethod::kKsvd, ValueBasisMethod::kKqsvd}) {
     if (name == ValueBasisMethodName(m)) return m;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "value basis method must be 'kqsvd' or 'ksvd', got '", std::string(name), "'"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("value basis method must be 'kqsvd' or 'ksvd', got '", std::string(name), "'"));
 }
 
 CalibrationStats CalibrationStats::Zeros(const KvCacheGeometry& g, int n_heads) {
@@ -130,8 +133,8 @@ absl::Status AccumulateOutputGrams(const LlamaModel& model, CalibrationStats* st
     const std::string name = absl::StrFormat("blk.%d.attn_output.weight", l);
     const GgufTensorInfo* t = model.file().FindTensor(name);
     if (t == nullptr || t->dims.size() != 2 || t->dims[0] != width || t->dims[1] != c.dim) {
-      return absl::InvalidArgumentError(absl::StrCat("model tensor ", name, " missing or not [",
-                                                     c.dim, ", ", width, "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("model tensor ", name, " missing or not [", c.dim, ", ", width, "]"));
     }
     const uint64_t row_bytes = GgmlRowBytes(t->type, width);
     for (int64_t r = 0; r < c.dim; ++r) {
@@ -147,11 +150,11 @@ absl::Status AccumulateOutputGrams(const LlamaModel& model, CalibrationStats* st
 }
 
 CalibratingKvCache::CalibratingKvCache(std::unique_ptr<KvCache> inner, CalibrationStats* stats)
-    : inner_(std::move(inner)), stats_(stats) {}
+    : ForwardingKvCache(std::move(inner)), stats_(stats) {}
 
 void CalibratingKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k,
                                const float* v) {
-  inner_->Write(layer, seq, pos, n, k, v);
+  inner().Write(layer, seq, pos, n, k, v);
   const KvCacheGeometry& g = stats_->geometry;
   absl::MutexLock lock(&mu_);
   const auto l = static_cast<size_t>(layer);
@@ -162,7 +165,7 @@ void CalibratingKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, con
 
 void CalibratingKvCache::Attend(int layer, std::span<const AttentionRequest> requests,
                                 int n_heads) {
-  inner_->Attend(layer, requests, n_heads);
+  inner().Attend(layer, requests, n_heads);
   const KvCacheGeometry& g = stats_->geometry;
   absl::MutexLock lock(&mu_);
   const auto l = static_cast<size_t>(layer);
@@ -179,7 +182,8 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(LlamaModel& model,
   const ModelConfig& c = model.config();
   const int prefix = o.bos >= 0 ? 1 : 0;
   const int window = std::min(o.window, c.context_length - prefix);
-  if (window < 1) return absl::InvalidArgumentError(absl::StrCat("window must be >= 1, got ", window));
+  if (window < 1)
+    return absl::InvalidArgumentError(absl::StrCat("window must be >= 1, got ", window));
   if (tokens.empty()) return absl::InvalidArgumentError("no calibration tokens");
   const int64_t total = o.max_tokens > 0 ? std::min<int64_t>(o.max_tokens, tokens.size())
                                          : static_cast<int64_t>(tokens.size());
@@ -189,7 +193,8 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(LlamaModel& model,
   PagedKvCache::Config pc;
   pc.geometry = c.cache_geometry();
   pc.block_size = 16;
-  pc.capacity_bytes = int64_t{c.n_layers} * ((window + prefix + pc.block_size - 1) / pc.block_size) *
+  pc.capacity_bytes = int64_t{c.n_layers} *
+                      ((window + prefix + pc.block_size - 1) / pc.block_size) *
                       PagedKvCache::BlockBytes(pc.geometry, pc.block_size);
   absl::StatusOr<std::unique_ptr<PagedKvCache>> paged = PagedKvCache::Create(pc);
   if (!paged.ok()) return paged.status();
@@ -257,8 +262,8 @@ HeadFactors FactorHead(int d, const double* a_gram, const double* b_gram, bool k
   std::vector<double> bv(static_cast<size_t>(d) * d), m(static_cast<size_t>(d) * d);
   cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, d, d, d, 1.0, b.data(), d, v.data(), d,
               0.0, bv.data(), d);
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, d, d, d, 1.0, v.data(), d, bv.data(), d,
-              0.0, m.data(), d);
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, d, d, d, 1.0, v.data(), d, bv.data(), d, 0.0,
+              m.data(), d);
   for (int i = 0; i < d; ++i) {
     for (int j = 0; j < d; ++j) {
       m[static_cast<size_t>(i) * d + j] *= s[static_cast<size_t>(i)] * s[static_cast<size_t>(j)];
@@ -266,7 +271,8 @@ HeadFactors FactorHead(int d, const double* a_gram, const double* b_gram, bool k
   }
   for (int i = 0; i < d; ++i) {  // exact symmetry for the solver
     for (int j = 0; j < i; ++j) {
-      const double x = 0.5 * (m[static_cast<size_t>(i) * d + j] + m[static_cast<size_t>(j) * d + i]);
+      const double x =
+          0.5 * (m[static_cast<size_t>(i) * d + j] + m[static_cast<size_t>(j) * d + i]);
       m[static_cast<size_t>(i) * d + j] = m[static_cast<size_t>(j) * d + i] = x;
     }
   }
@@ -321,10 +327,10 @@ absl::StatusOr<CalibratedBasis> ComputeCalibratedBasis(const CalibrationStats& s
     const auto l = static_cast<size_t>(item / (2 * g.n_kv_heads));
     const size_t h = static_cast<size_t>(item / 2 % g.n_kv_heads);
     if (item % 2 == 0) {
-      factors[static_cast<size_t>(item)] = FactorHead(
-          d, stats.g_k[l].data() + h * dd, stats.g_q[l].data() + h * dd,
-          o.method_k == KeyBasisMethod::kKqsvd, o.method_k == KeyBasisMethod::kEigen ? 1.0 : 0.0,
-          o.sigma_floor);
+      factors[static_cast<size_t>(item)] =
+          FactorHead(d, stats.g_k[l].data() + h * dd, stats.g_q[l].data() + h * dd,
+                     o.method_k == KeyBasisMethod::kKqsvd,
+                     o.method_k == KeyBasisMethod::kEigen ? 1.0 : 0.0, o.sigma_floor);
     } else {
       factors[static_cast<size_t>(item)] =
           FactorHead(d, stats.g_v[l].data() + h * dd, stats.g_o[l].data() + h * dd,
@@ -367,9 +373,9 @@ absl::StatusOr<CalibratedBasis> ComputeCalibratedBasis(const CalibrationStats& s
     for (int h = 0; h < g.n_kv_heads; ++h) {
       const HeadFactors& fk = factor(l, h, 0);
       const HeadFactors& fv = factor(l, h, 1);
-      float* pq = lb.p_q.data() + static_cast<size_t>(h) * d * rk;  // [d, r_k]
-      float* pk = lb.p_k.data() + static_cast<size_t>(h) * d * rk;  // [d, r_k]
-      float* pv = lb.p_v.data() + static_cast<size_t>(h) * d * rv;  // [d, r_v]
+      float* pq = lb.p_q.data() + static_cast<size_t>(h) * d * rk;   // [d, r_k]
+      float* pk = lb.p_k.data() + static_cast<size_t>(h) * d * rk;   // [d, r_k]
+      float* pv = lb.p_v.data() + static_cast<size_t>(h) * d * rv;   // [d, r_v]
       float* rvm = lb.r_v.data() + static_cast<size_t>(h) * rv * d;  // [r_v, d]
       for (int i = 0; i < d; ++i) {
         for (int j = 0; j < rk; ++j) {

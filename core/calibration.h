@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/basis.h"
+#include "core/forwarding_kv_cache.h"
 #include "core/kv_cache.h"
 #include "core/model.h"
 
@@ -43,8 +44,8 @@ absl::StatusOr<ValueBasisMethod> ParseValueBasisMethod(std::string_view name);
 struct CalibrationStats {
   KvCacheGeometry geometry;
   int n_heads = 0;  // query heads; query head j belongs to KV head j / (n_heads / n_kv_heads)
-  int64_t key_tokens = 0;    // tokens written to layer 0
-  int64_t query_tokens = 0;  // queries attended in layer 0
+  int64_t key_tokens = 0;                // tokens written to layer 0
+  int64_t query_tokens = 0;              // queries attended in layer 0
   std::vector<std::vector<double>> g_k;  // [n_layers][n_kv, d, d]  sum k k^T
   std::vector<std::vector<double>> g_q;  // [n_layers][n_kv, d, d]  sum over the group of q q^T
   std::vector<std::vector<double>> g_v;  // [n_layers][n_kv, d, d]  sum v v^T
@@ -65,28 +66,15 @@ absl::Status AccumulateOutputGrams(const LlamaModel& model, CalibrationStats* st
 
 // Forwards everything to `inner` while accumulating keys and values in Write and queries in
 // Attend (they arrive post-RoPE). Thread-safe like any KvCache: accumulation takes a mutex.
-class CalibratingKvCache final : public KvCache {
+class CalibratingKvCache final : public ForwardingKvCache {
  public:
   // `stats` must outlive this cache and match inner's geometry.
   CalibratingKvCache(std::unique_ptr<KvCache> inner, CalibrationStats* stats);
 
-  const KvCacheGeometry& geometry() const override { return inner_->geometry(); }
-  int block_size() const override { return inner_->block_size(); }
-  absl::StatusOr<SeqId> CreateSequence() override { return inner_->CreateSequence(); }
-  absl::Status FreeSequence(SeqId seq) override { return inner_->FreeSequence(seq); }
-  int64_t Length(SeqId seq) const override { return inner_->Length(seq); }
-  absl::Status Reserve(SeqId seq, int64_t n) override { return inner_->Reserve(seq, n); }
-  int64_t BlocksNeeded(SeqId seq, int64_t n) const override { return inner_->BlocksNeeded(seq, n); }
   void Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k, const float* v) override;
   void Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) override;
-  absl::Status Commit(SeqId seq, int64_t length) override { return inner_->Commit(seq, length); }
-  absl::Status Truncate(SeqId seq, int64_t length) override {
-    return inner_->Truncate(seq, length);
-  }
-  KvCacheStats Stats() const override { return inner_->Stats(); }
 
  private:
-  std::unique_ptr<KvCache> inner_;
   absl::Mutex mu_;
   CalibrationStats* stats_;  // guarded by mu_ while the cache runs
 };

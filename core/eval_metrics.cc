@@ -52,8 +52,8 @@ double NegLogLikelihood(const float* row, int n_vocab, int32_t target) {
 double ErrorSums::Relative() const { return ref2 > 0.0 ? std::sqrt(err2 / ref2) : 0.0; }
 double ErrorSums::EnergyRatio() const { return ref2 > 0.0 ? err2 / ref2 : 0.0; }
 
-ErrorSums KeyReconstructionError(int d, int r, const float* p_q, const float* p_k,
-                                 const float* k, int64_t n, int64_t stride) {
+ErrorSums KeyReconstructionError(int d, int r, const float* p_q, const float* p_k, const float* k,
+                                 int64_t n, int64_t stride) {
   ErrorSums s;
   std::vector<double> c(static_cast<size_t>(r));
   for (int64_t t = 0; t < n; ++t) {
@@ -71,8 +71,7 @@ ErrorSums KeyReconstructionError(int d, int r, const float* p_q, const float* p_
   return s;
 }
 
-ErrorSums ResidualEnergy(int d, int r, const float* p, const float* x, int64_t n,
-                         int64_t stride) {
+ErrorSums ResidualEnergy(int d, int r, const float* p, const float* x, int64_t n, int64_t stride) {
   // Orthonormal basis of span(p) by modified Gram-Schmidt; columns that vanish are dropped.
   std::vector<std::vector<double>> basis;
   double max_norm = 0.0;
@@ -182,21 +181,22 @@ ErrorSums AttentionOutputError(int d, int r_k, int r_v, const float* p_q, const 
 }
 
 CapturingKvCache::CapturingKvCache(std::unique_ptr<KvCache> inner, int n_heads)
-    : inner_(std::move(inner)), n_heads_(n_heads) {
-  layers_.resize(static_cast<size_t>(inner_->geometry().n_layers));
+    : ForwardingKvCache(std::move(inner)), n_heads_(n_heads) {
+  layers_.resize(static_cast<size_t>(geometry().n_layers));
 }
 
 int64_t CapturingKvCache::tokens() const {
-  const KvCacheGeometry& g = inner_->geometry();
+  const KvCacheGeometry& g = geometry();
   if (layers_.empty()) return 0;
-  return static_cast<int64_t>(layers_[0].k.size()) / (static_cast<int64_t>(g.n_kv_heads) * g.head_dim);
+  return static_cast<int64_t>(layers_[0].k.size()) /
+         (static_cast<int64_t>(g.n_kv_heads) * g.head_dim);
 }
 
 void CapturingKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k,
                              const float* v) {
   {
     absl::MutexLock lock(&mu_);
-    const KvCacheGeometry& g = inner_->geometry();
+    const KvCacheGeometry& g = geometry();
     const int64_t row = static_cast<int64_t>(g.n_kv_heads) * g.head_dim;
     Layer& l = layers_[static_cast<size_t>(layer)];
     const size_t need = static_cast<size_t>((pos + n) * row);
@@ -207,14 +207,13 @@ void CapturingKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, const
     std::copy(k, k + n * row, l.k.begin() + pos * row);
     std::copy(v, v + n * row, l.v.begin() + pos * row);
   }
-  inner_->Write(layer, seq, pos, n, k, v);
+  inner().Write(layer, seq, pos, n, k, v);
 }
 
-void CapturingKvCache::Attend(int layer, std::span<const AttentionRequest> requests,
-                              int n_heads) {
+void CapturingKvCache::Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) {
   {
     absl::MutexLock lock(&mu_);
-    const int64_t row = static_cast<int64_t>(n_heads) * inner_->geometry().head_dim;
+    const int64_t row = static_cast<int64_t>(n_heads) * geometry().head_dim;
     Layer& l = layers_[static_cast<size_t>(layer)];
     for (const AttentionRequest& r : requests) {
       const size_t need = static_cast<size_t>((r.pos + r.n) * row);
@@ -222,7 +221,7 @@ void CapturingKvCache::Attend(int layer, std::span<const AttentionRequest> reque
       std::copy(r.q, r.q + r.n * row, l.q.begin() + r.pos * row);
     }
   }
-  inner_->Attend(layer, requests, n_heads);
+  inner().Attend(layer, requests, n_heads);
 }
 
 absl::StatusOr<ChunkedPerplexityResult> ComputeChunkedPerplexity(

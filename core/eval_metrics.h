@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "core/forwarding_kv_cache.h"
 #include "core/kv_cache.h"
 #include "core/model.h"
 #include "core/perplexity.h"
@@ -41,8 +42,8 @@ struct ErrorSums {
 // [n, n_heads, d] tensor: pointer to the head's first row, stride n_heads * d).
 
 // Key as the query sees it: err2 = sum ||k - P_q P_k^T k||^2, ref2 = sum ||k||^2.
-ErrorSums KeyReconstructionError(int d, int r, const float* p_q, const float* p_k,
-                                 const float* k, int64_t n, int64_t stride);
+ErrorSums KeyReconstructionError(int d, int r, const float* p_q, const float* p_k, const float* k,
+                                 int64_t n, int64_t stride);
 // Residual energy outside span(p) (orthogonal projector onto the column space of p, which
 // need not be orthonormal): err2 = sum ||x - Pi x||^2, ref2 = sum ||x||^2.
 ErrorSums ResidualEnergy(int d, int r, const float* p, const float* x, int64_t n, int64_t stride);
@@ -62,24 +63,12 @@ ErrorSums AttentionOutputError(int d, int r_k, int r_v, const float* p_q, const 
 // Forwards everything to `inner` and records, for sequences written from position 0, the
 // post-RoPE keys/values (Write) and queries (Attend) of every layer, by position. Meant for one
 // sequence at a time (capture, then read, then FreeSequence).
-class CapturingKvCache final : public KvCache {
+class CapturingKvCache final : public ForwardingKvCache {
  public:
   CapturingKvCache(std::unique_ptr<KvCache> inner, int n_heads);
 
-  const KvCacheGeometry& geometry() const override { return inner_->geometry(); }
-  int block_size() const override { return inner_->block_size(); }
-  absl::StatusOr<SeqId> CreateSequence() override { return inner_->CreateSequence(); }
-  absl::Status FreeSequence(SeqId seq) override { return inner_->FreeSequence(seq); }
-  int64_t Length(SeqId seq) const override { return inner_->Length(seq); }
-  absl::Status Reserve(SeqId seq, int64_t n) override { return inner_->Reserve(seq, n); }
-  int64_t BlocksNeeded(SeqId seq, int64_t n) const override { return inner_->BlocksNeeded(seq, n); }
   void Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k, const float* v) override;
   void Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) override;
-  absl::Status Commit(SeqId seq, int64_t length) override { return inner_->Commit(seq, length); }
-  absl::Status Truncate(SeqId seq, int64_t length) override {
-    return inner_->Truncate(seq, length);
-  }
-  KvCacheStats Stats() const override { return inner_->Stats(); }
 
   // Per layer: k, v [tokens, n_kv, d]; q [tokens, n_heads, d]. Tokens = the longest written.
   struct Layer {
@@ -90,7 +79,6 @@ class CapturingKvCache final : public KvCache {
   int n_heads() const { return n_heads_; }
 
  private:
-  std::unique_ptr<KvCache> inner_;
   int n_heads_;
   absl::Mutex mu_;
   std::vector<Layer> layers_;
