@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/perplexity.h"
 
 namespace subspace {
 namespace {
@@ -37,14 +38,6 @@ void SoftmaxCombine(const std::vector<double>& logits, int64_t count,
     for (int c = 0; c < dv; ++c) out[c] += w * vj[c];
   }
   for (int c = 0; c < dv; ++c) out[c] /= sum;
-}
-
-double NegLogLikelihood(const float* row, int n_vocab, int32_t target) {
-  float max_logit = row[0];
-  for (int i = 1; i < n_vocab; ++i) max_logit = std::max(max_logit, row[i]);
-  double sum = 0.0;
-  for (int i = 0; i < n_vocab; ++i) sum += std::exp(static_cast<double>(row[i] - max_logit));
-  return std::log(sum) - static_cast<double>(row[target] - max_logit);
 }
 
 }  // namespace

@@ -9,9 +9,7 @@
 #include "absl/strings/str_cat.h"
 
 namespace subspace {
-namespace {
 
-// -log softmax(row)[target], computed in double for a stable sum over many tokens.
 double NegLogLikelihood(const float* row, int n_vocab, int32_t target) {
   float max_logit = row[0];
   for (int i = 1; i < n_vocab; ++i) max_logit = std::max(max_logit, row[i]);
@@ -19,8 +17,6 @@ double NegLogLikelihood(const float* row, int n_vocab, int32_t target) {
   for (int i = 0; i < n_vocab; ++i) sum += std::exp(static_cast<double>(row[i] - max_logit));
   return std::log(sum) - static_cast<double>(row[target] - max_logit);
 }
-
-}  // namespace
 
 absl::StatusOr<PerplexityResult> ComputePerplexity(
     LlamaModel& model, KvCache& cache, std::span<const int32_t> tokens, int32_t bos_id, int window,

@@ -23,6 +23,9 @@ struct PerplexityResult {
   int64_t windows = 0;
 };
 
+// -log softmax(row)[target], in double for a stable sum over many tokens.  row: [n_vocab]
+double NegLogLikelihood(const float* row, int n_vocab, int32_t target);
+
 // `tokens`: the text's tokens without BOS. `window` in [2, context].
 // `progress(done, total)` is called after each window when given.
 absl::StatusOr<PerplexityResult> ComputePerplexity(
