@@ -52,6 +52,9 @@ constexpr int64_t kMaxTokens = int64_t{1} << 48;
 constexpr size_t kInitialTableCapacity = 64;
 // Tokens a self-calibrated PCA epoch is built from, at most.
 constexpr int64_t kPcaMaxTokens = 1024;
+// Compactor work per Commit of a sequence, in block-heads (O(B r^2) each: ~4k flops at B = 16,
+// r = 16), so that catching up after a refresh is spread over steps.
+constexpr int64_t kCompactBlockHeadsPerCommit = 64;
 
 inline float Dot(const float* __restrict a, const float* __restrict b, int n) {
   float sum = 0.0f;
@@ -116,6 +119,14 @@ absl::StatusOr<std::unique_ptr<CompressedKvCache>> CompressedKvCache::Create(
   if (!r_k.ok()) return r_k.status();
   absl::StatusOr<std::vector<int>> r_v = ranks(config.r_v, "r_v");
   if (!r_v.ok()) return r_v.status();
+  if (absl::Status st = ValidateRefreshConfig(config.refresh); !st.ok()) return st;
+  if (config.n_query_heads < 0 || config.n_query_heads % g.n_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "n_query_heads %d is not a multiple of n_kv_heads %d", config.n_query_heads, g.n_kv_heads));
+  }
+  if (config.refresh.method == RefreshMethod::kKqsvd && config.n_query_heads == 0) {
+    return absl::InvalidArgumentError("kqsvd refresh needs n_query_heads");
+  }
   if (config.full_dtype != CoeffDtype::kFp32 && config.full_dtype != CoeffDtype::kFp16) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "full_dtype must be fp32 or fp16, got %s", CoeffDtypeName(config.full_dtype)));
@@ -173,6 +184,7 @@ CompressedKvCache::CompressedKvCache(const CompressedKvCacheConfig& config, std:
     }
     slab_class_.push_back(cls);
   }
+  if (config_.refresh.method != RefreshMethod::kNone) EnsureRefresher();
 }
 
 absl::StatusOr<SeqId> CompressedKvCache::CreateSequence() {
@@ -190,6 +202,8 @@ absl::StatusOr<SeqId> CompressedKvCache::CreateSequence() {
   s.next_compress = 0;
   s.epoch = default_epoch_;
   if (s.epoch != kNoEpoch) (void)registry_.Acquire(s.epoch);
+  s.refresh = config_.refresh;
+  s.stream = 0;
   return id;
 }
 
@@ -232,6 +246,7 @@ void CompressedKvCache::FreeEntry(LayerState& ls, int /*layer*/, int64_t b) {
 absl::Status CompressedKvCache::FreeSequence(SeqId seq) {
   Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  CloseStream(*s);
   for (int l = 0; l < config_.geometry.n_layers; ++l) {
     LayerState& ls = s->layers[static_cast<size_t>(l)];
     for (int64_t b = 0; b < static_cast<int64_t>(ls.table.size()); ++b) FreeEntry(ls, l, b);
@@ -405,6 +420,9 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
   uint16_t* v_scales = k_scales + rows;                                                // [n_kv, B]
 
   const bool detect = config_.outlier_threshold < 1.0f;
+  // The key residual feeds outlier detection and the refresher's residual trigger.
+  const bool measure = detect || s.stream != 0;
+  double residual = 0.0, energy = 0.0;
   uint64_t outliers = 0;
   const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
   thread_local std::vector<float> coeff;
@@ -421,13 +439,13 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
     std::fill(ck, ck + static_cast<size_t>(bs) * (rk + rv), 0.0f);
     kernels.accumulate(full + KOffset(h, 0), bs, cpu::KvRows{pk}, hd, rk, ck, rk);
     kernels.accumulate(full + VOffset(h, 0), bs, cpu::KvRows{pv}, hd, rv, cv, rv);
-    if (detect) {
+    if (measure) {
       // The keys as queries will see them: k^ = P_q c (= P P^T k for orthogonal bases).
       kernels.scores(ck, rk, bs, cpu::KvRows{pq}, hd, rk, 1.0f, recon);
     }
     for (int t = 0; t < bs; ++t) {
       const int64_t row = static_cast<int64_t>(h) * bs + t;
-      if (detect) {
+      if (measure) {
         const float* k = full + KOffset(h, t);
         const float* kr = recon + static_cast<size_t>(t) * hd;
         double err = 0.0, norm = 0.0;
@@ -435,7 +453,10 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
           err += static_cast<double>(k[i] - kr[i]) * (k[i] - kr[i]);
           norm += static_cast<double>(k[i]) * k[i];
         }
-        if (err > static_cast<double>(config_.outlier_threshold) * config_.outlier_threshold * norm) {
+        residual += err;
+        energy += norm;
+        if (detect &&
+            err > static_cast<double>(config_.outlier_threshold) * config_.outlier_threshold * norm) {
           outliers |= uint64_t{1} << t;
         }
       }
@@ -472,6 +493,7 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
     (void)registry_.Acquire(s.epoch);
     AddEpochUse(ls, layer, s.epoch);
   }
+  if (s.stream != 0) ObserveBlock(s, layer, full, residual, energy);
 }
 
 absl::Status CompressedKvCache::Commit(SeqId seq, int64_t length) {
@@ -486,17 +508,22 @@ absl::Status CompressedKvCache::Commit(SeqId seq, int64_t length) {
   }
   tokens_cached_ += length - s->length;
   s->length = length;
+  if (refresher_ != nullptr && refresher_->has_published()) InstallPublishedEpochs();
   const int64_t first = std::max<int64_t>(s->next_compress, CeilDiv(config_.sink_tokens, bs));
   const int64_t limit = length - config_.window_tokens;  // blocks ending at or before it go
-  if ((first + 1) * bs > limit) return absl::OkStatus();
-  if (absl::Status st = EnsureEpoch(*s); !st.ok()) return st;
-  int64_t b = first;
-  for (; (b + 1) * bs <= limit; ++b) {
-    for (int l = 0; l < config_.geometry.n_layers; ++l) {
-      if (s->layers[static_cast<size_t>(l)].table[static_cast<size_t>(b)].slot < 0) CompressBlock(*s, l, b);
+  if ((first + 1) * bs <= limit) {
+    if (absl::Status st = EnsureEpoch(*s); !st.ok()) return st;
+    if (s->stream == 0) OpenStream(*s, seq);
+    int64_t b = first;
+    for (; (b + 1) * bs <= limit; ++b) {
+      for (int l = 0; l < config_.geometry.n_layers; ++l) {
+        if (s->layers[static_cast<size_t>(l)].table[static_cast<size_t>(b)].slot < 0) CompressBlock(*s, l, b);
+      }
     }
+    s->next_compress = b;
   }
-  s->next_compress = b;
+  // After compressing, so that blocks just coded with a newly installed epoch count.
+  if (s->refresh.method != RefreshMethod::kNone) Compact(*s, kCompactBlockHeadsPerCommit);
   return absl::OkStatus();
 }
 
@@ -603,6 +630,10 @@ KvCacheStats CompressedKvCache::Stats() const {
   const KvCacheGeometry& g = config_.geometry;
   st.bytes_full_fp16_equivalent =
       tokens_cached_ * g.n_layers * 2 * static_cast<int64_t>(g.n_kv_heads) * g.head_dim * 2;
+  st.epochs_live = registry_.live();
+  if (refresher_ != nullptr) st.refresh = refresher_->Stats();
+  st.refresh.installed = refreshes_installed_;
+  st.refresh.blocks_reprojected = blocks_reprojected_;
   return st;
 }
 
@@ -616,6 +647,7 @@ CompressedKvCacheDetail CompressedKvCache::Detail() const {
     if (!s.live) continue;
     for (const LayerState& ls : s.layers) {
       for (const BlockEntry& e : ls.table) d.blocks_compressed += e.slot >= 0 ? 1 : 0;
+      d.max_sequence_epochs = std::max<int64_t>(d.max_sequence_epochs, static_cast<int64_t>(ls.live.size()));
       d.outlier_tokens += static_cast<int64_t>(ls.outlier_pos.size());
     }
   }

@@ -11,12 +11,16 @@
 #include <span>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/basis.h"
 #include "core/block_pool.h"
 #include "core/coeff_codec.h"
 #include "core/kv_cache.h"
+#include "core/refresh_config.h"
+#include "core/refresher.h"
 #include "core/sequence_slots.h"
 
 namespace subspace {
@@ -41,6 +45,12 @@ struct CompressedKvCacheConfig {
   // sequence builds its own instead, as before the sharing (experiments, tests); each then
   // costs an eigendecomposition on the engine thread.
   bool per_sequence_pca = false;
+
+  // Online refresh every new sequence starts with (SetSequenceRefresh changes one sequence's).
+  RefreshConfig refresh;
+  int n_query_heads = 0;           // the model's query heads: KQ-SVD refresh observes queries
+  bool refresh_inline = false;     // refresh in the engine thread: deterministic (tools, tests)
+  int64_t refresh_queue_bytes = int64_t{64} << 20;  // Refresher::Options::max_queued_bytes
 };
 
 // Breakdown beyond KvCacheStats (tests, benchmarks, metrics).
@@ -54,6 +64,7 @@ struct CompressedKvCacheDetail {
   int64_t outliers_dropped = 0;       // outliers compressed anyway: the pool had no page
   int64_t epochs_live = 0;
   int64_t pca_epochs_built = 0;          // PCA bases computed by this cache (self-calibration)
+  int64_t max_sequence_epochs = 0;       // most epochs live in one layer of one sequence
   bool default_self_calibrated = false;  // the default epoch is a self-calibrated one
 };
 
@@ -95,8 +106,19 @@ class CompressedKvCache final : public KvCache {
   // be written after it.
   absl::Status Truncate(SeqId seq, int64_t length) override;
 
+  // Starts (or stops, with kNone) online refresh for `seq`. INVALID_ARGUMENT for a bad config
+  // (kqsvd without n_query_heads), NOT_FOUND for an unknown sequence. Statistics start empty;
+  // blocks already compressed keep their epochs.
+  absl::Status SetSequenceRefresh(SeqId seq, const RefreshConfig& config) override;
+
   KvCacheStats Stats() const override;
   CompressedKvCacheDetail Detail() const;
+  // Exists from Create when config.refresh enables a method, else from the first sequence that
+  // starts refreshing (tests install hooks on it).
+  Refresher* refresher() { return refresher_.get(); }
+  // Installs the epochs the refresher has published (Commit does this too). Tests and tools
+  // call it after Refresher::Flush to see every refresh at once.
+  void InstallPublishedEpochs();
 
   // --- Basis epochs ---
   // Registers an external basis (ranks must match the config); the caller holds one reference
@@ -148,6 +170,8 @@ class CompressedKvCache final : public KvCache {
     int64_t next_compress = 0;  // first block index not yet considered for compression
     EpochId epoch = kNoEpoch;   // holds one reference
     std::vector<LayerState> layers;
+    RefreshConfig refresh;
+    Refresher::StreamId stream = 0;  // 0: not tracked (yet)
   };
 
   CompressedKvCache(const CompressedKvCacheConfig& config, std::vector<int> r_k,
@@ -182,6 +206,21 @@ class CompressedKvCache final : public KvCache {
   // Expands compressed block b of a layer back into a full block (Truncate).
   absl::Status Decompress(Sequence& s, int layer, int64_t b);
 
+  // --- Online refresh (compressed_kv_cache_refresh.cc) ---
+  // Starts tracking `s` with the refresher once it has an epoch; no-op without refresh.
+  void OpenStream(Sequence& s, SeqId seq);
+  void EnsureRefresher();
+  void CloseStream(Sequence& s);
+  // Hands a block just compressed to the refresher. full: [2, n_kv, B, hd] fp32
+  void ObserveBlock(const Sequence& s, int layer, const float* full, double residual,
+                    double energy);
+  void ObserveQueries(int layer, std::span<const AttentionRequest> requests, int n_heads);
+  // Compactor: re-projects blocks of the oldest epochs of `s` into its current one until every
+  // layer has at most max_epochs live, at most `budget` block-heads per call. Returns the
+  // block-heads moved.
+  int64_t Compact(Sequence& s, int64_t budget);
+  void ReprojectBlockHead(Sequence& s, int layer, int64_t b, int h, EpochId to);
+
   CompressedKvCacheConfig config_;
   std::vector<int> r_k_, r_v_;  // [n_layers]
   std::vector<int> slab_class_;  // [n_layers] slab class of the layer's compressed blocks
@@ -197,6 +236,11 @@ class CompressedKvCache final : public KvCache {
   int64_t tokens_cached_ = 0;
   int64_t outliers_dropped_ = 0;
   std::vector<float> page_scratch_;  // [2 * v_half_] fp32 full block: compression / expansion
+
+  std::unique_ptr<Refresher> refresher_;                  // created with the first stream
+  absl::flat_hash_map<Refresher::StreamId, SeqId> streams_;  // live streams
+  int64_t refreshes_installed_ = 0;
+  int64_t blocks_reprojected_ = 0;
 };
 
 }  // namespace subspace

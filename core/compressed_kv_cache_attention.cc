@@ -35,6 +35,7 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
+  ObserveQueries(layer, requests, n_heads);  // KQ-SVD refresh: before anything reads them
 
   std::vector<int64_t> first_item(requests.size() + 1, 0);
   for (size_t r = 0; r < requests.size(); ++r) first_item[r + 1] = first_item[r] + requests[r].n * n_kv;

@@ -34,6 +34,9 @@ class ForwardingKvCache : public KvCache {
   absl::Status Truncate(SeqId seq, int64_t length) override {
     return inner_->Truncate(seq, length);
   }
+  absl::Status SetSequenceRefresh(SeqId seq, const RefreshConfig& config) override {
+    return inner_->SetSequenceRefresh(seq, config);
+  }
   KvCacheStats Stats() const override { return inner_->Stats(); }
 
  protected:

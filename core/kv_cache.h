@@ -4,11 +4,13 @@
 #ifndef SUBSPACE_CORE_KV_CACHE_H_
 #define SUBSPACE_CORE_KV_CACHE_H_
 
+#include <array>
 #include <cstdint>
 #include <span>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/refresh_config.h"
 
 namespace subspace {
 
@@ -18,6 +20,21 @@ struct KvCacheGeometry {
   int n_layers = 0;
   int n_kv_heads = 0;
   int head_dim = 0;
+};
+
+// Online basis refresh (compressed cache only; zero elsewhere). Cumulative since start.
+struct BasisRefreshStats {
+  // Upper bounds (seconds) of the refresh-latency histogram buckets; the last is +inf.
+  static constexpr std::array<double, 8> kLatencyBounds = {0.001, 0.005, 0.01, 0.05,
+                                                           0.1,   0.5,   1.0,  5.0};
+  int64_t refreshes = 0;             // new epochs computed
+  int64_t failures = 0;              // refreshes that produced no epoch
+  int64_t observations_dropped = 0;  // blocks the refresher never saw: its queue was full
+  int64_t installed = 0;             // epochs the cache switched a sequence to
+  int64_t blocks_reprojected = 0;    // block-heads the compactor moved to a newer epoch
+  int64_t streams = 0;               // sequences tracked now
+  double latency_seconds_sum = 0.0;
+  std::array<int64_t, kLatencyBounds.size() + 1> latency_counts{};  // per bucket, not cumulative
 };
 
 struct KvCacheStats {
@@ -33,6 +50,8 @@ struct KvCacheStats {
   int64_t blocks_free = 0;
   int64_t tokens_cached = 0;  // summed over sequences (not layers)
   int32_t sequences = 0;
+  int64_t epochs_live = 0;  // basis epochs registered (compressed cache)
+  BasisRefreshStats refresh;
 };
 
 // One sequence's queries for one layer's attention. Query i sits at position pos + i and
@@ -76,6 +95,14 @@ class KvCache {
   virtual absl::Status Commit(SeqId seq, int64_t length) = 0;
   // Drops tokens at and past `length`, freeing whole blocks past it.
   virtual absl::Status Truncate(SeqId seq, int64_t length) = 0;
+
+  // Online basis refresh for one sequence from now on (the compressed cache overrides it).
+  // Caches without bases accept only RefreshMethod::kNone: FAILED_PRECONDITION otherwise.
+  virtual absl::Status SetSequenceRefresh(SeqId seq, const RefreshConfig& config) {
+    (void)seq;
+    if (config.method == RefreshMethod::kNone) return absl::OkStatus();
+    return absl::FailedPreconditionError("online basis refresh needs the compressed KV cache");
+  }
 
   virtual KvCacheStats Stats() const = 0;
 };

@@ -1,0 +1,202 @@
+// The background refresher; see refresher.h. The thread takes the whole queue at once and
+// works outside the lock, so the engine's Observe/TakePublished calls only ever contend for
+// the time it takes to swap a deque.
+#include "core/refresher.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+namespace subspace {
+namespace {
+
+// A residual-triggered refresh waits for at least this many new tokens, so a basis whose
+// rank cannot reach the threshold is not recomputed after every block.
+constexpr int64_t kMinResidualTriggerTokens = 64;
+
+int64_t BytesOf(const BlockObservation& o) {
+  return static_cast<int64_t>((o.keys.size() + o.values.size()) * sizeof(float));
+}
+
+}  // namespace
+
+Refresher::Refresher(const Options& options) : options_(options) {
+  if (!options_.inline_mode) thread_ = std::thread([this] { Run(); });
+}
+
+Refresher::~Refresher() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+Refresher::StreamId Refresher::Open(std::unique_ptr<OnlineStatistics> stats) {
+  Message m{.kind = Message::Kind::kOpen};
+  m.stats = std::move(stats);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    m.stream = next_stream_++;
+    ++stats_.streams;
+  }
+  const StreamId id = m.stream;
+  Enqueue(std::move(m));
+  return id;
+}
+
+void Refresher::Close(StreamId stream) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --stats_.streams;
+  }
+  Enqueue(Message{.kind = Message::Kind::kClose, .stream = stream});
+}
+
+bool Refresher::Observe(StreamId stream, BlockObservation observation) {
+  Message m{.kind = Message::Kind::kBlock, .stream = stream};
+  m.bytes = BytesOf(observation);
+  m.block = std::move(observation);
+  return EnqueueObservation(std::move(m));
+}
+
+bool Refresher::Observe(StreamId stream, QueryObservation observation) {
+  Message m{.kind = Message::Kind::kQueries, .stream = stream};
+  m.bytes = static_cast<int64_t>(observation.q.size() * sizeof(float));
+  m.queries = std::move(observation);
+  return EnqueueObservation(std::move(m));
+}
+
+void Refresher::Enqueue(Message m) {
+  if (options_.inline_mode) {
+    Process(m);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queued_bytes_ += m.bytes;
+    queue_.push_back(std::move(m));
+  }
+  cv_.notify_one();
+}
+
+bool Refresher::EnqueueObservation(Message m) {
+  if (!options_.inline_mode) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (queued_bytes_ + m.bytes > options_.max_queued_bytes) {
+      ++stats_.observations_dropped;
+      return false;
+    }
+  }
+  Enqueue(std::move(m));
+  return true;
+}
+
+std::vector<Refresher::Published> Refresher::TakePublished() {
+  std::vector<Published> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  out.swap(published_);
+  has_published_.store(false, std::memory_order_release);
+  return out;
+}
+
+BasisRefreshStats Refresher::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void Refresher::Flush() {
+  if (options_.inline_mode) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_cv_.wait(lock, [this] { return (queue_.empty() && !busy_) || stop_; });
+}
+
+void Refresher::SetBeforeRefreshHookForTest(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(mu_);
+  before_refresh_ = std::move(hook);
+}
+
+void Refresher::Run() {
+  std::deque<Message> batch;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      busy_ = false;
+      if (queue_.empty()) idle_cv_.notify_all();
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (stop_) return;
+      batch.swap(queue_);
+      queued_bytes_ = 0;
+      busy_ = true;
+    }
+    for (Message& m : batch) Process(m);
+    batch.clear();
+  }
+}
+
+void Refresher::Process(Message& m) {
+  switch (m.kind) {
+    case Message::Kind::kOpen:
+      streams_[m.stream].stats = std::move(m.stats);
+      return;
+    case Message::Kind::kClose:
+      streams_.erase(m.stream);
+      return;
+    case Message::Kind::kQueries: {
+      auto it = streams_.find(m.stream);
+      if (it == streams_.end()) return;
+      it->second.stats->ObserveQueries(m.queries.layer, m.queries.q.data(), m.queries.n);
+      return;
+    }
+    case Message::Kind::kBlock: {
+      auto it = streams_.find(m.stream);
+      if (it == streams_.end()) return;
+      Stream& s = it->second;
+      const BlockObservation& b = m.block;
+      s.stats->ObserveBlock(b.layer, b.keys.data(), b.values.data(), b.tokens);
+      s.residual_since += b.residual;
+      s.energy_since += b.energy;
+      if (b.layer == 0) s.tokens_since += b.tokens;
+      // Triggers are checked once the block's last layer is in, so a refresh sees all layers.
+      if (b.layer != s.stats->n_layers() - 1) return;
+      const RefreshConfig& c = s.stats->config();
+      const bool by_count = c.every_tokens > 0 && s.tokens_since >= c.every_tokens;
+      const bool by_residual = c.residual_threshold > 0.0 && s.energy_since > 0.0 &&
+                               s.tokens_since >= kMinResidualTriggerTokens &&
+                               s.residual_since / s.energy_since > c.residual_threshold;
+      if (by_count || by_residual) RefreshStream(m.stream, s);
+      return;
+    }
+  }
+}
+
+void Refresher::RefreshStream(StreamId id, Stream& s) {
+  std::function<void()> hook;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    hook = before_refresh_;
+  }
+  if (hook) hook();
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<Basis> basis = s.stats->Refresh();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  s.tokens_since = 0;
+  s.residual_since = s.energy_since = 0.0;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!basis.ok()) {
+    ++stats_.failures;
+    return;
+  }
+  ++stats_.refreshes;
+  stats_.latency_seconds_sum += seconds;
+  const auto& bounds = BasisRefreshStats::kLatencyBounds;
+  const size_t bucket =
+      static_cast<size_t>(std::lower_bound(bounds.begin(), bounds.end(), seconds) - bounds.begin());
+  ++stats_.latency_counts[bucket];
+  published_.push_back({id, std::make_shared<const Basis>(*std::move(basis))});
+  has_published_.store(true, std::memory_order_release);
+}
+
+}  // namespace subspace

@@ -1,0 +1,127 @@
+// The background refresher: sequences with online refresh hand it the blocks their cache
+// compresses (and, for KQ-SVD, their queries); a thread of its own folds them into each
+// sequence's OnlineStatistics, decides when a refresh is due (every T tokens, or when the
+// mean key residual of new blocks rises past a threshold) and publishes new bases, which the
+// cache installs at its next Commit. The engine's step never waits for it: handing over is a
+// short critical section, and when the refresher falls behind, observations are dropped and
+// counted instead of queued without bound.
+#ifndef SUBSPACE_CORE_REFRESHER_H_
+#define SUBSPACE_CORE_REFRESHER_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "core/basis.h"
+#include "core/kv_cache.h"
+#include "core/online_statistics.h"
+
+namespace subspace {
+
+// One compressed block of one layer, as the cache saw it.
+struct BlockObservation {
+  int layer = 0;
+  int tokens = 0;             // n, per KV head
+  std::vector<float> keys;    // [n_kv, n, d] post-RoPE
+  std::vector<float> values;  // [n_kv, n, d]
+  // Key residual energy under the epoch that compressed the block: sum ||k - k^||^2 and
+  // sum ||k||^2 over its heads and tokens.
+  double residual = 0.0;
+  double energy = 0.0;
+};
+
+struct QueryObservation {
+  int layer = 0;
+  int64_t n = 0;
+  std::vector<float> q;  // [n, n_heads, d]
+};
+
+class Refresher {
+ public:
+  using StreamId = uint64_t;
+  struct Options {
+    // Process every observation in the caller's thread, at once: deterministic (tools, tests).
+    bool inline_mode = false;
+    // Observations waiting beyond this many bytes are dropped (counted), never queued.
+    int64_t max_queued_bytes = int64_t{64} << 20;
+  };
+  struct Published {
+    StreamId stream = 0;
+    std::shared_ptr<const Basis> basis;
+  };
+
+  explicit Refresher(const Options& options);
+  // Joins the thread; what is still queued is discarded.
+  ~Refresher();
+  Refresher(const Refresher&) = delete;
+  Refresher& operator=(const Refresher&) = delete;
+
+  // A sequence starts being tracked; `stats` carries its method and triggers.
+  StreamId Open(std::unique_ptr<OnlineStatistics> stats);
+  // The sequence is gone: its statistics are dropped and nothing more is published for it.
+  void Close(StreamId stream);
+  // False when dropped because the queue is full.
+  bool Observe(StreamId stream, BlockObservation observation);
+  bool Observe(StreamId stream, QueryObservation observation);
+
+  // New bases published since the last call (possibly for streams closed since).
+  std::vector<Published> TakePublished();
+  bool has_published() const { return has_published_.load(std::memory_order_acquire); }
+
+  BasisRefreshStats Stats() const;
+  // Waits until everything queued so far has been processed (tests, tools).
+  void Flush();
+  // Runs on the refresher thread before each refresh computation (tests: a stalled refresher).
+  void SetBeforeRefreshHookForTest(std::function<void()> hook);
+
+ private:
+  struct Message {
+    enum class Kind { kOpen, kClose, kBlock, kQueries } kind;
+    StreamId stream = 0;
+    std::unique_ptr<OnlineStatistics> stats;  // kOpen
+    BlockObservation block;                   // kBlock
+    QueryObservation queries;                 // kQueries
+    int64_t bytes = 0;
+  };
+  struct Stream {
+    std::unique_ptr<OnlineStatistics> stats;
+    int64_t tokens_since = 0;  // layer-0 tokens observed since the last refresh
+    double residual_since = 0.0, energy_since = 0.0;
+  };
+
+  void Enqueue(Message m);
+  bool EnqueueObservation(Message m);
+  void Run();
+  void Process(Message& m);  // refresher thread (or the caller's, inline)
+  void RefreshStream(StreamId id, Stream& s);
+
+  const Options options_;
+  std::atomic<bool> has_published_{false};
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;       // work arrived or stopping
+  std::condition_variable idle_cv_;  // the queue drained (Flush)
+  std::deque<Message> queue_;        // guarded by mu_
+  int64_t queued_bytes_ = 0;         // guarded by mu_
+  bool busy_ = false;                // guarded by mu_: a batch is being processed
+  bool stop_ = false;                // guarded by mu_
+  std::vector<Published> published_;  // guarded by mu_
+  BasisRefreshStats stats_;           // guarded by mu_
+  std::function<void()> before_refresh_;  // guarded by mu_
+
+  // Refresher thread only (or the caller's, inline).
+  std::unordered_map<StreamId, Stream> streams_;
+  StreamId next_stream_ = 1;  // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace subspace
+
+#endif  // SUBSPACE_CORE_REFRESHER_H_
