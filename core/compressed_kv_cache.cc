@@ -420,8 +420,8 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
   uint16_t* v_scales = k_scales + rows;                                                // [n_kv, B]
 
   const bool detect = config_.outlier_threshold < 1.0f;
-  // The key residual feeds outlier detection and the refresher's residual trigger.
-  const bool measure = detect || s.stream != 0;
+  // The key residual (B r d flops per head, as much as the coding itself) feeds outlier
+  // detection, the refresher's residual trigger and the residual-energy ratio in Detail.
   double residual = 0.0, energy = 0.0;
   uint64_t outliers = 0;
   const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
@@ -439,13 +439,11 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
     std::fill(ck, ck + static_cast<size_t>(bs) * (rk + rv), 0.0f);
     kernels.accumulate(full + KOffset(h, 0), bs, cpu::KvRows{pk}, hd, rk, ck, rk);
     kernels.accumulate(full + VOffset(h, 0), bs, cpu::KvRows{pv}, hd, rv, cv, rv);
-    if (measure) {
-      // The keys as queries will see them: k^ = P_q c (= P P^T k for orthogonal bases).
-      kernels.scores(ck, rk, bs, cpu::KvRows{pq}, hd, rk, 1.0f, recon);
-    }
+    // The keys as queries will see them: k^ = P_q c (= P P^T k for orthogonal bases).
+    kernels.scores(ck, rk, bs, cpu::KvRows{pq}, hd, rk, 1.0f, recon);
     for (int t = 0; t < bs; ++t) {
       const int64_t row = static_cast<int64_t>(h) * bs + t;
-      if (measure) {
+      {
         const float* k = full + KOffset(h, t);
         const float* kr = recon + static_cast<size_t>(t) * hd;
         double err = 0.0, norm = 0.0;
@@ -493,6 +491,8 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
     (void)registry_.Acquire(s.epoch);
     AddEpochUse(ls, layer, s.epoch);
   }
+  key_residual_sum_ += residual;
+  key_energy_sum_ += energy;
   if (s.stream != 0) ObserveBlock(s, layer, full, residual, energy);
 }
 
@@ -652,6 +652,8 @@ CompressedKvCacheDetail CompressedKvCache::Detail() const {
     }
   }
   d.outliers_dropped = outliers_dropped_;
+  d.key_residual_energy = key_residual_sum_;
+  d.key_energy = key_energy_sum_;
   d.epochs_live = registry_.live();
   d.pca_epochs_built = pca_epochs_built_;
   d.default_self_calibrated = default_self_calibrated_;

@@ -65,6 +65,11 @@ struct CompressedKvCacheDetail {
   int64_t epochs_live = 0;
   int64_t pca_epochs_built = 0;          // PCA bases computed by this cache (self-calibration)
   int64_t max_sequence_epochs = 0;       // most epochs live in one layer of one sequence
+  // Over every block compressed so far: sum ||k - k^||^2 and sum ||k||^2 of its keys (k^ = P_q c,
+  // the key a query sees, under the epoch that compressed it). Their ratio is the residual-energy
+  // ratio (RER) the cache has actually incurred.
+  double key_residual_energy = 0.0;
+  double key_energy = 0.0;
   bool default_self_calibrated = false;  // the default epoch is a self-calibrated one
 };
 
@@ -240,6 +245,7 @@ class CompressedKvCache final : public KvCache {
   std::unique_ptr<Refresher> refresher_;                  // created with the first stream
   absl::flat_hash_map<Refresher::StreamId, SeqId> streams_;  // live streams
   int64_t refreshes_installed_ = 0;
+  double key_residual_sum_ = 0.0, key_energy_sum_ = 0.0;
   int64_t blocks_reprojected_ = 0;
 };
 

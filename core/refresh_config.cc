@@ -56,7 +56,7 @@ absl::Status ValidateRefreshConfig(const RefreshConfig& c) {
   }
   if (c.method != RefreshMethod::kNone && c.every_tokens == 0 && c.residual_threshold == 0.0) {
     return absl::InvalidArgumentError(
-        "online refresh needs a trigger: refresh every_tokens > 0 or residual_threshold > 0");
+        "online refresh needs a trigger: refresh every_tokens > 0 or refresh residual_threshold > 0");
   }
   return absl::OkStatus();
 }

@@ -59,7 +59,24 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
     if (!o.bases_path.empty()) {
       return absl::InvalidArgumentError("--bases needs --kv-cache=compressed");
     }
+    if (o.refresh.method != RefreshMethod::kNone) {
+      return absl::InvalidArgumentError("--refresh-method needs --kv-cache=compressed");
+    }
     return absl::OkStatus();
+  }
+  if (absl::Status s = ValidateRefreshConfig(o.refresh); !s.ok()) {
+    // The core names fields; the flags are --refresh-<field with dashes>.
+    std::string message(s.message());
+    for (const char* field : {"every_tokens", "residual_threshold", "half_life_tokens",
+                              "oja_learning_rate", "max_epochs"}) {
+      const std::string from = absl::StrCat("refresh ", field);
+      std::string to = absl::StrCat("--refresh-", field);
+      std::replace(to.begin(), to.end(), '_', '-');
+      if (const size_t at = message.find(from); at != std::string::npos) {
+        message.replace(at, from.size(), to);
+      }
+    }
+    return absl::InvalidArgumentError(message);
   }
   if (block_size > kMaxCompressedBlockSize) {
     return absl::InvalidArgumentError(
@@ -132,7 +149,8 @@ KvCacheOptions ResolveKvCacheOptions(KvCacheOptions o, const KvCacheGeometry& g,
 absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
                                                        const KvCacheGeometry& g, int block_size,
                                                        int64_t capacity_bytes,
-                                                       std::shared_ptr<const Basis> bases) {
+                                                       std::shared_ptr<const Basis> bases,
+                                                       int n_query_heads) {
   if (o.kind == KvCacheKind::kFull) {
     PagedKvCache::Config c;
     c.geometry = g;
@@ -164,6 +182,11 @@ absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
   c.coeff_dtype = o.coeff_dtype;
   c.full_dtype = o.full_dtype;
   c.capacity_bytes = capacity_bytes;
+  c.refresh = o.refresh;
+  c.n_query_heads = n_query_heads;
+  if (o.refresh.method == RefreshMethod::kKqsvd && n_query_heads == 0) {
+    return absl::InvalidArgumentError("--refresh-method=kqsvd needs the model's query heads");
+  }
   absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache = CompressedKvCache::Create(c);
   if (!cache.ok()) return cache.status();
   if (bases != nullptr) {

@@ -15,6 +15,7 @@
 #include "core/coeff_codec.h"
 #include "core/gguf.h"
 #include "core/kv_cache.h"
+#include "core/refresh_config.h"
 
 namespace subspace::server {
 
@@ -37,6 +38,9 @@ struct KvCacheOptions {
   // per-layer ranks replace rank_k / rank_v, which must then be left at 0. Empty: none (the
   // cache self-calibrates from the first sequence).
   std::string bases_path;
+  // --refresh-*: the online refresh every session gets unless it asks for another
+  // (CreateSessionRequest.refresh). method kNone: static bases.
+  RefreshConfig refresh;
 };
 
 const char* KvCacheKindName(KvCacheKind kind);  // "full" or "compressed"
@@ -65,11 +69,13 @@ KvCacheOptions ResolveKvCacheOptions(KvCacheOptions options, const KvCacheGeomet
 // Builds the cache from resolved options. INVALID_ARGUMENT naming the flag when a rank exceeds
 // the model's head_dim; otherwise whatever the cache's Create returns (a pool too small). With
 // `bases` (compressed only; from LoadBases), the cache gets the basis's per-layer ranks and the
-// basis is installed as its default epoch.
+// basis is installed as its default epoch. n_query_heads: the model's (KQ-SVD refresh reads
+// queries); 0 rules out --refresh-method=kqsvd.
 absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& resolved,
                                                        const KvCacheGeometry& geometry,
                                                        int block_size, int64_t capacity_bytes,
-                                                       std::shared_ptr<const Basis> bases = nullptr);
+                                                       std::shared_ptr<const Basis> bases = nullptr,
+                                                       int n_query_heads = 0);
 
 }  // namespace subspace::server
 

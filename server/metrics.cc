@@ -7,6 +7,7 @@
 #include <prometheus/metric_family.h>
 
 #include <exception>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -77,6 +78,45 @@ double CompressionRatio(const KvCacheStats& cache) {
   return static_cast<double>(cache.bytes_full_fp16_equivalent) / used;
 }
 
+// Basis epochs and the online refresh (zero with the full cache or static bases).
+template <typename GaugeFn, typename CounterFn>
+void AddRefreshFamilies(const KvCacheStats& c, GaugeFn gauge, CounterFn counter,
+                        std::vector<MetricFamily>& out) {
+  const BasisRefreshStats& r = c.refresh;
+  gauge("subspace_basis_epochs_live", "Basis epochs registered in the compressed KV cache.",
+        static_cast<double>(c.epochs_live));
+  gauge("subspace_basis_refresh_sessions", "Sessions whose bases the refresher is tracking.",
+        static_cast<double>(r.streams));
+  counter("subspace_basis_refreshes_total", "New basis epochs computed by the online refresh.",
+          static_cast<double>(r.refreshes));
+  counter("subspace_basis_refresh_failures_total",
+          "Online refreshes that produced no epoch (non-finite statistics); the old epoch stays.",
+          static_cast<double>(r.failures));
+  counter("subspace_basis_epochs_installed_total",
+          "Refreshed epochs a session switched to (refreshes of sessions that ended are not).",
+          static_cast<double>(r.installed));
+  counter("subspace_basis_refresh_observations_dropped_total",
+          "Compressed blocks the refresher never saw because it was behind (its queue was full).",
+          static_cast<double>(r.observations_dropped));
+  counter("subspace_basis_blocks_reprojected_total",
+          "Block-heads the compactor re-projected into a newer epoch (to cap live epochs).",
+          static_cast<double>(r.blocks_reprojected));
+  out.push_back(Family("subspace_basis_refresh_duration_seconds",
+                       "Time to compute one refreshed basis epoch (refresher thread).",
+                       MetricType::Histogram));
+  ClientMetric h;
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < BasisRefreshStats::kLatencyBounds.size(); ++i) {
+    cumulative += static_cast<uint64_t>(r.latency_counts[i]);
+    h.histogram.bucket.push_back({cumulative, BasisRefreshStats::kLatencyBounds[i]});
+  }
+  cumulative += static_cast<uint64_t>(r.latency_counts.back());
+  h.histogram.bucket.push_back({cumulative, std::numeric_limits<double>::infinity()});
+  h.histogram.sample_count = cumulative;
+  h.histogram.sample_sum = r.latency_seconds_sum;
+  out.back().metric.push_back(std::move(h));
+}
+
 // Reads Engine::Stats() once per scrape, so gauges are exact at scrape time and nothing runs
 // between scrapes.
 class Metrics::EngineCollector : public prometheus::Collectable {
@@ -126,6 +166,7 @@ class Metrics::EngineCollector : public prometheus::Collectable {
             static_cast<double>(s.preemptions_total));
     counter("subspace_engine_steps_total", "Scheduler steps run.",
             static_cast<double>(s.steps_total));
+    AddRefreshFamilies(c, gauge, counter, out);
     return out;
   }
 

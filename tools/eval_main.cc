@@ -26,6 +26,7 @@
 #include "core/eval_metrics.h"
 #include "core/model.h"
 #include "core/paged_kv_cache.h"
+#include "core/refresh_config.h"
 #include "core/tokenizer.h"
 #include "tools/cli/dash_flags.h"
 
@@ -46,6 +47,11 @@ ABSL_FLAG(int32_t, window_tokens, 64, "W: recent window kept full-rank");
 ABSL_FLAG(int32_t, window, 512, "perplexity window (capped by the context)");
 ABSL_FLAG(int32_t, chunk, 16, "tokens per forward step inside a perplexity window");
 ABSL_FLAG(int32_t, error_tokens, 256, "tokens of the captured window for the error metrics");
+ABSL_FLAG(std::string, refresh, "none",
+          "online refresh methods per configuration (none = static basis): none,pca,kqsvd,oja,fd");
+ABSL_FLAG(int64_t, refresh_every_tokens, 64, "online rows: refresh every T compressed tokens");
+ABSL_FLAG(double, refresh_half_life_tokens, 256, "online rows: pca/kqsvd/fd statistics half-life");
+ABSL_FLAG(double, refresh_oja_lr, 1.0, "online rows: Oja learning rate");
 ABSL_FLAG(std::string, csv, "", "write the results as CSV here");
 ABSL_FLAG(std::string, label, "", "free-form label copied into the CSV (e.g. in-domain)");
 
@@ -86,6 +92,7 @@ struct Config {
   int rank = 0;
   double energy = 0.0;
   CoeffDtype dtype = CoeffDtype::kFp16;
+  RefreshMethod refresh = RefreshMethod::kNone;  // online rows start from the calibrated basis
 };
 
 const char* DtypeName(CoeffDtype d) {
@@ -206,14 +213,27 @@ absl::Status Run() {
     else if (d == "fp32") dtypes.push_back(CoeffDtype::kFp32);
     else return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", d));
   }
+  std::vector<RefreshMethod> refreshes;
+  for (const std::string& m : SplitList(absl::GetFlag(FLAGS_refresh))) {
+    absl::StatusOr<RefreshMethod> r = ParseRefreshMethod(m);
+    if (!r.ok()) return r.status();
+    refreshes.push_back(*r);
+  }
+  if (refreshes.empty()) refreshes.push_back(RefreshMethod::kNone);
+  RefreshConfig refresh_base;
+  refresh_base.every_tokens = absl::GetFlag(FLAGS_refresh_every_tokens);
+  refresh_base.half_life_tokens = absl::GetFlag(FLAGS_refresh_half_life_tokens);
+  refresh_base.oja_learning_rate = absl::GetFlag(FLAGS_refresh_oja_lr);
   std::vector<Config> configs;
   for (KeyBasisMethod mk : methods) {
     const ValueBasisMethod mv =
         mk == KeyBasisMethod::kKqsvd ? ValueBasisMethod::kKqsvd : ValueBasisMethod::kKsvd;
-    for (int r : ranks)
-      for (CoeffDtype dt : dtypes) configs.push_back({mk, mv, r, 0.0, dt});
-    for (double e : energies)
-      for (CoeffDtype dt : dtypes) configs.push_back({mk, mv, 0, e, dt});
+    for (RefreshMethod rm : refreshes) {
+      for (int r : ranks)
+        for (CoeffDtype dt : dtypes) configs.push_back({mk, mv, r, 0.0, dt, rm});
+      for (double e : energies)
+        for (CoeffDtype dt : dtypes) configs.push_back({mk, mv, 0, e, dt, rm});
+    }
   }
 
   // --- Calibration ---
@@ -273,6 +293,8 @@ absl::Status Run() {
     ChunkedPerplexityResult ppl;
     double block_ratio = 0.0;  // compressed-block bytes per token / full fp16 (asymptotic)
     std::vector<LayerErrors> errors;
+    double rer_compressed = 0.0;  // RER of the keys as the cache compressed them (all windows)
+    int64_t refreshes = 0;        // epochs the online refresh installed (all windows)
   };
   std::vector<Row> rows;
   std::vector<LayerErrors> last_errors;
@@ -300,6 +322,10 @@ absl::Status Run() {
                                .window_tokens = absl::GetFlag(FLAGS_window_tokens),
                                .r_k = row.rk, .r_v = row.rv, .coeff_dtype = c.dtype,
                                .full_dtype = CoeffDtype::kFp16};
+    cc.refresh = refresh_base;
+    cc.refresh.method = c.refresh;
+    cc.n_query_heads = mc.n_heads;
+    cc.refresh_inline = true;  // deterministic: refreshes land at the same steps every run
     cc.capacity_bytes = CompressedKvCache::PageBytes(geom, 16, CoeffDtype::kFp16) * geom.n_layers *
                         blocks_per_window * 2;
     absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache = CompressedKvCache::Create(cc);
@@ -311,7 +337,8 @@ absl::Status Run() {
     const std::string what =
         absl::StrCat("[", i + 1, "/", configs.size(), "] ", KeyBasisMethodName(c.mk),
                      c.rank > 0 ? absl::StrCat(" r", c.rank) : absl::StrCat(" e", c.energy), " ",
-                     DtypeName(c.dtype), " perplexity (windows)");
+                     DtypeName(c.dtype), " refresh ", RefreshMethodName(c.refresh),
+                     " perplexity (windows)");
     po.progress = progress(what.c_str());
     absl::StatusOr<ChunkedPerplexityResult> r = ComputeChunkedPerplexity(model, **cache, eval, po);
     if (!r.ok()) return r.status();
@@ -320,6 +347,9 @@ absl::Status Run() {
                                  "the compressed cache (window too short?)");
     }
     row.ppl = *r;
+    const CompressedKvCacheDetail detail = (*cache)->Detail();
+    row.rer_compressed = detail.key_energy > 0 ? detail.key_residual_energy / detail.key_energy : 0;
+    row.refreshes = (*cache)->Stats().refresh.installed;
     double block_bytes = 0.0;
     for (int l = 0; l < geom.n_layers; ++l) {
       block_bytes += static_cast<double>(CompressedKvCache::CompressedBlockBytes(
@@ -349,14 +379,17 @@ absl::Status Run() {
               "chunks of %d\n\n",
               absl::GetFlag(FLAGS_sink_tokens), absl::GetFlag(FLAGS_window_tokens), window,
               absl::GetFlag(FLAGS_chunk));
-  std::printf("| keys | values | r_k | r_v | coeff | ppl | dppl %% | bytes/tok vs fp16 (window) | "
-              "compressed blocks vs fp16 | K err | logit err | attn-out err | RER |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  std::printf("| full | full | %d | %d | fp32 | %.3f | 0.00 | %.3f | - | 0 | 0 | 0 | 0 |\n",
+  std::printf("| keys | values | refresh | r_k | r_v | coeff | ppl | dppl %% | bytes/tok vs fp16 "
+              "(window) | compressed blocks vs fp16 | K err | logit err | attn-out err | RER | "
+              "RER as compressed | epochs installed |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| full | full | - | %d | %d | fp32 | %.3f | 0.00 | %.3f | - | 0 | 0 | 0 | 0 | 0 | 0 |\n",
               mc.head_dim, mc.head_dim, base_ppl, base->Ratio());
   for (const Row& r : rows) {
-    std::printf("| %s | %s | %s | %s | %s | %.3f | %+.2f | %.3f | %.3f | %.4f | %.4f | %.4f | %.4f |\n",
+    std::printf("| %s | %s | %s | %s | %s | %s | %.3f | %+.2f | %.3f | %.3f | %.4f | %.4f | %.4f | "
+                "%.4f | %.4f | %lld |\n",
                 KeyBasisMethodName(r.c.mk), ValueBasisMethodName(r.c.mv),
+                RefreshMethodName(r.c.refresh),
                 (r.c.energy > 0 ? absl::StrCat(rank_str(r.rk), " (e", r.c.energy, ")")
                                 : rank_str(r.rk)).c_str(),
                 rank_str(r.rv).c_str(), DtypeName(r.c.dtype), r.ppl.ppl.perplexity,
@@ -364,7 +397,8 @@ absl::Status Run() {
                 mean(r.errors, [](const LayerErrors& x) { return x.key; }).Relative(),
                 mean(r.errors, [](const LayerErrors& x) { return x.logit; }).Relative(),
                 mean(r.errors, [](const LayerErrors& x) { return x.attn; }).Relative(),
-                mean(r.errors, [](const LayerErrors& x) { return x.rer; }).EnergyRatio());
+                mean(r.errors, [](const LayerErrors& x) { return x.rer; }).EnergyRatio(),
+                r.rer_compressed, static_cast<long long>(r.refreshes));
   }
   // Per-layer attention-output error.
   std::printf("\nPer-layer attention-output relative error (fp32 coefficients, all keys "
@@ -374,7 +408,7 @@ absl::Status Run() {
   for (int l = 0; l < geom.n_layers; ++l) std::printf("---|");
   std::printf("\n");
   for (const Row& r : rows) {
-    if (r.c.dtype != dtypes[0]) continue;
+    if (r.c.dtype != dtypes[0] || r.c.refresh != RefreshMethod::kNone) continue;
     std::printf("| %s | %s |", KeyBasisMethodName(r.c.mk), rank_str(r.rk).c_str());
     for (const LayerErrors& e : r.errors) std::printf(" %.4f |", e.attn.Relative());
     std::printf("\n");
@@ -405,9 +439,9 @@ absl::Status Run() {
     if (!csv) return absl::InternalError(absl::StrCat("cannot write ", csv_path));
     const std::string label = absl::GetFlag(FLAGS_label);
     csv << "label,method_k,method_v,rank,energy,dtype,layer,r_k,r_v,ppl,ppl_full,bytes_ratio,"
-           "block_ratio,key_err,logit_err,attn_err,rer\n";
+           "block_ratio,key_err,logit_err,attn_err,rer,refresh,rer_compressed\n";
     csv << label << ",full,full,0,0,fp32,all," << mc.head_dim << "," << mc.head_dim << ","
-        << base_ppl << "," << base_ppl << "," << base->Ratio() << ",,0,0,0,0\n";
+        << base_ppl << "," << base_ppl << "," << base->Ratio() << ",,0,0,0,0,none,0\n";
     for (const Row& r : rows) {
       const std::string head = absl::StrCat(label, ",", KeyBasisMethodName(r.c.mk), ",",
                                             ValueBasisMethodName(r.c.mv), ",", r.c.rank, ",",
@@ -431,7 +465,9 @@ absl::Status Run() {
           csv << ",,,";
         }
         csv << "," << k.Relative() << "," << lg.Relative() << "," << at.Relative() << ","
-            << re.EnergyRatio() << "\n";
+            << re.EnergyRatio() << "," << RefreshMethodName(r.c.refresh) << ",";
+        if (l < 0) csv << r.rer_compressed;
+        csv << "\n";
       }
     }
     std::fprintf(stderr, "wrote %s\n", csv_path.c_str());
