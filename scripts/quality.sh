@@ -220,7 +220,19 @@ HDR
 - **Domain shift** (KJV basis on fortunes): at most ≈ +0.4 % perplexity vs an in-domain basis at
   rank 2-4, and nothing measurable at rank ≥ 8; attention-output errors rise by 0.01-0.07. Small
   on this model, for the same reason as above.
-- **Online refresh: not built yet** — no online rows, no recovery measurement.
+- **Online refresh does not lower RER here — the seed-003 claim (0.255 → 0.097) does not hold
+  on this model.** Under the KJV → fortunes shift every online method compresses with a
+  *higher* residual than the static calibrated basis it starts from: at rank 8 (K-SVD start)
+  static 0.594, Oja 0.605, FD 0.667, PCA 0.676, KQ-SVD 0.799; the same ordering holds at every
+  rank and in-domain. Oja, which moves slowly away from the calibrated basis, stays within
+  0.02 of static and is the only method that is neutral; perplexity moves by less than 0.2 % for
+  pca/oja/fd (sometimes slightly down: values adapt too) and rises ~2 % for online KQ-SVD, whose
+  query Gram from a few hundred tokens overfits. The shift itself is small on this model (static
+  RER at rank 8: 0.535 in-domain → 0.594 shifted), so there is little to recover. Our
+  explanation, not measured further: statistics from one sequence's past blocks (≤ 448 tokens,
+  fewer positions) fit the RoPE phases already seen, while the next blocks sit at later
+  positions; a calibration over 4,096 tokens at all positions 0–511 averages over the phases.
+  Static bases (`--refresh-method=none`) therefore stay the default.
 NOTES
 } > "$DOC"
 echo "wrote $DOC" >&2
