@@ -3,6 +3,7 @@
 // code name.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -32,6 +33,15 @@ ABSL_FLAG(double, timeout_seconds, 0, "deadline of each call in seconds; 0 = non
 ABSL_FLAG(bool, wait_for_ready, false,
           "wait for the server to become reachable instead of failing with UNAVAILABLE");
 ABSL_FLAG(bool, json, false, "print responses as JSON (stream: one JSON message per line)");
+ABSL_FLAG(bool, tls, false, "connect over TLS, verifying the server with gRPC's default roots");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA bundle that signed the server's certificate; implies --tls");
+ABSL_FLAG(std::string, tls_cert, "",
+          "mutual TLS: PEM client certificate chain (with --tls-key); implies --tls");
+ABSL_FLAG(std::string, tls_key, "", "mutual TLS: PEM private key of --tls-cert");
+ABSL_FLAG(std::string, auth_token, "",
+          "bearer token sent with every call; default: $SUBSPACE_AUTH_TOKEN (which keeps it out "
+          "of the process list)");
 
 ABSL_FLAG(std::string, prompt, "", "prompt text");
 ABSL_FLAG(std::string, request, "",
@@ -50,6 +60,10 @@ ABSL_FLAG(int32_t, logprobs, 0, "top alternatives to return per token, [0, 20]")
 ABSL_FLAG(bool, ignore_eos, false, "keep generating past the end-of-sequence token");
 ABSL_FLAG(std::string, session, "", "session id to continue");
 ABSL_FLAG(uint32_t, ttl_seconds, 0, "session create: idle TTL; 0 = the server's default");
+ABSL_FLAG(std::string, refresh, "",
+          "session create: online basis refresh, none|pca|kqsvd|oja|fd; empty = the server's");
+ABSL_FLAG(uint32_t, refresh_every_tokens, 0,
+          "session create: refresh every N compressed tokens; 0 = the server's");
 ABSL_FLAG(std::string, id, "",
           "session create: the session's id, 32 to 64 characters from [A-Za-z0-9_-] with at least "
           "128 random bits; empty = 128 random bits made here");
@@ -73,14 +87,16 @@ ABSL_FLAG(std::string, json_file, "",
 namespace subspace::client {
 namespace {
 
-constexpr char kUsage[] = R"(subspace [--server host:port] [--timeout-seconds S] COMMAND [flags]
+constexpr char kUsage[] = R"(subspace [--server host:port] [--timeout-seconds S] [--tls-ca FILE]
+         [--tls-cert FILE --tls-key FILE] [--auth-token T | $SUBSPACE_AUTH_TOKEN] COMMAND [flags]
 
 Commands:
   generate --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --min-p P
            --repetition-penalty R --seed S --stop A,B --logprobs N --ignore-eos
            --session ID --request JSON --json]
   stream   (the flags of generate) prints tokens as they arrive, then usage on stderr
-  session create [--ttl-seconds N] [--id ID] | get ID | list | delete ID
+  session create [--ttl-seconds N] [--id ID] [--refresh METHOD] [--refresh-every-tokens N]
+         | get ID | list | delete ID
   info     model description
   stats    KV cache statistics
   health   [--service NAME --wait-seconds N] prints SERVING, NOT_SERVING, UNKNOWN or
@@ -295,8 +311,14 @@ absl::Status RunSession(SubspaceClient& client, const std::vector<char*>& args) 
   const bool json = absl::GetFlag(FLAGS_json);
   const std::string verb = args.size() > 1 ? args[1] : "";
   if (verb == "create") {
-    absl::StatusOr<v1::Session> session =
-        client.CreateSession(absl::GetFlag(FLAGS_ttl_seconds), absl::GetFlag(FLAGS_id));
+    std::optional<v1::BasisRefresh> refresh;
+    if (!absl::GetFlag(FLAGS_refresh).empty() || absl::GetFlag(FLAGS_refresh_every_tokens) > 0) {
+      refresh.emplace();
+      refresh->set_method(absl::GetFlag(FLAGS_refresh));
+      refresh->set_every_tokens(absl::GetFlag(FLAGS_refresh_every_tokens));
+    }
+    absl::StatusOr<v1::Session> session = client.CreateSession(
+        absl::GetFlag(FLAGS_ttl_seconds), absl::GetFlag(FLAGS_id), refresh);
     if (!session.ok()) return session.status();
     if (json) {
       std::fputs(ToJson(*session, true).c_str(), stdout);
@@ -386,7 +408,7 @@ std::unique_ptr<SubspaceClient> FreshClient(const ClientOptions& options) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return std::make_unique<SubspaceClient>(
-      grpc::CreateCustomChannel(options.server, grpc::InsecureChannelCredentials(), args), options);
+      grpc::CreateCustomChannel(options.server, ChannelCredentials(options), args), options);
 }
 
 absl::Status RunHealth(ClientOptions options) {
@@ -471,6 +493,19 @@ absl::Status Run(const std::vector<char*>& positional, const std::vector<std::st
   if (timeout < 0) return absl::InvalidArgumentError("--timeout-seconds must be >= 0");
   if (timeout > 0) options.timeout = absl::Seconds(timeout);
   options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  const std::string tls_ca = absl::GetFlag(FLAGS_tls_ca);
+  const std::string tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  const std::string tls_key = absl::GetFlag(FLAGS_tls_key);
+  if (absl::GetFlag(FLAGS_tls) || !tls_ca.empty() || !tls_cert.empty() || !tls_key.empty()) {
+    absl::StatusOr<ClientTls> tls = LoadClientTls(tls_ca, tls_cert, tls_key);
+    if (!tls.ok()) return tls.status();
+    options.tls = *std::move(tls);
+  }
+  options.auth_token = absl::GetFlag(FLAGS_auth_token);
+  if (const char* env = std::getenv("SUBSPACE_AUTH_TOKEN");
+      options.auth_token.empty() && env != nullptr) {
+    options.auth_token = env;
+  }
   if (command == "health") return RunHealth(options);  // with its own channel settings
   SubspaceClient client(options);
 

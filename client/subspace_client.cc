@@ -5,6 +5,8 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -19,9 +21,53 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream bytes;
+  if (in.is_open()) bytes << in.rdbuf();
+  if (!in.is_open() || in.bad()) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
+  }
+  return bytes.str();
+}
+
+}  // namespace
+
+absl::StatusOr<ClientTls> LoadClientTls(const std::string& ca_path, const std::string& cert_path,
+                                        const std::string& key_path) {
+  if (cert_path.empty() != key_path.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key must be given together");
+  }
+  ClientTls tls;
+  struct File {
+    const std::string& path;
+    const char* flag;
+    std::string* pem;
+  };
+  for (const File& f :
+       {File{ca_path, "--tls-ca", &tls.root_certs}, File{cert_path, "--tls-cert", &tls.cert_chain},
+        File{key_path, "--tls-key", &tls.private_key}}) {
+    if (f.path.empty()) continue;
+    absl::StatusOr<std::string> pem = ReadPem(f.path, f.flag);
+    if (!pem.ok()) return pem.status();
+    *f.pem = *std::move(pem);
+  }
+  return tls;
+}
+
+std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const ClientOptions& options) {
+  if (!options.tls.has_value()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = options.tls->root_certs;
+  ssl.pem_cert_chain = options.tls->cert_chain;
+  ssl.pem_private_key = options.tls->private_key;
+  return grpc::SslCredentials(ssl);
+}
+
 SubspaceClient::SubspaceClient(ClientOptions options)
-    : SubspaceClient(grpc::CreateChannel(options.server, grpc::InsecureChannelCredentials()),
-                     options) {}
+    : SubspaceClient(grpc::CreateChannel(options.server, ChannelCredentials(options)), options) {}
 
 SubspaceClient::SubspaceClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
     : options_(std::move(options)),
@@ -34,6 +80,9 @@ void SubspaceClient::Prepare(grpc::ClientContext& context, const std::string& se
     context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
   }
   if (options_.wait_for_ready) context.set_wait_for_ready(true);
+  if (!options_.auth_token.empty()) {
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", options_.auth_token));
+  }
   if (!session_id.empty()) context.AddMetadata(kSessionIdHeader, session_id);
 }
 
@@ -82,8 +131,9 @@ absl::StatusOr<StreamResult> SubspaceClient::Stream(const v1::GenerateRequest& r
   return result;
 }
 
-absl::StatusOr<v1::Session> SubspaceClient::CreateSession(uint32_t idle_ttl_seconds,
-                                                          const std::string& session_id) {
+absl::StatusOr<v1::Session> SubspaceClient::CreateSession(
+    uint32_t idle_ttl_seconds, const std::string& session_id,
+    const std::optional<v1::BasisRefresh>& refresh) {
   // Made here, not by the server, so the routing key exists before the session does.
   absl::StatusOr<std::string> id = session_id.empty() ? NewSessionId() : session_id;
   if (!id.ok()) return id.status();
@@ -92,6 +142,7 @@ absl::StatusOr<v1::Session> SubspaceClient::CreateSession(uint32_t idle_ttl_seco
   v1::CreateSessionRequest request;
   request.set_idle_ttl_seconds(idle_ttl_seconds);
   request.set_session_id(*id);
+  if (refresh.has_value()) *request.mutable_refresh() = *refresh;
   v1::Session session;
   grpc::Status status = stub_->CreateSession(&context, request, &session);
   if (!status.ok()) return FromGrpcStatus(status);

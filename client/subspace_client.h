@@ -1,13 +1,14 @@
 // A small synchronous C++ client for the subspace.v1.Subspace gRPC service and the standard
 // grpc.health.v1 check: one method per RPC, absl::Status errors carrying the gRPC code, per-call
-// deadlines, and the `x-session-id` request header that session-affine proxies route on.
-// Thread-safe: one client may serve many threads.
+// deadlines, the `x-session-id` request header that session-affine proxies route on, TLS (and
+// mutual TLS) and a bearer token. Thread-safe: one client may serve many threads.
 #ifndef SUBSPACE_CLIENT_SUBSPACE_CLIENT_H_
 #define SUBSPACE_CLIENT_SUBSPACE_CLIENT_H_
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,13 @@ using ServingStatus = health_v1::HealthCheckResponse::ServingStatus;
 // body. Set on every call that names a session.
 inline constexpr char kSessionIdHeader[] = "x-session-id";
 
+// TLS settings of the channel, as PEM text (LoadClientTls reads them from files).
+struct ClientTls {
+  std::string root_certs;   // CAs that may sign the server's certificate; empty: gRPC's defaults
+  std::string cert_chain;   // for mutual TLS: the client's certificate chain, with private_key
+  std::string private_key;  // for mutual TLS
+};
+
 struct ClientOptions {
   std::string server = "localhost:50051";  // host:port, or any gRPC target URI
   // Deadline of each call, from its start; InfiniteDuration() for none.
@@ -35,7 +43,20 @@ struct ClientOptions {
   // Queue calls while the channel connects instead of failing fast with UNAVAILABLE (useful
   // right after starting a server); the deadline still applies.
   bool wait_for_ready = false;
+  // Unset: a plaintext channel.
+  std::optional<ClientTls> tls;
+  // Sent on every call as `authorization: Bearer <token>` when not empty.
+  std::string auth_token;
 };
+
+// Reads the PEM files of a TLS channel: `ca_path` (empty: gRPC's default roots) and, for mutual
+// TLS, `cert_path` with `key_path` (both or neither). INVALID_ARGUMENT naming the flag
+// (--tls-ca, --tls-cert, --tls-key) for a file that cannot be read or a lone cert or key.
+absl::StatusOr<ClientTls> LoadClientTls(const std::string& ca_path, const std::string& cert_path,
+                                        const std::string& key_path);
+
+// The channel credentials `options` ask for: TLS when options.tls is set, else insecure.
+std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const ClientOptions& options);
 
 // What a finished stream returned besides its chunks.
 struct StreamResult {
@@ -56,7 +77,8 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 
 class SubspaceClient {
  public:
-  // Opens an insecure channel to options.server (connection happens lazily, on the first call).
+  // Opens a channel to options.server, TLS when options.tls is set (connection happens lazily,
+  // on the first call).
   explicit SubspaceClient(ClientOptions options);
   // Uses an existing channel, e.g. an in-process one in tests.
   SubspaceClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
@@ -75,9 +97,11 @@ class SubspaceClient {
   // `x-session-id` header, so a session-affine proxy sends the create and every later call of
   // the session to the same replica. A given id must follow the server's rule (32 to 64
   // characters from [A-Za-z0-9_-]) and should hold at least 128 random bits: it is the
-  // capability to use the session. ALREADY_EXISTS when a live session has it.
-  absl::StatusOr<v1::Session> CreateSession(uint32_t idle_ttl_seconds = 0,
-                                            const std::string& session_id = "");
+  // capability to use the session. ALREADY_EXISTS when a live session has it. `refresh`: the
+  // session's online basis refresh (unset: the server's --refresh-* flags).
+  absl::StatusOr<v1::Session> CreateSession(
+      uint32_t idle_ttl_seconds = 0, const std::string& session_id = "",
+      const std::optional<v1::BasisRefresh>& refresh = std::nullopt);
   absl::StatusOr<v1::Session> GetSession(const std::string& session_id);
   absl::StatusOr<std::vector<v1::Session>> ListSessions();
   absl::Status DeleteSession(const std::string& session_id);
@@ -93,7 +117,8 @@ class SubspaceClient {
   const ClientOptions& options() const { return options_; }
 
  private:
-  // Applies the deadline, wait-for-ready and (when non-empty) the session header.
+  // Applies the deadline, wait-for-ready, the bearer token and (when non-empty) the session
+  // header.
   void Prepare(grpc::ClientContext& context, const std::string& session_id) const;
 
   ClientOptions options_;

@@ -5,7 +5,11 @@
 // Locking: mu_ guards the request table, the scheduler, the sessions and the stats. The cache
 // is touched only by the engine thread -- planning and session bookkeeping under mu_, the
 // forward pass outside it -- so Submit and friends never wait for a forward pass, and Stats()
-// reads a snapshot of the cache's counters taken by the engine thread.
+// reads a snapshot of the cache's counters taken by the engine thread. mu_ is a std::mutex, not
+// an absl::Mutex, so that ThreadSanitizer sees its happens-before edges (Debian's Abseil is not
+// built with TSan). The loop sleeps on kick_cv_ and Drain on idle_cv_; whoever may make
+// KickedLocked() or IdleLocked() true signals the variable (absl's Await re-evaluated them on
+// every unlock by itself).
 //
 // Session and EOS semantics (documented for the API):
 //  * A request on a session runs over the session's history + its prompt; only tokens not in
@@ -23,8 +27,10 @@
 #include "core/engine.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -32,12 +38,12 @@
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "core/scheduler.h"
 #include "core/session_store.h"
 
@@ -69,6 +75,21 @@ constexpr absl::Duration kBlockedPoll = absl::Milliseconds(10);
 
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
+// Waits on `cv` until `ready()` holds or absl's clock passes `deadline` (which may be
+// absl::InfiniteFuture()); true when ready. Each wait is capped so the conversion to a chrono
+// duration cannot overflow; an early wake-up only re-checks.
+template <typename Ready>
+bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, absl::Time deadline,
+               Ready ready) {
+  constexpr absl::Duration kMaxWait = absl::Hours(1);
+  while (!ready()) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return false;
+    cv.wait_for(lock, absl::ToChronoNanoseconds(std::min(left, kMaxWait)));
+  }
+  return true;
+}
+
 }  // namespace
 
 class Engine::Impl {
@@ -87,10 +108,12 @@ class Engine::Impl {
   absl::StatusOr<RequestId> Submit(GenerateRequest request,
                                    std::shared_ptr<GenerateObserver> observer);
   void Cancel(RequestId id);
-  absl::StatusOr<SessionInfo> CreateSession(absl::Duration idle_ttl, std::string_view proposed_id);
-  absl::StatusOr<SessionInfo> GetSession(std::string_view id) const;
-  std::vector<SessionInfo> ListSessions() const;
-  absl::Status DeleteSession(std::string_view id);
+  absl::StatusOr<SessionInfo> CreateSession(absl::Duration idle_ttl, std::string_view proposed_id,
+                                            std::string_view owner,
+                                            std::optional<RefreshConfig> refresh);
+  absl::StatusOr<SessionInfo> GetSession(std::string_view id, std::string_view owner) const;
+  std::vector<SessionInfo> ListSessions(std::string_view owner) const;
+  absl::Status DeleteSession(std::string_view id, std::string_view owner);
   bool Drain(absl::Duration timeout);
   bool draining() const;
   EngineStats Stats() const;
@@ -145,45 +168,54 @@ class Engine::Impl {
   };
 
   void Loop();
+  // *Locked methods run with mu_ held (the thread-safety annotations went with absl::Mutex:
+  // std::mutex is no capability type to clang's analysis).
   // Finishes cancelled, timed-out (and, when stopping, all) requests; evicts expired sessions
   // and frees the cache sequences that deleted or expired sessions left behind.
-  void ReapLocked(absl::Time now, std::vector<Delivery>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReapLocked(absl::Time now, std::vector<Delivery>* out);
   // Takes the request out of the scheduler, hands its cache to its session (or frees it),
   // queues OnFinish and forgets the request.
   void FinishLocked(Request& r, FinishReason reason, absl::Status status, absl::Time now,
-                    std::vector<Delivery>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                    std::vector<Delivery>* out);
   // The scheduler's reclaim hook: drops the cache of the least recently used idle session.
-  bool ReclaimIdleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FreeSeqLocked(SeqId seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ReclaimIdleLocked();
+  void FreeSeqLocked(SeqId seq);
   Outcome SampleAndDecode(Request& r, std::span<float> logits);
-  void Deliver(std::vector<Delivery>& out) ABSL_LOCKS_EXCLUDED(mu_);
+  // Takes mu_ itself: call without it.
+  void Deliver(std::vector<Delivery>& out);
 
-  bool KickedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return kicked_ || stop_; }
-  bool IdleLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return requests_.empty() && undelivered_finishes_ == 0;
+  // Something for the loop to look at: wakes it.
+  void KickLocked() {
+    kicked_ = true;
+    kick_cv_.notify_one();  // only the engine thread waits on it
   }
+  bool KickedLocked() const { return kicked_ || stop_; }
+  bool IdleLocked() const { return requests_.empty() && undelivered_finishes_ == 0; }
 
   const EngineConfig config_;
   const std::shared_ptr<LlamaModel> model_;
   const std::shared_ptr<const Tokenizer> tokenizer_;
   const std::unique_ptr<KvCache> cache_;  // engine thread only (see the file comment)
 
-  mutable absl::Mutex mu_;
-  std::unique_ptr<Scheduler> scheduler_ ABSL_GUARDED_BY(mu_);
-  SessionStore sessions_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<RequestId, std::unique_ptr<Request>> requests_ ABSL_GUARDED_BY(mu_);
-  std::vector<SeqId> seqs_to_free_ ABSL_GUARDED_BY(mu_);
-  RequestId next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  bool kicked_ ABSL_GUARDED_BY(mu_) = false;  // something for the loop to look at
-  bool draining_ ABSL_GUARDED_BY(mu_) = false;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  mutable std::mutex mu_;
+  std::condition_variable kick_cv_;  // KickedLocked() may have become true
+  std::condition_variable idle_cv_;  // IdleLocked() may have become true
+  // Guarded by mu_, from here to cache_stats_:
+  std::unique_ptr<Scheduler> scheduler_;
+  SessionStore sessions_;
+  absl::flat_hash_map<RequestId, std::unique_ptr<Request>> requests_;
+  std::vector<SeqId> seqs_to_free_;
+  RequestId next_id_ = 1;
+  bool kicked_ = false;  // something for the loop to look at (set through KickLocked)
+  bool draining_ = false;
+  bool stop_ = false;
   // Finishes taken out of requests_ whose OnFinish has not returned yet (Drain waits for them).
-  int64_t undelivered_finishes_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t steps_total_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t undelivered_finishes_ = 0;
+  int64_t steps_total_ = 0;
   // No idle session expires before this (a lower bound, so the sessions are scanned only
   // when one may have expired, not on every step).
-  absl::Time next_session_expiry_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
-  KvCacheStats cache_stats_ ABSL_GUARDED_BY(mu_);
+  absl::Time next_session_expiry_ = absl::InfiniteFuture();
+  KvCacheStats cache_stats_;
 
   // Engine thread only: the step's batch, reused across steps.
   std::vector<SequenceChunk> batch_;
@@ -193,7 +225,7 @@ class Engine::Impl {
 };
 
 absl::Status Engine::Impl::Start() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   SchedulerConfig sc;
   sc.max_running = config_.max_running;
   sc.max_batch_tokens = config_.max_batch_tokens;
@@ -201,7 +233,6 @@ absl::Status Engine::Impl::Start() {
   absl::StatusOr<std::unique_ptr<Scheduler>> scheduler =
       Scheduler::Create(sc, cache_.get(), [this]() {
         // Called from Schedule(), which runs under mu_ on the engine thread.
-        mu_.AssertHeld();
         return ReclaimIdleLocked();
       });
   if (!scheduler.ok()) return scheduler.status();
@@ -213,8 +244,9 @@ absl::Status Engine::Impl::Start() {
 
 Engine::Impl::~Impl() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    kick_cv_.notify_one();
   }
   if (thread_.joinable()) thread_.join();
 }
@@ -238,11 +270,11 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
   if (absl::Status st = ValidateSamplingParams(request.sampling); !st.ok()) return st;
 
   const absl::Time now = absl::Now();
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (draining_ || stop_) return absl::UnavailableError("the engine is draining");
   Session* session = nullptr;
   if (!request.session_id.empty()) {
-    session = sessions_.Find(request.session_id, now);
+    session = sessions_.FindOwned(request.session_id, request.session_owner, now);
     if (session == nullptr) {
       return absl::NotFoundError(absl::StrCat("session ", request.session_id, " not found"));
     }
@@ -274,7 +306,8 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
   // The longest the sequence gets in the cache: the last generated token is never written.
   absl::Status added =
       scheduler_->Add(id, total, total + max_new - 1, session == nullptr ? -1 : session->seq,
-                      session == nullptr ? 0 : session->cached);
+                      session == nullptr ? 0 : session->cached,
+                      session != nullptr && session->refresh ? &*session->refresh : nullptr);
   if (!added.ok()) return added;
   ++next_id_;
 
@@ -294,38 +327,45 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
     session->last_used = now;
   }
   requests_.emplace(id, std::move(r));
-  kicked_ = true;
+  KickLocked();
   return id;
 }
 
 void Engine::Impl::Cancel(RequestId id) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = requests_.find(id);
   if (it == requests_.end()) return;
   it->second->cancelled = true;
-  kicked_ = true;
+  KickLocked();
 }
 
 absl::StatusOr<SessionInfo> Engine::Impl::CreateSession(absl::Duration idle_ttl,
-                                                        std::string_view proposed_id) {
+                                                        std::string_view proposed_id,
+                                                        std::string_view owner,
+                                                        std::optional<RefreshConfig> refresh) {
+  if (refresh.has_value()) {
+    if (absl::Status s = ValidateRefreshConfig(*refresh); !s.ok()) return s;
+  }
   const absl::Time now = absl::Now();
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (draining_ || stop_) return absl::UnavailableError("the engine is draining");
   // Expired sessions must not hold slots against max_sessions, nor keep their ids taken.
   const size_t before = seqs_to_free_.size();
   sessions_.EvictExpired(now, &seqs_to_free_);
-  if (seqs_to_free_.size() != before) kicked_ = true;
-  absl::StatusOr<Session*> session = sessions_.Create(idle_ttl, now, proposed_id);
+  if (seqs_to_free_.size() != before) KickLocked();
+  absl::StatusOr<Session*> session = sessions_.Create(idle_ttl, now, proposed_id, owner);
   if (!session.ok()) return session.status();
+  (*session)->refresh = std::move(refresh);
   next_session_expiry_ = std::min(next_session_expiry_, now + (*session)->idle_ttl);
-  kicked_ = true;  // the loop may be asleep until a later expiry
+  KickLocked();  // the loop may be asleep until a later expiry
   return (*session)->Info();
 }
 
-absl::StatusOr<SessionInfo> Engine::Impl::GetSession(std::string_view id) const {
+absl::StatusOr<SessionInfo> Engine::Impl::GetSession(std::string_view id,
+                                                     std::string_view owner) const {
   const absl::Time now = absl::Now();
-  absl::MutexLock lock(&mu_);
-  const Session* session = sessions_.Find(id, now);
+  std::lock_guard<std::mutex> lock(mu_);
+  const Session* session = sessions_.FindOwned(id, owner, now);
   if (session == nullptr) {
     return absl::NotFoundError(
         absl::StrCat("session ", absl::string_view(id.data(), id.size()), " not found"));
@@ -333,16 +373,16 @@ absl::StatusOr<SessionInfo> Engine::Impl::GetSession(std::string_view id) const 
   return session->Info();
 }
 
-std::vector<SessionInfo> Engine::Impl::ListSessions() const {
+std::vector<SessionInfo> Engine::Impl::ListSessions(std::string_view owner) const {
   const absl::Time now = absl::Now();
-  absl::MutexLock lock(&mu_);
-  return sessions_.List(now);
+  std::lock_guard<std::mutex> lock(mu_);
+  return sessions_.List(owner, now);
 }
 
-absl::Status Engine::Impl::DeleteSession(std::string_view id) {
+absl::Status Engine::Impl::DeleteSession(std::string_view id, std::string_view owner) {
   const absl::Time now = absl::Now();
-  absl::MutexLock lock(&mu_);
-  Session* session = sessions_.Find(id, now);
+  std::lock_guard<std::mutex> lock(mu_);
+  Session* session = sessions_.FindOwned(id, owner, now);
   if (session == nullptr) {
     return absl::NotFoundError(
         absl::StrCat("session ", absl::string_view(id.data(), id.size()), " not found"));
@@ -354,23 +394,23 @@ absl::Status Engine::Impl::DeleteSession(std::string_view id) {
     }
   }
   sessions_.Erase(id, &seqs_to_free_);
-  kicked_ = true;
+  KickLocked();
   return absl::OkStatus();
 }
 
 bool Engine::Impl::Drain(absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   draining_ = true;
-  return mu_.AwaitWithTimeout(absl::Condition(this, &Impl::IdleLocked), timeout);
+  return WaitUntil(idle_cv_, lock, absl::Now() + timeout, [this] { return IdleLocked(); });
 }
 
 bool Engine::Impl::draining() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return draining_;
 }
 
 EngineStats Engine::Impl::Stats() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   EngineStats s;
   s.running = scheduler_->running();
   s.waiting = scheduler_->waiting();
@@ -386,7 +426,7 @@ EngineStats Engine::Impl::Stats() const {
 void Engine::Impl::Loop() {
   std::vector<Delivery> out;
   const int64_t n_vocab = model_->config().n_vocab;
-  mu_.Lock();
+  std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     absl::Time now = absl::Now();
     kicked_ = false;
@@ -398,13 +438,13 @@ void Engine::Impl::Loop() {
     if (!scheduler_->empty()) plan = scheduler_->Schedule();
     if (plan.empty()) {
       if (!out.empty()) {
-        mu_.Unlock();
+        lock.unlock();
         Deliver(out);
-        mu_.Lock();
+        lock.lock();
         continue;
       }
       const absl::Time wake = scheduler_->empty() ? next_session_expiry_ : now + kBlockedPoll;
-      mu_.AwaitWithDeadline(absl::Condition(this, &Impl::KickedLocked), wake);
+      WaitUntil(kick_cv_, lock, wake, [this] { return KickedLocked(); });
       continue;
     }
 
@@ -422,7 +462,7 @@ void Engine::Impl::Loop() {
                         /*all_logits=*/false});
       batch_requests_.push_back(&r);
     }
-    mu_.Unlock();
+    lock.unlock();
     Deliver(out);
 
     // The forward pass and sampling run without the lock: only this thread touches the cache
@@ -448,7 +488,7 @@ void Engine::Impl::Loop() {
     step.prefill_tokens = static_cast<int>(plan.prefill_tokens);
     step.seconds = Seconds(end - start);
 
-    mu_.Lock();
+    lock.lock();
     ++steps_total_;
     if (!forward.ok()) {
       // The batch's cache state is unknown: FinishLocked frees every sequence in it.
@@ -478,13 +518,13 @@ void Engine::Impl::Loop() {
       }
     }
     cache_stats_ = cache_->Stats();
-    mu_.Unlock();
+    lock.unlock();
     Deliver(out);
     if (config_.on_step) config_.on_step(step);
-    mu_.Lock();
+    lock.lock();
   }
   cache_stats_ = cache_->Stats();
-  mu_.Unlock();
+  lock.unlock();
   Deliver(out);
 }
 
@@ -606,8 +646,9 @@ void Engine::Impl::Deliver(std::vector<Delivery>& out) {
   }
   out.clear();
   if (finishes > 0) {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     undelivered_finishes_ -= finishes;
+    if (IdleLocked()) idle_cv_.notify_all();  // Drain may wait on several threads
   }
 }
 
@@ -650,14 +691,20 @@ absl::StatusOr<RequestId> Engine::Submit(GenerateRequest request,
 }
 void Engine::Cancel(RequestId id) { impl_->Cancel(id); }
 absl::StatusOr<SessionInfo> Engine::CreateSession(absl::Duration idle_ttl,
-                                                  std::string_view proposed_id) {
-  return impl_->CreateSession(idle_ttl, proposed_id);
+                                                  std::string_view proposed_id,
+                                                  std::string_view owner,
+                                                  std::optional<RefreshConfig> refresh) {
+  return impl_->CreateSession(idle_ttl, proposed_id, owner, std::move(refresh));
 }
-absl::StatusOr<SessionInfo> Engine::GetSession(std::string_view id) const {
-  return impl_->GetSession(id);
+absl::StatusOr<SessionInfo> Engine::GetSession(std::string_view id, std::string_view owner) const {
+  return impl_->GetSession(id, owner);
 }
-std::vector<SessionInfo> Engine::ListSessions() const { return impl_->ListSessions(); }
-absl::Status Engine::DeleteSession(std::string_view id) { return impl_->DeleteSession(id); }
+std::vector<SessionInfo> Engine::ListSessions(std::string_view owner) const {
+  return impl_->ListSessions(owner);
+}
+absl::Status Engine::DeleteSession(std::string_view id, std::string_view owner) {
+  return impl_->DeleteSession(id, owner);
+}
 bool Engine::Drain(absl::Duration timeout) { return impl_->Drain(timeout); }
 bool Engine::draining() const { return impl_->draining(); }
 EngineStats Engine::Stats() const { return impl_->Stats(); }

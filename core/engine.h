@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -17,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/kv_cache.h"
+#include "core/refresh_config.h"
 #include "core/model.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
@@ -48,6 +50,7 @@ struct GenerateRequest {
   std::string request_id;
   std::vector<int32_t> prompt;  // token ids, BOS included when wanted
   std::string session_id;       // empty: a one-shot request with its own sequence
+  std::string session_owner;    // the caller's principal; only the session's owner may use it
   SamplingParams sampling;
   int32_t max_new_tokens = 64;
   std::vector<std::string> stop;
@@ -102,6 +105,7 @@ struct SessionInfo {
   absl::Time created;
   absl::Time last_used;
   bool busy = false;
+  RefreshMethod refresh_method = RefreshMethod::kNone;  // as set at creation (none: the default)
 };
 
 struct EngineStats {
@@ -128,8 +132,9 @@ class Engine {
   //   (after the session's history) that leaves no room to generate in the context, bad
   //   sampling parameters (message names the field); otherwise max_new_tokens is clamped
   //   to the context left and the request ends with kLength there;
-  // NOT_FOUND: unknown session; FAILED_PRECONDITION: the session is busy with another
-  // request; RESOURCE_EXHAUSTED: queue full, or the request can never fit the pool;
+  // NOT_FOUND: unknown session (or one session_owner does not own); FAILED_PRECONDITION: the
+  // session is busy with another request; RESOURCE_EXHAUSTED: queue full, or the request can
+  // never fit the pool;
   // UNAVAILABLE: draining. Observer calls may begin before Submit returns.
   // On a session, the request runs over the session's history + `prompt`; when it ends
   // (for any reason) the history gains the prompt and every token reported through
@@ -147,12 +152,19 @@ class Engine {
   // client can route on it before the session exists), ALREADY_EXISTS when a live session has
   // it. The engine does not judge its form or randomness: the caller does (the server checks it
   // in request_validation).
+  // `owner` is an opaque principal (empty: the anonymous one) the session belongs to. Get,
+  // Delete and Submit by any other owner get NOT_FOUND, exactly as for an unknown id, and
+  // ListSessions lists only the owner's sessions.
+  // `refresh`: online basis refresh for the session's cache sequences (INVALID_ARGUMENT when
+  // out of range; the cache must support it); unset: the cache's default.
   absl::StatusOr<SessionInfo> CreateSession(absl::Duration idle_ttl = absl::ZeroDuration(),
-                                            std::string_view proposed_id = {});
-  absl::StatusOr<SessionInfo> GetSession(std::string_view id) const;
-  std::vector<SessionInfo> ListSessions() const;
+                                            std::string_view proposed_id = {},
+                                            std::string_view owner = {},
+                                            std::optional<RefreshConfig> refresh = std::nullopt);
+  absl::StatusOr<SessionInfo> GetSession(std::string_view id, std::string_view owner = {}) const;
+  std::vector<SessionInfo> ListSessions(std::string_view owner = {}) const;
   // NOT_FOUND when unknown; a running request on it is cancelled first.
-  absl::Status DeleteSession(std::string_view id);
+  absl::Status DeleteSession(std::string_view id, std::string_view owner = {});
 
   // Stops admitting (Submit gives UNAVAILABLE) and waits up to `timeout` for in-flight and
   // queued requests to finish. True when all finished in time.

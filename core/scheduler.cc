@@ -76,7 +76,7 @@ Scheduler::Scheduler(const SchedulerConfig& config, KvCache* cache, ReclaimFn re
       max_sequence_tokens_(max_sequence_tokens) {}
 
 absl::Status Scheduler::Add(uint64_t id, int64_t num_tokens, int64_t max_cached_tokens, SeqId seq,
-                            int64_t num_cached) {
+                            int64_t num_cached, const RefreshConfig* refresh) {
   if (entries_.contains(id)) {
     return absl::InvalidArgumentError(absl::StrFormat("request %d is already scheduled", id));
   }
@@ -101,6 +101,7 @@ absl::Status Scheduler::Add(uint64_t id, int64_t num_tokens, int64_t max_cached_
   e.seq = seq;
   e.num_tokens = num_tokens;
   e.num_computed = num_cached;
+  if (refresh != nullptr) e.refresh = *refresh;
   waiting_.push_back(id);
   return absl::OkStatus();
 }
@@ -174,6 +175,12 @@ bool Scheduler::ReserveForAdmission(Entry& e) {
     absl::StatusOr<SeqId> seq = cache_->CreateSequence();
     if (!seq.ok()) return false;
     e.seq = *seq;
+    if (e.refresh.has_value()) {
+      // Validated when the session was made, against this cache's kind.
+      const absl::Status st = cache_->SetSequenceRefresh(e.seq, *e.refresh);
+      assert(st.ok());
+      (void)st;
+    }
   }
   const int64_t need = e.num_tokens - e.num_computed;
   while (!cache_->Reserve(e.seq, need).ok()) {

@@ -9,12 +9,14 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/kv_cache.h"
+#include "core/refresh_config.h"
 
 namespace subspace {
 
@@ -77,9 +79,10 @@ class Scheduler {
   // a cache sequence already holding the first `num_cached` tokens (a session's), which the
   // scheduler now owns, or -1. RESOURCE_EXHAUSTED when the queue is full or
   // `max_cached_tokens` cannot fit the pool; INVALID_ARGUMENT for inconsistent counts or a
-  // duplicate id.
+  // duplicate id. `refresh`: the online basis refresh a sequence created for the request gets
+  // (a session's choice); nullptr keeps the cache's default.
   absl::Status Add(uint64_t id, int64_t num_tokens, int64_t max_cached_tokens, SeqId seq,
-                   int64_t num_cached);
+                   int64_t num_cached, const RefreshConfig* refresh = nullptr);
 
   // Plans one step, reserving its blocks (and preempting as the policy above says).
   StepPlan Schedule();
@@ -113,6 +116,7 @@ class Scheduler {
     int64_t num_computed = 0;  // tokens in the cache
     int64_t preemptions = 0;
     bool scheduled = false;  // in the plan being built
+    std::optional<RefreshConfig> refresh;  // applied to every sequence created for it
   };
 
   Scheduler(const SchedulerConfig& config, KvCache* cache, ReclaimFn reclaim_idle,

@@ -23,13 +23,15 @@ SessionInfo Session::Info() const {
   info.created = created;
   info.last_used = last_used;
   info.busy = busy();
+  info.refresh_method = refresh.has_value() ? refresh->method : RefreshMethod::kNone;
   return info;
 }
 
 absl::StatusOr<std::string> NewSessionId() { return NewRandomHexId(); }
 
 absl::StatusOr<Session*> SessionStore::Create(absl::Duration idle_ttl, absl::Time now,
-                                              std::string_view proposed_id) {
+                                              std::string_view proposed_id,
+                                              std::string_view owner) {
   if (idle_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("idle_ttl must not be negative");
   }
@@ -45,6 +47,7 @@ absl::StatusOr<Session*> SessionStore::Create(absl::Duration idle_ttl, absl::Tim
   }
   auto session = std::make_unique<Session>();
   session->id = *id;
+  session->owner = std::string(owner);
   session->idle_ttl = idle_ttl == absl::ZeroDuration() ? default_ttl_ : idle_ttl;
   session->created = now;
   session->last_used = now;
@@ -63,9 +66,17 @@ Session* SessionStore::Find(std::string_view id, absl::Time now) {
   return it->second.get();
 }
 
-const Session* SessionStore::Find(std::string_view id, absl::Time now) const {
+Session* SessionStore::FindOwned(std::string_view id, std::string_view owner, absl::Time now) {
+  Session* session = Find(id, now);
+  return session != nullptr && session->owner == owner ? session : nullptr;
+}
+
+const Session* SessionStore::FindOwned(std::string_view id, std::string_view owner,
+                                       absl::Time now) const {
   auto it = sessions_.find(absl::string_view(id.data(), id.size()));
-  if (it == sessions_.end() || it->second->Expired(now)) return nullptr;
+  if (it == sessions_.end() || it->second->Expired(now) || it->second->owner != owner) {
+    return nullptr;
+  }
   return it->second.get();
 }
 
@@ -105,11 +116,10 @@ Session* SessionStore::LeastRecentlyUsedCached() {
   return lru;
 }
 
-std::vector<SessionInfo> SessionStore::List(absl::Time now) const {
+std::vector<SessionInfo> SessionStore::List(std::string_view owner, absl::Time now) const {
   std::vector<SessionInfo> out;
-  out.reserve(sessions_.size());
   for (const auto& [id, s] : sessions_) {
-    if (!s->Expired(now)) out.push_back(s->Info());
+    if (!s->Expired(now) && s->owner == owner) out.push_back(s->Info());
   }
   return out;
 }

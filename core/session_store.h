@@ -1,11 +1,13 @@
 // Sessions: a conversation's token history and the KV-cache sequence that holds its prefix,
-// kept between calls, with ids from the OS CSPRNG, an idle TTL and a cap on how many exist.
-// Bookkeeping only: the engine frees the cache sequences this store hands back, on its thread.
+// kept between calls, with ids from the OS CSPRNG, an idle TTL, an owner and a cap on how many
+// exist. Bookkeeping only: the engine frees the cache sequences this store hands back, on its
+// thread.
 #ifndef SUBSPACE_CORE_SESSION_STORE_H_
 #define SUBSPACE_CORE_SESSION_STORE_H_
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -15,11 +17,15 @@
 #include "absl/time/time.h"
 #include "core/engine.h"
 #include "core/kv_cache.h"
+#include "core/refresh_config.h"
 
 namespace subspace {
 
 struct Session {
   std::string id;
+  // The principal that created it, opaque here (the server derives it from the caller's
+  // credentials; empty is the anonymous one). Only its owner can see or use a session.
+  std::string owner;
   std::vector<int32_t> tokens;  // the conversation so far: every prompt and generated token
   // The cache sequence holding tokens[0, cached) while the session is idle; -1 when it has
   // none, or while a request has it (the scheduler owns it then).
@@ -29,6 +35,8 @@ struct Session {
   absl::Time created;
   absl::Time last_used;
   uint64_t active_request = 0;  // the request running on it; 0 when idle
+  // Online basis refresh for every cache sequence made for it; unset: the cache's default.
+  std::optional<RefreshConfig> refresh;
 
   bool busy() const { return active_request != 0; }
   // Busy sessions never expire: the TTL counts from the end of the last call.
@@ -49,13 +57,16 @@ class SessionStore {
   // `idle_ttl` zero means the default. INVALID_ARGUMENT for a negative TTL;
   // RESOURCE_EXHAUSTED at max_sessions (expire first: expired sessions still count).
   // `proposed_id` empty: a fresh NewSessionId(); otherwise that id, ALREADY_EXISTS when a stored
-  // session has it (expire first: an expired one still holds its id).
+  // session has it (expire first: an expired one still holds its id), whoever owns it.
   absl::StatusOr<Session*> Create(absl::Duration idle_ttl, absl::Time now,
-                                  std::string_view proposed_id = {});
+                                  std::string_view proposed_id = {}, std::string_view owner = {});
   // Null when unknown or expired (an expired session is as good as gone, even before the
-  // engine evicts it).
+  // engine evicts it), whoever owns it: for the engine's own bookkeeping.
   Session* Find(std::string_view id, absl::Time now);
-  const Session* Find(std::string_view id, absl::Time now) const;
+  // As Find, and null too when `owner` does not own it: to a caller, another principal's
+  // session is indistinguishable from one that does not exist.
+  Session* FindOwned(std::string_view id, std::string_view owner, absl::Time now);
+  const Session* FindOwned(std::string_view id, std::string_view owner, absl::Time now) const;
   // Removes a session; its cache sequence (if any) goes to `seqs_to_free`. False if unknown.
   bool Erase(std::string_view id, std::vector<SeqId>* seqs_to_free);
   // Removes every expired session; their sequences go to `seqs_to_free`.
@@ -64,7 +75,8 @@ class SessionStore {
   absl::Time NextExpiry() const;
   // The least recently used idle session that holds a cache sequence, or null.
   Session* LeastRecentlyUsedCached();
-  std::vector<SessionInfo> List(absl::Time now) const;
+  // The live sessions `owner` owns.
+  std::vector<SessionInfo> List(std::string_view owner, absl::Time now) const;
   int size() const { return static_cast<int>(sessions_.size()); }
 
  private:

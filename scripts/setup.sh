@@ -5,11 +5,11 @@ set -euo pipefail
 
 PACKAGES=(
   cmake ninja-build g++ pkg-config git
-  libabsl-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  libabsl-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libssl-dev
   libspdlog-dev libfmt-dev prometheus-cpp-dev libgtest-dev libgmock-dev
   libopenblas-dev libopenblas0-pthread
   python3 python3-numpy python3-torch python3-sentencepiece python3-grpcio
-  prometheus curl
+  prometheus curl openssl
   nginx python3-yaml
   clang libclang-rt-14-dev libomp-dev
 )

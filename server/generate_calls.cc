@@ -3,6 +3,7 @@
 // it (a gRPC reaction may run inline inside StartWrite/Finish); at most one write is in flight;
 // Finish is called exactly once; and each object owns itself (self_) until OnDone while the
 // engine holds its own reference until OnFinish, so neither side can outlive the other's use.
+// The locks are std::mutex, not absl::Mutex, so ThreadSanitizer sees them (scripts/sanitize.sh).
 #include "server/generate_calls.h"
 
 #include <deque>
@@ -13,8 +14,6 @@
 #include <string>
 #include <utility>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "server/request_validation.h"
 #include "server/status_util.h"
 #include "spdlog/spdlog.h"
@@ -81,7 +80,7 @@ class GenerateCall : public GenerateObserver, public std::enable_shared_from_thi
     }
     bool cancel = false;
     {
-      absl::MutexLock lock(&id_mu_);
+      std::lock_guard<std::mutex> lock(id_mu_);
       id_ = *id;
       cancel = cancel_requested_;
     }
@@ -94,7 +93,7 @@ class GenerateCall : public GenerateObserver, public std::enable_shared_from_thi
   void CancelEngineRequest() {
     std::optional<RequestId> id;
     {
-      absl::MutexLock lock(&id_mu_);
+      std::lock_guard<std::mutex> lock(id_mu_);
       cancel_requested_ = true;
       id = id_;
     }
@@ -131,9 +130,10 @@ class GenerateCall : public GenerateObserver, public std::enable_shared_from_thi
 
  private:
   std::shared_ptr<GenerateCall> self_;
-  absl::Mutex id_mu_;
-  std::optional<RequestId> id_ ABSL_GUARDED_BY(id_mu_);
-  bool cancel_requested_ ABSL_GUARDED_BY(id_mu_) = false;
+  std::mutex id_mu_;
+  // Guarded by id_mu_:
+  std::optional<RequestId> id_;
+  bool cancel_requested_ = false;
 };
 
 class UnaryGenerateCall final : public grpc::ServerUnaryReactor, public GenerateCall {
@@ -150,7 +150,7 @@ class UnaryGenerateCall final : public grpc::ServerUnaryReactor, public Generate
   }
 
   void OnTokens(std::span<const GeneratedTokenEvent> tokens) override {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (finished_) return;
     for (const GeneratedTokenEvent& t : tokens) {
       response_.mutable_text()->append(ToValidUtf8(t.text));
@@ -164,7 +164,7 @@ class UnaryGenerateCall final : public grpc::ServerUnaryReactor, public Generate
     RecordFinished(result, status);
     v1::GenerateResponse done;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;  // the client cancelled first and has its status already
       finished_ = true;
       response_.set_finish_reason(ToProto(result.finish));
@@ -190,7 +190,7 @@ class UnaryGenerateCall final : public grpc::ServerUnaryReactor, public Generate
  private:
   void FinishOnce(grpc::Status status) {
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;
       finished_ = true;
     }
@@ -198,9 +198,10 @@ class UnaryGenerateCall final : public grpc::ServerUnaryReactor, public Generate
   }
 
   grpc::ByteBuffer* const wire_response_;  // owned by gRPC, valid until OnDone
-  absl::Mutex mu_;
-  v1::GenerateResponse response_ ABSL_GUARDED_BY(mu_);
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::mutex mu_;
+  // Guarded by mu_:
+  v1::GenerateResponse response_;
+  bool finished_ = false;
 };
 
 class StreamGenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
@@ -214,7 +215,7 @@ class StreamGenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffe
     if (s.ok()) return;
     Action action;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       engine_done_ = true;
       status_ = s;
       action = NextActionLocked();
@@ -225,7 +226,7 @@ class StreamGenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffe
   void OnTokens(std::span<const GeneratedTokenEvent> tokens) override {
     Action action;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (broken_ || finish_called_) return;
       // Merge into the last queued chunk: a slow client gets fewer, larger messages instead
       // of an ever longer queue.
@@ -247,7 +248,7 @@ class StreamGenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffe
     RecordFinished(result, status);
     Action action;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       engine_done_ = true;
       if (broken_) return;  // already finished, or about to be, with CANCELLED
       status_ = status;
@@ -268,7 +269,7 @@ class StreamGenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffe
   void OnWriteDone(bool ok) override {
     Action action;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       writing_ = false;
       if (!ok) MarkBrokenLocked();
       action = NextActionLocked();
@@ -282,7 +283,7 @@ class StreamGenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffe
     CancelEngineRequest();
     Action action;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       MarkBrokenLocked();
       action = NextActionLocked();
     }
@@ -294,7 +295,8 @@ class StreamGenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffe
  private:
   enum class Action { kNone, kWrite, kFinish };
 
-  void MarkBrokenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // *Locked: with mu_ held.
+  void MarkBrokenLocked() {
     if (broken_) return;
     broken_ = true;
     pending_.clear();
@@ -303,7 +305,7 @@ class StreamGenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffe
 
   // Claims the reactor for one operation when no other thread holds it: the next queued
   // message, or Finish once nothing more will come.
-  Action NextActionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  Action NextActionLocked() {
     if (writing_ || finish_called_) return Action::kNone;
     if (!pending_.empty()) {
       in_flight_message_ = std::move(pending_.front());
@@ -327,7 +329,7 @@ class StreamGenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffe
         if (!s.ok()) {
           CancelEngineRequest();
           {
-            absl::MutexLock lock(&mu_);
+            std::lock_guard<std::mutex> lock(mu_);
             finish_called_ = true;  // no write is in flight, so nobody else can finish
           }
           Finish(s);
@@ -339,7 +341,7 @@ class StreamGenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffe
       case Action::kFinish: {
         absl::Status status;
         {
-          absl::MutexLock lock(&mu_);
+          std::lock_guard<std::mutex> lock(mu_);
           status = status_;
         }
         Finish(ToGrpcStatus(status));
@@ -350,15 +352,16 @@ class StreamGenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffe
     }
   }
 
-  absl::Mutex mu_;
-  std::deque<v1::GenerateStreamResponse> pending_ ABSL_GUARDED_BY(mu_);
-  v1::GenerateStreamResponse in_flight_message_;  // owned by whoever set writing_
-  grpc::ByteBuffer in_flight_;                    // its serialized form, being written
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool engine_done_ ABSL_GUARDED_BY(mu_) = false;  // OnFinish arrived (or Submit failed)
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;       // cancelled or a write failed
-  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::mutex mu_;
+  std::deque<v1::GenerateStreamResponse> pending_;  // guarded by mu_
+  v1::GenerateStreamResponse in_flight_message_;    // owned by whoever set writing_
+  grpc::ByteBuffer in_flight_;                      // its serialized form, being written
+  // Guarded by mu_:
+  bool writing_ = false;
+  bool engine_done_ = false;  // OnFinish arrived (or Submit failed)
+  bool broken_ = false;       // cancelled or a write failed
+  bool finish_called_ = false;
+  absl::Status status_;
 };
 
 // Answers a stream that never reached the engine.

@@ -18,7 +18,9 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "core/refresh_config.h"
 #include "server/server_app.h"
 #include "spdlog/async.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
@@ -50,6 +52,20 @@ ABSL_FLAG(float, kv_outlier_threshold, 1.0f,
 ABSL_FLAG(std::string, bases, "",
           "compressed cache: basis file from subspace-calibrate, installed as the default epoch "
           "(its per-layer ranks replace --kv-rank-k/--kv-rank-v)");
+ABSL_FLAG(std::string, refresh_method, "none",
+          "compressed cache: online basis refresh per session: none (static bases), pca, kqsvd, "
+          "oja or fd; a session may ask for another (CreateSessionRequest.refresh)");
+ABSL_FLAG(int64_t, refresh_every_tokens, 256,
+          "online refresh: new basis epoch every this many compressed tokens (0 = never by count)");
+ABSL_FLAG(double, refresh_residual_threshold, 0.0,
+          "online refresh: also refresh when the mean key residual-energy ratio of new blocks "
+          "passes this (0 = off)");
+ABSL_FLAG(double, refresh_half_life_tokens, 1024,
+          "online refresh (pca, kqsvd, fd): statistics lose half their weight over this many "
+          "tokens (0 = no decay)");
+ABSL_FLAG(double, refresh_oja_learning_rate, 1.0, "online refresh (oja): step size");
+ABSL_FLAG(int32_t, refresh_max_epochs, 2,
+          "online refresh: basis epochs live per session; older blocks are re-projected");
 ABSL_FLAG(int32_t, max_running, 16, "sequences admitted to the batch at once");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens per engine step (decodes + prefill chunks)");
 ABSL_FLAG(int32_t, max_queue, 256, "waiting requests; more get RESOURCE_EXHAUSTED");
@@ -57,6 +73,14 @@ ABSL_FLAG(int32_t, max_sessions, 1024, "live sessions; more get RESOURCE_EXHAUST
 ABSL_FLAG(int32_t, session_ttl_seconds, 600, "idle time after which a session is dropped");
 ABSL_FLAG(int32_t, drain_seconds, 30, "on SIGTERM, how long running requests may take to finish");
 ABSL_FLAG(int32_t, max_message_bytes, 4 << 20, "largest gRPC request accepted, in bytes");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain for gRPC over TLS (with --tls-key); empty = plaintext");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle; set = mutual TLS: clients must present a certificate it signed");
+ABSL_FLAG(std::string, auth_tokens, "",
+          "file of bearer tokens, one per line ('#' comments); set = every Subspace RPC needs "
+          "'authorization: Bearer <token>' (health does not)");
 ABSL_FLAG(std::string, log_level, "info",
           "trace, debug, info, warn, error, critical or off (request lines are info)");
 
@@ -106,6 +130,17 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.kv_cache.full_dtype = *full_dtype;
   c.kv_cache.outlier_threshold = absl::GetFlag(FLAGS_kv_outlier_threshold);
   c.kv_cache.bases_path = absl::GetFlag(FLAGS_bases);
+  absl::StatusOr<subspace::RefreshMethod> refresh =
+      subspace::ParseRefreshMethod(absl::GetFlag(FLAGS_refresh_method));
+  if (!refresh.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--refresh-method: ", refresh.status().message()));
+  }
+  c.kv_cache.refresh.method = *refresh;
+  c.kv_cache.refresh.every_tokens = absl::GetFlag(FLAGS_refresh_every_tokens);
+  c.kv_cache.refresh.residual_threshold = absl::GetFlag(FLAGS_refresh_residual_threshold);
+  c.kv_cache.refresh.half_life_tokens = absl::GetFlag(FLAGS_refresh_half_life_tokens);
+  c.kv_cache.refresh.oja_learning_rate = absl::GetFlag(FLAGS_refresh_oja_learning_rate);
+  c.kv_cache.refresh.max_epochs = absl::GetFlag(FLAGS_refresh_max_epochs);
   c.engine.max_running = absl::GetFlag(FLAGS_max_running);
   c.engine.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   c.engine.max_queue = absl::GetFlag(FLAGS_max_queue);
@@ -113,6 +148,10 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.engine.default_session_ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
   c.drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
   c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  c.tls.cert_path = absl::GetFlag(FLAGS_tls_cert);
+  c.tls.key_path = absl::GetFlag(FLAGS_tls_key);
+  c.tls.client_ca_path = absl::GetFlag(FLAGS_tls_client_ca);
+  c.auth_tokens_path = absl::GetFlag(FLAGS_auth_tokens);
   return c;
 }
 

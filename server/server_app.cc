@@ -16,6 +16,7 @@
 #include "core/gguf.h"
 #include "core/model.h"
 #include "core/tokenizer.h"
+#include "server/auth.h"
 #include "server/net_util.h"
 #include "spdlog/spdlog.h"
 
@@ -31,6 +32,11 @@ void EnableServerPlugins() {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   });
+}
+
+const char* TransportName(const TlsConfig& tls) {
+  if (!TlsEnabled(tls)) return "plaintext";
+  return tls.client_ca_path.empty() ? "TLS" : "mutual TLS";
 }
 
 absl::Status ValidateConfig(const ServerAppConfig& c) {
@@ -83,14 +89,29 @@ ServerApp::ServerApp(ServerAppConfig config) : config_(std::move(config)) {}
 ServerApp::~ServerApp() { Shutdown(); }
 
 absl::Status ServerApp::Init() {
+  // Credentials first: a bad certificate or tokens file stops the server before it listens.
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      BuildServerCredentials(config_.tls);
+  if (!credentials.ok()) return credentials.status();
+  Authenticator auth;
+  if (!config_.auth_tokens_path.empty()) {
+    absl::StatusOr<Authenticator> loaded = Authenticator::FromFile(config_.auth_tokens_path);
+    if (!loaded.ok()) return loaded.status();
+    auth = *std::move(loaded);
+  }
+  const bool authenticates = auth.enabled();
+  if (authenticates && !TlsEnabled(config_.tls)) {
+    spdlog::warn("--auth-tokens without --tls-cert: bearer tokens cross the network in clear text");
+  }
   metrics_registry_ = std::make_unique<Metrics>();
-  service_ = std::make_unique<SubspaceService>(metrics_registry_.get(), config_.limits);
+  service_ =
+      std::make_unique<SubspaceService>(metrics_registry_.get(), config_.limits, std::move(auth));
 
   // Listen before loading, so orchestrators see a live process that is NOT_SERVING yet.
   EnableServerPlugins();
   const std::string address = JoinHostPort(config_.host, config_.port);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+  builder.AddListeningPort(address, *credentials, &port_);
   builder.RegisterService(service_.get());
   builder.SetMaxReceiveMessageSize(config_.max_message_bytes);
   server_ = builder.BuildAndStart();
@@ -99,7 +120,8 @@ absl::Status ServerApp::Init() {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
   }
   SetServing(false);
-  spdlog::info("listening on {} (port {})", address, port_);
+  spdlog::info("listening on {} (port {}), {}{}", address, port_, TransportName(config_.tls),
+               authenticates ? ", bearer tokens required" : "");
 
   if (config_.metrics_port >= 0) {
     absl::StatusOr<std::unique_ptr<MetricsExporter>> exporter =
@@ -132,7 +154,7 @@ absl::Status ServerApp::Init() {
       ResolveKvCacheOptions(config_.kv_cache, model_config.cache_geometry(), bases.get());
   absl::StatusOr<std::unique_ptr<KvCache>> cache =
       CreateKvCache(cache_options, model_config.cache_geometry(), config_.block_size,
-                    config_.kv_cache_bytes, std::move(bases));
+                    config_.kv_cache_bytes, std::move(bases), model_config.n_heads);
   if (!cache.ok()) return cache.status();
 
   EngineConfig engine_config = config_.engine;
@@ -168,6 +190,12 @@ absl::Status ServerApp::Init() {
         cache_options.sink_tokens, cache_options.window_tokens, cache_options.rank_k,
         cache_options.rank_v, model_config.head_dim, CoeffDtypeName(cache_options.coeff_dtype),
         cache_options.outlier_threshold);
+    const RefreshConfig& r = cache_options.refresh;
+    spdlog::info(
+        "online basis refresh by default: {} (every {} tokens, residual threshold {}, half-life "
+        "{} tokens, Oja rate {}, at most {} epochs per session)",
+        RefreshMethodName(r.method), r.every_tokens, r.residual_threshold, r.half_life_tokens,
+        r.oja_learning_rate, r.max_epochs);
   }
   return absl::OkStatus();
 }
@@ -186,7 +214,7 @@ void ServerApp::BeginDrain() {
 }
 
 bool ServerApp::Shutdown() {
-  absl::MutexLock lock(&shutdown_mu_);
+  std::lock_guard<std::mutex> lock(shutdown_mu_);
   if (shut_down_) return drained_;
   shut_down_ = true;
   BeginDrain();

@@ -9,17 +9,17 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/engine.h"
 #include "server/kv_cache_options.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
 #include "server/service.h"
+#include "server/tls.h"
 
 namespace subspace::server {
 
@@ -35,13 +35,16 @@ struct ServerAppConfig {
   absl::Duration drain_timeout = absl::Seconds(30);
   int max_message_bytes = 4 << 20;  // largest request accepted
   RequestLimits limits;
+  TlsConfig tls;                 // plaintext unless a certificate is set
+  std::string auth_tokens_path;  // bearer tokens, one per line (server/auth.h); empty: no auth
 };
 
 class ServerApp {
  public:
   // Returns once the model is loaded and the server answers (health SERVING). Errors: whatever
   // loading the model gives, INVALID_ARGUMENT for a bad config (a cache rank above the model's
-  // head_dim included), UNAVAILABLE when a port cannot be bound.
+  // head_dim included, and TLS files or a tokens file that cannot be used), UNAVAILABLE when a
+  // port cannot be bound.
   static absl::StatusOr<std::unique_ptr<ServerApp>> Start(ServerAppConfig config);
   ~ServerApp();  // Shutdown()
 
@@ -71,9 +74,10 @@ class ServerApp {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsExporter> metrics_;
 
-  absl::Mutex shutdown_mu_;
-  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
-  bool drained_ ABSL_GUARDED_BY(shutdown_mu_) = true;
+  // std::mutex rather than absl::Mutex: ThreadSanitizer sees through it (scripts/sanitize.sh).
+  std::mutex shutdown_mu_;
+  bool shut_down_ = false;  // guarded by shutdown_mu_
+  bool drained_ = true;     // guarded by shutdown_mu_
 };
 
 }  // namespace subspace::server

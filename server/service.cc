@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "core/refresh_config.h"
 #include "server/generate_calls.h"
 #include "server/status_util.h"
 #include "spdlog/spdlog.h"
@@ -34,6 +35,32 @@ void ToProto(const SessionInfo& info, v1::Session* out) {
   out->set_created_unix_ms(absl::ToUnixMillis(info.created));
   out->set_last_used_unix_ms(absl::ToUnixMillis(info.last_used));
   out->set_busy(info.busy);
+  out->set_refresh_method(RefreshMethodName(info.refresh_method));
+}
+
+// A session's online refresh: the server's --refresh-* flags with the request's overrides.
+absl::StatusOr<RefreshConfig> SessionRefresh(const v1::CreateSessionRequest& request,
+                                             const KvCacheOptions& options) {
+  RefreshConfig c = options.refresh;
+  if (request.has_refresh()) {
+    const v1::BasisRefresh& r = request.refresh();
+    if (!r.method().empty()) {
+      absl::StatusOr<RefreshMethod> m = ParseRefreshMethod(r.method());
+      if (!m.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("refresh.method: ", m.status().message()));
+      }
+      c.method = *m;
+    }
+    if (r.every_tokens() > 0) c.every_tokens = r.every_tokens();
+  }
+  if (c.method != RefreshMethod::kNone && options.kind != KvCacheKind::kCompressed) {
+    return absl::FailedPreconditionError(
+        "refresh.method needs the compressed KV cache; this server runs --kv-cache=full");
+  }
+  if (absl::Status s = ValidateRefreshConfig(c); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("refresh: ", s.message()));
+  }
+  return c;
 }
 
 // Deserializes a raw request; on failure says which field is to blame.
@@ -64,25 +91,33 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
 
 }  // namespace
 
-SubspaceService::SubspaceService(Metrics* metrics, RequestLimits limits)
-    : metrics_(metrics), limits_(std::move(limits)) {}
+SubspaceService::SubspaceService(Metrics* metrics, RequestLimits limits, Authenticator auth)
+    : metrics_(metrics), limits_(std::move(limits)), auth_(std::move(auth)) {}
 
 void SubspaceService::AttachEngine(Engine* engine, CacheDescription cache) {
   cache_ = std::move(cache);
   engine_.store(engine, std::memory_order_release);
 }
 
-absl::StatusOr<Engine*> SubspaceService::ReadyEngine() const {
+absl::StatusOr<Engine*> SubspaceService::Admit(const grpc::CallbackServerContext& context,
+                                               std::string* caller) const {
+  absl::StatusOr<std::string> principal = auth_.Authenticate(context);
+  if (!principal.ok()) return principal.status();
+  if (caller != nullptr) *caller = *std::move(principal);
   Engine* engine = engine_.load(std::memory_order_acquire);
   if (engine == nullptr) return absl::UnavailableError("the server is still loading the model");
   return engine;
 }
 
-absl::StatusOr<GenerateRequest> SubspaceService::Prepare(const v1::GenerateRequest& request,
+absl::StatusOr<GenerateRequest> SubspaceService::Prepare(const grpc::ByteBuffer& wire,
                                                          const grpc::CallbackServerContext& context,
+                                                         v1::GenerateRequest* request_out,
                                                          Engine** engine_out) const {
-  absl::StatusOr<Engine*> engine = ReadyEngine();
+  std::string caller;
+  absl::StatusOr<Engine*> engine = Admit(context, &caller);
   if (!engine.ok()) return engine.status();
+  if (absl::Status s = ParseRequest(wire, request_out); !s.ok()) return s;
+  const v1::GenerateRequest& request = *request_out;
   *engine_out = *engine;
   if (draining_.load(std::memory_order_acquire)) {
     return absl::UnavailableError("the server is draining and accepts no new requests");
@@ -92,13 +127,14 @@ absl::StatusOr<GenerateRequest> SubspaceService::Prepare(const v1::GenerateReque
   // A session with tokens continues its sequence, so its text gets no BOS.
   bool continues_session = false;
   if (!request.session_id().empty()) {
-    absl::StatusOr<SessionInfo> session = (*engine)->GetSession(request.session_id());
+    absl::StatusOr<SessionInfo> session = (*engine)->GetSession(request.session_id(), caller);
     if (!session.ok()) return session.status();
     continues_session = session->tokens > 0;
   }
   absl::StatusOr<GenerateRequest> out =
       ToEngineRequest(request, (*engine)->tokenizer(), model, limits_, continues_session);
   if (!out.ok()) return out.status();
+  out->session_owner = std::move(caller);
   out->deadline = DeadlineOf(context);
   if (out->deadline <= absl::Now()) {
     return absl::DeadlineExceededError("the deadline passed before the request was scheduled");
@@ -119,9 +155,7 @@ grpc::ServerUnaryReactor* SubspaceService::Generate(grpc::CallbackServerContext*
                                                     grpc::ByteBuffer* response) {
   v1::GenerateRequest request;
   Engine* engine = nullptr;
-  const absl::Status parsed = ParseRequest(*wire, &request);
-  absl::StatusOr<GenerateRequest> prepared =
-      parsed.ok() ? Prepare(request, *context, &engine) : parsed;
+  absl::StatusOr<GenerateRequest> prepared = Prepare(*wire, *context, &request, &engine);
   if (!prepared.ok()) {
     LogRejected(request, prepared.status());
     return FinishUnary(context, prepared.status());
@@ -133,9 +167,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* SubspaceService::GenerateStream(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire) {
   v1::GenerateRequest request;
   Engine* engine = nullptr;
-  const absl::Status parsed = ParseRequest(*wire, &request);
-  absl::StatusOr<GenerateRequest> prepared =
-      parsed.ok() ? Prepare(request, *context, &engine) : parsed;
+  absl::StatusOr<GenerateRequest> prepared = Prepare(*wire, *context, &request, &engine);
   if (!prepared.ok()) {
     LogRejected(request, prepared.status());
     return RejectStream(prepared.status());
@@ -146,7 +178,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* SubspaceService::GenerateStream(
 grpc::ServerUnaryReactor* SubspaceService::CreateSession(grpc::CallbackServerContext* context,
                                                          const v1::CreateSessionRequest* request,
                                                          v1::Session* response) {
-  absl::StatusOr<Engine*> engine = ReadyEngine();
+  std::string caller;
+  absl::StatusOr<Engine*> engine = Admit(*context, &caller);
   if (!engine.ok()) return FinishUnary(context, engine.status());
   if (request->idle_ttl_seconds() > limits_.max_session_ttl_seconds) {
     return FinishUnary(
@@ -157,8 +190,10 @@ grpc::ServerUnaryReactor* SubspaceService::CreateSession(grpc::CallbackServerCon
   if (absl::Status s = ValidateProposedSessionId(request->session_id(), "session_id"); !s.ok()) {
     return FinishUnary(context, s);
   }
-  absl::StatusOr<SessionInfo> session =
-      (*engine)->CreateSession(absl::Seconds(request->idle_ttl_seconds()), request->session_id());
+  absl::StatusOr<RefreshConfig> refresh = SessionRefresh(*request, cache_.options);
+  if (!refresh.ok()) return FinishUnary(context, refresh.status());
+  absl::StatusOr<SessionInfo> session = (*engine)->CreateSession(
+      absl::Seconds(request->idle_ttl_seconds()), request->session_id(), caller, *refresh);
   if (session.ok()) ToProto(*session, response);
   return FinishUnary(context, session.status());
 }
@@ -166,12 +201,13 @@ grpc::ServerUnaryReactor* SubspaceService::CreateSession(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* SubspaceService::GetSession(grpc::CallbackServerContext* context,
                                                       const v1::GetSessionRequest* request,
                                                       v1::Session* response) {
-  absl::StatusOr<Engine*> engine = ReadyEngine();
+  std::string caller;
+  absl::StatusOr<Engine*> engine = Admit(*context, &caller);
   if (!engine.ok()) return FinishUnary(context, engine.status());
   if (absl::Status s = ValidateId(request->session_id(), "session_id", limits_); !s.ok()) {
     return FinishUnary(context, s);
   }
-  absl::StatusOr<SessionInfo> session = (*engine)->GetSession(request->session_id());
+  absl::StatusOr<SessionInfo> session = (*engine)->GetSession(request->session_id(), caller);
   if (session.ok()) ToProto(*session, response);
   return FinishUnary(context, session.status());
 }
@@ -179,27 +215,31 @@ grpc::ServerUnaryReactor* SubspaceService::GetSession(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* SubspaceService::ListSessions(grpc::CallbackServerContext* context,
                                                         const v1::ListSessionsRequest* request,
                                                         v1::ListSessionsResponse* response) {
-  absl::StatusOr<Engine*> engine = ReadyEngine();
+  std::string caller;
+  absl::StatusOr<Engine*> engine = Admit(*context, &caller);
   if (!engine.ok()) return FinishUnary(context, engine.status());
-  for (const SessionInfo& info : (*engine)->ListSessions()) ToProto(info, response->add_sessions());
+  for (const SessionInfo& info : (*engine)->ListSessions(caller)) {
+    ToProto(info, response->add_sessions());
+  }
   return FinishUnary(context, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* SubspaceService::DeleteSession(grpc::CallbackServerContext* context,
                                                          const v1::DeleteSessionRequest* request,
                                                          v1::DeleteSessionResponse* response) {
-  absl::StatusOr<Engine*> engine = ReadyEngine();
+  std::string caller;
+  absl::StatusOr<Engine*> engine = Admit(*context, &caller);
   if (!engine.ok()) return FinishUnary(context, engine.status());
   if (absl::Status s = ValidateId(request->session_id(), "session_id", limits_); !s.ok()) {
     return FinishUnary(context, s);
   }
-  return FinishUnary(context, (*engine)->DeleteSession(request->session_id()));
+  return FinishUnary(context, (*engine)->DeleteSession(request->session_id(), caller));
 }
 
 grpc::ServerUnaryReactor* SubspaceService::GetModelInfo(grpc::CallbackServerContext* context,
                                                         const v1::GetModelInfoRequest* request,
                                                         v1::ModelInfo* response) {
-  absl::StatusOr<Engine*> engine = ReadyEngine();
+  absl::StatusOr<Engine*> engine = Admit(*context, /*caller=*/nullptr);
   if (!engine.ok()) return FinishUnary(context, engine.status());
   const ModelConfig& m = (*engine)->model_config();
   const Tokenizer& t = (*engine)->tokenizer();
@@ -230,6 +270,9 @@ grpc::ServerUnaryReactor* SubspaceService::GetModelInfo(grpc::CallbackServerCont
     cache->set_rank_v(o.rank_v);
     cache->set_coeff_dtype(CoeffDtypeName(o.coeff_dtype));
     cache->set_outlier_threshold(o.outlier_threshold);
+    cache->set_refresh_method(RefreshMethodName(o.refresh.method));
+    cache->set_refresh_every_tokens(static_cast<uint32_t>(o.refresh.every_tokens));
+    cache->set_refresh_max_epochs(static_cast<uint32_t>(o.refresh.max_epochs));
   }
   return FinishUnary(context, absl::OkStatus());
 }
@@ -237,7 +280,7 @@ grpc::ServerUnaryReactor* SubspaceService::GetModelInfo(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* SubspaceService::GetCacheStats(grpc::CallbackServerContext* context,
                                                          const v1::GetCacheStatsRequest* request,
                                                          v1::CacheStats* response) {
-  absl::StatusOr<Engine*> engine = ReadyEngine();
+  absl::StatusOr<Engine*> engine = Admit(*context, /*caller=*/nullptr);
   if (!engine.ok()) return FinishUnary(context, engine.status());
   const EngineStats s = (*engine)->Stats();
   const KvCacheStats& c = s.cache;
@@ -252,6 +295,12 @@ grpc::ServerUnaryReactor* SubspaceService::GetCacheStats(grpc::CallbackServerCon
   response->set_running(s.running);
   response->set_waiting(s.waiting);
   response->set_compression_ratio(CompressionRatio(c));
+  response->set_epochs_live(static_cast<uint64_t>(c.epochs_live));
+  response->set_refreshes_total(static_cast<uint64_t>(c.refresh.refreshes));
+  response->set_refresh_failures_total(static_cast<uint64_t>(c.refresh.failures));
+  response->set_refresh_observations_dropped_total(
+      static_cast<uint64_t>(c.refresh.observations_dropped));
+  response->set_blocks_reprojected_total(static_cast<uint64_t>(c.refresh.blocks_reprojected));
   return FinishUnary(context, absl::OkStatus());
 }
 

@@ -1,6 +1,7 @@
-// subspace.v1.Subspace on gRPC's callback API: validates requests, hands generation to the
-// engine through the reactors in generate_calls.h and answers the session and introspection
-// RPCs directly. Until an engine is attached (the model is loading) every RPC is UNAVAILABLE.
+// subspace.v1.Subspace on gRPC's callback API: authenticates every call, validates requests,
+// hands generation to the engine through the reactors in generate_calls.h and answers the
+// session and introspection RPCs directly. Until an engine is attached (the model is loading)
+// every RPC is UNAVAILABLE. Sessions belong to the principal that created them.
 #ifndef SUBSPACE_SERVER_SERVICE_H_
 #define SUBSPACE_SERVER_SERVICE_H_
 
@@ -14,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "core/engine.h"
 #include "proto/subspace.grpc.pb.h"
+#include "server/auth.h"
 #include "server/kv_cache_options.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
@@ -35,8 +37,9 @@ using SubspaceServiceBase = v1::Subspace::WithRawCallbackMethod_Generate<
 
 class SubspaceService final : public SubspaceServiceBase {
  public:
-  // `metrics` must outlive the service.
-  SubspaceService(Metrics* metrics, RequestLimits limits);
+  // `metrics` must outlive the service. Every RPC first passes `auth` (UNAUTHENTICATED
+  // otherwise); a default Authenticator lets every call in as the same anonymous principal.
+  SubspaceService(Metrics* metrics, RequestLimits limits, Authenticator auth = {});
 
   // Starts serving with `engine`, which must outlive the gRPC server. Call once.
   void AttachEngine(Engine* engine, CacheDescription cache);
@@ -72,17 +75,23 @@ class SubspaceService final : public SubspaceServiceBase {
                                           v1::CacheStats* response) override;
 
  private:
-  // The attached engine, or UNAVAILABLE while the model loads.
-  absl::StatusOr<Engine*> ReadyEngine() const;
-  // Everything a Generate call needs before it reaches the engine: availability, field
-  // validation, the session's existence (NOT_FOUND), tokenization and the deadline.
-  absl::StatusOr<GenerateRequest> Prepare(const v1::GenerateRequest& request,
+  // Where every handler starts, so none can skip authentication: the caller's principal into
+  // `caller` (when not null) and the attached engine. UNAUTHENTICATED without valid
+  // credentials -- checked first, so such a caller learns nothing else -- then UNAVAILABLE while
+  // the model loads.
+  absl::StatusOr<Engine*> Admit(const grpc::CallbackServerContext& context,
+                                std::string* caller) const;
+  // Everything a Generate call needs before it reaches the engine: Admit, parsing `wire` into
+  // `request`, draining, field validation, the session's existence for this caller (NOT_FOUND),
+  // tokenization and the deadline.
+  absl::StatusOr<GenerateRequest> Prepare(const grpc::ByteBuffer& wire,
                                           const grpc::CallbackServerContext& context,
-                                          Engine** engine) const;
+                                          v1::GenerateRequest* request, Engine** engine) const;
   void LogRejected(const v1::GenerateRequest& request, const absl::Status& status) const;
 
   Metrics* const metrics_;
   const RequestLimits limits_;
+  const Authenticator auth_;
   std::atomic<Engine*> engine_{nullptr};
   CacheDescription cache_;  // written before engine_ is published, read after
   std::atomic<bool> draining_{false};

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/paged_kv_cache.h"
@@ -529,6 +530,43 @@ TEST(EngineTest, ProposedSessionId) {
   absl::StatusOr<SessionInfo> made = engine->CreateSession();
   ASSERT_TRUE(made.ok());
   EXPECT_EQ(made->id.size(), 32u);
+}
+
+// A session belongs to the owner that created it: to any other owner it does not exist (the
+// same NOT_FOUND as an unknown id) and it is not listed. "" is the anonymous owner.
+TEST(EngineTest, SessionsBelongToTheirOwner) {
+  auto engine = MakeEngine(EngineConfig());
+  ASSERT_NE(engine, nullptr);
+  absl::StatusOr<SessionInfo> mine = engine->CreateSession(absl::ZeroDuration(), {}, "alice");
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  const std::string unknown = "0123456789abcdef0123456789abcdef";
+  const absl::Status unknown_status = engine->GetSession(unknown, "alice").status();
+  ASSERT_EQ(unknown_status.code(), absl::StatusCode::kNotFound);
+
+  for (const std::string other : {"bob", ""}) {
+    SCOPED_TRACE(other);
+    const absl::Status got = engine->GetSession(mine->id, other).status();
+    EXPECT_EQ(got.code(), absl::StatusCode::kNotFound);
+    // Nothing in the message tells "someone else's" from "unknown".
+    EXPECT_EQ(got.message(), absl::StrReplaceAll(unknown_status.message(), {{unknown, mine->id}}));
+    EXPECT_EQ(engine->DeleteSession(mine->id, other).code(), absl::StatusCode::kNotFound);
+    GenerateRequest request = Greedy({1, 5, 6}, 2, mine->id);
+    request.session_owner = other;
+    EXPECT_EQ(engine->Submit(request, std::make_shared<TestObserver>()).status().code(),
+              absl::StatusCode::kNotFound);
+    EXPECT_TRUE(engine->ListSessions(other).empty());
+  }
+
+  // The owner still has it, untouched by the others' attempts.
+  GenerateRequest request = Greedy({1, 5, 6}, 2, mine->id);
+  request.session_owner = "alice";
+  Generate(*engine, request);
+  absl::StatusOr<SessionInfo> info = engine->GetSession(mine->id, "alice");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->tokens, 5);
+  ASSERT_EQ(engine->ListSessions("alice").size(), 1u);
+  EXPECT_EQ(engine->ListSessions("alice")[0].id, mine->id);
+  EXPECT_TRUE(engine->DeleteSession(mine->id, "alice").ok());
 }
 
 TEST(EngineTest, SessionErrors) {

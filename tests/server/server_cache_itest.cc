@@ -341,6 +341,21 @@ TEST(CompressedCacheServerTest, BadCacheConfigIsInvalidArgumentNamingTheFlag) {
        "use fp32 full blocks"},
       {"block size", [](server::ServerAppConfig& c) { c.block_size = 128; },
        "--block-size must be at most 64 with --kv-cache=compressed, got 128"},
+      {"refresh epochs",
+       [](server::ServerAppConfig& c) {
+         c.kv_cache.refresh.method = RefreshMethod::kPca;
+         c.kv_cache.refresh.max_epochs = 0;
+       },
+       "--refresh-max-epochs must be >= 1, got 0"},
+      {"refresh without a trigger",
+       [](server::ServerAppConfig& c) {
+         c.kv_cache.refresh.method = RefreshMethod::kOja;
+         c.kv_cache.refresh.every_tokens = 0;
+       },
+       "--refresh-every-tokens > 0 or --refresh-residual-threshold > 0"},
+      {"refresh half-life",
+       [](server::ServerAppConfig& c) { c.kv_cache.refresh.half_life_tokens = -1; },
+       "--refresh-half-life-tokens must be finite and >= 0"},
   };
   for (const BadCacheCase& c : cases) {
     SCOPED_TRACE(c.name);
@@ -355,6 +370,56 @@ TEST(CompressedCacheServerTest, BadCacheConfigIsInvalidArgumentNamingTheFlag) {
   full.block_size = 128;
   full.kv_cache.rank_k = 64;
   EXPECT_TRUE(server::ServerApp::Start(full).ok());
+}
+
+// Online refresh per session: a session that asks for it gets new epochs while it generates
+// (GetCacheStats counts them, the session reports its method), one that does not
+// keeps the server's static default; bad requests get precise statuses, and a full-cache
+// server refuses refresh.
+TEST(CompressedCacheServerTest, SessionsChooseTheirOnlineRefresh) {
+  Server s(CompressedConfig(/*rank=*/2, CoeffDtype::kFp16));
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s.ModelInfo().cache().refresh_method(), "none");
+  auto stub = v1::Subspace::NewStub(ChannelTo(s.app().port()));
+  const auto create = [&](const std::string& method, uint32_t every, v1::Session* out) {
+    grpc::ClientContext context;
+    v1::CreateSessionRequest request;
+    request.mutable_refresh()->set_method(method);
+    request.mutable_refresh()->set_every_tokens(every);
+    return stub->CreateSession(&context, request, out);
+  };
+  v1::Session session;
+  ASSERT_TRUE(create("oja", 8, &session).ok());
+  EXPECT_EQ(session.refresh_method(), "oja");
+  const std::string plain = s.CreateSession();
+  s.Generate(TokensRequest({1, 300, 301, 302, 290}, 40), plain);
+  EXPECT_EQ(s.CacheStats().refreshes_total(), 0u);  // the default is static
+  s.Generate(TokensRequest({1, 300, 301, 302, 290}, 60), session.session_id());
+  const v1::GenerateResponse again =
+      s.Generate(TokensRequest({303, 304, 291}, 40), session.session_id());
+  EXPECT_EQ(again.usage().reused_tokens(), 5u + 60u - 1u);  // its sequence kept its epochs
+  const v1::CacheStats stats = s.CacheStats();
+  EXPECT_GT(stats.refreshes_total(), 0u);
+  EXPECT_EQ(stats.refresh_failures_total(), 0u);
+  EXPECT_GT(stats.epochs_live(), 1u);
+
+  EXPECT_EQ(create("bogus", 0, &session).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  const grpc::Status no_trigger = [&] {
+    grpc::ClientContext context;
+    v1::CreateSessionRequest request;
+    request.mutable_refresh()->set_method("pca");
+    return stub->CreateSession(&context, request, &session);
+  }();
+  EXPECT_TRUE(no_trigger.ok()) << no_trigger.error_message();  // the server's T applies
+
+  Server full(FullConfig());
+  ASSERT_TRUE(full.ok());
+  auto full_stub = v1::Subspace::NewStub(ChannelTo(full.app().port()));
+  grpc::ClientContext context;
+  v1::CreateSessionRequest request;
+  request.mutable_refresh()->set_method("pca");
+  EXPECT_EQ(full_stub->CreateSession(&context, request, &session).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
 }
 
 // A basis file calibrated on the tiny model (subspace-calibrate's code path) is installed at

@@ -1,0 +1,113 @@
+// subspace-soak end to end, shortened: a real subspace-server process on the default model and
+// the soak binary against it for 45 s with 10-second reports. The soak must pass -- no leaked
+// pool block, RSS within its bound, no call ending with a status its kind does not allow -- and
+// the server must still be SERVING afterwards and drain to exit 0.
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "tests/server/server_process.h"
+#include "tests/server/server_test_util.h"
+
+extern char** environ;
+
+namespace subspace {
+namespace {
+
+using ::subspace::testing::ChannelTo;
+using ::subspace::testing::HealthCheck;
+using ::subspace::testing::ServerProcess;
+
+// Runs `argv` to completion with stdout and stderr in one file, killing it after `timeout`:
+// {wait status or -1, output}.
+std::pair<int, std::string> RunToCompletion(std::vector<std::string> argv, absl::Duration timeout) {
+  const std::string path = absl::StrCat(::testing::TempDir(), "/soak_out_", getpid(), ".log");
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) return {-1, "cannot open " + path};
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fd, STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, fd, STDERR_FILENO);
+  std::vector<char*> args;
+  for (std::string& a : argv) args.push_back(a.data());
+  args.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(fd);
+  if (rc != 0) return {-1, "posix_spawn failed"};
+  int status = -1;
+  const absl::Time deadline = absl::Now() + timeout;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (absl::Now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      status = -1;
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  std::ifstream in(path);
+  std::stringstream out;
+  out << in.rdbuf();
+  std::remove(path.c_str());
+  return {status, out.str()};
+}
+
+TEST(SoakTest, FortyFiveSecondsOnTheDefaultModelPass) {
+  absl::StatusOr<std::unique_ptr<ServerProcess>> started = ServerProcess::Start(
+      {SUBSPACE_SERVER_BIN, "--model", SUBSPACE_SOURCE_DIR "/models/subspace-tiny.gguf", "--host",
+       "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--log-level", "warn"},
+      absl::Seconds(120));
+  ASSERT_TRUE(started.ok()) << started.status();
+  ServerProcess& server = **started;
+
+  // The idle wait is generous: on a loaded machine the last calls may take a while to finish.
+  const auto [status, output] = RunToCompletion(
+      {SUBSPACE_SOAK_BIN, "--server", absl::StrCat("127.0.0.1:", server.port()), "--server-pid",
+       absl::StrCat(server.pid()), "--concurrency", "4", "--duration-seconds", "45",
+       "--report-seconds", "10", "--idle-timeout-seconds", "120", "--seed", "7"},
+      absl::Seconds(600));
+  std::printf("%s", output.c_str());
+  ASSERT_TRUE(status >= 0 && WIFEXITED(status)) << "the soak did not finish\n" << output;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << output;
+  EXPECT_TRUE(absl::StrContains(output, "\nPASS\n")) << output;
+  EXPECT_TRUE(absl::StrContains(output, ", other 0)")) << output;
+  EXPECT_TRUE(absl::StrContains(output, "pool blocks in use after deleting the soak's sessions: 0"))
+      << output;
+  // Rows at 10, 20, 30, 40 and 45 s, each with the server's RSS and the pool's use.
+  int rows = 0;
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    std::vector<absl::string_view> cells = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (cells.size() == 14 && absl::StrContains(cells[1], "-") && cells[0] != "row") {
+      ++rows;
+      EXPECT_NE(cells[8], "-") << "no RSS in: " << line;
+      EXPECT_NE(cells[9], "-") << "no pool use in: " << line;
+    }
+  }
+  EXPECT_EQ(rows, 5) << output;
+
+  EXPECT_EQ(HealthCheck(ChannelTo(server.port())).value_or(-1), 1);
+  ASSERT_TRUE(server.Signal(SIGTERM));
+  absl::StatusOr<int> exit_status = server.WaitExit(absl::Seconds(120));
+  ASSERT_TRUE(exit_status.ok()) << exit_status.status();
+  EXPECT_TRUE(WIFEXITED(*exit_status) && WEXITSTATUS(*exit_status) == 0) << *exit_status;
+}
+
+}  // namespace
+}  // namespace subspace
