@@ -159,7 +159,7 @@ TEST(DrainTest, SigtermUnderLoadLosesNoAcceptedRequest) {
 
   // Steady load first, then the signal while requests are certainly running.
   auto stub = v1::Subspace::NewStub(ChannelTo(server.port()));
-  EXPECT_TRUE(WaitFor([&] { return completed_ok.load() >= kWorkers; }));
+  EXPECT_TRUE(WaitFor([&] { return completed_ok.load() >= 2 * kWorkers; }));
   EXPECT_TRUE(WaitFor([&] {
     grpc::ClientContext context;
     v1::CacheStats stats;
