@@ -443,20 +443,18 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
     kernels.scores(ck, rk, bs, cpu::KvRows{pq}, hd, rk, 1.0f, recon);
     for (int t = 0; t < bs; ++t) {
       const int64_t row = static_cast<int64_t>(h) * bs + t;
-      {
-        const float* k = full + KOffset(h, t);
-        const float* kr = recon + static_cast<size_t>(t) * hd;
-        double err = 0.0, norm = 0.0;
-        for (int i = 0; i < hd; ++i) {
-          err += static_cast<double>(k[i] - kr[i]) * (k[i] - kr[i]);
-          norm += static_cast<double>(k[i]) * k[i];
-        }
-        residual += err;
-        energy += norm;
-        if (detect &&
-            err > static_cast<double>(config_.outlier_threshold) * config_.outlier_threshold * norm) {
-          outliers |= uint64_t{1} << t;
-        }
+      const float* k = full + KOffset(h, t);
+      const float* kr = recon + static_cast<size_t>(t) * hd;
+      double err = 0.0, norm = 0.0;
+      for (int i = 0; i < hd; ++i) {
+        err += static_cast<double>(k[i] - kr[i]) * (k[i] - kr[i]);
+        norm += static_cast<double>(k[i]) * k[i];
+      }
+      residual += err;
+      energy += norm;
+      if (detect &&
+          err > static_cast<double>(config_.outlier_threshold) * config_.outlier_threshold * norm) {
+        outliers |= uint64_t{1} << t;
       }
       EncodeCoeffs(dt, ck + static_cast<size_t>(t) * rk, rk, k_codes + row * rk * CoeffBytes(dt),
                    k_scales + row);

@@ -63,7 +63,8 @@ void CompressedKvCache::EnsureRefresher() {
 void CompressedKvCache::OpenStream(Sequence& s, SeqId seq) {
   if (s.refresh.method == RefreshMethod::kNone || s.epoch == kNoEpoch || s.stream != 0) return;
   EnsureRefresher();
-  const int n_heads = config_.n_query_heads > 0 ? config_.n_query_heads : config_.geometry.n_kv_heads;
+  const int n_heads =
+      config_.n_query_heads > 0 ? config_.n_query_heads : config_.geometry.n_kv_heads;
   s.stream = refresher_->Open(std::make_unique<OnlineStatistics>(
       config_.geometry, n_heads, r_k_, r_v_, s.refresh, *registry_.Get(s.epoch)));
   streams_[s.stream] = seq;
@@ -157,16 +158,17 @@ void CompressedKvCache::ReprojectBlockHead(Sequence& s, int layer, int64_t b, in
   thread_local std::vector<float> work;
   work.resize(static_cast<size_t>(rk) * rk + static_cast<size_t>(rv) * rv + 2 * std::max(rk, rv) +
               static_cast<size_t>(rv) * hd);
-  float* m_k = work.data();                               // [r_k, r_k] P_k[new]^T P_q[old]
-  float* m_v = m_k + static_cast<size_t>(rk) * rk;        // [r_v, r_v] P_v[new]^T R_v[old]^T
-  float* c = m_v + static_cast<size_t>(rv) * rv;          // [max r]
-  float* c2 = c + std::max(rk, rv);                       // [max r]
-  float* rv_old_t = c2 + std::max(rk, rv);                // [d, r_v] R_v[old]^T
+  float* m_k = work.data();                         // [r_k, r_k] P_k[new]^T P_q[old]
+  float* m_v = m_k + static_cast<size_t>(rk) * rk;  // [r_v, r_v] P_v[new]^T R_v[old]^T
+  float* c = m_v + static_cast<size_t>(rv) * rv;    // [max r]
+  float* c2 = c + std::max(rk, rv);                 // [max r]
+  float* rv_old_t = c2 + std::max(rk, rv);          // [d, r_v] R_v[old]^T
   const size_t off_k = static_cast<size_t>(h) * hd * rk, off_v = static_cast<size_t>(h) * hd * rv;
   TransposeTimes(new_b.p_k.data() + off_k, old_b.p_q.data() + off_k, hd, rk, rk, m_k);
   const float* rv_old = old_b.r_v.data() + off_v;  // [r_v, d]
   for (int i = 0; i < hd; ++i) {
-    for (int j = 0; j < rv; ++j) rv_old_t[static_cast<size_t>(i) * rv + j] = rv_old[static_cast<size_t>(j) * hd + i];
+    for (int j = 0; j < rv; ++j)
+      rv_old_t[static_cast<size_t>(i) * rv + j] = rv_old[static_cast<size_t>(j) * hd + i];
   }
   TransposeTimes(new_b.p_v.data() + off_v, rv_old_t, hd, rv, rv, m_v);
 

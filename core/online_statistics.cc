@@ -48,7 +48,8 @@ double TraceOf(int d, const std::vector<double>& m) {
 // Largest eigenvalue of a symmetric PSD matrix ([d, d]) by power iteration: the scale that
 // makes Oja's learning rate dimensionless (eta = 1 is one power-iteration-sized step).
 double SpectralNorm(int d, const std::vector<double>& m) {
-  std::vector<double> x(static_cast<size_t>(d), 1.0 / std::sqrt(static_cast<double>(d))), y(x.size());
+  std::vector<double> x(static_cast<size_t>(d), 1.0 / std::sqrt(static_cast<double>(d))),
+      y(x.size());
   double lambda = 0.0;
   for (int it = 0; it < 30; ++it) {
     cblas_dgemv(CblasRowMajor, CblasNoTrans, d, d, 1.0, m.data(), d, x.data(), 1, 0.0, y.data(), 1);
@@ -83,11 +84,14 @@ void Orthonormalize(std::vector<double>& u, int d, int r) {
     for (int attempt = 0; attempt <= d; ++attempt) {
       for (int p = 0; p < c; ++p) {
         double dot = 0.0;
-        for (int i = 0; i < d; ++i) dot += u[static_cast<size_t>(i) * r + p] * u[static_cast<size_t>(i) * r + c];
-        for (int i = 0; i < d; ++i) u[static_cast<size_t>(i) * r + c] -= dot * u[static_cast<size_t>(i) * r + p];
+        for (int i = 0; i < d; ++i)
+          dot += u[static_cast<size_t>(i) * r + p] * u[static_cast<size_t>(i) * r + c];
+        for (int i = 0; i < d; ++i)
+          u[static_cast<size_t>(i) * r + c] -= dot * u[static_cast<size_t>(i) * r + p];
       }
       double norm = 0.0;
-      for (int i = 0; i < d; ++i) norm += u[static_cast<size_t>(i) * r + c] * u[static_cast<size_t>(i) * r + c];
+      for (int i = 0; i < d; ++i)
+        norm += u[static_cast<size_t>(i) * r + c] * u[static_cast<size_t>(i) * r + c];
       norm = std::sqrt(norm);
       if (norm > 1e-10) {
         for (int i = 0; i < d; ++i) u[static_cast<size_t>(i) * r + c] /= norm;
@@ -101,7 +105,8 @@ void Orthonormalize(std::vector<double>& u, int d, int r) {
 // Columns [:, :r] of a row-major [d, d] matrix as floats. out: [d, r]
 void LeadingColumns(const std::vector<double>& m, int d, int r, float* out) {
   for (int i = 0; i < d; ++i) {
-    for (int j = 0; j < r; ++j) out[static_cast<size_t>(i) * r + j] = static_cast<float>(m[static_cast<size_t>(i) * d + j]);
+    for (int j = 0; j < r; ++j)
+      out[static_cast<size_t>(i) * r + j] = static_cast<float>(m[static_cast<size_t>(i) * d + j]);
   }
 }
 
@@ -113,7 +118,8 @@ void TopOfGram(int d, const std::vector<double>& upper, int r, float* out) {
 // r_v ([r, d]) = p ([d, r])^T
 void Transpose(const float* p, int d, int r, float* out) {
   for (int i = 0; i < d; ++i) {
-    for (int j = 0; j < r; ++j) out[static_cast<size_t>(j) * d + i] = p[static_cast<size_t>(i) * r + j];
+    for (int j = 0; j < r; ++j)
+      out[static_cast<size_t>(j) * d + i] = p[static_cast<size_t>(i) * r + j];
   }
 }
 
@@ -161,11 +167,13 @@ OnlineStatistics::OnlineStatistics(const KvCacheGeometry& g, int n_heads, std::v
       // span(R_v^T) (for orthogonal bases the same as P_k's and P_v's).
       s.u_k.resize(static_cast<size_t>(d) * rk);
       s.u_v.resize(static_cast<size_t>(d) * rv);
-      const float* pq = lb.p_q.data() + static_cast<size_t>(h) * d * rk;  // [d, r_k]
+      const float* pq = lb.p_q.data() + static_cast<size_t>(h) * d * rk;   // [d, r_k]
       const float* rvm = lb.r_v.data() + static_cast<size_t>(h) * rv * d;  // [r_v, d]
       for (int i = 0; i < d; ++i) {
-        for (int j = 0; j < rk; ++j) s.u_k[static_cast<size_t>(i) * rk + j] = pq[static_cast<size_t>(i) * rk + j];
-        for (int j = 0; j < rv; ++j) s.u_v[static_cast<size_t>(i) * rv + j] = rvm[static_cast<size_t>(j) * d + i];
+        for (int j = 0; j < rk; ++j)
+          s.u_k[static_cast<size_t>(i) * rk + j] = pq[static_cast<size_t>(i) * rk + j];
+        for (int j = 0; j < rv; ++j)
+          s.u_v[static_cast<size_t>(i) * rv + j] = rvm[static_cast<size_t>(j) * d + i];
       }
       Orthonormalize(s.u_k, d, rk);
       Orthonormalize(s.u_v, d, rv);
@@ -176,7 +184,8 @@ OnlineStatistics::OnlineStatistics(const KvCacheGeometry& g, int n_heads, std::v
 void OnlineStatistics::ObserveBlock(int layer, const float* keys, const float* values, int n) {
   assert(layer >= 0 && layer < g_.n_layers && n > 0);
   const int d = g_.head_dim;
-  const double decay = config_.half_life_tokens > 0.0 ? std::exp2(-n / config_.half_life_tokens) : 1.0;
+  const double decay =
+      config_.half_life_tokens > 0.0 ? std::exp2(-n / config_.half_life_tokens) : 1.0;
   const int rk = r_k_[static_cast<size_t>(layer)], rv = r_v_[static_cast<size_t>(layer)];
   for (int h = 0; h < g_.n_kv_heads; ++h) {
     HeadState& s = head(layer, h);
@@ -244,7 +253,8 @@ void OnlineStatistics::FdInsert(std::vector<double>& sketch, int& used, int l, c
       }
       used = l;
     }
-    for (int c = 0; c < d; ++c) sketch[static_cast<size_t>(used) * d + c] = rows[static_cast<size_t>(i) * d + c];
+    for (int c = 0; c < d; ++c)
+      sketch[static_cast<size_t>(used) * d + c] = rows[static_cast<size_t>(i) * d + c];
     ++used;
   }
 }
@@ -259,11 +269,11 @@ void OnlineStatistics::OjaStep(std::vector<double>& u, int r,
   std::vector<double> cu(static_cast<size_t>(d) * r), utcu(static_cast<size_t>(r) * r);
   cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, d, r, d, 1.0, c.data(), d, u.data(), r,
               0.0, cu.data(), r);
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r, r, d, 1.0, u.data(), r, cu.data(), r,
-              0.0, utcu.data(), r);
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r, r, d, 1.0, u.data(), r, cu.data(), r, 0.0,
+              utcu.data(), r);
   // cu <- C U - U (U^T C U), then u <- u + eta cu.
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, d, r, r, -1.0, u.data(), r, utcu.data(),
-              r, 1.0, cu.data(), r);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, d, r, r, -1.0, u.data(), r, utcu.data(), r,
+              1.0, cu.data(), r);
   const double eta = config_.oja_learning_rate;
   for (size_t i = 0; i < u.size(); ++i) u[i] += eta * cu[i];
   Orthonormalize(u, d, r);
@@ -282,16 +292,17 @@ absl::StatusOr<Basis> OnlineStatistics::Refresh() {
     LayerBasis& lb = next.layers[static_cast<size_t>(l)];
     for (int h = 0; h < g_.n_kv_heads; ++h) {
       HeadState& s = head(l, h);
-      float* pq = lb.p_q.data() + static_cast<size_t>(h) * d * rk;  // [d, r_k]
-      float* pk = lb.p_k.data() + static_cast<size_t>(h) * d * rk;  // [d, r_k]
-      float* pv = lb.p_v.data() + static_cast<size_t>(h) * d * rv;  // [d, r_v]
+      float* pq = lb.p_q.data() + static_cast<size_t>(h) * d * rk;   // [d, r_k]
+      float* pk = lb.p_k.data() + static_cast<size_t>(h) * d * rk;   // [d, r_k]
+      float* pv = lb.p_v.data() + static_cast<size_t>(h) * d * rv;   // [d, r_v]
       float* rvm = lb.r_v.data() + static_cast<size_t>(h) * rv * d;  // [r_v, d]
+      // keys_new: KQ-SVD produced keys, so the PCA fallback must not overwrite them.
       bool keys_new = false, values_new = false;
       switch (config_.method) {
         case RefreshMethod::kKqsvd:
           if (TraceOf(d, s.g_q) > 0.0 && TraceOf(d, s.g_k) > 0.0) {
-            const HeadFactors f = FactorHead(d, s.g_k.data(), s.g_q.data(), /*kqsvd=*/true, 0.0,
-                                             kSigmaFloor);
+            const HeadFactors f =
+                FactorHead(d, s.g_k.data(), s.g_q.data(), /*kqsvd=*/true, 0.0, kSigmaFloor);
             LeadingColumns(f.left, d, rk, pk);
             LeadingColumns(f.right, d, rk, pq);
             keys_new = true;
@@ -301,7 +312,6 @@ absl::StatusOr<Basis> OnlineStatistics::Refresh() {
           if (!keys_new && TraceOf(d, s.g_k) > 0.0) {
             TopOfGram(d, s.g_k, rk, pk);
             std::copy(pk, pk + static_cast<size_t>(d) * rk, pq);
-            keys_new = true;
           }
           if (TraceOf(d, s.g_v) > 0.0) {
             TopOfGram(d, s.g_v, rv, pv);
@@ -317,7 +327,7 @@ absl::StatusOr<Basis> OnlineStatistics::Refresh() {
             std::fill(s.g_k.begin(), s.g_k.end(), 0.0);
             std::fill(s.g_v.begin(), s.g_v.end(), 0.0);
             s.oja_tokens = 0.0;
-            keys_new = values_new = true;
+            values_new = true;
           }
           break;
         case RefreshMethod::kFd:
@@ -331,7 +341,6 @@ absl::StatusOr<Basis> OnlineStatistics::Refresh() {
             if (side == 0) {
               TopOfGram(d, gram, rk, pk);
               std::copy(pk, pk + static_cast<size_t>(d) * rk, pq);
-              keys_new = true;
             } else {
               TopOfGram(d, gram, rv, pv);
               values_new = true;
@@ -341,7 +350,6 @@ absl::StatusOr<Basis> OnlineStatistics::Refresh() {
         case RefreshMethod::kNone:
           break;
       }
-      (void)keys_new;
       if (values_new) Transpose(pv, d, rv, rvm);
     }
     if (!AllFinite(lb.p_q) || !AllFinite(lb.p_k) || !AllFinite(lb.p_v) || !AllFinite(lb.r_v)) {
@@ -361,11 +369,14 @@ void KeyResidualEnergy(const float* keys, int64_t n, int d, int r, const float* 
     const float* k = keys + t * d;
     std::fill(c.begin(), c.end(), 0.0);
     for (int i = 0; i < d; ++i) {
-      for (int j = 0; j < r; ++j) c[static_cast<size_t>(j)] += static_cast<double>(p_k[static_cast<size_t>(i) * r + j]) * k[i];
+      for (int j = 0; j < r; ++j)
+        c[static_cast<size_t>(j)] +=
+            static_cast<double>(p_k[static_cast<size_t>(i) * r + j]) * k[i];
     }
     for (int i = 0; i < d; ++i) {
       double kh = 0.0;
-      for (int j = 0; j < r; ++j) kh += static_cast<double>(p_q[static_cast<size_t>(i) * r + j]) * c[static_cast<size_t>(j)];
+      for (int j = 0; j < r; ++j)
+        kh += static_cast<double>(p_q[static_cast<size_t>(i) * r + j]) * c[static_cast<size_t>(j)];
       res += (k[i] - kh) * (k[i] - kh);
       en += static_cast<double>(k[i]) * k[i];
     }

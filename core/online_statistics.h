@@ -49,7 +49,9 @@ class OnlineStatistics {
     int fd_rows_k = 0, fd_rows_v = 0;   // fd: rows in use
   };
 
-  HeadState& head(int layer, int h) { return heads_[static_cast<size_t>(layer) * g_.n_kv_heads + h]; }
+  HeadState& head(int layer, int h) {
+    return heads_[static_cast<size_t>(layer) * g_.n_kv_heads + h];
+  }
   // fd: appends rows [n, d] to a sketch of 2l rows, shrinking to l whenever it fills.
   void FdInsert(std::vector<double>& sketch, int& used, int l, const float* rows, int n);
   // oja: U <- QR(U + eta (C U - U U^T C U)), C = the covariance over its spectral norm.
@@ -59,7 +61,7 @@ class OnlineStatistics {
   int n_heads_;
   std::vector<int> r_k_, r_v_;
   RefreshConfig config_;
-  Basis current_;                // the last epoch produced (or the initial one)
+  Basis current_;                 // the last epoch produced (or the initial one)
   std::vector<HeadState> heads_;  // [n_layers * n_kv]
 };
 

@@ -28,8 +28,8 @@ absl::StatusOr<RefreshMethod> ParseRefreshMethod(std::string_view name) {
                           RefreshMethod::kOja, RefreshMethod::kFd}) {
     if (name == RefreshMethodName(m)) return m;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown refresh method '", std::string(name), "' (none, pca, kqsvd, oja or fd)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown refresh method '", std::string(name),
+                                                 "' (none, pca, kqsvd, oja or fd)"));
 }
 
 absl::Status ValidateRefreshConfig(const RefreshConfig& c) {
@@ -38,13 +38,12 @@ absl::Status ValidateRefreshConfig(const RefreshConfig& c) {
         absl::StrCat("refresh every_tokens must be >= 0, got ", c.every_tokens));
   }
   if (!(c.residual_threshold >= 0.0) || !std::isfinite(c.residual_threshold)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("refresh residual_threshold must be finite and >= 0, got ",
-                     c.residual_threshold));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "refresh residual_threshold must be finite and >= 0, got ", c.residual_threshold));
   }
   if (!(c.half_life_tokens >= 0.0) || !std::isfinite(c.half_life_tokens)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "refresh half_life_tokens must be finite and >= 0, got ", c.half_life_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("refresh half_life_tokens must be finite and >= 0, got ", c.half_life_tokens));
   }
   if (!(c.oja_learning_rate > 0.0) || !std::isfinite(c.oja_learning_rate)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -56,7 +55,8 @@ absl::Status ValidateRefreshConfig(const RefreshConfig& c) {
   }
   if (c.method != RefreshMethod::kNone && c.every_tokens == 0 && c.residual_threshold == 0.0) {
     return absl::InvalidArgumentError(
-        "online refresh needs a trigger: refresh every_tokens > 0 or refresh residual_threshold > 0");
+        "online refresh needs a trigger: refresh every_tokens > 0 or refresh residual_threshold > "
+        "0");
   }
   return absl::OkStatus();
 }

@@ -106,14 +106,14 @@ class Refresher {
   std::atomic<bool> has_published_{false};
 
   mutable std::mutex mu_;
-  std::condition_variable cv_;       // work arrived or stopping
-  std::condition_variable idle_cv_;  // the queue drained (Flush)
-  std::deque<Message> queue_;        // guarded by mu_
-  int64_t queued_bytes_ = 0;         // guarded by mu_
-  bool busy_ = false;                // guarded by mu_: a batch is being processed
-  bool stop_ = false;                // guarded by mu_
-  std::vector<Published> published_;  // guarded by mu_
-  BasisRefreshStats stats_;           // guarded by mu_
+  std::condition_variable cv_;            // work arrived or stopping
+  std::condition_variable idle_cv_;       // the queue drained (Flush)
+  std::deque<Message> queue_;             // guarded by mu_
+  int64_t queued_bytes_ = 0;              // guarded by mu_
+  bool busy_ = false;                     // guarded by mu_: a batch is being processed
+  bool stop_ = false;                     // guarded by mu_
+  std::vector<Published> published_;      // guarded by mu_
+  BasisRefreshStats stats_;               // guarded by mu_
   std::function<void()> before_refresh_;  // guarded by mu_
 
   // Refresher thread only (or the caller's, inline).

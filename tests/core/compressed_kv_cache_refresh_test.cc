@@ -110,8 +110,8 @@ SeqId RunAndCheck(CompressedKvCache& cache, int64_t tokens, double* worst) {
 }
 
 TEST(CompressedKvCacheRefreshTest, EpochsFollowTheRefresherAndAttentionStaysExact) {
-  for (RefreshMethod m : {RefreshMethod::kPca, RefreshMethod::kKqsvd, RefreshMethod::kOja,
-                          RefreshMethod::kFd}) {
+  for (RefreshMethod m :
+       {RefreshMethod::kPca, RefreshMethod::kKqsvd, RefreshMethod::kOja, RefreshMethod::kFd}) {
     auto cache = Make(RefreshingConfig(m, /*max_epochs=*/64));
     ASSERT_NE(cache, nullptr);
     ASSERT_TRUE(cache->SetDefaultEpoch(*cache->InstallBasis(OrthoBasis(kGeom, 4, 4, 3))).ok());

@@ -42,8 +42,8 @@ inline std::vector<float> RandomOrthonormal(int d, int r, std::mt19937& rng) {
 
 inline std::shared_ptr<Basis> OrthoBasis(const KvCacheGeometry& g, int rk, int rv, uint32_t seed) {
   std::mt19937 rng(seed);
-  auto b = std::make_shared<Basis>(Basis::Zeros(g, std::vector<int>(g.n_layers, rk),
-                                                std::vector<int>(g.n_layers, rv)));
+  auto b = std::make_shared<Basis>(
+      Basis::Zeros(g, std::vector<int>(g.n_layers, rk), std::vector<int>(g.n_layers, rv)));
   const size_t d = static_cast<size_t>(g.head_dim);
   for (LayerBasis& lb : b->layers) {
     for (int h = 0; h < g.n_kv_heads; ++h) {
@@ -58,11 +58,12 @@ inline std::shared_ptr<Basis> OrthoBasis(const KvCacheGeometry& g, int rk, int r
 }
 
 // KQ-SVD-like: P_q != P_k, R_v != P_v^T (arbitrary matrices; the attention math must not care).
-inline std::shared_ptr<Basis> ObliqueBasis(const KvCacheGeometry& g, int rk, int rv, uint32_t seed) {
+inline std::shared_ptr<Basis> ObliqueBasis(const KvCacheGeometry& g, int rk, int rv,
+                                           uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> n(0.0f, 0.5f);
-  auto b = std::make_shared<Basis>(Basis::Zeros(g, std::vector<int>(g.n_layers, rk),
-                                                std::vector<int>(g.n_layers, rv)));
+  auto b = std::make_shared<Basis>(
+      Basis::Zeros(g, std::vector<int>(g.n_layers, rk), std::vector<int>(g.n_layers, rv)));
   for (LayerBasis& lb : b->layers) {
     for (auto* m : {&lb.p_q, &lb.p_k, &lb.p_v, &lb.r_v}) {
       for (float& x : *m) x = n(rng);
@@ -117,7 +118,7 @@ inline void Append(KvCache& cache, SeqId seq, const Data& d, int64_t from, int64
 
 // Attention of n queries at positions [pos, pos + n) for `layer`. out: [n, n_heads, hd]
 inline std::vector<float> RunAttend(KvCache& cache, int layer, SeqId seq, int64_t pos, int64_t n,
-                             const std::vector<float>& q, int n_heads) {
+                                    const std::vector<float>& q, int n_heads) {
   std::vector<float> out(q.size());
   AttentionRequest req{seq, pos, n, q.data(), out.data()};
   cache.Attend(layer, std::span<const AttentionRequest>(&req, 1), n_heads);
@@ -127,7 +128,7 @@ inline std::vector<float> RunAttend(KvCache& cache, int layer, SeqId seq, int64_
 // The keys and values each query sees, per layer and token: reconstructed for compressed
 // tokens (from the decoded codes: k^ = P_q c, v^ = R_v^T u), exact for full-rank ones.
 inline Data EffectiveKv(const CompressedKvCache& cache, SeqId seq, const Data& d, int64_t T,
-                 CoeffDtype dt) {
+                        CoeffDtype dt) {
   const KvCacheGeometry& g = cache.geometry();
   const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = cache.block_size();
   Data eff = d;
@@ -138,8 +139,7 @@ inline Data EffectiveKv(const CompressedKvCache& cache, SeqId seq, const Data& d
     for (int64_t t = 0; t < T; ++t) {
       if (!cache.IsCompressed(seq, l, t / bs) || outlier[t]) continue;
       for (int h = 0; h < n_kv; ++h) {
-        const LayerBasis& b =
-            cache.registry().Get(cache.BlockEpoch(seq, l, t / bs, h))->layers[l];
+        const LayerBasis& b = cache.registry().Get(cache.BlockEpoch(seq, l, t / bs, h))->layers[l];
         const float* k = d.k[l].data() + (t * n_kv + h) * hd;
         const float* v = d.v[l].data() + (t * n_kv + h) * hd;
         std::vector<float> c(rk, 0.0f), u(rv, 0.0f), codes(std::max(rk, rv));
@@ -156,8 +156,10 @@ inline Data EffectiveKv(const CompressedKvCache& cache, SeqId seq, const Data& d
         float* ev = eff.v[l].data() + (t * n_kv + h) * hd;
         for (int i = 0; i < hd; ++i) {
           double kk = 0, vv = 0;
-          for (int j = 0; j < rk; ++j) kk += static_cast<double>(b.p_q[(h * hd + i) * rk + j]) * c[j];
-          for (int j = 0; j < rv; ++j) vv += static_cast<double>(b.r_v[(h * rv + j) * hd + i]) * u[j];
+          for (int j = 0; j < rk; ++j)
+            kk += static_cast<double>(b.p_q[(h * hd + i) * rk + j]) * c[j];
+          for (int j = 0; j < rv; ++j)
+            vv += static_cast<double>(b.r_v[(h * rv + j) * hd + i]) * u[j];
           ek[i] = static_cast<float>(kk);
           ev[i] = static_cast<float>(vv);
         }
@@ -168,8 +170,9 @@ inline Data EffectiveKv(const CompressedKvCache& cache, SeqId seq, const Data& d
 }
 
 // Dense causal attention in double. q: [n, n_heads, hd]; returns [n, n_heads, hd]
-inline std::vector<float> DenseAttend(const KvCacheGeometry& g, const Data& d, int layer, int64_t pos,
-                               int64_t n, const std::vector<float>& q, int n_heads) {
+inline std::vector<float> DenseAttend(const KvCacheGeometry& g, const Data& d, int layer,
+                                      int64_t pos, int64_t n, const std::vector<float>& q,
+                                      int n_heads) {
   const int hd = g.head_dim, n_kv = g.n_kv_heads, group = n_heads / n_kv;
   std::vector<float> out(q.size());
   for (int64_t i = 0; i < n; ++i) {
@@ -180,7 +183,8 @@ inline std::vector<float> DenseAttend(const KvCacheGeometry& g, const Data& d, i
       double mx = -1e300;
       for (int64_t t = 0; t <= pos + i; ++t) {
         double s = 0;
-        for (int x = 0; x < hd; ++x) s += static_cast<double>(qq[x]) * d.k[layer][(t * n_kv + kvh) * hd + x];
+        for (int x = 0; x < hd; ++x)
+          s += static_cast<double>(qq[x]) * d.k[layer][(t * n_kv + kvh) * hd + x];
         logit[t] = s / std::sqrt(static_cast<double>(hd));
         mx = std::max(mx, logit[t]);
       }
@@ -216,7 +220,7 @@ inline std::vector<float> RandomQ(int64_t n, int n_heads, int hd, uint32_t seed)
 }
 
 inline CompressedKvCacheConfig SmallConfig(KvCacheGeometry g, int r, CoeffDtype dt,
-                                    CoeffDtype full = CoeffDtype::kFp16) {
+                                           CoeffDtype full = CoeffDtype::kFp16) {
   CompressedKvCacheConfig c;
   c.geometry = g;
   c.block_size = 4;

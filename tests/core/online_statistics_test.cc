@@ -222,8 +222,8 @@ TEST(OnlineStatisticsTest, KqsvdHasLowerLogitErrorThanPca) {
 
 TEST(OnlineStatisticsTest, HeadsWithoutDataKeepTheirBasis) {
   const Basis initial = *OrthoBasis(kGeom, kR, kR, 1);
-  for (RefreshMethod m : {RefreshMethod::kPca, RefreshMethod::kKqsvd, RefreshMethod::kOja,
-                          RefreshMethod::kFd}) {
+  for (RefreshMethod m :
+       {RefreshMethod::kPca, RefreshMethod::kKqsvd, RefreshMethod::kOja, RefreshMethod::kFd}) {
     OnlineStatistics s = Make(Config(m));
     absl::StatusOr<Basis> b = s.Refresh();
     ASSERT_TRUE(b.ok());
@@ -303,7 +303,7 @@ TEST(RefresherTest, ResidualTriggerFiresOnlyWhenTheResidualRises) {
   EXPECT_TRUE(r.TakePublished().empty());
   // 64 tokens at least, then the mean of the blocks since the last refresh decides.
   for (int b = 0; b < 2; ++b) r.Observe(id, Block(u, rng, 0, 0.5, 1.0));
-  EXPECT_TRUE(r.TakePublished().empty());  // (0.1 * 8 + 0.5 * 2) / 10 = 0.18
+  EXPECT_TRUE(r.TakePublished().empty());     // (0.1 * 8 + 0.5 * 2) / 10 = 0.18
   r.Observe(id, Block(u, rng, 0, 0.5, 1.0));  // (0.8 + 1.5) / 11 = 0.21
   EXPECT_EQ(r.Stats().refreshes, 1);
 }
