@@ -191,6 +191,10 @@ struct Stall {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return entered; });
   }
+  bool Entered() {
+    std::lock_guard<std::mutex> lock(mu);
+    return entered;
+  }
   void Release() {
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -279,7 +283,7 @@ TEST(CompressedKvCacheRefreshTest, AStalledRefresherDoesNotStallDecoding) {
   ASSERT_TRUE(engine->Submit(std::move(r), obs).ok());
   // The whole generation completes while the refresher sits in its first refresh.
   EXPECT_EQ(obs->Wait(std::chrono::seconds(120)), 100);
-  EXPECT_TRUE(stall.entered);
+  EXPECT_TRUE(stall.Entered());
   EXPECT_GT(engine->Stats().cache.refresh.observations_dropped, 0);
   EXPECT_EQ(engine->Stats().cache.refresh.refreshes, 0);
   stall.Release();
