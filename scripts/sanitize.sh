@@ -78,6 +78,10 @@ if [[ "$scope" == all ]]; then
   # overflows that stack. Without ASan these tests pass in scripts/test.sh.
   metrics_tests='MetricsEndpoint|LongGenerationCompressesBlocksAndReportsThem'
   metrics_tests+='|SigtermDrainsAndExitsZero|deploy_prometheus_scrape|deploy_grafana_metrics'
+  # Also left out: the drain-under-load test. It runs the default model's 16 requests of 128
+  # tokens, ~50 s each under ASan on 2 cores, past its waits; its server code paths are the
+  # ones the bad-input matrix (its draining row) and the unit tests of the engine cover.
+  metrics_tests+='|DrainTest'
   if [[ "$kind" == tsan ]]; then metrics_tests=NONE_EXCLUDED; fi
   ctest --output-on-failure -j "$(nproc)" -L integration -LE gpu -E "$metrics_tests" \
     --timeout 1800

@@ -116,6 +116,7 @@ class TcpProxy {
         fds.push_back({b, POLLIN, 0});
       }
       if (poll(fds.data(), fds.size(), 10) <= 0) continue;
+      const size_t polled = links.size();  // fds covers these; a link accepted now waits a turn
       if (fds[0].revents & POLLIN) {
         const int client = accept(listen_fd_, nullptr, nullptr);
         const int upstream = socket(AF_INET, SOCK_STREAM, 0);
@@ -130,6 +131,10 @@ class TcpProxy {
       }
       std::vector<std::pair<int, int>> alive;
       for (size_t i = 0; i < links.size(); ++i) {
+        if (i >= polled) {
+          alive.push_back(links[i]);
+          continue;
+        }
         bool open = true;
         for (int side = 0; side < 2 && open; ++side) {
           const pollfd& p = fds[1 + 2 * i + side];
