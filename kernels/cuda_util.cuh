@@ -1,0 +1,91 @@
+// Device helpers shared by the kernels in kernels/: the dispatch macros that turn runtime sizes
+// into template constants, warp reductions, cooperative copies into shared memory, and code
+// loads. Device code only; included by .cu files.
+#ifndef SUBSPACE_KERNELS_CUDA_UTIL_CUH_
+#define SUBSPACE_KERNELS_CUDA_UTIL_CUH_
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/coeff_codec.h"
+
+// Runs the statements with `HEAD_DIM` a constexpr int for head_dim 64 or 128; any other value
+// returns cudaErrorInvalidValue from the enclosing launcher.
+#define SUBSPACE_DISPATCH_HEAD_DIM(head_dim, HEAD_DIM, ...) \
+  switch (head_dim) {                                       \
+    case 64: {                                              \
+      constexpr int HEAD_DIM = 64;                          \
+      __VA_ARGS__                                           \
+      break;                                                \
+    }                                                       \
+    case 128: {                                             \
+      constexpr int HEAD_DIM = 128;                         \
+      __VA_ARGS__                                           \
+      break;                                                \
+    }                                                       \
+    default:                                                \
+      return cudaErrorInvalidValue;                         \
+  }
+
+// Runs the statements with `CODE_T` the stored coefficient type: __half or int8_t.
+#define SUBSPACE_DISPATCH_CODE_TYPE(dtype, CODE_T, ...) \
+  switch (dtype) {                                      \
+    case ::subspace::CoeffDtype::kFp16: {               \
+      using CODE_T = __half;                            \
+      __VA_ARGS__                                       \
+      break;                                            \
+    }                                                   \
+    case ::subspace::CoeffDtype::kInt8: {               \
+      using CODE_T = int8_t;                            \
+      __VA_ARGS__                                       \
+      break;                                            \
+    }                                                   \
+    default:                                            \
+      return cudaErrorInvalidValue;                     \
+  }
+
+namespace subspace::kernels::device {
+
+inline constexpr int kWarpSize = 32;
+
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+__device__ __forceinline__ float WarpMax(float x) {
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off /= 2)
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+// Copies `bytes` from global to shared memory with all threads of the CTA, 16 bytes a thread
+// when both ends and the size allow it (page rows always do), else 4, else 1. No barrier.
+__device__ __forceinline__ void CopyToShared(void* dst, const void* src, int64_t bytes) {
+  const auto d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
+  const int64_t tid = threadIdx.x, n = blockDim.x;
+  if (((d | s | static_cast<uintptr_t>(bytes)) & 15u) == 0) {
+    auto* out = static_cast<uint4*>(dst);
+    const auto* in = static_cast<const uint4*>(src);
+    for (int64_t i = tid; i < bytes / 16; i += n) out[i] = __ldg(in + i);
+  } else if (((d | s | static_cast<uintptr_t>(bytes)) & 3u) == 0) {
+    auto* out = static_cast<uint32_t*>(dst);
+    const auto* in = static_cast<const uint32_t*>(src);
+    for (int64_t i = tid; i < bytes / 4; i += n) out[i] = __ldg(in + i);
+  } else {
+    auto* out = static_cast<uint8_t*>(dst);
+    const auto* in = static_cast<const uint8_t*>(src);
+    for (int64_t i = tid; i < bytes; i += n) out[i] = __ldg(in + i);
+  }
+}
+
+__device__ __forceinline__ float CodeToFloat(__half c) { return __half2float(c); }
+__device__ __forceinline__ float CodeToFloat(int8_t c) { return static_cast<float>(c); }
+
+}  // namespace subspace::kernels::device
+
+#endif  // SUBSPACE_KERNELS_CUDA_UTIL_CUH_

@@ -1,0 +1,323 @@
+// Split-K decode attention over mixed blocks, and the merge of its partials.
+//
+// DecodeSplitKernel, one CTA per (work item, KV head), all `group` query heads of that KV head
+// together so each block is read once per KV head: the group's queries and their projections
+// q~_e = P_q[e]^T q (every live epoch of the sequence) sit in shared memory; per block, the
+// head's rows (fp16 full rows or coefficient codes) are staged in shared memory, scores are
+// computed (a warp per token for full rows, a thread per (query, token) for coefficients),
+// the running max / sum are updated a warp per query, and the values accumulate in d-space for
+// full rows and in each epoch's coefficient space for compressed ones. The partial row keeps
+// both. DecodeMergeKernel, one CTA per (sequence, query head), rescales the partials to the
+// common max, sums them, and expands each epoch's coefficients once with R_v[e]^T.
+//
+// Correct first: no cp.async pipelining, no tensor cores, fp32 bases. The numbers to beat
+// are in DESIGN.md ("Performance model"); tuning needs a GPU.
+#include <cmath>
+
+#include "kernels/cuda_util.cuh"
+#include "kernels/decode_attention.h"
+
+namespace subspace::kernels {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / device::kWarpSize;
+
+// Shared memory of a split CTA: floats first, then the two 16-byte aligned row tiles.
+struct SplitSmem {
+  // int offsets: a CTA's shared memory is far below 2^31 bytes, and 64-bit ones cost registers.
+  int q, q_coef, acc, u, prob, run_max, run_sum, corr, k_scale, v_scale;  // float offsets
+  int k_tile, v_tile, bytes;                                              // byte offsets
+
+  __host__ __device__ SplitSmem(int group, int max_epochs, int head_dim, int rank_k, int rank_v,
+                                int block_size) {
+    q = 0;                                       // [G, d]
+    q_coef = q + group * head_dim;               // [G, E, r_k]
+    acc = q_coef + group * max_epochs * rank_k;  // [G, d]
+    u = acc + group * head_dim;                  // [G, E, r_v]
+    prob = u + group * max_epochs * rank_v;      // [G, B]
+    run_max = prob + group * block_size;         // [G]
+    run_sum = run_max + group;                   // [G]
+    corr = run_sum + group;                      // [G]
+    k_scale = corr + group;                      // [B]
+    v_scale = k_scale + block_size;              // [B]
+    const int floats = v_scale + block_size;
+    k_tile = (floats * 4 + 15) / 16 * 16;         // [B, d] fp16 rows, or [B, r_k] codes
+    v_tile = k_tile + block_size * head_dim * 2;  // [B, d] fp16 rows, or [B, r_v] codes
+    bytes = v_tile + block_size * head_dim * 2;
+  }
+};
+
+template <int kHeadDim, typename CodeT>
+__global__ void __launch_bounds__(kThreads)
+    DecodeSplitKernel(const __grid_constant__ DecodeAttentionParams p) {
+  constexpr bool kInt8 = sizeof(CodeT) == 1;
+  constexpr float kNegInf = -INFINITY;
+  const KvPoolLayout& l = p.layout;
+  const DecodePlanView& plan = p.plan;
+  const int w = blockIdx.x, h = blockIdx.y;
+  const int n_kv = l.n_kv_heads, group = p.n_heads / n_kv;
+  const int bs = l.block_size, rk = l.rank_k, rv = l.rank_v;
+  const int s = plan.work_seq[w];
+  const int n_ep = plan.SeqEpochs(s);
+  const int32_t* epochs = plan.seq_epochs + plan.seq_epoch_indptr[s];  // [n_ep]
+  const int tid = threadIdx.x, warp = tid / device::kWarpSize, lane = tid % device::kWarpSize;
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  const SplitSmem at(group, plan.max_seq_epochs, kHeadDim, rk, rv, bs);
+  float* f = reinterpret_cast<float*>(smem);
+  float* q_s = f + at.q;
+  float* q_coef = f + at.q_coef;  // [G, n_ep, r_k] (stride n_ep <= max_seq_epochs)
+  float* acc = f + at.acc;
+  float* u = f + at.u;  // [G, n_ep, r_v]
+  float* prob = f + at.prob;
+  float* run_max = f + at.run_max;
+  float* run_sum = f + at.run_sum;
+  float* corr = f + at.corr;
+  float* k_scale = f + at.k_scale;
+  float* v_scale = f + at.v_scale;
+  uint8_t* k_tile = smem + at.k_tile;
+  uint8_t* v_tile = smem + at.v_tile;
+
+  const float* q = p.q + (static_cast<int64_t>(s) * p.n_heads + h * group) * kHeadDim;  // [G, d]
+  for (int i = tid; i < group * kHeadDim; i += kThreads) {
+    q_s[i] = q[i];
+    acc[i] = 0.0f;
+  }
+  for (int i = tid; i < group * n_ep * rv; i += kThreads) u[i] = 0.0f;
+  for (int g = tid; g < group; g += kThreads) {
+    run_max[g] = kNegInf;
+    run_sum[g] = 0.0f;
+  }
+  __syncthreads();
+  // q~[g, e, j] = sum_i q[g, i] P_q[e][i, j]; j fastest, so a warp reads P_q rows coalesced.
+  for (int idx = tid; idx < group * n_ep * rk; idx += kThreads) {
+    const int j = idx % rk, e = idx / rk % n_ep, g = idx / (rk * n_ep);
+    const float* pq = p.basis_pq + (static_cast<int64_t>(epochs[e]) * n_kv + h) * kHeadDim * rk;
+    const float* qg = q_s + g * kHeadDim;
+    float a = 0.0f;
+#pragma unroll 8
+    for (int i = 0; i < kHeadDim; ++i) a = fmaf(qg[i], __ldg(pq + i * rk + j), a);
+    q_coef[idx] = a;
+  }
+  __syncthreads();
+
+  const int b_end = plan.work_block_end[w];
+  for (int b = plan.work_block_begin[w]; b < b_end; ++b) {
+    const int nb = plan.block_tokens[b];
+    const int32_t page = plan.block_page[b];
+    const bool full = plan.block_slot[b] == kFullBlock;
+    const int e_blk = full ? -1 : plan.block_epoch[static_cast<int64_t>(b) * n_kv + h];
+    if (full) {
+      device::CopyToShared(k_tile, p.pool + l.FullK(page, h),
+                           static_cast<int64_t>(nb) * kHeadDim * 2);
+      device::CopyToShared(v_tile, p.pool + l.FullV(page, h),
+                           static_cast<int64_t>(nb) * kHeadDim * 2);
+    } else {
+      const uint8_t* slot = p.pool + l.Slot(page, plan.block_slot[b]);
+      device::CopyToShared(k_tile, slot + l.KCodes(h),
+                           static_cast<int64_t>(nb) * rk * sizeof(CodeT));
+      device::CopyToShared(v_tile, slot + l.VCodes(h),
+                           static_cast<int64_t>(nb) * rv * sizeof(CodeT));
+      if constexpr (kInt8) {
+        const auto* ks = reinterpret_cast<const __half*>(slot + l.KScales(h));  // [B]
+        const auto* vs = reinterpret_cast<const __half*>(slot + l.VScales(h));  // [B]
+        for (int t = tid; t < nb; t += kThreads) {
+          k_scale[t] = __half2float(ks[t]);
+          v_scale[t] = __half2float(vs[t]);
+        }
+      }
+    }
+    __syncthreads();
+
+    // Scores prob[g, t], times 1/sqrt(d); -inf for tokens read from an outlier page.
+    if (full) {
+      const auto* kt = reinterpret_cast<const __half*>(k_tile);  // [nb, d]
+      for (int t = warp; t < nb; t += kWarps) {
+        float k_reg[kHeadDim / device::kWarpSize];
+#pragma unroll
+        for (int c = 0; c < kHeadDim / device::kWarpSize; ++c) {
+          k_reg[c] = __half2float(kt[t * kHeadDim + c * device::kWarpSize + lane]);
+        }
+        for (int g = 0; g < group; ++g) {
+          float part = 0.0f;
+#pragma unroll
+          for (int c = 0; c < kHeadDim / device::kWarpSize; ++c) {
+            part = fmaf(q_s[g * kHeadDim + c * device::kWarpSize + lane], k_reg[c], part);
+          }
+          part = device::WarpSum(part);
+          if (lane == 0) prob[g * bs + t] = part * p.sm_scale;
+        }
+      }
+    } else {
+      const auto* kc = reinterpret_cast<const CodeT*>(k_tile);  // [nb, r_k]
+      const uint64_t masked = plan.block_masked[b];
+      for (int idx = tid; idx < group * nb; idx += kThreads) {
+        const int g = idx / nb, t = idx % nb;
+        float score = kNegInf;
+        if (!((masked >> t) & 1u)) {
+          const float* qc = q_coef + (g * n_ep + e_blk) * rk;
+          float a = 0.0f;
+          for (int j = 0; j < rk; ++j) a = fmaf(qc[j], device::CodeToFloat(kc[t * rk + j]), a);
+          if constexpr (kInt8) a *= k_scale[t];
+          score = a * p.sm_scale;
+        }
+        prob[g * bs + t] = score;
+      }
+    }
+    __syncthreads();
+
+    // Online softmax, a warp per query head: new max, rescale factor, weights, running sum.
+    for (int g = warp; g < group; g += kWarps) {
+      float* pg = prob + g * bs;
+      float block_max = kNegInf;
+      for (int t = lane; t < nb; t += device::kWarpSize) block_max = fmaxf(block_max, pg[t]);
+      block_max = device::WarpMax(block_max);
+      const float m_old = run_max[g];
+      const float m_new = fmaxf(m_old, block_max);
+      float sum = 0.0f;
+      for (int t = lane; t < nb; t += device::kWarpSize) {
+        const float e = m_new == kNegInf ? 0.0f : expf(pg[t] - m_new);  // masked: exp(-inf) = 0
+        pg[t] = e;
+        sum += e;
+      }
+      sum = device::WarpSum(sum);
+      if (lane == 0) {
+        // Nothing seen yet: keep the zeros. Else exp(-inf) = 0 on the first real block.
+        const float c = m_new == kNegInf ? 1.0f : expf(m_old - m_new);
+        corr[g] = c;
+        run_sum[g] = run_sum[g] * c + sum;
+        run_max[g] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // Values: full rows into acc [G, d]; codes into their epoch's u [G, n_ep, r_v]. Every
+    // accumulator is rescaled to the new max, whatever the block's kind.
+    for (int idx = tid; idx < group * kHeadDim; idx += kThreads) {
+      const int g = idx / kHeadDim, d = idx % kHeadDim;
+      float a = acc[idx] * corr[g];
+      if (full) {
+        const auto* vt = reinterpret_cast<const __half*>(v_tile);  // [nb, d]
+        const float* pg = prob + g * bs;
+        for (int t = 0; t < nb; ++t) a = fmaf(pg[t], __half2float(vt[t * kHeadDim + d]), a);
+      }
+      acc[idx] = a;
+    }
+    for (int idx = tid; idx < group * n_ep * rv; idx += kThreads) {
+      const int j = idx % rv, e = idx / rv % n_ep, g = idx / (rv * n_ep);
+      float a = u[idx] * corr[g];
+      if (e == e_blk) {
+        const auto* vc = reinterpret_cast<const CodeT*>(v_tile);  // [nb, r_v]
+        const float* pg = prob + g * bs;
+        for (int t = 0; t < nb; ++t) {
+          float wt = pg[t];
+          if constexpr (kInt8) wt *= v_scale[t];
+          a = fmaf(wt, device::CodeToFloat(vc[t * rv + j]), a);
+        }
+      }
+      u[idx] = a;
+    }
+    __syncthreads();  // the tiles and prob are overwritten by the next block
+  }
+
+  // Partial rows [max, sum, -, -, acc[d], u[max_seq_epochs, r_v]] of the group's query heads.
+  const int64_t stride = DecodePartialStride(plan, l);
+  float* rows = p.workspace + (static_cast<int64_t>(w) * p.n_heads + h * group) * stride;
+  for (int g = tid; g < group; g += kThreads) {
+    rows[g * stride] = run_max[g];
+    rows[g * stride + 1] = run_sum[g];
+  }
+  for (int idx = tid; idx < group * kHeadDim; idx += kThreads) {
+    rows[idx / kHeadDim * stride + 4 + idx % kHeadDim] = acc[idx];
+  }
+  for (int idx = tid; idx < group * n_ep * rv; idx += kThreads) {
+    const int g = idx / (n_ep * rv), er = idx % (n_ep * rv);
+    rows[g * stride + 4 + kHeadDim + er] = u[idx];
+  }
+}
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(kThreads)
+    DecodeMergeKernel(const __grid_constant__ DecodeAttentionParams p) {
+  constexpr float kNegInf = -INFINITY;
+  const KvPoolLayout& l = p.layout;
+  const DecodePlanView& plan = p.plan;
+  const int s = blockIdx.x, hq = blockIdx.y;
+  const int n_kv = l.n_kv_heads, h = hq / (p.n_heads / n_kv), rv = l.rank_v;
+  const int n_ep = plan.SeqEpochs(s);
+  const int32_t* epochs = plan.seq_epochs + plan.seq_epoch_indptr[s];
+  const int w0 = plan.seq_work_indptr[s], w1 = plan.seq_work_indptr[s + 1];
+  const int64_t stride = DecodePartialStride(plan, l);
+  const auto row = [&](int w) {
+    return p.workspace + (static_cast<int64_t>(w) * p.n_heads + hq) * stride;
+  };
+  extern __shared__ float u_sum[];  // [n_ep, r_v]
+
+  float m = kNegInf;
+  for (int w = w0; w < w1; ++w) m = fmaxf(m, row(w)[0]);
+  // A work item whose tokens were all masked has max -inf and adds nothing.
+  const auto weight = [&](int w) {
+    const float mw = row(w)[0];
+    return mw == kNegInf ? 0.0f : expf(mw - m);
+  };
+  float sum = 0.0f;
+  for (int w = w0; w < w1; ++w) sum = fmaf(weight(w), row(w)[1], sum);
+  for (int idx = threadIdx.x; idx < n_ep * rv; idx += kThreads) {
+    float a = 0.0f;
+    for (int w = w0; w < w1; ++w) a = fmaf(weight(w), row(w)[4 + kHeadDim + idx], a);
+    u_sum[idx] = a;
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < kHeadDim; d += kThreads) {
+    float o = 0.0f;
+    for (int w = w0; w < w1; ++w) o = fmaf(weight(w), row(w)[4 + d], o);
+    for (int e = 0; e < n_ep; ++e) {  // o += R_v[e]^T u_e, once per epoch
+      const float* rvm = p.basis_rv + (static_cast<int64_t>(epochs[e]) * n_kv + h) * rv * kHeadDim;
+      for (int j = 0; j < rv; ++j) o = fmaf(u_sum[e * rv + j], __ldg(rvm + j * kHeadDim + d), o);
+    }
+    p.out[(static_cast<int64_t>(s) * p.n_heads + hq) * kHeadDim + d] = o / sum;
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchDecodeAttention(const DecodeAttentionParams& p, cudaStream_t stream) {
+  const KvPoolLayout& l = p.layout;
+  const DecodePlanView& plan = p.plan;
+  if (KvPoolLayoutError(l) != nullptr || p.n_heads <= 0 || p.n_heads % l.n_kv_heads != 0 ||
+      plan.n_kv_heads != l.n_kv_heads || plan.max_seq_epochs < 0 ||
+      plan.max_seq_epochs > kMaxSeqEpochs || plan.num_seqs < 0 || plan.num_work < plan.num_seqs) {
+    return cudaErrorInvalidValue;
+  }
+  if (plan.num_seqs == 0) return cudaSuccess;
+  const int group = p.n_heads / l.n_kv_heads;
+  const SplitSmem split(group, plan.max_seq_epochs, l.head_dim, l.rank_k, l.rank_v, l.block_size);
+  const size_t split_smem = static_cast<size_t>(split.bytes);
+  const size_t merge_smem = static_cast<size_t>(plan.max_seq_epochs) * l.rank_v * sizeof(float);
+  int device = 0, optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  if (split_smem > static_cast<size_t>(optin)) return cudaErrorInvalidValue;
+  const dim3 split_grid(static_cast<unsigned>(plan.num_work), static_cast<unsigned>(l.n_kv_heads));
+  const dim3 merge_grid(static_cast<unsigned>(plan.num_seqs), static_cast<unsigned>(p.n_heads));
+  SUBSPACE_DISPATCH_HEAD_DIM(l.head_dim, kHeadDim, {
+    SUBSPACE_DISPATCH_CODE_TYPE(l.coeff_dtype, CodeT, {
+      auto* kernel = DecodeSplitKernel<kHeadDim, CodeT>;
+      if (split_smem > 48 * 1024) {
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(split_smem));
+        if (err != cudaSuccess) return err;
+      }
+      kernel<<<split_grid, kThreads, split_smem, stream>>>(p);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    })
+    DecodeMergeKernel<kHeadDim><<<merge_grid, kThreads, merge_smem, stream>>>(p);
+  })
+  return cudaGetLastError();
+}
+
+}  // namespace subspace::kernels

@@ -1,0 +1,159 @@
+// BuildDecodePlan: the split-K partition covers every block of a sequence exactly once, in
+// order, and the builder rejects block tables the kernels would misread.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <random>
+#include <vector>
+
+#include "kernels/decode_plan_builder.h"
+#include "tests/kernels/kv_test_data.h"
+
+namespace subspace::kernels {
+namespace {
+
+const KvPoolLayout kLayout = MakeKvPoolLayout(2, 64, 16, 16, 16, CoeffDtype::kInt8);
+
+void ExpectPartitionCoversBlocks(const DecodePlan& plan) {
+  const DecodePlanView v = plan.HostView();
+  ASSERT_EQ(v.seq_block_indptr[0], 0);
+  ASSERT_EQ(v.seq_work_indptr[0], 0);
+  ASSERT_EQ(v.seq_block_indptr[v.num_seqs], v.num_blocks);
+  ASSERT_EQ(v.seq_work_indptr[v.num_seqs], v.num_work);
+  for (int s = 0; s < v.num_seqs; ++s) {
+    int32_t next = v.seq_block_indptr[s];
+    ASSERT_LT(v.seq_work_indptr[s], v.seq_work_indptr[s + 1]) << "sequence " << s << " has no work";
+    for (int w = v.seq_work_indptr[s]; w < v.seq_work_indptr[s + 1]; ++w) {
+      EXPECT_EQ(v.work_seq[w], s);
+      EXPECT_EQ(v.work_block_begin[w], next);
+      EXPECT_LT(v.work_block_begin[w], v.work_block_end[w]) << "empty work item " << w;
+      EXPECT_LE(v.work_block_end[w] - v.work_block_begin[w], plan.layout.max_work_blocks);
+      next = v.work_block_end[w];
+    }
+    EXPECT_EQ(next, v.seq_block_indptr[s + 1]);
+    int64_t tokens = 0;
+    for (int b = v.seq_block_indptr[s]; b < v.seq_block_indptr[s + 1]; ++b) {
+      tokens += v.block_tokens[b] - std::popcount(v.block_masked[b]);
+      for (int h = 0; h < v.n_kv_heads; ++h) {
+        const int32_t e = v.block_epoch[static_cast<int64_t>(b) * v.n_kv_heads + h];
+        if (v.IsFull(b)) {
+          EXPECT_EQ(e, -1);
+        } else {
+          EXPECT_GE(e, 0);
+          EXPECT_LT(e, v.SeqEpochs(s));
+        }
+      }
+    }
+    EXPECT_EQ(tokens, v.seq_len[s]) << "sequence " << s;
+  }
+}
+
+TEST(DecodePlanTest, SplitsCoverEveryBlockOnceInOrder) {
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const testing::DecodeCase c = testing::RandomDecodeCase(kLayout, 9, {}, rng);
+  for (DecodePlanOptions o :
+       {DecodePlanOptions{}, DecodePlanOptions{.blocks_per_split = 1},
+        DecodePlanOptions{.blocks_per_split = 5}, DecodePlanOptions{.target_ctas = 264}}) {
+    absl::StatusOr<DecodePlan> plan = BuildDecodePlan(kLayout, c.num_pages, 4, c.seqs, o);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ExpectPartitionCoversBlocks(*plan);
+    if (o.blocks_per_split == 0 && o.target_ctas == 0) {
+      EXPECT_EQ(plan->layout.num_work, 9);
+    }
+    if (o.blocks_per_split > 0) {
+      EXPECT_LE(plan->layout.max_work_blocks, o.blocks_per_split);
+    }
+    EXPECT_EQ(plan->layout.total_bytes % 16, 0);
+  }
+}
+
+TEST(DecodePlanTest, AutomaticSplitsAimAtTheTargetAndKeepAMinimum) {
+  std::vector<DecodeSeqDesc> seqs(2);
+  for (DecodeSeqDesc& d : seqs) {
+    d.length = 64 * 16;
+    d.pages.assign(64, 0);
+    d.slots.assign(64, kFullBlock);
+    d.epochs.assign(128, -1);
+  }
+  // 128 blocks x 2 heads over 64 CTAs: 4 blocks a work item, 16 work items a sequence.
+  absl::StatusOr<DecodePlan> plan = BuildDecodePlan(kLayout, 1, 0, seqs, {.target_ctas = 64});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->layout.num_work, 32);
+  // A huge target still leaves at least 4 blocks a work item.
+  plan = BuildDecodePlan(kLayout, 1, 0, seqs, {.target_ctas = 100000});
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->layout.max_work_blocks, 4);
+  // Already one CTA per sequence and head at the target: no split.
+  plan = BuildDecodePlan(kLayout, 1, 0, seqs, {.target_ctas = 4});
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->layout.num_work, 2);
+}
+
+TEST(DecodePlanTest, RejectsBadBlockTables) {
+  // One full block then one compressed block of 16 tokens; slot 0 of page 1.
+  DecodeSeqDesc good;
+  good.length = 20;
+  good.pages = {1, 0};
+  good.slots = {0, kFullBlock};
+  good.epochs = {0, 1, -1, -1};
+  good.outlier_masks = {0b101, 0};
+  good.outlier_pages = {2};
+  good.n_outliers = 2;
+  const auto build = [](const DecodeSeqDesc& d) {
+    return BuildDecodePlan(kLayout, 3, 2, std::vector<DecodeSeqDesc>{d});
+  };
+  ASSERT_TRUE(build(good).ok()) << build(good).status();
+  EXPECT_EQ(build(good)->layout.max_seq_epochs, 2);
+
+  auto bad = good;
+  bad.length = 0;
+  EXPECT_FALSE(build(bad).ok());
+  bad = good;
+  bad.length = 40;  // needs three blocks
+  EXPECT_FALSE(build(bad).ok());
+  bad = good;
+  bad.pages[0] = 3;  // past the pool
+  EXPECT_FALSE(build(bad).ok());
+  bad = good;
+  bad.slots[0] = kLayout.SlotsPerPage();
+  EXPECT_FALSE(build(bad).ok());
+  bad = good;
+  bad.epochs[1] = 2;  // past the basis table
+  EXPECT_FALSE(build(bad).ok());
+  bad = good;
+  bad.epochs[2] = 0;  // an epoch on a full block
+  EXPECT_FALSE(build(bad).ok());
+  bad = good;
+  bad.outlier_masks[1] = 1;  // a mask on a full block
+  EXPECT_FALSE(build(bad).ok());
+  bad = good;
+  bad.outlier_masks = {0b10000000000000000, 0};  // past the block's 16 tokens
+  EXPECT_FALSE(build(bad).ok());
+  bad = good;
+  bad.n_outliers = 1;  // masks say 2
+  EXPECT_FALSE(build(bad).ok());
+  bad = good;
+  bad.outlier_pages = {};
+  EXPECT_FALSE(build(bad).ok());
+  EXPECT_TRUE(BuildDecodePlan(kLayout, 3, 2, std::vector<DecodeSeqDesc>{}).ok());
+}
+
+TEST(DecodePlanTest, RejectsMoreEpochsThanACtaHolds) {
+  const KvPoolLayout l = MakeKvPoolLayout(1, 64, 16, 8, 8, CoeffDtype::kFp16);
+  DecodeSeqDesc d;
+  const int nb = kMaxSeqEpochs + 1;
+  d.length = nb * 16;
+  for (int b = 0; b < nb; ++b) {
+    d.pages.push_back(b / 4);
+    d.slots.push_back(b % 4);
+    d.epochs.push_back(b);
+  }
+  EXPECT_FALSE(BuildDecodePlan(l, 3, nb, std::vector<DecodeSeqDesc>{d}).ok());
+  d.epochs.back() = 0;
+  EXPECT_TRUE(BuildDecodePlan(l, 3, nb, std::vector<DecodeSeqDesc>{d}).ok());
+}
+
+}  // namespace
+}  // namespace subspace::kernels
