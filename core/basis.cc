@@ -34,7 +34,8 @@ void Basis::MakeOrthogonalFromPkPv() {
       const float* pv = lb.p_v.data() + static_cast<size_t>(h) * d * lb.rank_v;  // [d, r_v]
       float* rv = lb.r_v.data() + static_cast<size_t>(h) * lb.rank_v * d;        // [r_v, d]
       for (int i = 0; i < d; ++i) {
-        for (int j = 0; j < lb.rank_v; ++j) rv[static_cast<size_t>(j) * d + i] = pv[static_cast<size_t>(i) * lb.rank_v + j];
+        for (int j = 0; j < lb.rank_v; ++j)
+          rv[static_cast<size_t>(j) * d + i] = pv[static_cast<size_t>(i) * lb.rank_v + j];
       }
     }
   }
@@ -50,13 +51,15 @@ absl::Status ValidateBasis(const Basis& b, const KvCacheGeometry& g, const std::
   for (size_t l = 0; l < b.layers.size(); ++l) {
     const LayerBasis& lb = b.layers[l];
     if (lb.rank_k != r_k[l] || lb.rank_v != r_v[l]) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "basis layer %d has ranks (%d, %d), the cache (%d, %d)", l, lb.rank_k, lb.rank_v, r_k[l], r_v[l]));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("basis layer %d has ranks (%d, %d), the cache (%d, %d)", l, lb.rank_k,
+                          lb.rank_v, r_k[l], r_v[l]));
     }
     const size_t nk = nkv * hd * static_cast<size_t>(lb.rank_k);
     const size_t nv = nkv * hd * static_cast<size_t>(lb.rank_v);
     if (lb.p_q.size() != nk || lb.p_k.size() != nk || lb.p_v.size() != nv || lb.r_v.size() != nv) {
-      return absl::InvalidArgumentError(absl::StrFormat("basis layer %d has wrong matrix sizes", l));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("basis layer %d has wrong matrix sizes", l));
     }
   }
   return absl::OkStatus();
@@ -96,7 +99,8 @@ EpochId BasisRegistry::Register(std::shared_ptr<const Basis> basis) {
 
 absl::Status BasisRegistry::Acquire(EpochId id) {
   auto it = epochs_.find(id);
-  if (it == epochs_.end()) return absl::NotFoundError(absl::StrFormat("unknown basis epoch %d", id));
+  if (it == epochs_.end())
+    return absl::NotFoundError(absl::StrFormat("unknown basis epoch %d", id));
   ++it->second.refs;
   return absl::OkStatus();
 }
@@ -111,6 +115,11 @@ void BasisRegistry::Release(EpochId id) {
 const Basis* BasisRegistry::Get(EpochId id) const {
   auto it = epochs_.find(id);
   return it == epochs_.end() ? nullptr : it->second.basis.get();
+}
+
+std::shared_ptr<const Basis> BasisRegistry::GetShared(EpochId id) const {
+  auto it = epochs_.find(id);
+  return it == epochs_.end() ? nullptr : it->second.basis;
 }
 
 int32_t BasisRegistry::RefCount(EpochId id) const {

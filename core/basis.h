@@ -69,6 +69,8 @@ class BasisRegistry {
   void Release(EpochId id);
   // nullptr for an unknown id.
   const Basis* Get(EpochId id) const;
+  // The same, shared: keeps the epoch's matrices alive past a Release (another thread's copy).
+  std::shared_ptr<const Basis> GetShared(EpochId id) const;
   int32_t RefCount(EpochId id) const;
   int64_t live() const { return static_cast<int64_t>(epochs_.size()); }
 

@@ -65,8 +65,10 @@ void CompressedKvCache::OpenStream(Sequence& s, SeqId seq) {
   EnsureRefresher();
   const int n_heads =
       config_.n_query_heads > 0 ? config_.n_query_heads : config_.geometry.n_kv_heads;
-  s.stream = refresher_->Open(std::make_unique<OnlineStatistics>(
-      config_.geometry, n_heads, r_k_, r_v_, s.refresh, *registry_.Get(s.epoch)));
+  s.stream = refresher_->Open([g = config_.geometry, n_heads, r_k = r_k_, r_v = r_v_,
+                               refresh = s.refresh, initial = registry_.GetShared(s.epoch)] {
+    return std::make_unique<OnlineStatistics>(g, n_heads, r_k, r_v, refresh, *initial);
+  });
   streams_[s.stream] = seq;
 }
 

@@ -34,8 +34,13 @@ Refresher::~Refresher() {
 }
 
 Refresher::StreamId Refresher::Open(std::unique_ptr<OnlineStatistics> stats) {
+  auto shared = std::make_shared<std::unique_ptr<OnlineStatistics>>(std::move(stats));
+  return Open([shared] { return std::move(*shared); });
+}
+
+Refresher::StreamId Refresher::Open(std::function<std::unique_ptr<OnlineStatistics>()> make) {
   Message m{.kind = Message::Kind::kOpen};
-  m.stats = std::move(stats);
+  m.make = std::move(make);
   {
     std::lock_guard<std::mutex> lock(mu_);
     m.stream = next_stream_++;
@@ -138,7 +143,7 @@ void Refresher::Run() {
 void Refresher::Process(Message& m) {
   switch (m.kind) {
     case Message::Kind::kOpen:
-      streams_[m.stream].stats = std::move(m.stats);
+      streams_[m.stream].stats = m.make();
       return;
     case Message::Kind::kClose:
       streams_.erase(m.stream);

@@ -63,8 +63,11 @@ class Refresher {
   Refresher(const Refresher&) = delete;
   Refresher& operator=(const Refresher&) = delete;
 
-  // A sequence starts being tracked; `stats` carries its method and triggers.
+  // A sequence starts being tracked; `stats` carries its method and triggers. The factory form
+  // runs `make` on the refresher thread, so a large model's statistics (tens of MiB zeroed, a
+  // copy of the initial basis) are never allocated on the caller's (the engine's) thread.
   StreamId Open(std::unique_ptr<OnlineStatistics> stats);
+  StreamId Open(std::function<std::unique_ptr<OnlineStatistics>()> make);
   // The sequence is gone: its statistics are dropped and nothing more is published for it.
   void Close(StreamId stream);
   // False when dropped because the queue is full.
@@ -85,9 +88,9 @@ class Refresher {
   struct Message {
     enum class Kind { kOpen, kClose, kBlock, kQueries } kind;
     StreamId stream = 0;
-    std::unique_ptr<OnlineStatistics> stats;  // kOpen
-    BlockObservation block;                   // kBlock
-    QueryObservation queries;                 // kQueries
+    std::function<std::unique_ptr<OnlineStatistics>()> make;  // kOpen: run on this thread
+    BlockObservation block;                                   // kBlock
+    QueryObservation queries;                                 // kQueries
     int64_t bytes = 0;
   };
   struct Stream {
