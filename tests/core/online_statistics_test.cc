@@ -107,7 +107,9 @@ TEST_P(MethodTest, FindsAPlantedSubspace) {
     overlap = SubspaceOverlap(lb.p_k.data(), u.data(), kR);
     EXPECT_LT(MaxOrthonormalityError(lb.p_k.data(), kR), 1e-4);
     EXPECT_EQ(lb.p_q, lb.p_k);  // orthogonal methods
-    if (round == rounds - 1) EXPECT_GT(SubspaceOverlap(lb.p_v.data(), u.data(), kR), 0.99);
+    if (round == rounds - 1) {
+      EXPECT_GT(SubspaceOverlap(lb.p_v.data(), u.data(), kR), 0.99);
+    }
     for (int i = 0; i < kD; ++i) {
       for (int j = 0; j < kR; ++j) EXPECT_EQ(lb.r_v[j * kD + i], lb.p_v[i * kR + j]);
     }
