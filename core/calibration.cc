@@ -21,19 +21,6 @@
 namespace subspace {
 namespace {
 
-// A full symmetric copy of the upper triangle of `gram`. gram: [d, d]
-std::vector<double> SymmetricFromUpper(int d, const double* gram) {
-  std::vector<double> full(static_cast<size_t>(d) * d);
-  for (int i = 0; i < d; ++i) {
-    for (int j = i; j < d; ++j) {
-      const double x = gram[static_cast<size_t>(i) * d + j];
-      full[static_cast<size_t>(i) * d + j] = x;
-      full[static_cast<size_t>(j) * d + i] = x;
-    }
-  }
-  return full;
-}
-
 // All eigenpairs, descending, eigenvalues clamped at 0 (Gram matrices are PSD; rounding is not).
 void FullEigen(int d, const std::vector<double>& sym, std::vector<double>* values,
                std::vector<double>* vecs) {

@@ -27,18 +27,6 @@ namespace {
 // KQ-SVD's floor on the singular values of K (as the calibration tool).
 constexpr double kSigmaFloor = 1e-7;
 
-std::vector<double> SymmetricFromUpper(int d, const std::vector<double>& upper) {
-  std::vector<double> full(upper.size());
-  for (int i = 0; i < d; ++i) {
-    for (int j = i; j < d; ++j) {
-      const double x = upper[static_cast<size_t>(i) * d + j];
-      full[static_cast<size_t>(i) * d + j] = x;
-      full[static_cast<size_t>(j) * d + i] = x;
-    }
-  }
-  return full;
-}
-
 double TraceOf(int d, const std::vector<double>& m) {
   double t = 0.0;
   for (int i = 0; i < d; ++i) t += m[static_cast<size_t>(i) * d + i];
@@ -112,7 +100,7 @@ void LeadingColumns(const std::vector<double>& m, int d, int r, float* out) {
 
 // Top-r eigenvectors of a symmetric upper-triangle Gram. out: [d, r]
 void TopOfGram(int d, const std::vector<double>& upper, int r, float* out) {
-  TopEigenvectors(d, SymmetricFromUpper(d, upper), r, out);
+  TopEigenvectors(d, SymmetricFromUpper(d, upper.data()), r, out);
 }
 
 // r_v ([r, d]) = p ([d, r])^T
@@ -241,7 +229,7 @@ void OnlineStatistics::FdInsert(std::vector<double>& sketch, int& used, int l, c
                   gram.data(), d);
       const int keep = std::min(l + 1, d);
       std::vector<double> lambda(static_cast<size_t>(keep)), vecs(static_cast<size_t>(d) * keep);
-      TopEigenpairs(d, SymmetricFromUpper(d, gram).data(), keep, EigenSolver::kLapack,
+      TopEigenpairs(d, SymmetricFromUpper(d, gram.data()).data(), keep, EigenSolver::kLapack,
                     lambda.data(), vecs.data());
       const double delta = l < d ? std::max(lambda[static_cast<size_t>(l)], 0.0) : 0.0;
       std::fill(sketch.begin(), sketch.end(), 0.0);
@@ -262,7 +250,7 @@ void OnlineStatistics::FdInsert(std::vector<double>& sketch, int& used, int l, c
 void OnlineStatistics::OjaStep(std::vector<double>& u, int r,
                                const std::vector<double>& cov_upper) const {
   const int d = g_.head_dim;
-  std::vector<double> c = SymmetricFromUpper(d, cov_upper);
+  std::vector<double> c = SymmetricFromUpper(d, cov_upper.data());
   const double norm = SpectralNorm(d, c);
   if (!(norm > 0.0)) return;
   for (double& x : c) x /= norm;

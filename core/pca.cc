@@ -147,6 +147,18 @@ void TopEigenvectors(int n, const std::vector<double>& gram, int r, float* out,
   for (size_t i = 0; i < vecs.size(); ++i) out[i] = static_cast<float>(vecs[i]);
 }
 
+std::vector<double> SymmetricFromUpper(int d, const double* upper) {
+  std::vector<double> full(static_cast<size_t>(d) * d);
+  for (int i = 0; i < d; ++i) {
+    for (int j = i; j < d; ++j) {
+      const double x = upper[static_cast<size_t>(i) * d + j];
+      full[static_cast<size_t>(i) * d + j] = x;
+      full[static_cast<size_t>(j) * d + i] = x;
+    }
+  }
+  return full;
+}
+
 void GramOfRows(const double* x, int64_t rows, int d, double* gram) {
   cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, d, static_cast<int>(rows), 1.0, x, d, 0.0,
               gram, d);

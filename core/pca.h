@@ -33,6 +33,10 @@ void TopEigenpairs(int n, const double* gram, int r, EigenSolver solver, double*
 void TopEigenvectors(int n, const std::vector<double>& gram, int r, float* out,
                      EigenSolver solver = EigenSolver::kLapack);
 
+// A full symmetric copy of the upper triangle (row <= col) of a d x d matrix, the form dsyrk
+// accumulates Gram matrices in. upper, result: [d, d]
+std::vector<double> SymmetricFromUpper(int d, const double* upper);
+
 // gram = x^T x in double, both triangles (BLAS dsyrk). x: [rows, d]; gram: [d, d]
 void GramOfRows(const double* x, int64_t rows, int d, double* gram);
 
