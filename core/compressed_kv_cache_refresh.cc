@@ -94,11 +94,12 @@ void CompressedKvCache::ObserveBlock(const Sequence& s, int layer, const float* 
 void CompressedKvCache::ObserveQueries(int layer, std::span<const AttentionRequest> requests,
                                        int n_heads) {
   if (streams_.empty()) return;
-  assert(n_heads == config_.n_query_heads);
   const size_t row = static_cast<size_t>(n_heads) * config_.geometry.head_dim;
   for (const AttentionRequest& req : requests) {
     const Sequence* s = seqs_.Find(req.seq);
     if (s == nullptr || s->stream == 0 || s->refresh.method != RefreshMethod::kKqsvd) continue;
+    // kqsvd streams exist only with n_query_heads set (Create / SetSequenceRefresh check it).
+    assert(n_heads == config_.n_query_heads);
     QueryObservation o;
     o.layer = layer;
     o.n = req.n;
