@@ -94,7 +94,7 @@ bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, 
 
 class Engine::Impl {
  public:
-  Impl(EngineConfig config, std::shared_ptr<LlamaModel> model,
+  Impl(EngineConfig config, std::shared_ptr<ModelRunner> model,
        std::shared_ptr<const Tokenizer> tokenizer, std::unique_ptr<KvCache> cache)
       : config_(std::move(config)),
         model_(std::move(model)),
@@ -193,7 +193,7 @@ class Engine::Impl {
   bool IdleLocked() const { return requests_.empty() && undelivered_finishes_ == 0; }
 
   const EngineConfig config_;
-  const std::shared_ptr<LlamaModel> model_;
+  const std::shared_ptr<ModelRunner> model_;
   const std::shared_ptr<const Tokenizer> tokenizer_;
   const std::unique_ptr<KvCache> cache_;  // engine thread only (see the file comment)
 
@@ -655,7 +655,7 @@ void Engine::Impl::Deliver(std::vector<Delivery>& out) {
 // ---- Engine -------------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineConfig config,
-                                                       std::shared_ptr<LlamaModel> model,
+                                                       std::shared_ptr<ModelRunner> model,
                                                        std::shared_ptr<const Tokenizer> tokenizer,
                                                        std::unique_ptr<KvCache> cache) {
   if (model == nullptr) return absl::InvalidArgumentError("engine needs a model");

@@ -18,8 +18,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/kv_cache.h"
+#include "core/model_runner.h"
 #include "core/refresh_config.h"
-#include "core/model.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
 
@@ -122,7 +122,7 @@ using RequestId = uint64_t;
 class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(EngineConfig config,
-                                                        std::shared_ptr<LlamaModel> model,
+                                                        std::shared_ptr<ModelRunner> model,
                                                         std::shared_ptr<const Tokenizer> tokenizer,
                                                         std::unique_ptr<KvCache> cache);
   // Cancels whatever is still running (observers get kCancelled) and joins the thread.

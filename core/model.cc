@@ -192,54 +192,11 @@ absl::Status LlamaModel::Forward(std::span<const SequenceChunk> batch, KvCache& 
   const ModelConfig& c = config_;
   Workspace& ws = *ws_;
   // ---- Validation: nothing is written before every chunk has been checked. ----------------
-  if (logits == nullptr) return absl::InvalidArgumentError("logits output is null");
-  if (batch.empty()) return absl::InvalidArgumentError("empty batch");
-  const KvCacheGeometry& g = cache.geometry();
-  if (g.n_layers != c.n_layers || g.n_kv_heads != c.n_kv_heads || g.head_dim != c.head_dim) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "KV cache geometry (layers %d, kv heads %d, head_dim %d) does not match the model "
-        "(%d, %d, %d)",
-        g.n_layers, g.n_kv_heads, g.head_dim, c.n_layers, c.n_kv_heads, c.head_dim));
-  }
   int64_t total = 0;
   int64_t logit_rows = 0;
-  ws.seq_sorted.clear();
-  for (size_t ci = 0; ci < batch.size(); ++ci) {
-    const SequenceChunk& ch = batch[ci];
-    const int64_t n = static_cast<int64_t>(ch.tokens.size());
-    if (n == 0) return absl::InvalidArgumentError(absl::StrFormat("chunk %d is empty", ci));
-    for (int64_t i = 0; i < n; ++i) {
-      if (ch.tokens[i] < 0 || ch.tokens[i] >= c.n_vocab) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("chunk %d (sequence %d): token %d at index %d is outside [0, %d)", ci,
-                            ch.seq, ch.tokens[i], i, c.n_vocab));
-      }
-    }
-    const int64_t length = cache.Length(ch.seq);
-    if (ch.pos != length) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("chunk %d: position %d of sequence %d is not its cached length %d", ci,
-                          ch.pos, ch.seq, length));
-    }
-    if (ch.pos + n > c.context_length) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("chunk %d: sequence %d would reach %d tokens, past the context length %d",
-                          ci, ch.seq, ch.pos + n, c.context_length));
-    }
-    if (const int64_t missing = cache.BlocksNeeded(ch.seq, n); missing != 0) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "chunk %d: sequence %d has not reserved tokens [%d, %d) (%d blocks short)", ci, ch.seq,
-          ch.pos, ch.pos + n, missing));
-    }
-    ws.seq_sorted.push_back(ch.seq);
-    total += n;
-    logit_rows += ch.all_logits ? n : 1;
-  }
-  std::sort(ws.seq_sorted.begin(), ws.seq_sorted.end());
-  if (auto dup = std::adjacent_find(ws.seq_sorted.begin(), ws.seq_sorted.end());
-      dup != ws.seq_sorted.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("sequence %d appears in more than one chunk of the batch", *dup));
+  if (absl::Status st = ValidateStep(c, batch, cache, logits, &ws.seq_sorted, &total, &logit_rows);
+      !st.ok()) {
+    return st;
   }
 
   // ---- Gather the step's tokens into one [T, dim] activation matrix. ------------------------
