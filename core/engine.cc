@@ -95,7 +95,7 @@ bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, 
 class Engine::Impl {
  public:
   Impl(EngineConfig config, std::shared_ptr<ModelRunner> model,
-       std::shared_ptr<const Tokenizer> tokenizer, std::unique_ptr<KvCache> cache)
+       std::shared_ptr<const Tokenizer> tokenizer, std::unique_ptr<KvCacheBase> cache)
       : config_(std::move(config)),
         model_(std::move(model)),
         tokenizer_(std::move(tokenizer)),
@@ -195,7 +195,7 @@ class Engine::Impl {
   const EngineConfig config_;
   const std::shared_ptr<ModelRunner> model_;
   const std::shared_ptr<const Tokenizer> tokenizer_;
-  const std::unique_ptr<KvCache> cache_;  // engine thread only (see the file comment)
+  const std::unique_ptr<KvCacheBase> cache_;  // engine thread only (see the file comment)
 
   mutable std::mutex mu_;
   std::condition_variable kick_cv_;  // KickedLocked() may have become true
@@ -657,7 +657,7 @@ void Engine::Impl::Deliver(std::vector<Delivery>& out) {
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineConfig config,
                                                        std::shared_ptr<ModelRunner> model,
                                                        std::shared_ptr<const Tokenizer> tokenizer,
-                                                       std::unique_ptr<KvCache> cache) {
+                                                       std::unique_ptr<KvCacheBase> cache) {
   if (model == nullptr) return absl::InvalidArgumentError("engine needs a model");
   if (tokenizer == nullptr) return absl::InvalidArgumentError("engine needs a tokenizer");
   if (cache == nullptr) return absl::InvalidArgumentError("engine needs a KV cache");

@@ -124,7 +124,7 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Create(EngineConfig config,
                                                         std::shared_ptr<ModelRunner> model,
                                                         std::shared_ptr<const Tokenizer> tokenizer,
-                                                        std::unique_ptr<KvCache> cache);
+                                                        std::unique_ptr<KvCacheBase> cache);
   // Cancels whatever is still running (observers get kCancelled) and joins the thread.
   ~Engine();
 

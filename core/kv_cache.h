@@ -64,11 +64,14 @@ struct AttentionRequest {
   float* out = nullptr;      // [n, n_heads, head_dim]
 };
 
-// Thread-safety: Write and Attend may run concurrently for different sequences; everything
-// else is called from one thread (the engine's step loop).
-class KvCache {
+// A KV cache's sequences, blocks and accounting, wherever its bytes live: what the engine and
+// the scheduler use (admission, reservation, commit, truncation, stats). Called from one thread
+// (the engine's step loop). The bytes are written and attended by the backend that owns them:
+// KvCache below for caches in host memory (the CPU backend calls Write and Attend); device
+// caches (kernels/device_kv_cache.h) are written and read by the CUDA backend's kernels.
+class KvCacheBase {
  public:
-  virtual ~KvCache() = default;
+  virtual ~KvCacheBase() = default;
 
   virtual const KvCacheGeometry& geometry() const = 0;
   virtual int block_size() const = 0;
@@ -83,14 +86,6 @@ class KvCache {
   virtual absl::Status Reserve(SeqId seq, int64_t n) = 0;
   // Blocks needed beyond those held to Reserve `n` more tokens (admission control).
   virtual int64_t BlocksNeeded(SeqId seq, int64_t n) const = 0;
-
-  // Stores keys (post-RoPE) and values of tokens [pos, pos + n) for `layer`; the range must
-  // be reserved.   k, v: [n, n_kv_heads, head_dim]
-  virtual void Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k,
-                     const float* v) = 0;
-  // Scaled-dot-product attention (scale 1/sqrt(head_dim)) with GQA: query head h reads KV
-  // head h / (n_heads / n_kv_heads). Parallel inside over requests, heads and queries.
-  virtual void Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) = 0;
   // Marks tokens [0, length) as complete in every layer (after the step wrote all layers).
   virtual absl::Status Commit(SeqId seq, int64_t length) = 0;
   // Drops tokens at and past `length`, freeing whole blocks past it.
@@ -105,6 +100,20 @@ class KvCache {
   }
 
   virtual KvCacheStats Stats() const = 0;
+};
+
+// A KV cache in host memory: the CPU backend writes keys/values and attends through it.
+// Thread-safety: Write and Attend may run concurrently for different sequences; everything
+// else is called from one thread (the engine's step loop).
+class KvCache : public KvCacheBase {
+ public:
+  // Stores keys (post-RoPE) and values of tokens [pos, pos + n) for `layer`; the range must
+  // be reserved.   k, v: [n, n_kv_heads, head_dim]
+  virtual void Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k,
+                     const float* v) = 0;
+  // Scaled-dot-product attention (scale 1/sqrt(head_dim)) with GQA: query head h reads KV
+  // head h / (n_heads / n_kv_heads). Parallel inside over requests, heads and queries.
+  virtual void Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) = 0;
 };
 
 }  // namespace subspace

@@ -187,11 +187,17 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(std::shared_ptr<con
   return m;
 }
 
-absl::Status LlamaModel::Forward(std::span<const SequenceChunk> batch, KvCache& cache,
+absl::Status LlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache_base,
                                  std::vector<float>* logits) {
   const ModelConfig& c = config_;
   Workspace& ws = *ws_;
   // ---- Validation: nothing is written before every chunk has been checked. ----------------
+  auto* host_cache = dynamic_cast<KvCache*>(&cache_base);
+  if (host_cache == nullptr) {
+    return absl::InvalidArgumentError(
+        "the CPU backend needs a KV cache in host memory; this one lives on a device");
+  }
+  KvCache& cache = *host_cache;
   int64_t total = 0;
   int64_t logit_rows = 0;
   if (absl::Status st = ValidateStep(c, batch, cache, logits, &ws.seq_sorted, &total, &logit_rows);

@@ -29,8 +29,8 @@ class LlamaModel final : public ModelRunner {
   std::string device_name() const override { return "cpu"; }
   const GgufFile& file() const { return *file_; }
 
-  // ModelRunner::Forward on the CPU, over any KvCache.
-  absl::Status Forward(std::span<const SequenceChunk> batch, KvCache& cache,
+  // ModelRunner::Forward on the CPU. INVALID_ARGUMENT for a cache that is not a host KvCache.
+  absl::Status Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache_base,
                        std::vector<float>* logits) override;
 
   ~LlamaModel() override;

@@ -11,7 +11,7 @@
 namespace subspace {
 
 absl::Status ValidateStep(const ModelConfig& config, std::span<const SequenceChunk> batch,
-                          const KvCache& cache, const std::vector<float>* logits,
+                          const KvCacheBase& cache, const std::vector<float>* logits,
                           std::vector<SeqId>* seq_scratch, int64_t* total_tokens,
                           int64_t* total_logit_rows) {
   if (logits == nullptr) return absl::InvalidArgumentError("logits output is null");

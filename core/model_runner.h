@@ -56,7 +56,7 @@ class ModelRunner {
   virtual const ModelConfig& config() const = 0;
   // "cpu", or "cuda:0 (NVIDIA H100 80GB HBM3)": for logs and the server's startup line.
   virtual std::string device_name() const = 0;
-  virtual absl::Status Forward(std::span<const SequenceChunk> batch, KvCache& cache,
+  virtual absl::Status Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache,
                                std::vector<float>* logits) = 0;
 };
 
@@ -65,7 +65,7 @@ class ModelRunner {
 // not the model's or a sequence in two chunks). On success `total_tokens` gets the step's tokens
 // and `total_logit_rows` the logit rows it returns. `seq_scratch` is reusable scratch.
 absl::Status ValidateStep(const ModelConfig& config, std::span<const SequenceChunk> batch,
-                          const KvCache& cache, const std::vector<float>* logits,
+                          const KvCacheBase& cache, const std::vector<float>* logits,
                           std::vector<SeqId>* seq_scratch, int64_t* total_tokens,
                           int64_t* total_logit_rows);
 

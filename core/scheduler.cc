@@ -17,7 +17,7 @@ namespace {
 constexpr int64_t kMaxSearchTokens = int64_t{1} << 40;
 
 // The most tokens a fresh sequence can reserve in a pool of `blocks_total` blocks.
-absl::StatusOr<int64_t> MaxSequenceTokens(KvCache& cache) {
+absl::StatusOr<int64_t> MaxSequenceTokens(KvCacheBase& cache) {
   absl::StatusOr<SeqId> seq = cache.CreateSequence();
   if (!seq.ok()) return seq.status();
   const int64_t blocks_total = cache.Stats().blocks_total;
@@ -45,7 +45,7 @@ absl::StatusOr<int64_t> MaxSequenceTokens(KvCache& cache) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(const SchedulerConfig& config,
-                                                             KvCache* cache,
+                                                             KvCacheBase* cache,
                                                              ReclaimFn reclaim_idle) {
   if (cache == nullptr) return absl::InvalidArgumentError("scheduler needs a KV cache");
   if (config.max_running < 1) {
@@ -68,7 +68,7 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(const SchedulerConf
       new Scheduler(config, cache, std::move(reclaim_idle), *max_tokens));
 }
 
-Scheduler::Scheduler(const SchedulerConfig& config, KvCache* cache, ReclaimFn reclaim_idle,
+Scheduler::Scheduler(const SchedulerConfig& config, KvCacheBase* cache, ReclaimFn reclaim_idle,
                      int64_t max_sequence_tokens)
     : config_(config),
       cache_(cache),

@@ -71,7 +71,7 @@ class Scheduler {
 
   // INVALID_ARGUMENT for a bad config; `cache` must outlive the scheduler.
   static absl::StatusOr<std::unique_ptr<Scheduler>> Create(const SchedulerConfig& config,
-                                                           KvCache* cache,
+                                                           KvCacheBase* cache,
                                                            ReclaimFn reclaim_idle = nullptr);
 
   // Queues a request at the back. `num_tokens`: tokens known now (prompt, with a session's
@@ -115,11 +115,11 @@ class Scheduler {
     int64_t num_tokens = 0;
     int64_t num_computed = 0;  // tokens in the cache
     int64_t preemptions = 0;
-    bool scheduled = false;  // in the plan being built
+    bool scheduled = false;                // in the plan being built
     std::optional<RefreshConfig> refresh;  // applied to every sequence created for it
   };
 
-  Scheduler(const SchedulerConfig& config, KvCache* cache, ReclaimFn reclaim_idle,
+  Scheduler(const SchedulerConfig& config, KvCacheBase* cache, ReclaimFn reclaim_idle,
             int64_t max_sequence_tokens);
 
   // Reserves the next token of running entry `e`, making room by the policy; false when `e`
@@ -133,7 +133,7 @@ class Scheduler {
   void FreeSeq(Entry& e);
 
   SchedulerConfig config_;
-  KvCache* cache_;
+  KvCacheBase* cache_;
   ReclaimFn reclaim_idle_;
   int64_t max_sequence_tokens_;
   absl::flat_hash_map<uint64_t, Entry> entries_;
