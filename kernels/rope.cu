@@ -1,0 +1,109 @@
+// RopeSplitQkvKernel: one CTA per token splits its fused QKV row into Q, K and V, rotating the
+// first rope_dim dims of every Q and K head by the host-built cos/sin table. The rotation uses
+// explicitly rounded multiplies and adds (no FMA contraction) so each element is bit-identical
+// to core/cpu/ops.cc Rope, which the host compiler evaluates without FMA.
+#include <cmath>
+
+#include "kernels/cuda_util.cuh"
+#include "kernels/rope.h"
+
+namespace subspace::kernels {
+namespace {
+
+constexpr int kThreads = 128;
+
+// (x0, x1) rotated by the angle whose (cos, sin) is cs, as cpu::Rope: x0 c - x1 s, x0 s + x1 c.
+__device__ __forceinline__ float2 Rotate(float x0, float x1, float2 cs) {
+  return make_float2(__fsub_rn(__fmul_rn(x0, cs.x), __fmul_rn(x1, cs.y)),
+                     __fadd_rn(__fmul_rn(x0, cs.y), __fmul_rn(x1, cs.x)));
+}
+
+// kVec: head_dim % 4 == 0 and every pointer 16-byte aligned (the table 8), so Q/K pairs move
+// as float2 and V as float4. Otherwise one element per thread, each reading its pair partner.
+template <bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    RopeSplitQkvKernel(const __grid_constant__ RopeSplitQkvParams p) {
+  const int64_t i = blockIdx.x;
+  const int hd = p.head_dim, pairs = p.rope_dim / 2;
+  const int n_q = p.n_heads * hd, n_kv = p.n_kv_heads * hd;  // floats per token
+  const float* src = p.qkv + i * (n_q + 2 * n_kv);
+  float* q = p.q + i * n_q;
+  float* k = p.k + i * n_kv;
+  float* v = p.v + i * n_kv;
+  const int32_t pos = p.positions[i];
+  // The host checks positions against the table; an outside one must not read past it, and a
+  // NaN row makes the bug loud instead of plausible.
+  const bool pos_ok = pos >= 0 && pos < p.max_position;
+  const float* cs = p.cos_sin + static_cast<int64_t>(pos_ok ? pos : 0) * pairs * 2;  // [pairs, 2]
+  const float nan = __int_as_float(0x7fffffff);
+
+  if constexpr (kVec) {
+    const int half = hd / 2;
+    const auto* src2 = reinterpret_cast<const float2*>(src);
+    // Pair j of the Q and K columns is floats 2j, 2j+1: head j / half, pair j % half.
+    for (int j = threadIdx.x; j < (n_q + n_kv) / 2; j += kThreads) {
+      const int pr = j % half;
+      float2 x = src2[j];
+      if (!pos_ok) {
+        x = make_float2(nan, nan);
+      } else if (pr < pairs) {
+        x = Rotate(x.x, x.y, __ldg(reinterpret_cast<const float2*>(cs) + pr));
+      }
+      if (j < n_q / 2) {
+        reinterpret_cast<float2*>(q)[j] = x;
+      } else {
+        reinterpret_cast<float2*>(k)[j - n_q / 2] = x;
+      }
+    }
+    const auto* src4 = reinterpret_cast<const float4*>(src + n_q + n_kv);
+    auto* v4 = reinterpret_cast<float4*>(v);
+    for (int j = threadIdx.x; j < n_kv / 4; j += kThreads) v4[j] = src4[j];
+  } else {
+    for (int j = threadIdx.x; j < n_q + n_kv; j += kThreads) {
+      const int d = j % hd;
+      float y = src[j];
+      if (!pos_ok) {
+        y = nan;
+      } else if (d < 2 * pairs) {
+        // Scalar table reads too: this path also serves a table that is not 8-byte aligned.
+        const int pr = d / 2;
+        const float2 r = Rotate(src[j - d % 2], src[j - d % 2 + 1],
+                                make_float2(__ldg(cs + 2 * pr), __ldg(cs + 2 * pr + 1)));
+        y = d % 2 == 0 ? r.x : r.y;
+      }
+      if (j < n_q) {
+        q[j] = y;
+      } else {
+        k[j - n_q] = y;
+      }
+    }
+    for (int j = threadIdx.x; j < n_kv; j += kThreads) v[j] = src[n_q + n_kv + j];
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchRopeSplitQkv(const RopeSplitQkvParams& p, cudaStream_t stream) {
+  if (p.n <= 0 || p.n_heads <= 0 || p.n_kv_heads <= 0 || p.head_dim <= 0 || p.rope_dim <= 0 ||
+      p.rope_dim % 2 != 0 || p.rope_dim > p.head_dim || p.max_position <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  // Per-token floats stay far below 2^31 for any real model; the products are int in the kernel.
+  if ((static_cast<int64_t>(p.n_heads) + 2 * static_cast<int64_t>(p.n_kv_heads)) * p.head_dim >
+      (int64_t{1} << 30)) {
+    return cudaErrorInvalidValue;
+  }
+  const auto aligned = [](const void* ptr, uintptr_t bytes) {
+    return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+  };
+  const bool vec = p.head_dim % 4 == 0 && aligned(p.qkv, 16) && aligned(p.q, 16) &&
+                   aligned(p.k, 16) && aligned(p.v, 16) && aligned(p.cos_sin, 8);
+  if (vec) {
+    RopeSplitQkvKernel<true><<<p.n, kThreads, 0, stream>>>(p);
+  } else {
+    RopeSplitQkvKernel<false><<<p.n, kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace subspace::kernels

@@ -1,0 +1,50 @@
+// Rotary embedding on the device, fused with splitting the fused QKV projection: reads one
+// [n, (n_heads + 2 n_kv) * head_dim] row block (Q, then K, then V columns, the layout of the
+// fused weight [wq; wk; wv]) and writes Q and K rotated and V as is into contiguous arrays.
+// Angles come from a host-built table (pos * theta^(-2i/rope_dim) and its cos/sin in double,
+// the cos/sin rounded to fp32, as the CPU backend's Rope computes them), and the kernel rotates
+// without FMA contraction, so device and CPU rotate bit-identically per element.
+// The Params struct is plain C++ so the CPU twin (tests/kernels/layer_ops_ref.h) takes it too.
+#ifndef SUBSPACE_KERNELS_ROPE_H_
+#define SUBSPACE_KERNELS_ROPE_H_
+
+#include <cstdint>
+#include <vector>
+
+#if defined(SUBSPACE_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace subspace::kernels {
+
+// Adjacent pairs (x[2p], x[2p+1]) of the first rope_dim dims of every head are rotated by the
+// angle of (position, p) (GGUF "llama" convention, as core/cpu/ops.h Rope).
+struct RopeSplitQkvParams {
+  const float* qkv = nullptr;          // [n, (n_heads + 2 * n_kv_heads) * head_dim]
+  const int32_t* positions = nullptr;  // [n] each in [0, max_position); a position outside
+                                       //   gives NaN q and k rows (loud), never a wild read
+  const float* cos_sin = nullptr;      // [max_position, rope_dim / 2, 2] (cos, sin) per pair
+  float* q = nullptr;                  // [n, n_heads, head_dim] rotated
+  float* k = nullptr;                  // [n, n_kv_heads, head_dim] rotated
+  float* v = nullptr;                  // [n, n_kv_heads, head_dim] copied
+  int32_t n = 0;
+  int32_t n_heads = 0;
+  int32_t n_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t rope_dim = 0;  // even, <= head_dim
+  int32_t max_position = 0;
+};
+
+// The cos/sin table for positions [0, max_position): [max_position, rope_dim / 2, 2].
+std::vector<float> RopeCosSinTable(int32_t max_position, int32_t rope_dim, float theta);
+
+#if defined(SUBSPACE_WITH_CUDA)
+// Grid (n) of 128 threads. cudaErrorInvalidValue for non-positive sizes (n = 0 included: skip
+// empty launches) or an odd rope_dim or
+// one above head_dim; else the launch's own error. Asynchronous.
+cudaError_t LaunchRopeSplitQkv(const RopeSplitQkvParams& params, cudaStream_t stream);
+#endif
+
+}  // namespace subspace::kernels
+
+#endif  // SUBSPACE_KERNELS_ROPE_H_
