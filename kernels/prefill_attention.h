@@ -35,7 +35,10 @@ struct PrefillAttentionParams {
 };
 
 #if defined(SUBSPACE_WITH_CUDA)
-// Supports head_dim 64 and 128 and block sizes 1..64. cudaErrorInvalidValue for anything else;
+// Supports head_dim 64 and 128 and block sizes 1..64; pool, q and out 16-byte aligned (device
+// allocations are). A CTA covers 64 (query, head) rows of one sequence and KV head, looping
+// over row tiles, so max_q_per_seq only sizes the grid. cudaErrorInvalidValue for anything
+// else (or when the device's opt-in shared memory is below the 83 KiB head_dim 128 needs);
 // otherwise the launch's own error. Asynchronous.
 cudaError_t LaunchPrefillAttention(const PrefillAttentionParams& params, cudaStream_t stream);
 #endif

@@ -436,6 +436,131 @@ inline CompressCase RandomCompressCase(const KvPoolLayout& l, int n_blocks, int 
   return c;
 }
 
+// ---- Prefill attention cases ---------------------------------------------------------------
+
+// One sequence of a prefill step: `start` tokens cached by earlier steps, then `n_q` query rows
+// whose own keys and values are in the pool too (append_kv runs before attention).
+struct PrefillSeqShape {
+  int32_t start = 0;
+  int32_t n_q = 0;
+};
+
+struct PrefillCase {
+  KvPoolLayout layout;
+  int n_heads = 0;
+  int64_t num_pages = 0;
+  std::vector<uint8_t> pool;  // [num_pages * page_bytes]; rows past a sequence's end poisoned
+  int32_t max_blocks = 0;
+  std::vector<int32_t> block_table;  // [num_seqs, max_blocks]; past a sequence's blocks: a
+                                     //   page nobody writes (all poison)
+  std::vector<int32_t> q_indptr;     // [num_seqs + 1]
+  std::vector<int32_t> q_start;      // [num_seqs]
+  int32_t max_q_per_seq = 0;
+  std::vector<float> q;  // [n_q, n_heads, d]
+  // Each sequence's keys and values as drawn, before they went to the pool (fp16 bits):
+  // [n_kv, start + n_q, d]. The dense reference reads these, not the pool.
+  std::vector<std::vector<uint16_t>> k, v;
+
+  int32_t num_seqs() const { return static_cast<int32_t>(q_start.size()); }
+  int32_t total_q() const { return q_indptr.back(); }
+};
+
+// Keys and values N(0, 1), queries N(0, q_sigma^2) (larger: peakier softmax). Each sequence's
+// blocks sit on shuffled pages.
+inline PrefillCase RandomPrefillCase(const KvPoolLayout& l, int n_heads,
+                                     const std::vector<PrefillSeqShape>& shapes, float q_sigma,
+                                     std::mt19937_64& rng) {
+  PrefillCase c;
+  c.layout = l;
+  c.n_heads = n_heads;
+  const int bs = l.block_size, hd = l.head_dim, n_kv = l.n_kv_heads;
+  int64_t blocks = 0;
+  int32_t most_blocks = 0;
+  for (const PrefillSeqShape& sh : shapes) {
+    const int32_t nb = (sh.start + sh.n_q + bs - 1) / bs;
+    blocks += nb;
+    most_blocks = std::max(most_blocks, nb);
+  }
+  c.num_pages = blocks + 2;        // two pages nobody writes
+  c.max_blocks = most_blocks + 1;  // a row stride wider than any sequence needs
+  c.pool.assign(static_cast<size_t>(c.num_pages * l.page_bytes), kPoison);
+  std::vector<int32_t> page_ids(static_cast<size_t>(c.num_pages));
+  for (int64_t i = 0; i < c.num_pages; ++i)
+    page_ids[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  std::shuffle(page_ids.begin(), page_ids.end(), rng);
+  const int32_t unused_page = page_ids.back();
+  size_t next_page = 0;
+
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  c.q_indptr.push_back(0);
+  for (const PrefillSeqShape& sh : shapes) {
+    const int32_t tokens = sh.start + sh.n_q;
+    const int32_t nb = (tokens + bs - 1) / bs;
+    std::vector<int32_t> row(static_cast<size_t>(c.max_blocks), unused_page);
+    for (int32_t b = 0; b < nb; ++b) row[static_cast<size_t>(b)] = page_ids[next_page++];
+    c.block_table.insert(c.block_table.end(), row.begin(), row.end());
+    std::vector<uint16_t> k(static_cast<size_t>(n_kv) * tokens * hd), v(k.size());
+    for (int h = 0; h < n_kv; ++h) {
+      for (int32_t t = 0; t < tokens; ++t) {
+        const int32_t page = row[static_cast<size_t>(t / bs)];
+        auto* kp = reinterpret_cast<uint16_t*>(c.pool.data() + l.FullK(page, h)) + (t % bs) * hd;
+        auto* vp = reinterpret_cast<uint16_t*>(c.pool.data() + l.FullV(page, h)) + (t % bs) * hd;
+        const size_t at = (static_cast<size_t>(h) * tokens + t) * hd;
+        for (int i = 0; i < hd; ++i) {
+          k[at + i] = kp[i] = RandomHalf(normal, rng);
+          v[at + i] = vp[i] = RandomHalf(normal, rng);
+        }
+      }
+    }
+    c.k.push_back(std::move(k));
+    c.v.push_back(std::move(v));
+    c.q_start.push_back(sh.start);
+    c.q_indptr.push_back(c.q_indptr.back() + sh.n_q);
+    c.max_q_per_seq = std::max(c.max_q_per_seq, sh.n_q);
+  }
+  std::normal_distribution<float> q_normal(0.0f, q_sigma);
+  c.q.resize(static_cast<size_t>(c.total_q()) * n_heads * hd);
+  for (float& x : c.q) x = q_normal(rng);
+  return c;
+}
+
+// Causal softmax attention in double over the drawn rows (not the pool): [n_q, n_heads, d].
+// Logits are q.k * sm_scale, sm_scale the float the kernels are given.
+inline std::vector<double> DensePrefillAttention(const PrefillCase& c, float sm_scale) {
+  const int hd = c.layout.head_dim, group = c.n_heads / c.layout.n_kv_heads;
+  std::vector<double> out(static_cast<size_t>(c.total_q()) * c.n_heads * hd);
+  std::vector<double> logit, o;
+  for (int32_t s = 0; s < c.num_seqs(); ++s) {
+    const int64_t tokens = c.q_start[s] + (c.q_indptr[s + 1] - c.q_indptr[s]);
+    for (int32_t row = c.q_indptr[s]; row < c.q_indptr[s + 1]; ++row) {
+      const int64_t pos = c.q_start[s] + (row - c.q_indptr[s]);
+      for (int hq = 0; hq < c.n_heads; ++hq) {
+        const uint16_t* k = c.k[s].data() + hq / group * tokens * hd;  // [tokens, d]
+        const uint16_t* v = c.v[s].data() + hq / group * tokens * hd;
+        const float* q = c.q.data() + (static_cast<int64_t>(row) * c.n_heads + hq) * hd;
+        logit.assign(static_cast<size_t>(pos + 1), 0.0);
+        for (int64_t t = 0; t <= pos; ++t) {
+          double dot = 0.0;
+          for (int i = 0; i < hd; ++i)
+            dot += static_cast<double>(q[i]) * HalfToFloat(k[t * hd + i]);
+          logit[static_cast<size_t>(t)] = dot * sm_scale;
+        }
+        const double max = *std::max_element(logit.begin(), logit.end());
+        o.assign(static_cast<size_t>(hd), 0.0);
+        double sum = 0.0;
+        for (int64_t t = 0; t <= pos; ++t) {
+          const double w = std::exp(logit[static_cast<size_t>(t)] - max);
+          sum += w;
+          for (int i = 0; i < hd; ++i) o[i] += w * HalfToFloat(v[t * hd + i]);
+        }
+        double* dst = out.data() + (static_cast<int64_t>(row) * c.n_heads + hq) * hd;
+        for (int i = 0; i < hd; ++i) dst[i] = o[i] / sum;
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace subspace::kernels::testing
 
 #endif  // SUBSPACE_TESTS_KERNELS_KV_TEST_DATA_H_
