@@ -29,6 +29,18 @@ class LlamaModel final : public ModelRunner {
   std::string device_name() const override { return "cpu"; }
   const GgufFile& file() const { return *file_; }
 
+  // The weights as mapped from the file (checked shapes and types): other backends upload them.
+  struct Layer {
+    const float* attn_norm = nullptr;   // [dim]
+    WeightMatrix wq, wk, wv, wo;        // [n_heads*hd, dim], [n_kv*hd, dim] x2, [dim, n_heads*hd]
+    const float* ffn_norm = nullptr;    // [dim]
+    WeightMatrix w_gate, w_up, w_down;  // [ffn, dim] x2, [dim, ffn]
+  };
+  const WeightMatrix& token_embd() const { return token_embd_; }
+  const float* output_norm() const { return output_norm_; }  // [dim]
+  const WeightMatrix& output() const { return output_; }      // token_embd when tied
+  const std::vector<Layer>& layers() const { return layers_; }
+
   // ModelRunner::Forward on the CPU. INVALID_ARGUMENT for a cache that is not a host KvCache.
   absl::Status Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache_base,
                        std::vector<float>* logits) override;
@@ -36,12 +48,6 @@ class LlamaModel final : public ModelRunner {
   ~LlamaModel() override;
 
  private:
-  struct Layer {
-    const float* attn_norm = nullptr;   // [dim]
-    WeightMatrix wq, wk, wv, wo;        // [n_heads*hd, dim], [n_kv*hd, dim] x2, [dim, n_heads*hd]
-    const float* ffn_norm = nullptr;    // [dim]
-    WeightMatrix w_gate, w_up, w_down;  // [ffn, dim] x2, [dim, ffn]
-  };
   struct Workspace;
 
   LlamaModel() = default;

@@ -17,10 +17,10 @@
 namespace subspace::kernels {
 
 struct AppendKvParams {
-  KvPoolLayout layout;                 // only n_kv_heads, head_dim, block_size, page_bytes used
-  uint8_t* pool = nullptr;             // [num_pages, page_bytes]
-  const float* k = nullptr;            // [n, n_kv_heads, head_dim] post-RoPE
-  const float* v = nullptr;            // [n, n_kv_heads, head_dim]
+  KvPoolLayout layout;                    // only n_kv_heads, head_dim, block_size, page_bytes used
+  uint8_t* pool = nullptr;                // [num_pages, page_bytes]
+  const float* k = nullptr;               // [n, n_kv_heads, head_dim] post-RoPE
+  const float* v = nullptr;               // [n, n_kv_heads, head_dim]
   const int64_t* slot_mapping = nullptr;  // [n] page * block_size + t; -1: skip the token
   int32_t n = 0;
 };

@@ -1,8 +1,8 @@
 // Compression of full-rank blocks into low-rank coefficients on the device, batched over blocks
 // and KV heads: c = P_k^T k and u = P_v^T v per token, encoded exactly as
 // CompressedKvCache::CompressBlock stores them (EncodeCoeffs: fp16, or int8 with a per-token
-// fp16 scale). The Params struct is plain C++ so the CPU twin (tests/kernels/compress_blocks_ref.h) takes the
-// same one with host pointers; the launcher exists only in CUDA builds.
+// fp16 scale). The Params struct is plain C++ so the CPU twin (tests/kernels/compress_blocks_ref.h)
+// takes the same one with host pointers; the launcher exists only in CUDA builds.
 #ifndef SUBSPACE_KERNELS_COMPRESS_BLOCKS_H_
 #define SUBSPACE_KERNELS_COMPRESS_BLOCKS_H_
 

@@ -4,7 +4,8 @@
 // live epoch (q~_e = P_q[e]^T q); values accumulate per epoch in coefficient space and are
 // expanded once with R_v[e]^T (DESIGN.md, "Exactness across basis changes"). Split-K as in
 // flash-decoding: CTAs write partial (max, sum, acc, u) per work item; a merge kernel combines
-// them. The Params struct is plain C++ so the CPU twin (tests/kernels/decode_attention_ref.h) takes it too.
+// them. The Params struct is plain C++ so the CPU twin (tests/kernels/decode_attention_ref.h) takes
+// it too.
 #ifndef SUBSPACE_KERNELS_DECODE_ATTENTION_H_
 #define SUBSPACE_KERNELS_DECODE_ATTENTION_H_
 

@@ -79,6 +79,42 @@ absl::Status CheckSequence(const KvPoolLayout& kv, int64_t num_pages, int num_ba
 
 }  // namespace
 
+DecodePlanLayout LayoutDecodePlan(int64_t num_seqs, int64_t num_blocks, int64_t num_epochs,
+                                  int64_t num_work, int n_kv) {
+  DecodePlanLayout l;
+  l.num_seqs = static_cast<int32_t>(num_seqs);
+  l.num_blocks = static_cast<int32_t>(num_blocks);
+  l.num_epochs = static_cast<int32_t>(num_epochs);
+  l.num_work = static_cast<int32_t>(num_work);
+  l.n_kv_heads = n_kv;
+  int64_t off = 0;
+  const auto take = [&off](int64_t bytes) {
+    const int64_t at = off;
+    off += (bytes + 15) / 16 * 16;  // 16-byte aligned arrays: room for vector loads later
+    return at;
+  };
+  l.block_masked = take(num_blocks * 8);
+  l.seq_len = take(num_seqs * 4);
+  l.seq_block_indptr = take((num_seqs + 1) * 4);
+  l.seq_epoch_indptr = take((num_seqs + 1) * 4);
+  l.seq_epochs = take(num_epochs * 4);
+  l.seq_work_indptr = take((num_seqs + 1) * 4);
+  l.block_page = take(num_blocks * 4);
+  l.block_slot = take(num_blocks * 4);
+  l.block_tokens = take(num_blocks * 4);
+  l.block_epoch = take(num_blocks * n_kv * 4);
+  l.work_seq = take(num_work * 4);
+  l.work_block_begin = take(num_work * 4);
+  l.work_block_end = take(num_work * 4);
+  l.total_bytes = off;
+  return l;
+}
+
+int64_t MaxDecodeWork(int64_t num_seqs, const DecodePlanOptions& options) {
+  if (options.blocks_per_split > 0) return -1;
+  return num_seqs + options.target_ctas;
+}
+
 absl::StatusOr<DecodePlan> BuildDecodePlan(const KvPoolLayout& kv, int64_t num_pages,
                                            int num_basis_epochs,
                                            std::span<const DecodeSeqDesc> seqs,
@@ -142,31 +178,8 @@ absl::StatusOr<DecodePlan> BuildDecodePlan(const KvPoolLayout& kv, int64_t num_p
 
   DecodePlan plan;
   DecodePlanLayout& l = plan.layout;
-  l.num_seqs = static_cast<int32_t>(num_seqs);
-  l.num_blocks = static_cast<int32_t>(num_blocks);
-  l.num_epochs = static_cast<int32_t>(num_epochs);
-  l.num_work = static_cast<int32_t>(num_work);
-  l.n_kv_heads = n_kv;
-  int64_t off = 0;
-  const auto take = [&off](int64_t bytes) {
-    const int64_t at = off;
-    off += (bytes + 15) / 16 * 16;  // 16-byte aligned arrays: room for vector loads later
-    return at;
-  };
-  l.block_masked = take(num_blocks * 8);
-  l.seq_len = take(num_seqs * 4);
-  l.seq_block_indptr = take((num_seqs + 1) * 4);
-  l.seq_epoch_indptr = take((num_seqs + 1) * 4);
-  l.seq_epochs = take(num_epochs * 4);
-  l.seq_work_indptr = take((num_seqs + 1) * 4);
-  l.block_page = take(num_blocks * 4);
-  l.block_slot = take(num_blocks * 4);
-  l.block_tokens = take(num_blocks * 4);
-  l.block_epoch = take(num_blocks * n_kv * 4);
-  l.work_seq = take(num_work * 4);
-  l.work_block_begin = take(num_work * 4);
-  l.work_block_end = take(num_work * 4);
-  l.total_bytes = off;
+  l = LayoutDecodePlan(num_seqs, num_blocks, num_epochs, num_work, n_kv);
+  const int64_t off = l.total_bytes;
   plan.buffer.assign(static_cast<size_t>(CeilDiv(off, 8)), 0);
 
   auto* base = reinterpret_cast<uint8_t*>(plan.buffer.data());

@@ -50,6 +50,16 @@ struct DecodePlan {
   }
 };
 
+// The array offsets of a plan with these counts (BuildDecodePlan uses it too); total_bytes grows
+// with every count, so the layout of the largest counts a step can have bounds every plan's
+// bytes (the CUDA backend sizes its plan buffers once with it).
+DecodePlanLayout LayoutDecodePlan(int64_t num_seqs, int64_t num_blocks, int64_t num_epochs,
+                                  int64_t num_work, int n_kv);
+// Most work items a plan of `num_seqs` sequences can have under `options` (each sequence gets
+// ceil(blocks / per_split) <= blocks / per_split + 1, and per_split >= blocks * n_kv /
+// target_ctas); -1 when blocks_per_split fixes the split (no bound without the block count).
+int64_t MaxDecodeWork(int64_t num_seqs, const DecodePlanOptions& options);
+
 // INVALID_ARGUMENT for a bad layout, a sequence whose arrays do not match its length, a page
 // outside [0, num_pages), a slot outside the page, an epoch outside [0, num_basis_epochs), a
 // mask on a full block or past a block's tokens, outliers that do not match the masks, more

@@ -20,18 +20,18 @@ namespace subspace::kernels {
 // Query row i of sequence s (seq_q_indptr[s] <= i < seq_q_indptr[s + 1]) sits at position
 // seq_q_start[s] + (i - seq_q_indptr[s]) and attends to the sequence's tokens [0, position].
 struct PrefillAttentionParams {
-  KvPoolLayout layout;                  // full pages only: n_kv_heads, head_dim, B, page_bytes
-  const uint8_t* pool = nullptr;        // [num_pages, page_bytes]
-  const int32_t* block_table = nullptr; // [num_seqs, max_blocks] pages in position order
+  KvPoolLayout layout;                    // full pages only: n_kv_heads, head_dim, B, page_bytes
+  const uint8_t* pool = nullptr;          // [num_pages, page_bytes]
+  const int32_t* block_table = nullptr;   // [num_seqs, max_blocks] pages in position order
   const int32_t* seq_q_indptr = nullptr;  // [num_seqs + 1] first element 0, last n_q
   const int32_t* seq_q_start = nullptr;   // [num_seqs] position of the sequence's first query
-  const float* q = nullptr;             // [n_q, n_heads, head_dim] post-RoPE
-  float* out = nullptr;                 // [n_q, n_heads, head_dim]
+  const float* q = nullptr;               // [n_q, n_heads, head_dim] post-RoPE
+  float* out = nullptr;                   // [n_q, n_heads, head_dim]
   int32_t num_seqs = 0;
   int32_t max_blocks = 0;     // row stride of block_table
   int32_t max_q_per_seq = 0;  // most query rows of one sequence (sizes the grid)
   int32_t n_heads = 0;
-  float sm_scale = 0.0f;      // 1 / sqrt(head_dim)
+  float sm_scale = 0.0f;  // 1 / sqrt(head_dim)
 };
 
 #if defined(SUBSPACE_WITH_CUDA)

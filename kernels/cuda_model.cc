@@ -1,0 +1,669 @@
+// CudaLlamaModel: start-up (sizing and carving the one device allocation, uploading weights as
+// fp16, fused [wq; wk; wv] and [w_gate; w_up]) and the step: host plan into pinned memory, one
+// copy to the device, then per layer RMSNorm → QKV GEMM → RoPE/split → KV append → attention
+// (decode and prefill kernels) → output GEMM → residual → RMSNorm → gate/up GEMM → SwiGLU →
+// down GEMM → residual; final norm of the logit rows, vocabulary GEMM, one copy back.
+#include "kernels/cuda_model.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/ggml_types.h"
+#include "kernels/append_kv.h"
+#include "kernels/cuda_status.h"
+#include "kernels/decode_attention.h"
+#include "kernels/decode_plan_builder.h"
+#include "kernels/device_info.h"
+#include "kernels/device_memory.h"
+#include "kernels/embedding.h"
+#include "kernels/gemm.h"
+#include "kernels/prefill_attention.h"
+#include "kernels/residual.h"
+#include "kernels/rms_norm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
+
+namespace subspace::kernels {
+namespace {
+
+constexpr int64_t kCublasWorkspaceBytes = int64_t{32} << 20;
+constexpr float kFp16Max = 65504.0f;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+struct DeviceLayer {
+  float* attn_norm = nullptr;     // [dim]
+  uint16_t* wqkv = nullptr;       // [(n_heads + 2 n_kv) * hd, dim]
+  uint16_t* wo = nullptr;         // [dim, n_heads * hd]
+  float* ffn_norm = nullptr;      // [dim]
+  uint16_t* w_gate_up = nullptr;  // [2 * ffn, dim]
+  uint16_t* w_down = nullptr;     // [dim, ffn]
+};
+
+// Byte offsets of one step's metadata, identical in the pinned host buffer and its device mirror.
+struct MetaLayout {
+  int64_t tokens = 0;         // [T] int32
+  int64_t positions = 0;      // [T] int32
+  int64_t slot_mapping = 0;   // [T] int64
+  int64_t logit_rows = 0;     // [T] int32
+  int64_t block_table = 0;    // [S, max_blocks_per_seq] int32 (prefill chunks)
+  int64_t q_indptr = 0;       // [S + 1] int32
+  int64_t q_start = 0;        // [S] int32
+  int64_t plan = 0;           // decode plan buffer
+  int64_t plan_capacity = 0;  // its bound (LayoutDecodePlan of the largest step)
+  int64_t total = 0;
+};
+
+}  // namespace
+
+struct CudaLlamaModel::Impl {
+  ModelConfig config;
+  CudaModelOptions options;
+  std::string device_name;
+  int target_ctas = 0;  // decode split-K: 2 CTAs per multiprocessor
+  int64_t max_blocks_per_seq = 0;
+  std::unique_ptr<DeviceAllocation> memory;
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<Gemm> gemm;
+  MemoryUse use;
+
+  // Weights.
+  uint16_t* embd = nullptr;  // [vocab, dim]
+  float* output_norm = nullptr;
+  uint16_t* output = nullptr;  // [vocab, dim]; == embd when tied
+  std::vector<DeviceLayer> layers;
+  float* rope_table = nullptr;  // [context, rope_dim / 2, 2]
+  // Activations for max_batch_tokens rows.
+  float *x = nullptr, *qkv = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *attn = nullptr,
+        *proj = nullptr, *gate_up = nullptr, *logits = nullptr;
+  uint16_t *xn = nullptr, *attn16 = nullptr, *hidden = nullptr;
+  float* decode_workspace = nullptr;
+  void* cublas_workspace = nullptr;
+  uint8_t* meta_device = nullptr;
+  uint8_t* kv_pool = nullptr;
+  int64_t kv_pool_bytes = 0;
+  MetaLayout meta;
+  std::unique_ptr<PinnedHostBuffer> meta_host;
+  std::unique_ptr<PinnedHostBuffer> logits_host;  // [T, vocab] fp32
+  const DevicePagedKvCache* cache = nullptr;
+
+  // Per-step host scratch (reused; grows only to the largest step).
+  std::vector<SeqId> seq_scratch;
+  std::vector<int> order;            // chunk indices: decodes first, then prefills
+  std::vector<int64_t> first_row;    // [chunks] the chunk's first activation row
+  std::vector<DecodeSeqDesc> descs;  // decode chunks
+
+  ~Impl() {
+    gemm.reset();
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+
+  int64_t QkvWidth() const {
+    return static_cast<int64_t>(config.n_heads + 2 * config.n_kv_heads) * config.head_dim;
+  }
+  int64_t QWidth() const { return static_cast<int64_t>(config.n_heads) * config.head_dim; }
+  int64_t KvWidth() const { return static_cast<int64_t>(config.n_kv_heads) * config.head_dim; }
+
+  // Every buffer but the KV pool, in a fixed order: run once counting (null base), once for real.
+  void CarveBuffers(Carver& c) {
+    const ModelConfig& m = config;
+    const int64_t t = options.max_batch_tokens, dim = m.dim, ffn = m.ffn_dim;
+    const int64_t weights_start = c.used();
+    embd = c.TakeArray<uint16_t>(static_cast<int64_t>(m.n_vocab) * dim);
+    output_norm = c.TakeArray<float>(dim);
+    layers.assign(static_cast<size_t>(m.n_layers), DeviceLayer{});
+    for (DeviceLayer& l : layers) {
+      l.attn_norm = c.TakeArray<float>(dim);
+      l.wqkv = c.TakeArray<uint16_t>(QkvWidth() * dim);
+      l.wo = c.TakeArray<uint16_t>(dim * QWidth());
+      l.ffn_norm = c.TakeArray<float>(dim);
+      l.w_gate_up = c.TakeArray<uint16_t>(2 * ffn * dim);
+      l.w_down = c.TakeArray<uint16_t>(dim * ffn);
+    }
+    output = m.tied_output ? embd : c.TakeArray<uint16_t>(static_cast<int64_t>(m.n_vocab) * dim);
+    use.weights = c.used() - weights_start;
+
+    const int64_t act_start = c.used();
+    rope_table = c.TakeArray<float>(static_cast<int64_t>(m.context_length) * (m.rope_dim / 2) * 2);
+    x = c.TakeArray<float>(t * dim);
+    xn = c.TakeArray<uint16_t>(t * dim);
+    qkv = c.TakeArray<float>(t * QkvWidth());
+    q = c.TakeArray<float>(t * QWidth());
+    k = c.TakeArray<float>(t * KvWidth());
+    v = c.TakeArray<float>(t * KvWidth());
+    attn = c.TakeArray<float>(t * QWidth());
+    attn16 = c.TakeArray<uint16_t>(t * QWidth());
+    proj = c.TakeArray<float>(t * dim);
+    gate_up = c.TakeArray<float>(t * 2 * ffn);
+    hidden = c.TakeArray<uint16_t>(t * ffn);
+    logits = c.TakeArray<float>(t * m.n_vocab);
+    // Split-K partials: [work, n_heads, 4 + head_dim] (full blocks: no per-epoch accumulators).
+    const int64_t max_work = MaxDecodeWork(options.max_sequences, {.target_ctas = target_ctas});
+    decode_workspace = c.TakeArray<float>(max_work * m.n_heads * (4 + m.head_dim));
+    cublas_workspace = c.Take(kCublasWorkspaceBytes);
+    meta_device = c.Take(meta.total);
+    use.activations = c.used() - act_start;
+  }
+
+  void LayoutMeta(int64_t pool_blocks) {
+    const int64_t t = options.max_batch_tokens, s = options.max_sequences;
+    Carver c(nullptr, 0);
+    const auto at = [&c](int64_t bytes) {
+      const int64_t offset = c.used();
+      c.Take(bytes);
+      return offset;
+    };
+    meta.tokens = at(t * 4);
+    meta.positions = at(t * 4);
+    meta.slot_mapping = at(t * 8);
+    meta.logit_rows = at(t * 4);
+    meta.block_table = at(s * max_blocks_per_seq * 4);
+    meta.q_indptr = at((s + 1) * 4);
+    meta.q_start = at(s * 4);
+    // Blocks of one step: each sequence holds its own, so at most the pool's, and at most
+    // max_blocks_per_seq per sequence.
+    const int64_t blocks = std::min(s * max_blocks_per_seq, pool_blocks + s);
+    const int64_t work = MaxDecodeWork(s, {.target_ctas = target_ctas});
+    meta.plan_capacity = LayoutDecodePlan(s, blocks, 0, work, config.n_kv_heads).total_bytes;
+    meta.plan = at(meta.plan_capacity);
+    meta.total = c.used();
+  }
+
+  template <typename T>
+  T* MetaHost(int64_t offset) {
+    return reinterpret_cast<T*>(meta_host->data() + offset);
+  }
+  template <typename T>
+  T* MetaDevice(int64_t offset) {
+    return reinterpret_cast<T*>(meta_device + offset);
+  }
+
+  absl::Status Upload(void* dst, const void* src, int64_t bytes, std::string_view what) {
+    return CudaStatus(cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice),
+                      what);
+  }
+
+  // Rows of `w` as fp16 appended to `out`; INVALID_ARGUMENT naming `name` for a value fp16 cannot
+  // hold (bf16 and fp32 weights have more range).
+  static absl::Status AppendFp16Rows(const WeightMatrix& w, std::string_view name,
+                                     std::vector<uint16_t>* out) {
+    std::vector<float> row(static_cast<size_t>(w.cols));
+    out->reserve(out->size() + static_cast<size_t>(w.rows * w.cols));
+    for (int64_t r = 0; r < w.rows; ++r) {
+      if (w.type == GgmlType::kF16) {
+        const auto* src = reinterpret_cast<const uint16_t*>(w.row(r));
+        out->insert(out->end(), src, src + w.cols);
+        continue;
+      }
+      DequantizeRow(w.type, w.row(r), row.data(), w.cols);
+      for (int64_t c = 0; c < w.cols; ++c) {
+        const float value = row[static_cast<size_t>(c)];
+        if (!(std::fabs(value) <= kFp16Max)) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "weight %s[%d, %d] = %g does not fit fp16, the CUDA backend's weight type",
+              std::string(name), r, c, value));
+        }
+        out->push_back(Fp32ToFp16(value));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status UploadMatrices(std::initializer_list<std::pair<const WeightMatrix*, const char*>> ws,
+                              uint16_t* dst, std::string_view what) {
+    std::vector<uint16_t> host;
+    for (const auto& [w, name] : ws) {
+      if (absl::Status st = AppendFp16Rows(*w, name, &host); !st.ok()) return st;
+    }
+    return Upload(dst, host.data(), static_cast<int64_t>(host.size() * 2), what);
+  }
+
+  absl::Status UploadWeights(const LlamaModel& model) {
+    const int64_t dim = config.dim;
+    if (absl::Status st = UploadMatrices({{&model.token_embd(), "token_embd"}}, embd, "token_embd");
+        !st.ok()) {
+      return st;
+    }
+    if (!config.tied_output) {
+      if (absl::Status st = UploadMatrices({{&model.output(), "output"}}, output, "output");
+          !st.ok()) {
+        return st;
+      }
+    }
+    if (absl::Status st = Upload(output_norm, model.output_norm(), dim * 4, "output_norm");
+        !st.ok()) {
+      return st;
+    }
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const LlamaModel::Layer& src = model.layers()[i];
+      const DeviceLayer& dst = layers[i];
+      const std::string at = absl::StrCat("layer ", i);
+      absl::Status st = Upload(dst.attn_norm, src.attn_norm, dim * 4, at);
+      if (st.ok()) st = Upload(dst.ffn_norm, src.ffn_norm, dim * 4, at);
+      if (st.ok()) {
+        st = UploadMatrices({{&src.wq, "attn_q"}, {&src.wk, "attn_k"}, {&src.wv, "attn_v"}},
+                            dst.wqkv, at);
+      }
+      if (st.ok()) st = UploadMatrices({{&src.wo, "attn_output"}}, dst.wo, at);
+      if (st.ok()) {
+        st = UploadMatrices({{&src.w_gate, "ffn_gate"}, {&src.w_up, "ffn_up"}}, dst.w_gate_up, at);
+      }
+      if (st.ok()) st = UploadMatrices({{&src.w_down, "ffn_down"}}, dst.w_down, at);
+      if (!st.ok()) return st;
+    }
+    const std::vector<float> table =
+        RopeCosSinTable(config.context_length, config.rope_dim, config.rope_theta);
+    return Upload(rope_table, table.data(), static_cast<int64_t>(table.size() * 4), "rope table");
+  }
+
+  absl::Status Launch(cudaError_t err, std::string_view what) { return CudaStatus(err, what); }
+
+  absl::Status Step(std::span<const SequenceChunk> batch, DevicePagedKvCache& cache, int64_t t_rows,
+                    int64_t logit_rows, std::vector<float>* out_logits);
+};
+
+namespace {
+
+absl::Status CheckOptions(const ModelConfig& m, const CudaModelOptions& o) {
+  if (o.max_batch_tokens < 1 || o.max_sequences < 1 || o.max_sequences > 65535) {
+    return absl::InvalidArgumentError(
+        "CUDA backend: max_batch_tokens must be >= 1 and max_sequences in [1, 65535]");
+  }
+  if (o.block_size < 1 || o.block_size > kMaxBlockSize) {
+    return absl::InvalidArgumentError(absl::StrFormat("CUDA backend: block size %d outside [1, %d]",
+                                                      o.block_size, kMaxBlockSize));
+  }
+  if (o.kv_cache_bytes < 0 || !(o.gpu_memory_fraction >= 0.0 && o.gpu_memory_fraction <= 1.0)) {
+    return absl::InvalidArgumentError(
+        "CUDA backend: kv_cache_bytes must be >= 0 and gpu_memory_fraction in [0, 1]");
+  }
+  if (o.kv_cache_bytes == 0 && o.gpu_memory_fraction == 0.0) {
+    return absl::InvalidArgumentError(
+        "CUDA backend: set the KV pool by kv_cache_bytes or gpu_memory_fraction");
+  }
+  if (m.head_dim != 64 && m.head_dim != 128) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "CUDA backend: head_dim %d; the attention kernels support 64 and 128", m.head_dim));
+  }
+  if (m.rope_dim % 2 != 0 || m.rope_dim > m.head_dim) {
+    return absl::InvalidArgumentError("CUDA backend: rope_dim must be even and <= head_dim");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
+                                              const CudaModelOptions& options) {
+  const ModelConfig& m = model.config();
+  if (absl::Status st = CheckOptions(m, options); !st.ok()) return st;
+  std::string why;
+  const std::vector<CudaDeviceInfo> devices = ListCudaDevices(&why);
+  if (options.device < 0 || options.device >= static_cast<int>(devices.size())) {
+    return absl::UnavailableError(absl::StrFormat("CUDA device %d not available (%d found)%s",
+                                                  options.device, devices.size(),
+                                                  why.empty() ? "" : absl::StrCat(": ", why)));
+  }
+  const CudaDeviceInfo& dev = devices[static_cast<size_t>(options.device)];
+  if (absl::Status st = CudaStatus(cudaSetDevice(options.device), "cudaSetDevice"); !st.ok()) {
+    return st;
+  }
+
+  auto impl = std::make_unique<CudaLlamaModel::Impl>();
+  CudaLlamaModel::Impl& s = *impl;
+  s.config = m;
+  s.options = options;
+  s.device_name = absl::StrFormat("cuda:%d (%s)", dev.index, dev.name);
+  s.target_ctas = 2 * dev.multiprocessors;
+  s.max_blocks_per_seq = CeilDiv(m.context_length, options.block_size);
+
+  // Size everything but the pool, then the pool from what is left.
+  const int64_t block_bytes =
+      DevicePagedKvCache::BlockBytes(m.cache_geometry(), options.block_size);
+  int64_t kv_bytes = options.kv_cache_bytes;
+  {
+    // The plan bound depends on the pool's block count; size it for the pool first guessed.
+    const int64_t guess = kv_bytes > 0
+                              ? kv_bytes
+                              : static_cast<int64_t>(options.gpu_memory_fraction *
+                                                     static_cast<double>(dev.total_memory_bytes));
+    s.LayoutMeta(guess / block_bytes);
+    Carver count(nullptr, 0);
+    s.CarveBuffers(count);
+    if (kv_bytes == 0) {
+      kv_bytes = guess - count.used();
+      if (kv_bytes < block_bytes) {
+        return absl::ResourceExhaustedError(absl::StrFormat(
+            "CUDA backend: gpu_memory_fraction %g of %d MiB leaves no KV pool after %d MiB of "
+            "weights and buffers",
+            options.gpu_memory_fraction, dev.total_memory_bytes >> 20, count.used() >> 20));
+      }
+    }
+  }
+  kv_bytes = kv_bytes / block_bytes * block_bytes;
+  Carver count(nullptr, 0);
+  s.CarveBuffers(count);
+  const int64_t total = count.used() + AlignUp(kv_bytes);
+  absl::StatusOr<std::unique_ptr<DeviceAllocation>> memory =
+      DeviceAllocation::Create(total, "CUDA backend (weights, activations, KV pool)");
+  if (!memory.ok()) return memory.status();
+  s.memory = *std::move(memory);
+  Carver carve(s.memory->data(), s.memory->bytes());
+  s.CarveBuffers(carve);
+  s.kv_pool = carve.Take(kv_bytes);
+  s.kv_pool_bytes = kv_bytes;
+  s.use.kv_pool = kv_bytes;
+  if (!carve.ok()) return absl::InternalError("CUDA backend: carving overran its allocation");
+
+  if (absl::Status st = CudaStatus(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking),
+                                   "cudaStreamCreate");
+      !st.ok()) {
+    return st;
+  }
+  absl::StatusOr<std::unique_ptr<Gemm>> gemm =
+      Gemm::Create(s.stream, s.cublas_workspace, kCublasWorkspaceBytes);
+  if (!gemm.ok()) return gemm.status();
+  s.gemm = *std::move(gemm);
+  absl::StatusOr<std::unique_ptr<PinnedHostBuffer>> meta_host =
+      PinnedHostBuffer::Create(s.meta.total, "step plan");
+  if (!meta_host.ok()) return meta_host.status();
+  s.meta_host = *std::move(meta_host);
+  absl::StatusOr<std::unique_ptr<PinnedHostBuffer>> logits_host = PinnedHostBuffer::Create(
+      static_cast<int64_t>(options.max_batch_tokens) * m.n_vocab * 4, "logits");
+  if (!logits_host.ok()) return logits_host.status();
+  s.logits_host = *std::move(logits_host);
+  if (absl::Status st = s.UploadWeights(model); !st.ok()) return st;
+
+  std::shared_ptr<CudaLlamaModel> runner(new CudaLlamaModel(std::move(impl)));
+  absl::StatusOr<std::unique_ptr<DevicePagedKvCache>> cache =
+      DevicePagedKvCache::Create({.geometry = m.cache_geometry(), .block_size = options.block_size},
+                                 runner->impl_->kv_pool, runner->impl_->kv_pool_bytes, runner);
+  if (!cache.ok()) return cache.status();
+  runner->impl_->cache = cache->get();
+  return CudaBackend{std::move(runner), *std::move(cache)};
+}
+
+CudaLlamaModel::CudaLlamaModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaLlamaModel::~CudaLlamaModel() = default;
+const ModelConfig& CudaLlamaModel::config() const { return impl_->config; }
+std::string CudaLlamaModel::device_name() const { return impl_->device_name; }
+CudaLlamaModel::MemoryUse CudaLlamaModel::memory_use() const { return impl_->use; }
+
+absl::Status CudaLlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache,
+                                     std::vector<float>* logits) {
+  Impl& s = *impl_;
+  int64_t t_rows = 0, logit_rows = 0;
+  if (absl::Status st =
+          ValidateStep(s.config, batch, cache, logits, &s.seq_scratch, &t_rows, &logit_rows);
+      !st.ok()) {
+    return st;
+  }
+  auto* device_cache = dynamic_cast<DevicePagedKvCache*>(&cache);
+  if (device_cache == nullptr || device_cache != s.cache) {
+    return absl::InvalidArgumentError(
+        "the CUDA backend runs only on the device KV cache created with it");
+  }
+  if (t_rows > s.options.max_batch_tokens ||
+      static_cast<int64_t>(batch.size()) > s.options.max_sequences) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "step of %d tokens in %d chunks exceeds the CUDA backend's %d tokens / %d sequences",
+        t_rows, batch.size(), s.options.max_batch_tokens, s.options.max_sequences));
+  }
+  if (absl::Status st = CudaStatus(cudaSetDevice(s.options.device), "cudaSetDevice"); !st.ok()) {
+    return st;
+  }
+  return s.Step(batch, *device_cache, t_rows, logit_rows, logits);
+}
+
+absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch,
+                                        DevicePagedKvCache& cache, int64_t t_rows,
+                                        int64_t n_logit_rows, std::vector<float>* out_logits) {
+  const ModelConfig& m = config;
+  const KvPoolLayout& layout = cache.layout();
+  const int bs = layout.block_size;
+
+  // ---- Plan on the host: decodes first (their rows are the decode kernel's sequences), then
+  // prefill chunks; logit rows in the caller's chunk order. ----------------------------------
+  order.clear();
+  for (size_t ci = 0; ci < batch.size(); ++ci) {
+    if (batch[ci].tokens.size() == 1) order.push_back(static_cast<int>(ci));
+  }
+  const int64_t n_decode = static_cast<int64_t>(order.size());
+  for (size_t ci = 0; ci < batch.size(); ++ci) {
+    if (batch[ci].tokens.size() != 1) order.push_back(static_cast<int>(ci));
+  }
+  auto* tokens = MetaHost<int32_t>(meta.tokens);
+  auto* positions = MetaHost<int32_t>(meta.positions);
+  auto* slots = MetaHost<int64_t>(meta.slot_mapping);
+  first_row.assign(batch.size(), 0);
+  int64_t row = 0;
+  for (int ci : order) {
+    const SequenceChunk& ch = batch[static_cast<size_t>(ci)];
+    const std::span<const int32_t> table = cache.BlockTable(ch.seq);
+    first_row[static_cast<size_t>(ci)] = row;
+    for (size_t i = 0; i < ch.tokens.size(); ++i, ++row) {
+      const int64_t pos = ch.pos + static_cast<int64_t>(i);
+      tokens[row] = ch.tokens[i];
+      positions[row] = static_cast<int32_t>(pos);
+      slots[row] = static_cast<int64_t>(table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
+    }
+  }
+  auto* logit_row = MetaHost<int32_t>(meta.logit_rows);
+  int64_t r = 0;
+  for (size_t ci = 0; ci < batch.size(); ++ci) {
+    const int64_t first = first_row[ci], n = static_cast<int64_t>(batch[ci].tokens.size());
+    if (batch[ci].all_logits) {
+      for (int64_t i = 0; i < n; ++i) logit_row[r++] = static_cast<int32_t>(first + i);
+    } else {
+      logit_row[r++] = static_cast<int32_t>(first + n - 1);
+    }
+  }
+
+  // Decode plan: each decode attends to its whole sequence, its own new token included.
+  descs.resize(static_cast<size_t>(n_decode));
+  for (int64_t d = 0; d < n_decode; ++d) {
+    const SequenceChunk& ch = batch[static_cast<size_t>(order[static_cast<size_t>(d)])];
+    DecodeSeqDesc& desc = descs[static_cast<size_t>(d)];
+    desc.length = ch.pos + 1;
+    const int64_t nb = CeilDiv(desc.length, bs);
+    const std::span<const int32_t> table = cache.BlockTable(ch.seq);
+    desc.pages.assign(table.begin(), table.begin() + nb);
+    desc.slots.assign(static_cast<size_t>(nb), kFullBlock);
+    desc.epochs.assign(static_cast<size_t>(nb * layout.n_kv_heads), -1);
+    desc.outlier_masks.clear();
+    desc.outlier_pages.clear();
+    desc.n_outliers = 0;
+  }
+  DecodePlan plan;
+  if (n_decode > 0) {
+    absl::StatusOr<DecodePlan> built =
+        BuildDecodePlan(layout, cache.num_blocks(), 0, descs, {.target_ctas = target_ctas});
+    if (!built.ok()) return built.status();
+    plan = *std::move(built);
+    if (plan.bytes() > meta.plan_capacity) {
+      return absl::InternalError(absl::StrFormat(
+          "decode plan of %d bytes exceeds its %d-byte buffer", plan.bytes(), meta.plan_capacity));
+    }
+    std::memcpy(meta_host->data() + meta.plan, plan.data(), static_cast<size_t>(plan.bytes()));
+  }
+
+  // Prefill chunks: block tables [n_prefill, stride], query row ranges and start positions.
+  const int64_t n_prefill = static_cast<int64_t>(batch.size()) - n_decode;
+  int32_t stride = 1, max_q = 1;
+  for (int64_t p = 0; p < n_prefill; ++p) {
+    const SequenceChunk& ch = batch[static_cast<size_t>(order[static_cast<size_t>(n_decode + p)])];
+    const int64_t end = ch.pos + static_cast<int64_t>(ch.tokens.size());
+    stride = std::max<int32_t>(stride, static_cast<int32_t>(CeilDiv(end, bs)));
+    max_q = std::max<int32_t>(max_q, static_cast<int32_t>(ch.tokens.size()));
+  }
+  auto* block_table = MetaHost<int32_t>(meta.block_table);
+  auto* q_indptr = MetaHost<int32_t>(meta.q_indptr);
+  auto* q_start = MetaHost<int32_t>(meta.q_start);
+  q_indptr[0] = 0;
+  for (int64_t p = 0; p < n_prefill; ++p) {
+    const SequenceChunk& ch = batch[static_cast<size_t>(order[static_cast<size_t>(n_decode + p)])];
+    const std::span<const int32_t> table = cache.BlockTable(ch.seq);
+    const int64_t nb = CeilDiv(ch.pos + static_cast<int64_t>(ch.tokens.size()), bs);
+    int32_t* dst = block_table + p * stride;
+    std::copy(table.begin(), table.begin() + nb, dst);
+    std::fill(dst + nb, dst + stride, 0);
+    q_indptr[p + 1] = q_indptr[p] + static_cast<int32_t>(ch.tokens.size());
+    q_start[p] = static_cast<int32_t>(ch.pos);
+  }
+
+  // ---- One copy of the plan to the device. -------------------------------------------------
+  const int64_t meta_bytes = n_decode > 0 ? meta.plan + plan.bytes() : meta.plan;
+  if (absl::Status st = CudaStatus(
+          cudaMemcpyAsync(meta_device, meta_host->data(), static_cast<size_t>(meta_bytes),
+                          cudaMemcpyHostToDevice, stream),
+          "plan copy");
+      !st.ok()) {
+    return st;
+  }
+
+  // ---- The layers. --------------------------------------------------------------------------
+  const int32_t t = static_cast<int32_t>(t_rows);
+  const int64_t dim = m.dim;
+  const float sm_scale = 1.0f / std::sqrt(static_cast<float>(m.head_dim));
+  absl::Status st = Launch(LaunchEmbedding({.table = embd,
+                                            .tokens = MetaDevice<int32_t>(meta.tokens),
+                                            .out = x,
+                                            .n = t,
+                                            .dim = m.dim,
+                                            .n_vocab = m.n_vocab},
+                                           stream),
+                           "embedding");
+  for (int l = 0; l < m.n_layers && st.ok(); ++l) {
+    const DeviceLayer& w = layers[static_cast<size_t>(l)];
+    uint8_t* pool = cache.LayerPool(l);
+    st = Launch(
+        LaunchRmsNorm(
+            {.x = x, .weight = w.attn_norm, .out = xn, .n = t, .dim = m.dim, .eps = m.rms_eps},
+            stream),
+        "attention norm");
+    if (st.ok()) st = gemm->Linear(w.wqkv, QkvWidth(), dim, xn, t, qkv);
+    if (st.ok()) {
+      st = Launch(LaunchRopeSplitQkv({.qkv = qkv,
+                                      .positions = MetaDevice<int32_t>(meta.positions),
+                                      .cos_sin = rope_table,
+                                      .q = q,
+                                      .k = k,
+                                      .v = v,
+                                      .n = t,
+                                      .n_heads = m.n_heads,
+                                      .n_kv_heads = m.n_kv_heads,
+                                      .head_dim = m.head_dim,
+                                      .rope_dim = m.rope_dim,
+                                      .max_position = m.context_length},
+                                     stream),
+                  "rope");
+    }
+    if (st.ok()) {
+      st = Launch(LaunchAppendKv({.layout = layout,
+                                  .pool = pool,
+                                  .k = k,
+                                  .v = v,
+                                  .slot_mapping = MetaDevice<int64_t>(meta.slot_mapping),
+                                  .n = t},
+                                 stream),
+                  "kv append");
+    }
+    if (st.ok() && n_decode > 0) {
+      DecodeAttentionParams p;
+      p.layout = layout;
+      p.plan = plan.DeviceView(meta_device + meta.plan);
+      p.pool = pool;
+      p.q = q;
+      p.out = attn;
+      p.workspace = decode_workspace;
+      p.n_heads = m.n_heads;
+      p.sm_scale = sm_scale;
+      st = Launch(LaunchDecodeAttention(p, stream), "decode attention");
+    }
+    if (st.ok() && n_prefill > 0) {
+      const int64_t off = n_decode * QWidth();
+      st = Launch(LaunchPrefillAttention({.layout = layout,
+                                          .pool = pool,
+                                          .block_table = MetaDevice<int32_t>(meta.block_table),
+                                          .seq_q_indptr = MetaDevice<int32_t>(meta.q_indptr),
+                                          .seq_q_start = MetaDevice<int32_t>(meta.q_start),
+                                          .q = q + off,
+                                          .out = attn + off,
+                                          .num_seqs = static_cast<int32_t>(n_prefill),
+                                          .max_blocks = stride,
+                                          .max_q_per_seq = max_q,
+                                          .n_heads = m.n_heads,
+                                          .sm_scale = sm_scale},
+                                         stream),
+                  "prefill attention");
+    }
+    if (st.ok()) {
+      st = Launch(LaunchCastToHalf({.in = attn, .out = attn16, .n = t_rows * QWidth()}, stream),
+                  "attention cast");
+    }
+    if (st.ok()) st = gemm->Linear(w.wo, dim, QWidth(), attn16, t, proj);
+    if (st.ok()) {
+      st = Launch(LaunchResidualAdd({.x = x, .y = proj, .n = t_rows * dim}, stream), "residual");
+    }
+    if (st.ok()) {
+      st = Launch(
+          LaunchRmsNorm(
+              {.x = x, .weight = w.ffn_norm, .out = xn, .n = t, .dim = m.dim, .eps = m.rms_eps},
+              stream),
+          "ffn norm");
+    }
+    if (st.ok()) st = gemm->Linear(w.w_gate_up, 2 * int64_t{m.ffn_dim}, dim, xn, t, gate_up);
+    if (st.ok()) {
+      st = Launch(
+          LaunchSwiGlu({.gate_up = gate_up, .out = hidden, .n = t, .ffn = m.ffn_dim}, stream),
+          "swiglu");
+    }
+    if (st.ok()) st = gemm->Linear(w.w_down, dim, m.ffn_dim, hidden, t, proj);
+    if (st.ok()) {
+      st = Launch(LaunchResidualAdd({.x = x, .y = proj, .n = t_rows * dim}, stream), "residual");
+    }
+  }
+
+  // ---- Logits of the rows asked for, back to the host. --------------------------------------
+  const int32_t rows = static_cast<int32_t>(n_logit_rows);
+  if (st.ok()) {
+    st = Launch(LaunchRmsNorm({.x = x,
+                               .weight = output_norm,
+                               .rows = MetaDevice<int32_t>(meta.logit_rows),
+                               .out = xn,
+                               .n = rows,
+                               .dim = m.dim,
+                               .eps = m.rms_eps},
+                              stream),
+                "output norm");
+  }
+  if (st.ok()) st = gemm->Linear(output, m.n_vocab, dim, xn, rows, logits);
+  const size_t logit_bytes = static_cast<size_t>(n_logit_rows) * m.n_vocab * sizeof(float);
+  if (st.ok()) {
+    st = CudaStatus(
+        cudaMemcpyAsync(logits_host->data(), logits, logit_bytes, cudaMemcpyDeviceToHost, stream),
+        "logits copy");
+  }
+  // Wait even after a failed launch: the host buffers must not be reused while work is queued.
+  const absl::Status sync = CudaStatus(cudaStreamSynchronize(stream), "step");
+  if (!st.ok()) return st;
+  if (!sync.ok()) return sync;
+  out_logits->resize(static_cast<size_t>(n_logit_rows) * m.n_vocab);
+  std::memcpy(out_logits->data(), logits_host->data(), logit_bytes);
+
+  for (const SequenceChunk& ch : batch) {
+    if (absl::Status c = cache.Commit(ch.seq, ch.pos + static_cast<int64_t>(ch.tokens.size()));
+        !c.ok()) {
+      return c;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace subspace::kernels

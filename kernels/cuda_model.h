@@ -1,0 +1,80 @@
+// The CUDA backend's forward pass (--device cuda): the Llama decoder of core/model.h on a GPU.
+// Weights live on the device as fp16 (GEMMs through cuBLAS with fp32 accumulation); the residual
+// stream is fp32; keys/values go to a DevicePagedKvCache. Each step's metadata (tokens,
+// positions, slot mapping, block tables, the decode plan) is built on the host into a pinned
+// buffer and copied to the device once; decodes run the split-K decode attention kernel and
+// prefill chunks the tiled prefill kernel. Everything is carved from one device allocation at
+// start-up: nothing is allocated per request.
+#ifndef SUBSPACE_KERNELS_CUDA_MODEL_H_
+#define SUBSPACE_KERNELS_CUDA_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/model.h"
+#include "core/model_runner.h"
+#include "kernels/device_kv_cache.h"
+
+namespace subspace::kernels {
+
+struct CudaModelOptions {
+  int device = 0;              // CUDA device index
+  int max_batch_tokens = 512;  // tokens per step the activations are sized for
+  int max_sequences = 64;      // chunks per step (block tables, decode plan)
+  int block_size = 16;         // KV block size, 1..64
+  // The KV pool: kv_cache_bytes when > 0, else gpu_memory_fraction of the device's total memory
+  // minus everything else the backend takes (weights, activations, plan, workspaces).
+  int64_t kv_cache_bytes = 0;
+  double gpu_memory_fraction = 0.0;
+};
+
+class CudaLlamaModel;
+
+// The backend's two halves: Forward accepts only the cache created with it.
+struct CudaBackend {
+  std::shared_ptr<CudaLlamaModel> model;
+  std::unique_ptr<DevicePagedKvCache> cache;
+};
+
+// Uploads `model`'s weights (any stored type, converted to fp16; INVALID_ARGUMENT for a weight
+// outside fp16's range or a head_dim other than 64 or 128) and carves the one device allocation.
+// RESOURCE_EXHAUSTED when the device cannot hold it; INVALID_ARGUMENT for bad options;
+// UNAVAILABLE when there is no such CUDA device. `model` may be dropped afterwards.
+absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
+                                              const CudaModelOptions& options);
+
+class CudaLlamaModel final : public ModelRunner {
+ public:
+  ~CudaLlamaModel() override;
+
+  const ModelConfig& config() const override;
+  std::string device_name() const override;
+  // ModelRunner::Forward. Also INVALID_ARGUMENT for any cache but the one created with it, and
+  // for a step over max_batch_tokens or max_sequences; INTERNAL for a CUDA failure. Synchronous:
+  // returns when the logits are on the host.
+  absl::Status Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache,
+                       std::vector<float>* logits) override;
+
+  // Bytes of the one device allocation, and how they split (start-up log, README).
+  struct MemoryUse {
+    int64_t weights = 0;
+    int64_t activations = 0;  // activations, plan mirror, decode and cuBLAS workspaces
+    int64_t kv_pool = 0;
+  };
+  MemoryUse memory_use() const;
+
+ private:
+  struct Impl;
+  explicit CudaLlamaModel(std::unique_ptr<Impl> impl);
+  friend absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel&, const CudaModelOptions&);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace subspace::kernels
+
+#endif  // SUBSPACE_KERNELS_CUDA_MODEL_H_

@@ -1,0 +1,21 @@
+// CUDA and cuBLAS results as absl::Status, so the CUDA backend reports failures the way the rest
+// of the server does: INTERNAL naming the operation and the library's own error name.
+#ifndef SUBSPACE_KERNELS_CUDA_STATUS_H_
+#define SUBSPACE_KERNELS_CUDA_STATUS_H_
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <string_view>
+
+#include "absl/status/status.h"
+
+namespace subspace::kernels {
+
+// OK for cudaSuccess; RESOURCE_EXHAUSTED for cudaErrorMemoryAllocation; INTERNAL otherwise.
+absl::Status CudaStatus(cudaError_t err, std::string_view what);
+absl::Status CublasStatus(cublasStatus_t status, std::string_view what);
+
+}  // namespace subspace::kernels
+
+#endif  // SUBSPACE_KERNELS_CUDA_STATUS_H_

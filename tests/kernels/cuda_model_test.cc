@@ -1,0 +1,233 @@
+// The CUDA backend end to end against the CPU backend on the default model: the same steps
+// (prefills, a chunked prefill over a cached prefix, decodes of several sequences in one batch)
+// through CudaLlamaModel + DevicePagedKvCache and LlamaModel + PagedKvCache, logits compared
+// after every step; then the engine generating greedily on each. Skips without a device.
+//
+// Tolerance: the CUDA path stores weights, GEMM inputs and the KV cache in fp16 (fp32
+// accumulation), the CPU path keeps fp32 activations and cache, so logits differ by fp16
+// rounding carried through 6 layers: we require max |cuda - cpu| <= 2 % of the step's logit
+// range, and the same argmax wherever the CPU's top-2 margin exceeds 5 % of that range.
+#include "kernels/cuda_model.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "core/engine.h"
+#include "core/gguf.h"
+#include "core/model.h"
+#include "core/paged_kv_cache.h"
+#include "core/tokenizer.h"
+#include "tests/kernels/cuda_test_util.h"
+
+namespace subspace::kernels {
+namespace {
+
+constexpr char kModelPath[] = SUBSPACE_SOURCE_DIR "/models/subspace-tiny.gguf";
+
+struct Pair {
+  std::shared_ptr<LlamaModel> cpu;
+  std::unique_ptr<PagedKvCache> cpu_cache;
+  CudaBackend cuda;
+};
+
+Pair Open(int max_batch_tokens = 256, int max_sequences = 8) {
+  Pair p;
+  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(kModelPath);
+  EXPECT_TRUE(cpu.ok()) << cpu.status();
+  if (!cpu.ok()) return p;
+  p.cpu = *std::move(cpu);
+  absl::StatusOr<std::unique_ptr<PagedKvCache>> cache =
+      PagedKvCache::Create({.geometry = p.cpu->config().cache_geometry(),
+                            .block_size = 16,
+                            .capacity_bytes = int64_t{64} << 20});
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  p.cpu_cache = *std::move(cache);
+  absl::StatusOr<CudaBackend> cuda =
+      CreateCudaBackend(*p.cpu, {.max_batch_tokens = max_batch_tokens,
+                                 .max_sequences = max_sequences,
+                                 .block_size = 16,
+                                 .kv_cache_bytes = int64_t{32} << 20});
+  EXPECT_TRUE(cuda.ok()) << cuda.status();
+  if (cuda.ok()) p.cuda = *std::move(cuda);
+  return p;
+}
+
+// Runs `chunks` (seq index, token count) as one step on both backends and compares logits.
+void StepBoth(Pair& p, std::vector<SeqId>& cpu_seqs, std::vector<SeqId>& gpu_seqs,
+              const std::vector<std::pair<int, std::vector<int32_t>>>& chunks,
+              const std::string& what) {
+  std::vector<SequenceChunk> cpu_batch, gpu_batch;
+  for (const auto& [s, tokens] : chunks) {
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    ASSERT_TRUE(p.cpu_cache->Reserve(cpu_seqs[s], n).ok());
+    ASSERT_TRUE(p.cuda.cache->Reserve(gpu_seqs[s], n).ok());
+    cpu_batch.push_back({cpu_seqs[s], p.cpu_cache->Length(cpu_seqs[s]), tokens});
+    gpu_batch.push_back({gpu_seqs[s], p.cuda.cache->Length(gpu_seqs[s]), tokens});
+  }
+  std::vector<float> cpu_logits, gpu_logits;
+  ASSERT_TRUE(p.cpu->Forward(cpu_batch, *p.cpu_cache, &cpu_logits).ok());
+  const absl::Status st = p.cuda.model->Forward(gpu_batch, *p.cuda.cache, &gpu_logits);
+  ASSERT_TRUE(st.ok()) << st;
+  ASSERT_EQ(cpu_logits.size(), gpu_logits.size());
+  const int vocab = p.cpu->config().n_vocab;
+  for (size_t r = 0; r * vocab < cpu_logits.size(); ++r) {
+    const float* c = cpu_logits.data() + r * vocab;
+    const float* g = gpu_logits.data() + r * vocab;
+    const auto [lo, hi] = std::minmax_element(c, c + vocab);
+    const float range = *hi - *lo;
+    float worst = 0.0f;
+    for (int i = 0; i < vocab; ++i) {
+      ASSERT_TRUE(std::isfinite(g[i])) << what << " row " << r << " logit " << i;
+      worst = std::max(worst, std::fabs(g[i] - c[i]));
+    }
+    EXPECT_LE(worst, 0.02f * range) << what << " row " << r;
+    std::vector<float> sorted(c, c + vocab);
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
+    if (sorted[0] - sorted[1] > 0.05f * range) {
+      EXPECT_EQ(std::max_element(c, c + vocab) - c, std::max_element(g, g + vocab) - g)
+          << what << " row " << r;
+    }
+  }
+}
+
+TEST(CudaModelTest, LogitsMatchTheCpuBackendAcrossPrefillAndDecode) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  Pair p = Open();
+  ASSERT_NE(p.cuda.model, nullptr);
+  std::vector<SeqId> cpu_seqs, gpu_seqs;
+  for (int s = 0; s < 3; ++s) {
+    cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
+    gpu_seqs.push_back(*p.cuda.cache->CreateSequence());
+  }
+  const auto tokens = [](int n, int salt) {
+    std::vector<int32_t> t;
+    for (int i = 0; i < n; ++i) t.push_back(1 + (i * 37 + salt * 101) % 900);
+    return t;
+  };
+  // Prefills of different lengths (one crossing several blocks), one step.
+  StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(37, 0)}, {1, tokens(5, 1)}}, "prefill");
+  // Decodes of both plus a chunked prefill of a third sequence: mixed step.
+  StepBoth(p, cpu_seqs, gpu_seqs, {{0, {42}}, {1, {7}}, {2, tokens(20, 2)}}, "mixed");
+  // The third continues with a second chunk over its cached prefix.
+  StepBoth(p, cpu_seqs, gpu_seqs, {{2, tokens(19, 3)}, {0, {99}}}, "chunked");
+  for (int step = 0; step < 40; ++step) {
+    StepBoth(p, cpu_seqs, gpu_seqs,
+             {{0, {static_cast<int32_t>(3 + step)}},
+              {1, {static_cast<int32_t>(50 + step)}},
+              {2, {static_cast<int32_t>(400 + step)}}},
+             "decode " + std::to_string(step));
+  }
+}
+
+TEST(CudaModelTest, AllLogitsRowsMatch) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  Pair p = Open();
+  ASSERT_NE(p.cuda.model, nullptr);
+  std::vector<SeqId> cpu_seqs = {*p.cpu_cache->CreateSequence()};
+  std::vector<SeqId> gpu_seqs = {*p.cuda.cache->CreateSequence()};
+  std::vector<int32_t> t;
+  for (int i = 0; i < 70; ++i) t.push_back(1 + i * 13 % 700);
+  std::vector<SequenceChunk> cpu_batch = {{cpu_seqs[0], 0, t, true}};
+  std::vector<SequenceChunk> gpu_batch = {{gpu_seqs[0], 0, t, true}};
+  ASSERT_TRUE(p.cpu_cache->Reserve(cpu_seqs[0], 70).ok());
+  ASSERT_TRUE(p.cuda.cache->Reserve(gpu_seqs[0], 70).ok());
+  std::vector<float> c, g;
+  ASSERT_TRUE(p.cpu->Forward(cpu_batch, *p.cpu_cache, &c).ok());
+  ASSERT_TRUE(p.cuda.model->Forward(gpu_batch, *p.cuda.cache, &g).ok());
+  ASSERT_EQ(c.size(), g.size());
+  ASSERT_EQ(c.size(), 70u * p.cpu->config().n_vocab);
+  double worst = 0.0;
+  for (size_t i = 0; i < c.size(); ++i) worst = std::max(worst, double{std::fabs(c[i] - g[i])});
+  EXPECT_LT(worst, 0.5);  // logits span ~20 on this model; fp16 rounding stays far below
+}
+
+TEST(CudaModelTest, RejectsForeignCachesAndOversizedSteps) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  Pair p = Open(/*max_batch_tokens=*/32, /*max_sequences=*/2);
+  ASSERT_NE(p.cuda.model, nullptr);
+  const SeqId cpu_seq = *p.cpu_cache->CreateSequence();
+  ASSERT_TRUE(p.cpu_cache->Reserve(cpu_seq, 1).ok());
+  std::vector<int32_t> one = {1};
+  std::vector<float> logits;
+  std::vector<SequenceChunk> batch = {{cpu_seq, 0, one}};
+  EXPECT_EQ(p.cuda.model->Forward(batch, *p.cpu_cache, &logits).code(),
+            absl::StatusCode::kInvalidArgument);
+  // And the CPU backend refuses the device cache.
+  const SeqId gpu_seq = *p.cuda.cache->CreateSequence();
+  ASSERT_TRUE(p.cuda.cache->Reserve(gpu_seq, 40).ok());
+  batch = {{gpu_seq, 0, one}};
+  EXPECT_EQ(p.cpu->Forward(batch, *p.cuda.cache, &logits).code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<int32_t> many(40, 5);
+  batch = {{gpu_seq, 0, many}};
+  EXPECT_EQ(p.cuda.model->Forward(batch, *p.cuda.cache, &logits).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(p.cuda.cache->Length(gpu_seq), 0);  // nothing committed
+}
+
+TEST(CudaModelTest, TakesExactlyTheConfiguredPool) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  Pair p = Open();
+  ASSERT_NE(p.cuda.model, nullptr);
+  const int64_t block = DevicePagedKvCache::BlockBytes(p.cpu->config().cache_geometry(), 16);
+  EXPECT_EQ(p.cuda.cache->Stats().bytes_total, (int64_t{32} << 20) / block * block);
+  EXPECT_EQ(p.cuda.model->memory_use().kv_pool, p.cuda.cache->Stats().bytes_total);
+  EXPECT_GT(p.cuda.model->memory_use().weights, 0);
+  EXPECT_NE(p.cuda.model->device_name().find("cuda:0"), std::string::npos);
+}
+
+// The engine, unchanged, on the CUDA backend: greedy generation equals the CPU engine's while
+// the CPU's choices are clear (the tolerance above); here we only require the first 8 tokens.
+TEST(CudaModelTest, EngineGeneratesOnTheCudaBackend) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(kModelPath);
+  ASSERT_TRUE(file.ok());
+  std::shared_ptr<const GgufFile> gguf = *std::move(file);
+  std::shared_ptr<const Tokenizer> tokenizer = *Tokenizer::FromGguf(*gguf);
+  std::shared_ptr<LlamaModel> cpu = *LlamaModel::Load(gguf);
+
+  struct Collect : GenerateObserver {
+    std::vector<int32_t> tokens;
+    absl::Notification done;
+    void OnTokens(std::span<const GeneratedTokenEvent> t) override {
+      for (const auto& e : t) tokens.push_back(e.token);
+    }
+    void OnFinish(const GenerateResult&) override { done.Notify(); }
+  };
+  const auto generate = [&](std::shared_ptr<ModelRunner> model,
+                            std::unique_ptr<KvCacheBase> cache) {
+    EngineConfig config;
+    config.max_batch_tokens = 256;
+    config.max_running = 8;
+    auto engine = Engine::Create(config, model, tokenizer, std::move(cache));
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    GenerateRequest req;
+    req.prompt = tokenizer->Encode("Once upon a time");
+    req.max_new_tokens = 8;
+    req.ignore_eos = true;
+    auto obs = std::make_shared<Collect>();
+    EXPECT_TRUE((*engine)->Submit(req, obs).ok());
+    obs->done.WaitForNotification();
+    return obs->tokens;
+  };
+  auto cpu_cache = *PagedKvCache::Create({.geometry = cpu->config().cache_geometry(),
+                                          .block_size = 16,
+                                          .capacity_bytes = int64_t{64} << 20});
+  const std::vector<int32_t> want = generate(cpu, std::move(cpu_cache));
+  absl::StatusOr<CudaBackend> cuda = CreateCudaBackend(*cpu, {.max_batch_tokens = 256,
+                                                              .max_sequences = 8,
+                                                              .block_size = 16,
+                                                              .kv_cache_bytes = int64_t{32} << 20});
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  const std::vector<int32_t> got = generate(cuda->model, std::move(cuda->cache));
+  EXPECT_EQ(got, want);
+}
+
+}  // namespace
+}  // namespace subspace::kernels
