@@ -32,7 +32,13 @@ ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on (gRPC and metrics)
 ABSL_FLAG(int32_t, port, 50051, "gRPC port; 0 picks a free one and prints it");
 ABSL_FLAG(int32_t, metrics_port, 9090,
           "Prometheus /metrics HTTP port; 0 picks a free one, -1 turns metrics off");
+ABSL_FLAG(std::string, device, "cpu",
+          "backend: cpu, cuda (a GPU; --kv-cache=full) or auto (cuda when a GPU is present and "
+          "the cache kind runs there, else cpu)");
 ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{256} << 20, "KV cache pool size in bytes");
+ABSL_FLAG(double, gpu_memory_fraction, 0.0,
+          "cuda: size the KV pool as this fraction of the GPU's memory minus weights and "
+          "buffers (overrides --kv-cache-bytes); 0 = use --kv-cache-bytes");
 ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens (at most 64 when compressed)");
 ABSL_FLAG(std::string, kv_cache, "compressed",
           "KV cache: 'compressed' (low-rank blocks outside the sinks and the window) or 'full' "
@@ -111,6 +117,11 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.port = absl::GetFlag(FLAGS_port);
   c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   c.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  absl::StatusOr<subspace::server::Device> device =
+      subspace::server::ParseDevice(absl::GetFlag(FLAGS_device));
+  if (!device.ok()) return device.status();
+  c.device = *device;
+  c.gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
   c.block_size = absl::GetFlag(FLAGS_block_size);
   absl::StatusOr<subspace::server::KvCacheKind> kind =
       subspace::server::ParseKvCacheKind(absl::GetFlag(FLAGS_kv_cache));
@@ -133,7 +144,8 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   absl::StatusOr<subspace::RefreshMethod> refresh =
       subspace::ParseRefreshMethod(absl::GetFlag(FLAGS_refresh_method));
   if (!refresh.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--refresh-method: ", refresh.status().message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--refresh-method: ", refresh.status().message()));
   }
   c.kv_cache.refresh.method = *refresh;
   c.kv_cache.refresh.every_tokens = absl::GetFlag(FLAGS_refresh_every_tokens);

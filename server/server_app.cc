@@ -152,10 +152,16 @@ absl::Status ServerApp::Init() {
   }
   const KvCacheOptions cache_options =
       ResolveKvCacheOptions(config_.kv_cache, model_config.cache_geometry(), bases.get());
-  absl::StatusOr<std::unique_ptr<KvCache>> cache =
-      CreateKvCache(cache_options, model_config.cache_geometry(), config_.block_size,
-                    config_.kv_cache_bytes, std::move(bases), model_config.n_heads);
-  if (!cache.ok()) return cache.status();
+  absl::StatusOr<Backend> backend =
+      CreateBackend({.device = config_.device,
+                     .block_size = config_.block_size,
+                     .kv_cache_bytes = config_.kv_cache_bytes,
+                     .gpu_memory_fraction = config_.gpu_memory_fraction,
+                     .max_batch_tokens = config_.engine.max_batch_tokens,
+                     .max_running = config_.engine.max_running},
+                    *std::move(model), cache_options, std::move(bases));
+  if (!backend.ok()) return backend.status();
+  const std::string device_name = backend->model->device_name();
 
   EngineConfig engine_config = config_.engine;
   Metrics* metrics = metrics_registry_.get();
@@ -164,8 +170,9 @@ absl::Status ServerApp::Init() {
     metrics->RecordStep(step);
     if (next) next(step);
   };
-  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(
-      std::move(engine_config), *std::move(model), *std::move(tokenizer), *std::move(cache));
+  absl::StatusOr<std::unique_ptr<Engine>> engine =
+      Engine::Create(std::move(engine_config), std::move(backend->model), *std::move(tokenizer),
+                     std::move(backend->cache));
   if (!engine.ok()) return engine.status();
   engine_ = *std::move(engine);
 
@@ -176,9 +183,9 @@ absl::Status ServerApp::Init() {
   metrics_registry_->AttachEngine(engine_.get());
   SetServing(true);
   spdlog::info(
-      "serving model '{}' from {}: {} layers, dim {}, {} heads ({} kv), vocab {}, context {}; "
-      "{} KV cache, pool {} MiB in {} blocks of {} tokens; loaded in {:.2f} s",
-      model_config.name, config_.model_path, model_config.n_layers, model_config.dim,
+      "serving model '{}' from {} on {}: {} layers, dim {}, {} heads ({} kv), vocab {}, "
+      "context {}; {} KV cache, pool {} MiB in {} blocks of {} tokens; loaded in {:.2f} s",
+      model_config.name, config_.model_path, device_name, model_config.n_layers, model_config.dim,
       model_config.n_heads, model_config.n_kv_heads, model_config.n_vocab,
       model_config.context_length, KvCacheKindName(cache_options.kind),
       cache_stats.bytes_total >> 20, cache_stats.blocks_total, config_.block_size,

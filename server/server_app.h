@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/engine.h"
+#include "server/backend.h"
 #include "server/kv_cache_options.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
@@ -30,8 +31,10 @@ struct ServerAppConfig {
   int metrics_port = 9090;  // 0: pick a free port; negative: no metrics endpoint
   int64_t kv_cache_bytes = int64_t{256} << 20;
   int block_size = 16;
-  KvCacheOptions kv_cache;  // full or compressed, and the compressed cache's policy
-  EngineConfig engine;      // on_step, if set, runs after the metrics hook (engine thread)
+  Device device = Device::kCpu;      // --device: cpu, cuda or auto (server/backend.h)
+  double gpu_memory_fraction = 0.0;  // CUDA: > 0 sizes the KV pool from device memory
+  KvCacheOptions kv_cache;           // full or compressed, and the compressed cache's policy
+  EngineConfig engine;               // on_step, if set, runs after the metrics hook (engine thread)
   absl::Duration drain_timeout = absl::Seconds(30);
   int max_message_bytes = 4 << 20;  // largest request accepted
   RequestLimits limits;

@@ -1,0 +1,52 @@
+// Which backend serves (--device cpu|cuda|auto) and building it: the model runner and the KV
+// cache it runs on. The CPU backend runs either cache kind; the CUDA backend runs the full-rank
+// cache in device memory (the compressed cache has kernels but no device cache yet).
+#ifndef SUBSPACE_SERVER_BACKEND_H_
+#define SUBSPACE_SERVER_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "core/basis.h"
+#include "core/kv_cache.h"
+#include "core/model.h"
+#include "core/model_runner.h"
+#include "server/kv_cache_options.h"
+
+namespace subspace::server {
+
+enum class Device : uint8_t { kCpu, kCuda, kAuto };
+const char* DeviceName(Device device);                      // "cpu", "cuda", "auto"
+absl::StatusOr<Device> ParseDevice(std::string_view name);  // INVALID_ARGUMENT naming the choices
+
+struct BackendOptions {
+  Device device = Device::kCpu;
+  int block_size = 16;
+  int64_t kv_cache_bytes = 0;        // the KV pool, host or device
+  double gpu_memory_fraction = 0.0;  // CUDA: > 0 sizes the pool from device memory instead
+  int max_batch_tokens = 512;        // the engine's, so the CUDA activations fit every step
+  int max_running = 16;
+};
+
+struct Backend {
+  std::shared_ptr<ModelRunner> model;
+  std::unique_ptr<KvCacheBase> cache;
+};
+
+// Whether this binary was built with the CUDA backend.
+bool CudaBackendBuilt();
+
+// kCpu: `cpu_model` with the cache CreateKvCache builds. kCuda: UNAVAILABLE when the binary has
+// no CUDA backend or the machine no device, INVALID_ARGUMENT for a compressed cache. kAuto: CUDA
+// when it is built, a device is present and the cache kind runs there; otherwise the CPU.
+// `cpu_model` must outlive nothing: the CUDA backend copies the weights it needs.
+absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
+                                      std::shared_ptr<LlamaModel> cpu_model,
+                                      const KvCacheOptions& cache_options,
+                                      std::shared_ptr<const Basis> bases);
+
+}  // namespace subspace::server
+
+#endif  // SUBSPACE_SERVER_BACKEND_H_

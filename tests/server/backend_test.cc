@@ -1,0 +1,99 @@
+// --device selection: parsing, the CPU backend for either cache kind, and the CUDA choices'
+// answers on a machine without a GPU (or a binary without CUDA). The CUDA backend's own
+// correctness is tests/kernels/cuda_model_test.cc (gpu label).
+#include "server/backend.h"
+
+#include <gtest/gtest.h>
+
+#include "kernels/device_info.h"
+#include "tests/core/tiny_model_util.h"
+
+namespace subspace::server {
+namespace {
+
+bool HasCudaDevice() {
+#if defined(SUBSPACE_WITH_CUDA)
+  return !kernels::ListCudaDevices().empty();
+#else
+  return false;
+#endif
+}
+
+KvCacheOptions Full() {
+  KvCacheOptions o;
+  o.kind = KvCacheKind::kFull;
+  return o;
+}
+
+TEST(BackendTest, ParsesDevices) {
+  EXPECT_EQ(*ParseDevice("cpu"), Device::kCpu);
+  EXPECT_EQ(*ParseDevice("cuda"), Device::kCuda);
+  EXPECT_EQ(*ParseDevice("auto"), Device::kAuto);
+  const absl::StatusOr<Device> bad = ParseDevice("gpu");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("cpu, cuda or auto"), std::string::npos);
+}
+
+TEST(BackendTest, CpuServesBothCacheKinds) {
+  for (KvCacheKind kind : {KvCacheKind::kFull, KvCacheKind::kCompressed}) {
+    absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
+    ASSERT_TRUE(tiny.ok());
+    KvCacheOptions cache;
+    cache.kind = kind;
+    cache.rank_k = cache.rank_v = 2;
+    absl::StatusOr<Backend> b = CreateBackend(
+        {.device = Device::kCpu, .kv_cache_bytes = int64_t{4} << 20}, tiny->model, cache, nullptr);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->model->device_name(), "cpu");
+    EXPECT_EQ(b->cache->geometry().n_layers, tiny->model->config().n_layers);
+  }
+}
+
+TEST(BackendTest, GpuMemoryFractionNeedsCuda) {
+  absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
+  ASSERT_TRUE(tiny.ok());
+  EXPECT_EQ(CreateBackend({.device = Device::kCpu, .kv_cache_bytes = 1 << 20,
+                           .gpu_memory_fraction = 0.5},
+                          tiny->model, Full(), nullptr)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateBackend({.device = Device::kAuto, .kv_cache_bytes = 1 << 20,
+                           .gpu_memory_fraction = 1.5},
+                          tiny->model, Full(), nullptr)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(BackendTest, CudaRefusesTheCompressedCache) {
+  if (!CudaBackendBuilt()) GTEST_SKIP() << "built without CUDA";
+  absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
+  ASSERT_TRUE(tiny.ok());
+  KvCacheOptions cache;
+  cache.kind = KvCacheKind::kCompressed;
+  const absl::Status st =
+      CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, cache,
+                    nullptr)
+          .status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("--kv-cache full"), std::string::npos) << st;
+}
+
+TEST(BackendTest, WithoutAGpuCudaIsUnavailableAndAutoFallsBackToCpu) {
+  if (HasCudaDevice()) GTEST_SKIP() << "a CUDA device is present";
+  absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
+  ASSERT_TRUE(tiny.ok());
+  const absl::Status st =
+      CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, Full(),
+                    nullptr)
+          .status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  absl::StatusOr<Backend> b = CreateBackend(
+      {.device = Device::kAuto, .kv_cache_bytes = 1 << 20}, tiny->model, Full(), nullptr);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->model->device_name(), "cpu");
+}
+
+}  // namespace
+}  // namespace subspace::server
