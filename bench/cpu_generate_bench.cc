@@ -1,8 +1,11 @@
-// subspace-bench-cpu: prefill and decode throughput of the CPU engine on one GGUF model, at
-// batch 1 and batch 8, printed as a table. Token ids are synthetic (fixed pseudo-random ids),
-// which does not change the arithmetic of a dense forward pass.
+// subspace-bench-cpu: prefill and decode throughput of a backend's forward pass on one GGUF
+// model (--device cpu, or cuda with the full-rank device cache), at several batch sizes,
+// printed as a table. Token ids are synthetic (fixed pseudo-random ids), which does not change
+// the arithmetic of a dense forward pass.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -15,6 +18,10 @@
 #include "core/paged_kv_cache.h"
 #include "tools/cli/dash_flags.h"
 
+#if defined(SUBSPACE_WITH_CUDA)
+#include "kernels/cuda_model.h"
+#endif
+
 ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "path of the GGUF model");
 ABSL_FLAG(int32_t, prompt_tokens, 256, "tokens per prefill");
 ABSL_FLAG(int32_t, decode_tokens, 64, "decode steps per measurement");
@@ -22,6 +29,7 @@ ABSL_FLAG(std::vector<std::string>, batch, std::vector<std::string>({"1", "8"}),
           "comma-separated batch sizes");
 ABSL_FLAG(int32_t, repeats, 3, "measurements per cell; the best is reported");
 ABSL_FLAG(int64_t, kv_cache_bytes, 1ll << 30, "KV cache pool size in bytes");
+ABSL_FLAG(std::string, device, "cpu", "cpu or cuda (the CUDA backend, full-rank device cache)");
 
 namespace subspace {
 namespace {
@@ -33,7 +41,7 @@ struct Cell {
   double decode_tps = 0;
 };
 
-absl::StatusOr<Cell> Measure(LlamaModel& model, KvCache& cache, int batch, int prompt_len,
+absl::StatusOr<Cell> Measure(ModelRunner& model, KvCacheBase& cache, int batch, int prompt_len,
                              int decode_len, uint64_t seed) {
   const ModelConfig& cfg = model.config();
   std::mt19937_64 rng(seed);
@@ -75,15 +83,41 @@ absl::StatusOr<Cell> Measure(LlamaModel& model, KvCache& cache, int batch, int p
 }
 
 absl::Status Run() {
-  absl::StatusOr<std::unique_ptr<LlamaModel>> model =
+  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu_model =
       LlamaModel::Open(absl::GetFlag(FLAGS_model));
-  if (!model.ok()) return model.status();
-  const ModelConfig& cfg = (*model)->config();
-  PagedKvCache::Config cache_config;
-  cache_config.geometry = cfg.cache_geometry();
-  cache_config.capacity_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
-  absl::StatusOr<std::unique_ptr<PagedKvCache>> cache = PagedKvCache::Create(cache_config);
-  if (!cache.ok()) return cache.status();
+  if (!cpu_model.ok()) return cpu_model.status();
+  const ModelConfig cfg = (*cpu_model)->config();
+  std::vector<int> batches;
+  for (const std::string& b : absl::GetFlag(FLAGS_batch)) batches.push_back(std::stoi(b));
+  const int max_batch = *std::max_element(batches.begin(), batches.end());
+
+  std::shared_ptr<ModelRunner> model;
+  std::unique_ptr<KvCacheBase> cache;
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device == "cpu") {
+    PagedKvCache::Config cache_config;
+    cache_config.geometry = cfg.cache_geometry();
+    cache_config.capacity_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+    absl::StatusOr<std::unique_ptr<PagedKvCache>> paged = PagedKvCache::Create(cache_config);
+    if (!paged.ok()) return paged.status();
+    model = std::shared_ptr<LlamaModel>(*std::move(cpu_model));
+    cache = *std::move(paged);
+  } else if (device == "cuda") {
+#if defined(SUBSPACE_WITH_CUDA)
+    absl::StatusOr<kernels::CudaBackend> cuda = kernels::CreateCudaBackend(
+        **cpu_model, {.max_batch_tokens = max_batch * absl::GetFlag(FLAGS_prompt_tokens),
+                      .max_sequences = max_batch,
+                      .kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes)});
+    if (!cuda.ok()) return cuda.status();
+    model = std::move(cuda->model);
+    cache = std::move(cuda->cache);
+#else
+    return absl::UnavailableError("built without CUDA");
+#endif
+  } else {
+    return absl::InvalidArgumentError("--device must be cpu or cuda");
+  }
+  std::printf("device %s\n", model->device_name().c_str());
 
   int prompt_len = absl::GetFlag(FLAGS_prompt_tokens);
   int decode_len = absl::GetFlag(FLAGS_decode_tokens);
@@ -100,17 +134,16 @@ absl::Status Run() {
               absl::GetFlag(FLAGS_repeats));
   std::printf("| batch | prefill tokens/s | decode tokens/s | decode ms/step |\n");
   std::printf("|------:|-----------------:|----------------:|---------------:|\n");
-  for (const std::string& b : absl::GetFlag(FLAGS_batch)) {
-    const int batch = std::stoi(b);
+  for (const int batch : batches) {
     Cell best;
     for (int r = 0; r < absl::GetFlag(FLAGS_repeats); ++r) {
-      absl::StatusOr<Cell> cell = Measure(**model, **cache, batch, prompt_len, decode_len, r);
+      absl::StatusOr<Cell> cell = Measure(*model, *cache, batch, prompt_len, decode_len, r);
       if (!cell.ok()) return cell.status();
       best.prefill_tps = std::max(best.prefill_tps, cell->prefill_tps);
       best.decode_tps = std::max(best.decode_tps, cell->decode_tps);
     }
-    std::printf("| %5d | %16.1f | %15.1f | %14.2f |\n", batch, best.prefill_tps,
-                best.decode_tps, 1000.0 * batch / best.decode_tps);
+    std::printf("| %5d | %16.1f | %15.1f | %14.2f |\n", batch, best.prefill_tps, best.decode_tps,
+                1000.0 * batch / best.decode_tps);
   }
   return absl::OkStatus();
 }
