@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -28,7 +29,12 @@
 namespace subspace::kernels {
 namespace {
 
-constexpr char kModelPath[] = SUBSPACE_SOURCE_DIR "/models/subspace-tiny.gguf";
+// SUBSPACE_TEST_MODEL overrides the path (binaries carried to a GPU machine by
+// scripts/gpu_bundle.sh run from another checkout).
+std::string ModelPath() {
+  const char* env = std::getenv("SUBSPACE_TEST_MODEL");
+  return env != nullptr ? env : SUBSPACE_SOURCE_DIR "/models/subspace-tiny.gguf";
+}
 
 struct Pair {
   std::shared_ptr<LlamaModel> cpu;
@@ -38,7 +44,7 @@ struct Pair {
 
 Pair Open(int max_batch_tokens = 256, int max_sequences = 8) {
   Pair p;
-  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(kModelPath);
+  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(ModelPath());
   EXPECT_TRUE(cpu.ok()) << cpu.status();
   if (!cpu.ok()) return p;
   p.cpu = *std::move(cpu);
@@ -186,7 +192,7 @@ TEST(CudaModelTest, TakesExactlyTheConfiguredPool) {
 // the CPU's choices are clear (the tolerance above); here we only require the first 8 tokens.
 TEST(CudaModelTest, EngineGeneratesOnTheCudaBackend) {
   SUBSPACE_REQUIRE_CUDA_DEVICE();
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(kModelPath);
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(ModelPath());
   ASSERT_TRUE(file.ok());
   std::shared_ptr<const GgufFile> gguf = *std::move(file);
   std::shared_ptr<const Tokenizer> tokenizer = *Tokenizer::FromGguf(*gguf);

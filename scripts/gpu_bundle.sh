@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds the GPU tests and benchmarks here and packs them, with the shared libraries a CUDA image
+# lacks (Abseil, OpenBLAS, libgomp, ...), into gpu-bundle/ for a machine that has a GPU but not
+# this project's Debian packages (the lent H100/H200 machines: CUDA, CMake and nvcc, no gRPC or
+# Abseil). There, scripts/gpu_run.sh runs everything in one call. CUDA's own libraries (cudart,
+# cuBLAS) are left out: the GPU machine's toolkit provides them.
+#   scripts/gpu_bundle.sh [build-dir]      (default: build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+bundle=gpu-bundle
+
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSUBSPACE_CUDA=ON >/dev/null
+tests=(compress_blocks_test decode_attention_test layer_ops_test prefill_attention_test
+       cuda_model_test device_info_test)
+[[ -f tests/kernels/sampling_test.cc ]] && tests+=(sampling_test)
+benches=(subspace-bench-decode-attention subspace-bench-cpu)
+cmake --build "$build" -j "$(nproc)" --target "${tests[@]}" "${benches[@]}"
+
+rm -rf "$bundle"
+mkdir -p "$bundle/bin" "$bundle/lib"
+for t in "${tests[@]}"; do cp "$build/tests/$t" "$bundle/bin/"; done
+for b in "${benches[@]}"; do cp "$build/bin/$b" "$bundle/bin/"; done
+# Every resolved library but glibc's, the C++ runtime (the GPU image's is newer) and CUDA's.
+for f in "$bundle"/bin/*; do
+  ldd "$f" | awk '$3 ~ /^\// {print $3}'
+done | sort -u | while read -r lib; do
+  case "$(basename "$lib")" in
+    libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++.so*|libgcc_s.so*|\
+    libcuda.so*|libcudart.so*|\
+    libcublas*.so*) ;;
+    *) cp -L "$lib" "$bundle/lib/" ;;
+  esac
+done
+du -sh "$bundle"
+echo "carry: $bundle (then run scripts/gpu_run.sh on the GPU machine)"
