@@ -91,6 +91,36 @@ TEST(DecodePlanTest, AutomaticSplitsAimAtTheTargetAndKeepAMinimum) {
   EXPECT_EQ(plan->layout.num_work, 2);
 }
 
+// The CUDA backend sizes its plan buffer and split-K workspace once, from LayoutDecodePlan of
+// the largest counts and MaxDecodeWork: every plan a step builds must fit them.
+TEST(DecodePlanTest, PlansFitTheBoundsTheBackendSizesBuffersWith) {
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (int batch : {1, 3, 9, 17}) {
+    const testing::DecodeCase c = testing::RandomDecodeCase(kLayout, batch, {}, rng);
+    int64_t blocks = 0, epochs = 0;
+    for (const DecodeSeqDesc& d : c.seqs) {
+      blocks += static_cast<int64_t>(d.pages.size() + d.outlier_pages.size());
+    }
+    for (int target : {0, 1, 8, 64, 264, 100000}) {
+      const DecodePlanOptions o{.target_ctas = target};
+      absl::StatusOr<DecodePlan> plan = BuildDecodePlan(kLayout, c.num_pages, 4, c.seqs, o);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      const int64_t max_work = MaxDecodeWork(batch, o);
+      EXPECT_LE(plan->layout.num_work, max_work) << "batch " << batch << " target " << target;
+      epochs = plan->layout.num_epochs;
+      const DecodePlanLayout bound = LayoutDecodePlan(batch, blocks, batch * kMaxSeqEpochs,
+                                                      max_work, kLayout.n_kv_heads);
+      EXPECT_LE(plan->bytes(), bound.total_bytes);
+      EXPECT_EQ(plan->bytes(), LayoutDecodePlan(batch, blocks, epochs, plan->layout.num_work,
+                                                kLayout.n_kv_heads)
+                                   .total_bytes);
+    }
+  }
+  EXPECT_EQ(MaxDecodeWork(4, {.blocks_per_split = 2}), -1);
+}
+
 TEST(DecodePlanTest, RejectsBadBlockTables) {
   // One full block then one compressed block of 16 tokens; slot 0 of page 1.
   DecodeSeqDesc good;
