@@ -19,7 +19,9 @@ namespace subspace::kernels {
 // (0 = all; order: logit descending, then id), weights w = exp((logit - max) / temperature),
 // min-p drops w < min_p (the best has w = 1), top-p keeps the shortest prefix of the sorted
 // candidates whose weight reaches top_p of the total, and the draw picks the first candidate in
-// that order whose cumulative weight exceeds uniform * total. NaN logits count as -inf.
+// that order whose cumulative weight exceeds uniform * total — in id order when neither top-k
+// nor top-p applies, as the host sampler (which never sorts then) walks them. NaN logits count
+// as -inf, +inf as the largest float; no finite logit → token 0. Weights are float, sums double.
 // logprob: the chosen token's log-softmax under the raw logits (temperature 1, untruncated).
 struct SampleTokensParams {
   const float* logits = nullptr;       // [n_rows, vocab]
@@ -35,8 +37,8 @@ struct SampleTokensParams {
 };
 
 #if defined(SUBSPACE_WITH_CUDA)
-// Grid (n_rows) of 1024 threads. cudaErrorInvalidValue for non-positive sizes or null
-// pointers; else the launch's own error. Asynchronous.
+// Grid (n_rows) of 1024 threads. cudaErrorInvalidValue for non-positive sizes, a vocab above
+// INT32_MAX - 1024, or null pointers; else the launch's own error. Asynchronous.
 cudaError_t LaunchSampleTokens(const SampleTokensParams& params, cudaStream_t stream);
 #endif
 
