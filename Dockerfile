@@ -22,15 +22,16 @@ COPY . .
 #   --build-arg CUDA_ARCHS="90"
 ARG CUDA_ARCHS="80;90"
 RUN scripts/build.sh -DSUBSPACE_CUDA=ON -DSUBSPACE_BUILD_TESTS=OFF \
-      -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS}"
-# Collect the shared libraries the two binaries load (transitively, as ldd resolves them),
+      -DSUBSPACE_CUDA_ARCHITECTURES="${CUDA_ARCHS}"
+# Collect the shared libraries the two binaries and the CUDA plugin (libsubspace_cuda.so, opened
+# by --device cuda|auto from beside the server) load (transitively, as ldd resolves them),
 # except glibc, which the runtime image has in the same version, and the NVIDIA driver
 # libraries, which the container toolkit mounts from the host. Copying by soname from the
 # builder instead of naming runtime packages keeps the image right whatever sonames Ubuntu
 # ships (libgrpc++1.51t64, libprotobuf32t64, ... change with every release).
 RUN mkdir -p /out/lib /out/bin \
- && cp build/bin/subspace-server build/bin/subspace /out/bin/ \
- && ldd /out/bin/subspace-server /out/bin/subspace \
+ && cp build/bin/subspace-server build/bin/subspace build/bin/libsubspace_cuda.so /out/bin/ \
+ && ldd /out/bin/subspace-server /out/bin/subspace /out/bin/libsubspace_cuda.so \
     | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u \
     | grep -Ev '/(ld-linux[^/]*|libc|libm|libdl|libpthread|librt|libresolv|libcuda|libnvidia[^/]*)\.so' \
     | xargs -r -I{} cp -L {} /out/lib/ \
@@ -44,7 +45,8 @@ COPY --from=build /out/bin/ /usr/local/bin/
 COPY models/subspace-tiny.gguf /opt/subspace/models/subspace-tiny.gguf
 RUN echo /opt/subspace/lib > /etc/ld.so.conf.d/subspace.conf && ldconfig \
  && useradd --system --uid 10001 --home-dir /opt/subspace --shell /usr/sbin/nologin subspace \
- && ! ldd /usr/local/bin/subspace-server /usr/local/bin/subspace | grep -v 'libcuda\.' | grep 'not found'
+ && ! ldd /usr/local/bin/subspace-server /usr/local/bin/subspace /usr/local/bin/libsubspace_cuda.so \
+      | grep -v 'libcuda\.' | grep 'not found'
 USER 10001:10001
 WORKDIR /opt/subspace
 EXPOSE 50051 9090

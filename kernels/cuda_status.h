@@ -1,9 +1,8 @@
-// CUDA and cuBLAS results as absl::Status, so the CUDA backend reports failures the way the rest
+// CUDA runtime results as absl::Status, so the CUDA backend reports failures the way the rest
 // of the server does: INTERNAL naming the operation and the library's own error name.
 #ifndef SUBSPACE_KERNELS_CUDA_STATUS_H_
 #define SUBSPACE_KERNELS_CUDA_STATUS_H_
 
-#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <string_view>
@@ -14,7 +13,6 @@ namespace subspace::kernels {
 
 // OK for cudaSuccess; RESOURCE_EXHAUSTED for cudaErrorMemoryAllocation; INTERNAL otherwise.
 absl::Status CudaStatus(cudaError_t err, std::string_view what);
-absl::Status CublasStatus(cublasStatus_t status, std::string_view what);
 
 }  // namespace subspace::kernels
 

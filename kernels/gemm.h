@@ -1,10 +1,10 @@
 // The backend's linear layers through cuBLAS: y[n, out] = x[n, in] · w[out, in]ᵀ with fp16
 // weights and activations and fp32 accumulation and output (tensor cores on sm_80+). Row-major
 // on our side; cuBLAS is column-major, so the call computes yᵀ = w · xᵀ with w transposed.
+// cuBLAS is opened with dlopen on first use (see kernels/CMakeLists.txt for why it is not linked).
 #ifndef SUBSPACE_KERNELS_GEMM_H_
 #define SUBSPACE_KERNELS_GEMM_H_
 
-#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -19,6 +19,7 @@ class Gemm {
  public:
   // Work goes to `stream`; cuBLAS's scratch is `workspace` (device, `workspace_bytes`), given
   // up front so cuBLAS never allocates on the request path (nor inside a graph capture).
+  // UNAVAILABLE when libcublas cannot be loaded.
   static absl::StatusOr<std::unique_ptr<Gemm>> Create(cudaStream_t stream, void* workspace,
                                                       int64_t workspace_bytes);
   ~Gemm();
@@ -30,8 +31,8 @@ class Gemm {
                       float* y);
 
  private:
-  explicit Gemm(cublasHandle_t handle) : handle_(handle) {}
-  cublasHandle_t handle_;
+  explicit Gemm(void* handle) : handle_(handle) {}
+  void* handle_;  // cublasHandle_t
 };
 
 }  // namespace subspace::kernels

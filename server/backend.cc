@@ -1,15 +1,17 @@
 #include "server/backend.h"
 
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda_plugin.h"
 #include "spdlog/spdlog.h"
-
-#if defined(SUBSPACE_WITH_CUDA)
-#include "kernels/cuda_model.h"
-#include "kernels/device_info.h"
-#endif
 
 namespace subspace::server {
 
@@ -33,15 +35,50 @@ absl::StatusOr<Device> ParseDevice(std::string_view name) {
       absl::StrCat("--device must be cpu, cuda or auto, got '", std::string(name), "'"));
 }
 
-bool CudaBackendBuilt() {
-#if defined(SUBSPACE_WITH_CUDA)
-  return true;
-#else
-  return false;
-#endif
+namespace {
+
+// Where the plugin may be: $SUBSPACE_CUDA_PLUGIN, else beside the executable, in ../bin (tests
+// run from build/tests) or in ../lib (an installed layout).
+std::vector<std::string> PluginCandidates() {
+  if (const char* env = std::getenv("SUBSPACE_CUDA_PLUGIN"); env != nullptr && *env != 0) {
+    return {env};
+  }
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return {kernels::kCudaPluginFile};  // the loader's own search path
+  const std::filesystem::path dir = exe.parent_path();
+  return {(dir / kernels::kCudaPluginFile).string(),
+          (dir / ".." / "bin" / kernels::kCudaPluginFile).string(),
+          (dir / ".." / "lib" / kernels::kCudaPluginFile).string()};
 }
 
-namespace {
+// The plugin's table, loaded once (never unloaded: device memory and CUDA's state outlive any
+// one backend), or why it is not there.
+const absl::StatusOr<const kernels::CudaPluginApi*>& CudaPlugin() {
+  static const absl::StatusOr<const kernels::CudaPluginApi*> plugin =
+      []() -> absl::StatusOr<const kernels::CudaPluginApi*> {
+    std::string tried;
+    for (const std::string& path : PluginCandidates()) {
+      if (path.find('/') != std::string::npos && !std::filesystem::exists(path)) continue;
+      void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (lib == nullptr) {
+        absl::StrAppend(&tried, tried.empty() ? "" : "; ", dlerror());
+        continue;
+      }
+      using Entry = const kernels::CudaPluginApi* (*)();
+      auto entry = reinterpret_cast<Entry>(dlsym(lib, kernels::kCudaPluginSymbol));
+      if (entry == nullptr || entry()->abi != kernels::kCudaPluginAbi) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            path, " is not a CUDA plugin of this build (missing symbol or other ABI version)"));
+      }
+      return entry();
+    }
+    return absl::UnavailableError(
+        absl::StrCat("the CUDA backend plugin (", kernels::kCudaPluginFile, ") is not installed",
+                     tried.empty() ? " (this build has no CUDA)" : absl::StrCat(": ", tried)));
+  }();
+  return plugin;
+}
 
 absl::StatusOr<Backend> CpuBackend(const BackendOptions& options,
                                    std::shared_ptr<LlamaModel> cpu_model,
@@ -58,9 +95,9 @@ absl::StatusOr<Backend> CpuBackend(const BackendOptions& options,
   return Backend{std::move(cpu_model), *std::move(cache)};
 }
 
-#if defined(SUBSPACE_WITH_CUDA)
-absl::StatusOr<Backend> CudaBackend(const BackendOptions& options, const LlamaModel& cpu_model) {
-  absl::StatusOr<kernels::CudaBackend> cuda = kernels::CreateCudaBackend(
+absl::StatusOr<Backend> CudaBackend(const kernels::CudaPluginApi& plugin,
+                                    const BackendOptions& options, const LlamaModel& cpu_model) {
+  absl::StatusOr<kernels::CudaPluginBackend> cuda = plugin.create_backend(
       cpu_model, {.device = 0,
                   .max_batch_tokens = options.max_batch_tokens,
                   .max_sequences = options.max_running,
@@ -68,15 +105,13 @@ absl::StatusOr<Backend> CudaBackend(const BackendOptions& options, const LlamaMo
                   .kv_cache_bytes = options.gpu_memory_fraction > 0.0 ? 0 : options.kv_cache_bytes,
                   .gpu_memory_fraction = options.gpu_memory_fraction});
   if (!cuda.ok()) return cuda.status();
-  const kernels::CudaLlamaModel::MemoryUse use = cuda->model->memory_use();
-  spdlog::info(
-      "CUDA backend on {}: weights {} MiB, activations and workspaces {} MiB, KV pool {} MiB",
-      cuda->model->device_name(), use.weights >> 20, use.activations >> 20, use.kv_pool >> 20);
+  spdlog::info("CUDA backend on {}", cuda->description);
   return Backend{std::move(cuda->model), std::move(cuda->cache)};
 }
-#endif
 
 }  // namespace
+
+bool CudaBackendBuilt() { return CudaPlugin().ok(); }
 
 absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
                                       std::shared_ptr<LlamaModel> cpu_model,
@@ -89,30 +124,31 @@ absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
   if (options.device == Device::kCpu) {
     return CpuBackend(options, std::move(cpu_model), cache_options, std::move(bases));
   }
-#if defined(SUBSPACE_WITH_CUDA)
-  std::string why;
-  const bool has_device = !kernels::ListCudaDevices(&why).empty();
+  const absl::StatusOr<const kernels::CudaPluginApi*>& plugin = CudaPlugin();
   if (options.device == Device::kCuda) {
     if (compressed) {
       return absl::InvalidArgumentError(
           "--device cuda runs --kv-cache full: the compressed cache has CUDA kernels but no "
           "device-resident cache yet");
     }
+    if (!plugin.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("--device cuda: ", std::string(plugin.status().message())));
+    }
+  }
+  std::string why;
+  const bool has_device = plugin.ok() && !(*plugin)->list_devices(&why).empty();
+  if (options.device == Device::kCuda) {
     if (!has_device) {
       return absl::UnavailableError(absl::StrCat("--device cuda: no CUDA device (", why, ")"));
     }
-    return CudaBackend(options, *cpu_model);
+    return CudaBackend(**plugin, options, *cpu_model);
   }
-  if (has_device && !compressed) return CudaBackend(options, *cpu_model);
+  if (has_device && !compressed) return CudaBackend(**plugin, options, *cpu_model);
   spdlog::info("--device auto: serving on the CPU ({})",
-               has_device ? "the compressed KV cache runs on the CPU backend only"
-                          : absl::StrCat("no CUDA device: ", why));
-#else
-  if (options.device == Device::kCuda) {
-    return absl::UnavailableError("--device cuda: this binary was built without CUDA");
-  }
-  spdlog::info("--device auto: serving on the CPU (built without CUDA)");
-#endif
+               !plugin.ok() ? std::string(plugin.status().message())
+               : has_device ? "the compressed KV cache runs on the CPU backend only"
+                            : absl::StrCat("no CUDA device: ", why));
   BackendOptions cpu = options;
   cpu.gpu_memory_fraction = 0.0;
   return CpuBackend(cpu, std::move(cpu_model), cache_options, std::move(bases));

@@ -35,11 +35,12 @@ struct Backend {
   std::unique_ptr<KvCacheBase> cache;
 };
 
-// Whether this binary was built with the CUDA backend.
+// Whether the CUDA backend plugin (libsubspace_cuda.so, kernels/cuda_plugin.h) loads: beside the
+// executable, in ../bin or ../lib, or at $SUBSPACE_CUDA_PLUGIN. It is built whenever nvcc is.
 bool CudaBackendBuilt();
 
-// kCpu: `cpu_model` with the cache CreateKvCache builds. kCuda: UNAVAILABLE when the binary has
-// no CUDA backend or the machine no device, INVALID_ARGUMENT for a compressed cache. kAuto: CUDA
+// kCpu: `cpu_model` with the cache CreateKvCache builds. kCuda: UNAVAILABLE when the CUDA plugin
+// is missing or the machine has no device, INVALID_ARGUMENT for a compressed cache. kAuto: CUDA
 // when it is built, a device is present and the cache kind runs there; otherwise the CPU.
 // `cpu_model` must outlive nothing: the CUDA backend copies the weights it needs.
 absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
