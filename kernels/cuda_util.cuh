@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "core/coeff_codec.h"
@@ -45,6 +46,40 @@
     default:                                            \
       return cudaErrorInvalidValue;                     \
   }
+
+namespace subspace::kernels {
+
+// The current device (`*device`) and its opt-in shared memory per block (`*bytes`), the attribute
+// read once per device: launchers ask on every call, and a decode step launches per layer.
+inline cudaError_t CurrentDeviceSharedMemoryOptin(int* device, int* bytes) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // 0: not read yet
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  const bool cached = *device >= 0 && *device < kMaxDevices;
+  if (cached) {
+    *bytes = cache[*device].load(std::memory_order_relaxed);
+    if (*bytes > 0) return cudaSuccess;
+  }
+  err = cudaDeviceGetAttribute(bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, *device);
+  if (err == cudaSuccess && cached) cache[*device].store(*bytes, std::memory_order_relaxed);
+  return err;
+}
+
+// Raises `kernel`'s dynamic shared-memory limit to `bytes` once per device (the attribute stays
+// set), not on every launch. `done` is the caller's per-kernel bit set of devices.
+template <typename Kernel>
+cudaError_t SetMaxDynamicSharedMemoryOnce(Kernel* kernel, int bytes, int device,
+                                          std::atomic<uint64_t>& done) {
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
+  return err;
+}
+
+}  // namespace subspace::kernels
 
 namespace subspace::kernels::device {
 

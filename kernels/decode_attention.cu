@@ -296,9 +296,7 @@ cudaError_t LaunchDecodeAttention(const DecodeAttentionParams& p, cudaStream_t s
   const size_t split_smem = static_cast<size_t>(split.bytes);
   const size_t merge_smem = static_cast<size_t>(plan.max_seq_epochs) * l.rank_v * sizeof(float);
   int device = 0, optin = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  cudaError_t err = CurrentDeviceSharedMemoryOptin(&device, &optin);
   if (err != cudaSuccess) return err;
   if (split_smem > static_cast<size_t>(optin)) return cudaErrorInvalidValue;
   const dim3 split_grid(static_cast<unsigned>(plan.num_work), static_cast<unsigned>(l.n_kv_heads));
@@ -307,8 +305,9 @@ cudaError_t LaunchDecodeAttention(const DecodeAttentionParams& p, cudaStream_t s
     SUBSPACE_DISPATCH_CODE_TYPE(l.coeff_dtype, CodeT, {
       auto* kernel = DecodeSplitKernel<kHeadDim, CodeT>;
       if (split_smem > 48 * 1024) {
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   static_cast<int>(split_smem));
+        // Once per device, to the device's whole opt-in limit: any plan's CTA fits after that.
+        static std::atomic<uint64_t> attribute_set{0};  // per (head_dim, code type) instance
+        err = SetMaxDynamicSharedMemoryOnce(kernel, optin, device, attribute_set);
         if (err != cudaSuccess) return err;
       }
       kernel<<<split_grid, kThreads, split_smem, stream>>>(p);

@@ -303,15 +303,14 @@ cudaError_t LaunchPrefillAttention(const PrefillAttentionParams& p, cudaStream_t
   const dim3 grid(static_cast<unsigned>(tiles < (1 << 30) ? tiles : (1 << 30)),
                   static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.layout.n_kv_heads));
   int device = 0, optin = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  cudaError_t err = CurrentDeviceSharedMemoryOptin(&device, &optin);
   if (err != cudaSuccess) return err;
   SUBSPACE_DISPATCH_HEAD_DIM(p.layout.head_dim, kHeadDim, {
     constexpr int kSmem = Smem<kHeadDim>::kBytes;
     if (kSmem > optin) return cudaErrorInvalidValue;
     auto* kernel = PrefillAttentionKernel<kHeadDim>;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    static std::atomic<uint64_t> attribute_set{0};  // per head_dim instance
+    err = SetMaxDynamicSharedMemoryOnce(kernel, kSmem, device, attribute_set);
     if (err != cudaSuccess) return err;
     kernel<<<grid, kThreads, kSmem, stream>>>(p);
   })
