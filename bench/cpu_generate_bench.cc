@@ -1,11 +1,13 @@
 // subspace-bench-cpu: prefill and decode throughput of a backend's forward pass on one GGUF
-// model (--device cpu, or cuda with the full-rank device cache), at several batch sizes,
+// model (--device cpu or cuda; --kv-cache full or compressed: sinks 4, window 64, rank
+// head_dim / 4, fp16 codes, a basis self-calibrated from the first prompt), at several batch sizes,
 // printed as a table. Token ids are synthetic (fixed pseudo-random ids), which does not change
 // the arithmetic of a dense forward pass.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/compressed_kv_cache.h"
 #include "core/model.h"
 #include "core/paged_kv_cache.h"
 #include "tools/cli/dash_flags.h"
@@ -29,7 +32,8 @@ ABSL_FLAG(std::vector<std::string>, batch, std::vector<std::string>({"1", "8"}),
           "comma-separated batch sizes");
 ABSL_FLAG(int32_t, repeats, 3, "measurements per cell; the best is reported");
 ABSL_FLAG(int64_t, kv_cache_bytes, 1ll << 30, "KV cache pool size in bytes");
-ABSL_FLAG(std::string, device, "cpu", "cpu or cuda (the CUDA backend, full-rank device cache)");
+ABSL_FLAG(std::string, device, "cpu", "cpu or cuda (the CUDA backend)");
+ABSL_FLAG(std::string, kv_cache, "full", "full (paged full-rank) or compressed (low-rank)");
 
 namespace subspace {
 namespace {
@@ -94,7 +98,19 @@ absl::Status Run() {
   std::shared_ptr<ModelRunner> model;
   std::unique_ptr<KvCacheBase> cache;
   const std::string device = absl::GetFlag(FLAGS_device);
-  if (device == "cpu") {
+  const std::string kind = absl::GetFlag(FLAGS_kv_cache);
+  if (kind != "full" && kind != "compressed") {
+    return absl::InvalidArgumentError("--kv-cache must be full or compressed");
+  }
+  if (device == "cpu" && kind == "compressed") {
+    CompressedKvCacheConfig c;
+    c.geometry = cfg.cache_geometry();
+    c.capacity_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+    absl::StatusOr<std::unique_ptr<CompressedKvCache>> compressed = CompressedKvCache::Create(c);
+    if (!compressed.ok()) return compressed.status();
+    model = std::shared_ptr<LlamaModel>(*std::move(cpu_model));
+    cache = *std::move(compressed);
+  } else if (device == "cpu") {
     PagedKvCache::Config cache_config;
     cache_config.geometry = cfg.cache_geometry();
     cache_config.capacity_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
@@ -107,7 +123,11 @@ absl::Status Run() {
     absl::StatusOr<kernels::CudaBackend> cuda = kernels::CreateCudaBackend(
         **cpu_model, {.max_batch_tokens = max_batch * absl::GetFlag(FLAGS_prompt_tokens),
                       .max_sequences = max_batch,
-                      .kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes)});
+                      .kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes),
+                      .compressed = kind == "compressed"
+                                        ? std::optional<kernels::CudaCompressedCacheOptions>(
+                                              kernels::CudaCompressedCacheOptions{})
+                                        : std::nullopt});
     if (!cuda.ok()) return cuda.status();
     model = std::move(cuda->model);
     cache = std::move(cuda->cache);
@@ -117,7 +137,7 @@ absl::Status Run() {
   } else {
     return absl::InvalidArgumentError("--device must be cpu or cuda");
   }
-  std::printf("device %s\n", model->device_name().c_str());
+  std::printf("device %s, KV cache %s\n", model->device_name().c_str(), kind.c_str());
 
   int prompt_len = absl::GetFlag(FLAGS_prompt_tokens);
   int decode_len = absl::GetFlag(FLAGS_decode_tokens);

@@ -13,12 +13,8 @@ namespace subspace {
 
 namespace {
 constexpr size_t kAlignment = 64;  // a cache line; also what AVX-512 loads like
-}  // namespace
 
-void BlockPool::AlignedFree::operator()(float* p) const { std::free(p); }
-
-absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(int64_t block_floats,
-                                                             int64_t num_blocks) {
+absl::Status CheckPoolSizes(int64_t block_floats, int64_t num_blocks) {
   if (block_floats <= 0 || num_blocks <= 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("block pool needs positive sizes, got %d floats per block and %d blocks",
@@ -32,6 +28,22 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(int64_t block_float
   if (block_floats > max_floats / num_blocks) {
     return absl::InvalidArgumentError("block pool size overflows");
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void BlockPool::AlignedFree::operator()(float* p) const { std::free(p); }
+
+absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::CreateBookkeeping(int64_t block_floats,
+                                                                        int64_t num_blocks) {
+  if (absl::Status s = CheckPoolSizes(block_floats, num_blocks); !s.ok()) return s;
+  return std::unique_ptr<BlockPool>(new BlockPool(block_floats, num_blocks, nullptr));
+}
+
+absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(int64_t block_floats,
+                                                             int64_t num_blocks) {
+  if (absl::Status s = CheckPoolSizes(block_floats, num_blocks); !s.ok()) return s;
   // aligned_alloc wants a size that is a multiple of the alignment.
   size_t bytes = static_cast<size_t>(block_floats * num_blocks) * sizeof(float);
   bytes = (bytes + kAlignment - 1) / kAlignment * kAlignment;

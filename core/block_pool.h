@@ -27,6 +27,10 @@ class BlockPool {
   // INVALID_ARGUMENT for non-positive sizes; RESOURCE_EXHAUSTED when the buffer cannot be had.
   static absl::StatusOr<std::unique_ptr<BlockPool>> Create(int64_t block_floats,
                                                            int64_t num_blocks);
+  // The ids and accounting alone, for blocks whose bytes live elsewhere (the CUDA backend's
+  // device pool): no host buffer, and data() must not be called. Same checks as Create.
+  static absl::StatusOr<std::unique_ptr<BlockPool>> CreateBookkeeping(int64_t block_floats,
+                                                                      int64_t num_blocks);
 
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
@@ -39,7 +43,7 @@ class BlockPool {
   void Free(int32_t block);
 
   // Block storage: [block_floats]. Block ids go to int64 before the multiply (vLLM habit:
-  // num_blocks * block_floats overflows int32 on real pools).
+  // num_blocks * block_floats overflows int32 on real pools). Not for a bookkeeping pool.
   float* data(int32_t block) { return base_ + static_cast<int64_t>(block) * block_floats_; }
   const float* data(int32_t block) const {
     return base_ + static_cast<int64_t>(block) * block_floats_;

@@ -18,10 +18,13 @@
 #include "kernels/append_kv.h"
 #include "kernels/cuda_status.h"
 #include "kernels/decode_attention.h"
+#include "kernels/cuda_kv_store.h"
 #include "kernels/decode_plan_builder.h"
+#include "kernels/device_compressed_kv_cache.h"
 #include "kernels/device_info.h"
 #include "kernels/device_memory.h"
 #include "kernels/embedding.h"
+#include "kernels/expand_blocks.h"
 #include "kernels/gemm.h"
 #include "kernels/prefill_attention.h"
 #include "kernels/residual.h"
@@ -57,6 +60,14 @@ struct MetaLayout {
   int64_t q_start = 0;        // [S] int32
   int64_t plan = 0;           // decode plan buffer
   int64_t plan_capacity = 0;  // its bound (LayoutDecodePlan of the largest step)
+  // Compressed cache: the blocks prefill chunks read expanded into scratch pages, per group of
+  // chunks whose expansions fit the scratch (src page, src slot, scratch page: [E] each;
+  // epochs [E, n_kv]).
+  int64_t exp_src_page = 0;
+  int64_t exp_src_slot = 0;
+  int64_t exp_dst = 0;
+  int64_t exp_epoch = 0;
+  int64_t exp_capacity = 0;  // E at most
   int64_t total = 0;
 };
 
@@ -86,18 +97,30 @@ struct CudaLlamaModel::Impl {
   float* decode_workspace = nullptr;
   void* cublas_workspace = nullptr;
   uint8_t* meta_device = nullptr;
-  uint8_t* kv_pool = nullptr;
+  uint8_t* kv_pool = nullptr;  // full-rank cache: [n_layers, num_blocks, page_bytes]
   int64_t kv_pool_bytes = 0;
+  // Compressed cache: its layers' geometry, its device buffers and the prefill scratch pages
+  // ([scratch_pages, page_bytes], one sequence's context, reused by every layer and group).
+  std::vector<KvPoolLayout> layouts;
+  CudaKvStore::Device store_device;
+  std::shared_ptr<CudaKvStore> store;
+  int64_t num_pages = 0;
+  uint8_t* scratch = nullptr;
+  int64_t scratch_pages = 0;
   MetaLayout meta;
   std::unique_ptr<PinnedHostBuffer> meta_host;
   std::unique_ptr<PinnedHostBuffer> logits_host;  // [T, vocab] fp32
-  const DevicePagedKvCache* cache = nullptr;
+  const KvCacheBase* cache = nullptr;  // the one created with this model: one of
+  DevicePagedKvCache* paged = nullptr;
+  DeviceCompressedKvCache* compressed = nullptr;
 
   // Per-step host scratch (reused; grows only to the largest step).
   std::vector<SeqId> seq_scratch;
   std::vector<int> order;            // chunk indices: decodes first, then prefills
   std::vector<int64_t> first_row;    // [chunks] the chunk's first activation row
   std::vector<DecodeSeqDesc> descs;  // decode chunks
+  std::vector<int> group_end;        // prefill groups: one past each group's last chunk
+  std::vector<int64_t> group_exp;    // [groups + 1] first expansion of each group
 
   ~Impl() {
     gemm.reset();
@@ -143,12 +166,63 @@ struct CudaLlamaModel::Impl {
     gate_up = c.TakeArray<float>(t * 2 * ffn);
     hidden = c.TakeArray<uint16_t>(t * ffn);
     logits = c.TakeArray<float>(t * m.n_vocab);
-    // Split-K partials: [work, n_heads, 4 + head_dim] (full blocks: no per-epoch accumulators).
+    // Split-K partials: [work, n_heads, 4 + head_dim + epochs * r_v] (DecodePartialStride); a
+    // sequence of the compressed cache has one epoch (static bases), the full cache none.
     const int64_t max_work = MaxDecodeWork(options.max_sequences, {.target_ctas = target_ctas});
-    decode_workspace = c.TakeArray<float>(max_work * m.n_heads * (4 + m.head_dim));
+    int64_t max_rank_v = 0;
+    for (const KvPoolLayout& l : layouts) max_rank_v = std::max<int64_t>(max_rank_v, l.rank_v);
+    decode_workspace = c.TakeArray<float>(max_work * m.n_heads * (4 + m.head_dim + max_rank_v));
+    if (options.compressed) {
+      scratch_pages = max_blocks_per_seq;
+      scratch = c.Take(scratch_pages * layouts[0].page_bytes);
+    }
     cublas_workspace = c.Take(kCublasWorkspaceBytes);
     meta_device = c.Take(meta.total);
     use.activations = c.used() - act_start;
+  }
+
+  // The compressed cache's per-layer geometry: ranks from the basis when one is given, else the
+  // options (head_dim / 4 when empty). INVALID_ARGUMENT for what the kernels cannot address.
+  absl::Status LayoutCompressedLayers() {
+    const CudaCompressedCacheOptions& co = *options.compressed;
+    const int n_layers = config.n_layers;
+    if (co.basis_capacity < 1) {
+      return absl::InvalidArgumentError("CUDA backend: basis_capacity must be >= 1");
+    }
+    layouts.clear();
+    for (int l = 0; l < n_layers; ++l) {
+      const auto rank = [&](const std::vector<int>& given, bool key) {
+        if (co.basis != nullptr && co.basis->layers.size() == static_cast<size_t>(n_layers)) {
+          const LayerBasis& lb = co.basis->layers[static_cast<size_t>(l)];
+          return key ? lb.rank_k : lb.rank_v;
+        }
+        if (given.size() == static_cast<size_t>(n_layers)) return given[static_cast<size_t>(l)];
+        return std::max(1, config.head_dim / 4);
+      };
+      layouts.push_back(MakeKvPoolLayout(config.n_kv_heads, config.head_dim, options.block_size,
+                                         rank(co.r_k, true), rank(co.r_v, false),
+                                         co.coeff_dtype));
+      if (const char* error = KvPoolLayoutError(layouts.back()); error != nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("CUDA backend, compressed KV cache, layer %d: %s", l, error));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // The KV pool of `kv_bytes` (whole page ids) and, for the compressed cache, its basis tables
+  // and staging area.
+  void CarvePool(Carver& c, int64_t kv_bytes) {
+    const int64_t block_bytes = DevicePagedKvCache::BlockBytes(config.cache_geometry(),
+                                                               options.block_size);
+    if (!options.compressed) {
+      kv_pool = c.Take(kv_bytes);
+      kv_pool_bytes = kv_bytes;
+      return;
+    }
+    num_pages = kv_bytes / block_bytes;
+    CudaKvStore::CarveDevice(c, layouts, num_pages, options.compressed->basis_capacity,
+                             &store_device);
   }
 
   void LayoutMeta(int64_t pool_blocks) {
@@ -170,8 +244,14 @@ struct CudaLlamaModel::Impl {
     // max_blocks_per_seq per sequence.
     const int64_t blocks = std::min(s * max_blocks_per_seq, pool_blocks + s);
     const int64_t work = MaxDecodeWork(s, {.target_ctas = target_ctas});
-    meta.plan_capacity = LayoutDecodePlan(s, blocks, 0, work, config.n_kv_heads).total_bytes;
+    const int64_t epochs = options.compressed ? s : 0;  // one per sequence
+    meta.plan_capacity = LayoutDecodePlan(s, blocks, epochs, work, config.n_kv_heads).total_bytes;
     meta.plan = at(meta.plan_capacity);
+    meta.exp_capacity = options.compressed ? blocks : 0;
+    meta.exp_src_page = at(meta.exp_capacity * 4);
+    meta.exp_src_slot = at(meta.exp_capacity * 4);
+    meta.exp_dst = at(meta.exp_capacity * 4);
+    meta.exp_epoch = at(meta.exp_capacity * config.n_kv_heads * 4);
     meta.total = c.used();
   }
 
@@ -264,8 +344,26 @@ struct CudaLlamaModel::Impl {
 
   absl::Status Launch(cudaError_t err, std::string_view what) { return CudaStatus(err, what); }
 
-  absl::Status Step(std::span<const SequenceChunk> batch, DevicePagedKvCache& cache, int64_t t_rows,
-                    int64_t logit_rows, std::vector<float>* out_logits);
+  // The page holding position `pos` of `seq` (a full block: new tokens always land in one).
+  int32_t FullPage(SeqId seq, int64_t pos) const {
+    const int64_t b = pos / options.block_size;
+    if (paged != nullptr) return paged->BlockTable(seq)[static_cast<size_t>(b)];
+    return compressed->BlockTable(seq)[static_cast<size_t>(b)].page;
+  }
+  const KvPoolLayout& LayerLayout(int layer) const {
+    return paged != nullptr ? paged->layout() : layouts[static_cast<size_t>(layer)];
+  }
+  uint8_t* LayerPool(int layer) const {
+    return paged != nullptr ? paged->LayerPool(layer) : store->LayerPool(layer);
+  }
+  // Compressed blocks among the first `blocks` of `seq` (0 for the full-rank cache).
+  int64_t CodedBlocks(SeqId seq, int64_t blocks) const;
+  // Prefill block table row of one chunk; compressed blocks go to scratch pages (-1 - j, j
+  // counted from the group's first expansion) with their expansions appended to the meta lists.
+  void PrefillTableRow(SeqId seq, int64_t blocks, int32_t* row, int64_t* n_exp,
+                       int64_t group_first_exp);
+  absl::Status Step(std::span<const SequenceChunk> batch, int64_t t_rows, int64_t logit_rows,
+                    std::vector<float>* out_logits);
 };
 
 namespace {
@@ -322,8 +420,12 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   s.device_name = absl::StrFormat("cuda:%d (%s)", dev.index, dev.name);
   s.target_ctas = 2 * dev.multiprocessors;
   s.max_blocks_per_seq = CeilDiv(m.context_length, options.block_size);
+  if (options.compressed) {
+    if (absl::Status st = s.LayoutCompressedLayers(); !st.ok()) return st;
+  }
 
-  // Size everything but the pool, then the pool from what is left.
+  // Size everything but the pool, then the pool from what is left. One page id costs a page in
+  // every layer, compressed cache or not.
   const int64_t block_bytes =
       DevicePagedKvCache::BlockBytes(m.cache_geometry(), options.block_size);
   int64_t kv_bytes = options.kv_cache_bytes;
@@ -336,6 +438,7 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
     s.LayoutMeta(guess / block_bytes);
     Carver count(nullptr, 0);
     s.CarveBuffers(count);
+    s.CarvePool(count, 0);
     if (kv_bytes == 0) {
       kv_bytes = guess - count.used();
       if (kv_bytes < block_bytes) {
@@ -349,15 +452,15 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   kv_bytes = kv_bytes / block_bytes * block_bytes;
   Carver count(nullptr, 0);
   s.CarveBuffers(count);
-  const int64_t total = count.used() + AlignUp(kv_bytes);
+  s.CarvePool(count, kv_bytes);
+  const int64_t total = count.used();
   absl::StatusOr<std::unique_ptr<DeviceAllocation>> memory =
       DeviceAllocation::Create(total, "CUDA backend (weights, activations, KV pool)");
   if (!memory.ok()) return memory.status();
   s.memory = *std::move(memory);
   Carver carve(s.memory->data(), s.memory->bytes());
   s.CarveBuffers(carve);
-  s.kv_pool = carve.Take(kv_bytes);
-  s.kv_pool_bytes = kv_bytes;
+  s.CarvePool(carve, kv_bytes);
   s.use.kv_pool = kv_bytes;
   if (!carve.ok()) return absl::InternalError("CUDA backend: carving overran its allocation");
 
@@ -380,12 +483,47 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   s.logits_host = *std::move(logits_host);
   if (absl::Status st = s.UploadWeights(model); !st.ok()) return st;
 
+  if (options.compressed) {
+    absl::StatusOr<std::unique_ptr<CudaKvStore>> store =
+        CudaKvStore::Create(s.layouts, s.num_pages, options.compressed->basis_capacity,
+                            s.store_device, s.stream);
+    if (!store.ok()) return store.status();
+    s.store = *std::move(store);
+  }
+
   std::shared_ptr<CudaLlamaModel> runner(new CudaLlamaModel(std::move(impl)));
-  absl::StatusOr<std::unique_ptr<DevicePagedKvCache>> cache =
-      DevicePagedKvCache::Create({.geometry = m.cache_geometry(), .block_size = options.block_size},
-                                 runner->impl_->kv_pool, runner->impl_->kv_pool_bytes, runner);
+  CudaLlamaModel::Impl& r = *runner->impl_;
+  if (!options.compressed) {
+    absl::StatusOr<std::unique_ptr<DevicePagedKvCache>> cache = DevicePagedKvCache::Create(
+        {.geometry = m.cache_geometry(), .block_size = options.block_size}, r.kv_pool,
+        r.kv_pool_bytes, runner);
+    if (!cache.ok()) return cache.status();
+    r.cache = r.paged = cache->get();
+    return CudaBackend{std::move(runner), *std::move(cache)};
+  }
+  const CudaCompressedCacheOptions& co = *options.compressed;
+  DeviceCompressedKvCacheConfig cc;
+  cc.geometry = m.cache_geometry();
+  cc.block_size = options.block_size;
+  cc.sink_tokens = co.sink_tokens;
+  cc.window_tokens = co.window_tokens;
+  for (const KvPoolLayout& l : r.layouts) {
+    cc.r_k.push_back(l.rank_k);
+    cc.r_v.push_back(l.rank_v);
+  }
+  cc.coeff_dtype = co.coeff_dtype;
+  cc.num_pages = r.num_pages;
+  // The store's buffers are the runner's: the cache keeps the runner alive through it.
+  absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> cache = DeviceCompressedKvCache::Create(
+      cc, std::shared_ptr<CompressedKvStore>(runner, r.store.get()));
   if (!cache.ok()) return cache.status();
-  runner->impl_->cache = cache->get();
+  if (co.basis != nullptr) {
+    absl::StatusOr<EpochId> epoch = (*cache)->InstallBasis(co.basis);
+    if (!epoch.ok()) return epoch.status();
+    if (absl::Status st = (*cache)->SetDefaultEpoch(*epoch); !st.ok()) return st;
+    if (absl::Status st = (*cache)->ReleaseEpoch(*epoch); !st.ok()) return st;
+  }
+  r.cache = r.compressed = cache->get();
   return CudaBackend{std::move(runner), *std::move(cache)};
 }
 
@@ -404,8 +542,7 @@ absl::Status CudaLlamaModel::Forward(std::span<const SequenceChunk> batch, KvCac
       !st.ok()) {
     return st;
   }
-  auto* device_cache = dynamic_cast<DevicePagedKvCache*>(&cache);
-  if (device_cache == nullptr || device_cache != s.cache) {
+  if (&cache != s.cache) {
     return absl::InvalidArgumentError(
         "the CUDA backend runs only on the device KV cache created with it");
   }
@@ -418,15 +555,55 @@ absl::Status CudaLlamaModel::Forward(std::span<const SequenceChunk> batch, KvCac
   if (absl::Status st = CudaStatus(cudaSetDevice(s.options.device), "cudaSetDevice"); !st.ok()) {
     return st;
   }
-  return s.Step(batch, *device_cache, t_rows, logit_rows, logits);
+  return s.Step(batch, t_rows, logit_rows, logits);
 }
 
-absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch,
-                                        DevicePagedKvCache& cache, int64_t t_rows,
+int64_t CudaLlamaModel::Impl::CodedBlocks(SeqId seq, int64_t blocks) const {
+  if (compressed == nullptr) return 0;
+  const std::span<const DeviceCompressedKvCache::Block> table = compressed->BlockTable(seq);
+  int64_t coded = 0;
+  for (int64_t b = 0; b < blocks; ++b) coded += table[static_cast<size_t>(b)].slot != kFullBlock;
+  return coded;
+}
+
+void CudaLlamaModel::Impl::PrefillTableRow(SeqId seq, int64_t blocks, int32_t* row,
+                                           int64_t* n_exp, int64_t group_first_exp) {
+  if (paged != nullptr) {
+    const std::span<const int32_t> table = paged->BlockTable(seq);
+    std::copy(table.begin(), table.begin() + blocks, row);
+    return;
+  }
+  const std::span<const DeviceCompressedKvCache::Block> table = compressed->BlockTable(seq);
+  auto* src_page = MetaHost<int32_t>(meta.exp_src_page);
+  auto* src_slot = MetaHost<int32_t>(meta.exp_src_slot);
+  auto* dst = MetaHost<int32_t>(meta.exp_dst);
+  auto* epoch = MetaHost<int32_t>(meta.exp_epoch);
+  const int n_kv = config.n_kv_heads;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const DeviceCompressedKvCache::Block& e = table[static_cast<size_t>(b)];
+    if (e.slot == kFullBlock) {
+      row[b] = e.page;
+      continue;
+    }
+    const int64_t j = *n_exp - group_first_exp;  // scratch page within the group
+    src_page[*n_exp] = e.page;
+    src_slot[*n_exp] = e.slot;
+    dst[*n_exp] = static_cast<int32_t>(j);
+    std::fill_n(epoch + *n_exp * n_kv, n_kv, e.entry);
+    row[b] = static_cast<int32_t>(-1 - j);
+    ++*n_exp;
+  }
+}
+
+absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, int64_t t_rows,
                                         int64_t n_logit_rows, std::vector<float>* out_logits) {
   const ModelConfig& m = config;
-  const KvPoolLayout& layout = cache.layout();
-  const int bs = layout.block_size;
+  const int bs = options.block_size;
+  KvCacheBase& cache = paged != nullptr ? static_cast<KvCacheBase&>(*paged) : *compressed;
+  // Compressions queued outside a step (a Commit by the engine) run before this step's writes.
+  if (compressed != nullptr) {
+    if (absl::Status st = compressed->Flush(); !st.ok()) return st;
+  }
 
   // ---- Plan on the host: decodes first (their rows are the decode kernel's sequences), then
   // prefill chunks; logit rows in the caller's chunk order. ----------------------------------
@@ -445,13 +622,12 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch,
   int64_t row = 0;
   for (int ci : order) {
     const SequenceChunk& ch = batch[static_cast<size_t>(ci)];
-    const std::span<const int32_t> table = cache.BlockTable(ch.seq);
     first_row[static_cast<size_t>(ci)] = row;
     for (size_t i = 0; i < ch.tokens.size(); ++i, ++row) {
       const int64_t pos = ch.pos + static_cast<int64_t>(i);
       tokens[row] = ch.tokens[i];
       positions[row] = static_cast<int32_t>(pos);
-      slots[row] = static_cast<int64_t>(table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
+      slots[row] = static_cast<int64_t>(FullPage(ch.seq, pos)) * bs + pos % bs;
     }
   }
   auto* logit_row = MetaHost<int32_t>(meta.logit_rows);
@@ -470,12 +646,16 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch,
   for (int64_t d = 0; d < n_decode; ++d) {
     const SequenceChunk& ch = batch[static_cast<size_t>(order[static_cast<size_t>(d)])];
     DecodeSeqDesc& desc = descs[static_cast<size_t>(d)];
+    if (compressed != nullptr) {
+      compressed->DescribeDecode(ch.seq, ch.pos + 1, &desc);
+      continue;
+    }
     desc.length = ch.pos + 1;
     const int64_t nb = CeilDiv(desc.length, bs);
-    const std::span<const int32_t> table = cache.BlockTable(ch.seq);
+    const std::span<const int32_t> table = paged->BlockTable(ch.seq);
     desc.pages.assign(table.begin(), table.begin() + nb);
     desc.slots.assign(static_cast<size_t>(nb), kFullBlock);
-    desc.epochs.assign(static_cast<size_t>(nb * layout.n_kv_heads), -1);
+    desc.epochs.assign(static_cast<size_t>(nb * m.n_kv_heads), -1);
     desc.outlier_masks.clear();
     desc.outlier_pages.clear();
     desc.n_outliers = 0;
@@ -483,7 +663,11 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch,
   DecodePlan plan;
   if (n_decode > 0) {
     absl::StatusOr<DecodePlan> built =
-        BuildDecodePlan(layout, cache.num_blocks(), 0, descs, {.target_ctas = target_ctas});
+        paged != nullptr
+            ? BuildDecodePlan(paged->layout(), paged->num_blocks(), 0, descs,
+                              {.target_ctas = target_ctas})
+            : BuildDecodePlan(compressed->plan_layout(), num_pages, store->basis_capacity(), descs,
+                              {.target_ctas = target_ctas});
     if (!built.ok()) return built.status();
     plan = *std::move(built);
     if (plan.bytes() > meta.plan_capacity) {
@@ -506,16 +690,27 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch,
   auto* q_indptr = MetaHost<int32_t>(meta.q_indptr);
   auto* q_start = MetaHost<int32_t>(meta.q_start);
   q_indptr[0] = 0;
+  // Groups of consecutive prefill chunks whose expanded history fits the scratch together.
+  // A chunk's own history always fits (the scratch holds a whole context).
+  group_end.clear();
+  group_exp.assign(1, 0);
+  int64_t n_exp = 0;
   for (int64_t p = 0; p < n_prefill; ++p) {
     const SequenceChunk& ch = batch[static_cast<size_t>(order[static_cast<size_t>(n_decode + p)])];
-    const std::span<const int32_t> table = cache.BlockTable(ch.seq);
     const int64_t nb = CeilDiv(ch.pos + static_cast<int64_t>(ch.tokens.size()), bs);
+    const int64_t group_first = group_exp.back();
+    if (p > 0 && n_exp - group_first + CodedBlocks(ch.seq, nb) > scratch_pages) {
+      group_end.push_back(static_cast<int>(p));
+      group_exp.push_back(n_exp);
+    }
     int32_t* dst = block_table + p * stride;
-    std::copy(table.begin(), table.begin() + nb, dst);
+    PrefillTableRow(ch.seq, nb, dst, &n_exp, group_exp.back());
     std::fill(dst + nb, dst + stride, 0);
     q_indptr[p + 1] = q_indptr[p] + static_cast<int32_t>(ch.tokens.size());
     q_start[p] = static_cast<int32_t>(ch.pos);
   }
+  group_end.push_back(static_cast<int>(n_prefill));
+  group_exp.push_back(n_exp);
 
   // ---- One copy of the plan to the device. -------------------------------------------------
   const int64_t meta_bytes = n_decode > 0 ? meta.plan + plan.bytes() : meta.plan;
@@ -525,6 +720,20 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch,
           "plan copy");
       !st.ok()) {
     return st;
+  }
+  // The expansion lists (after the plan's capacity): the used prefix of each.
+  for (const auto& [offset, ints] : {std::pair{meta.exp_src_page, n_exp},
+                                     std::pair{meta.exp_src_slot, n_exp},
+                                     std::pair{meta.exp_dst, n_exp},
+                                     std::pair{meta.exp_epoch, n_exp * m.n_kv_heads}}) {
+    if (ints == 0) break;
+    if (absl::Status st = CudaStatus(
+            cudaMemcpyAsync(meta_device + offset, meta_host->data() + offset,
+                            static_cast<size_t>(ints) * 4, cudaMemcpyHostToDevice, stream),
+            "expansion list copy");
+        !st.ok()) {
+      return st;
+    }
   }
 
   // ---- The layers. --------------------------------------------------------------------------
@@ -541,7 +750,8 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch,
                            "embedding");
   for (int l = 0; l < m.n_layers && st.ok(); ++l) {
     const DeviceLayer& w = layers[static_cast<size_t>(l)];
-    uint8_t* pool = cache.LayerPool(l);
+    uint8_t* pool = LayerPool(l);
+    const KvPoolLayout& layout = LayerLayout(l);
     st = Launch(
         LaunchRmsNorm(
             {.x = x, .weight = w.attn_norm, .out = xn, .n = t, .dim = m.dim, .eps = m.rms_eps},
@@ -579,6 +789,10 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch,
       p.layout = layout;
       p.plan = plan.DeviceView(meta_device + meta.plan);
       p.pool = pool;
+      if (compressed != nullptr) {
+        p.basis_pq = store->basis_pq(l);
+        p.basis_rv = store->basis_rv(l);
+      }
       p.q = q;
       p.out = attn;
       p.workspace = decode_workspace;
@@ -586,22 +800,43 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch,
       p.sm_scale = sm_scale;
       st = Launch(LaunchDecodeAttention(p, stream), "decode attention");
     }
-    if (st.ok() && n_prefill > 0) {
+    // Prefill chunks, group by group: the group's compressed history expanded into the scratch
+    // pages (this layer's bases), then attention over pool and scratch pages.
+    for (size_t g = 0; st.ok() && n_prefill > 0 && g < group_end.size(); ++g) {
+      const int first = g == 0 ? 0 : group_end[g - 1];
+      const int64_t e0 = group_exp[g], n_expand = group_exp[g + 1] - e0;
+      if (n_expand > 0) {
+        ExpandBlocksParams ep;
+        ep.layout = layout;
+        ep.src_pool = pool;
+        ep.dst_pool = scratch;
+        ep.basis_pq = store->basis_pq(l);
+        ep.basis_rv = store->basis_rv(l);
+        ep.src_page = MetaDevice<int32_t>(meta.exp_src_page) + e0;
+        ep.src_slot = MetaDevice<int32_t>(meta.exp_src_slot) + e0;
+        ep.dst_page = MetaDevice<int32_t>(meta.exp_dst) + e0;
+        ep.epoch = MetaDevice<int32_t>(meta.exp_epoch) + e0 * m.n_kv_heads;
+        ep.n_blocks = static_cast<int32_t>(n_expand);
+        st = Launch(LaunchExpandBlocks(ep, stream), "history expansion");
+        if (!st.ok()) break;
+      }
+      // q_indptr holds rows from the first prefill row, so a group only moves the pointers.
       const int64_t off = n_decode * QWidth();
-      st = Launch(LaunchPrefillAttention({.layout = layout,
-                                          .pool = pool,
-                                          .block_table = MetaDevice<int32_t>(meta.block_table),
-                                          .seq_q_indptr = MetaDevice<int32_t>(meta.q_indptr),
-                                          .seq_q_start = MetaDevice<int32_t>(meta.q_start),
-                                          .q = q + off,
-                                          .out = attn + off,
-                                          .num_seqs = static_cast<int32_t>(n_prefill),
-                                          .max_blocks = stride,
-                                          .max_q_per_seq = max_q,
-                                          .n_heads = m.n_heads,
-                                          .sm_scale = sm_scale},
-                                         stream),
-                  "prefill attention");
+      PrefillAttentionParams pp;
+      pp.layout = layout;
+      pp.pool = pool;
+      pp.scratch = scratch;
+      pp.block_table = MetaDevice<int32_t>(meta.block_table) + int64_t{first} * stride;
+      pp.seq_q_indptr = MetaDevice<int32_t>(meta.q_indptr) + first;
+      pp.seq_q_start = MetaDevice<int32_t>(meta.q_start) + first;
+      pp.q = q + off;
+      pp.out = attn + off;
+      pp.num_seqs = group_end[g] - first;
+      pp.max_blocks = stride;
+      pp.max_q_per_seq = max_q;
+      pp.n_heads = m.n_heads;
+      pp.sm_scale = sm_scale;
+      st = Launch(LaunchPrefillAttention(pp, stream), "prefill attention");
     }
     if (st.ok()) {
       st = Launch(LaunchCastToHalf({.in = attn, .out = attn16, .n = t_rows * QWidth()}, stream),
@@ -663,7 +898,8 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch,
       return c;
     }
   }
-  return absl::OkStatus();
+  // The blocks that left the window, coded in one batch on the stream (ahead of the next step).
+  return compressed != nullptr ? compressed->Flush() : absl::OkStatus();
 }
 
 }  // namespace subspace::kernels

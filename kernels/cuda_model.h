@@ -1,6 +1,7 @@
 // The CUDA backend's forward pass (--device cuda): the Llama decoder of core/model.h on a GPU.
 // Weights live on the device as fp16 (GEMMs through cuBLAS with fp32 accumulation); the residual
-// stream is fp32; keys/values go to a DevicePagedKvCache. Each step's metadata (tokens,
+// stream is fp32; keys/values go to a DevicePagedKvCache or a DeviceCompressedKvCache (whose
+// compressed history a prefill chunk attends through expand_blocks into scratch pages). Each step's metadata (tokens,
 // positions, slot mapping, block tables, the decode plan) is built on the host into a pinned
 // buffer and copied to the device once; decodes run the split-K decode attention kernel and
 // prefill chunks the tiled prefill kernel. Everything is carved from one device allocation at
@@ -10,17 +11,32 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/basis.h"
+#include "core/coeff_codec.h"
 #include "core/model.h"
 #include "core/model_runner.h"
 #include "kernels/device_kv_cache.h"
 
 namespace subspace::kernels {
+
+// --kv-cache=compressed on the GPU (DeviceCompressedKvCache): its policy, as the CPU cache's.
+struct CudaCompressedCacheOptions {
+  int sink_tokens = 4;
+  int window_tokens = 64;
+  std::vector<int> r_k;  // [n_layers]; empty: head_dim / 4
+  std::vector<int> r_v;
+  CoeffDtype coeff_dtype = CoeffDtype::kFp16;  // fp16 or int8
+  // Installed as the default epoch (--bases); null: the first sequence to compress builds one.
+  std::shared_ptr<const Basis> basis;
+  int basis_capacity = 8;  // epochs the device basis tables hold
+};
 
 struct CudaModelOptions {
   int device = 0;              // CUDA device index
@@ -31,14 +47,17 @@ struct CudaModelOptions {
   // minus everything else the backend takes (weights, activations, plan, workspaces).
   int64_t kv_cache_bytes = 0;
   double gpu_memory_fraction = 0.0;
+  // Set: the compressed cache (DeviceCompressedKvCache); unset: full-rank pages.
+  std::optional<CudaCompressedCacheOptions> compressed;
 };
 
 class CudaLlamaModel;
 
-// The backend's two halves: Forward accepts only the cache created with it.
+// The backend's two halves: Forward accepts only the cache created with it (a
+// DevicePagedKvCache, or a DeviceCompressedKvCache with options.compressed).
 struct CudaBackend {
   std::shared_ptr<CudaLlamaModel> model;
-  std::unique_ptr<DevicePagedKvCache> cache;
+  std::unique_ptr<KvCacheBase> cache;
 };
 
 // Uploads `model`'s weights (any stored type, converted to fp16; INVALID_ARGUMENT for a weight

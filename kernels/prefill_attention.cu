@@ -151,10 +151,13 @@ __global__ void __launch_bounds__(kThreads)
         const int32_t pos = kv0 + r;
         uint4 kx = make_uint4(0u, 0u, 0u, 0u), vx = kx;
         if (pos < kv_len) {
-          const int32_t page = table[pos / bs];
+          // Entry e >= 0: pool page e; e < 0: scratch page -1 - e (two selects, no branch).
+          const int32_t e = table[pos / bs];
+          const uint8_t* base = e < 0 ? p.scratch : p.pool;
+          const int32_t page = e < 0 ? -1 - e : e;
           const int64_t row = static_cast<int64_t>(pos % bs) * kHeadDim * 2;
-          kx = __ldg(reinterpret_cast<const uint4*>(p.pool + l.FullK(page, h) + row) + c);
-          vx = __ldg(reinterpret_cast<const uint4*>(p.pool + l.FullV(page, h) + row) + c);
+          kx = __ldg(reinterpret_cast<const uint4*>(base + l.FullK(page, h) + row) + c);
+          vx = __ldg(reinterpret_cast<const uint4*>(base + l.FullV(page, h) + row) + c);
         }
         reinterpret_cast<uint4*>(k_s + r * S::kKvStride)[c] = kx;
         reinterpret_cast<uint4*>(v_s + r * S::kKvStride)[c] = vx;
@@ -289,8 +292,9 @@ bool ParamsOk(const PrefillAttentionParams& p) {
       p.seq_q_start == nullptr || p.q == nullptr || p.out == nullptr) {
     return false;
   }
-  // uint4 / float4 accesses: rows are multiples of 16 bytes from these bases.
-  return Aligned16(p.pool) && Aligned16(p.q) && Aligned16(p.out);
+  // uint4 / float4 accesses: rows are multiples of 16 bytes from these bases (scratch may be
+  // null: no negative table entries then).
+  return Aligned16(p.pool) && Aligned16(p.scratch) && Aligned16(p.q) && Aligned16(p.out);
 }
 
 }  // namespace

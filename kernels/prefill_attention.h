@@ -19,10 +19,17 @@ namespace subspace::kernels {
 
 // Query row i of sequence s (seq_q_indptr[s] <= i < seq_q_indptr[s + 1]) sits at position
 // seq_q_start[s] + (i - seq_q_indptr[s]) and attends to the sequence's tokens [0, position].
+// A block_table entry e >= 0 is page e of `pool`; e < 0 is page -1 - e of `scratch`, in the
+// same page layout, so a backend can expand a sequence's compressed blocks into scratch pages
+// and run this kernel over them without touching the pool. With scratch null no entry may be
+// negative.
 struct PrefillAttentionParams {
   KvPoolLayout layout;                    // full pages only: n_kv_heads, head_dim, B, page_bytes
   const uint8_t* pool = nullptr;          // [num_pages, page_bytes]
-  const int32_t* block_table = nullptr;   // [num_seqs, max_blocks] pages in position order
+  const uint8_t* scratch = nullptr;       // [num_scratch_pages, page_bytes] expanded
+                                          //   compressed blocks
+  const int32_t* block_table = nullptr;   // [num_seqs, max_blocks] pages in position order;
+                                          //   < 0: scratch page -1 - e
   const int32_t* seq_q_indptr = nullptr;  // [num_seqs + 1] first element 0, last n_q
   const int32_t* seq_q_start = nullptr;   // [num_seqs] position of the sequence's first query
   const float* q = nullptr;               // [n_q, n_heads, head_dim] post-RoPE
@@ -35,11 +42,13 @@ struct PrefillAttentionParams {
 };
 
 #if defined(SUBSPACE_WITH_CUDA)
-// Supports head_dim 64 and 128 and block sizes 1..64; pool, q and out 16-byte aligned (device
-// allocations are). A CTA covers 64 (query, head) rows of one sequence and KV head, looping
-// over row tiles, so max_q_per_seq only sizes the grid. cudaErrorInvalidValue for anything
-// else (or when the device's opt-in shared memory is below the 83 KiB head_dim 128 needs);
-// otherwise the launch's own error. Asynchronous.
+// Supports head_dim 64 and 128 and block sizes 1..64; pool, scratch (when given), q and out
+// 16-byte aligned (device allocations are). A CTA covers 64 (query, head) rows of one sequence
+// and KV head, looping over row tiles, so max_q_per_seq only sizes the grid.
+// cudaErrorInvalidValue for anything else (or when the device's opt-in shared memory is below
+// the 83 KiB head_dim 128 needs); otherwise the launch's own error. Block table entries are not
+// checked (a negative one with scratch null is the caller's bug, as is a page out of range).
+// Asynchronous.
 cudaError_t LaunchPrefillAttention(const PrefillAttentionParams& params, cudaStream_t stream);
 #endif
 

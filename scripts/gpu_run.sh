@@ -33,6 +33,7 @@ if command -v compute-sanitizer >/dev/null; then
   san prefill prefill_attention_test '*/0:*/5:*/100:*Odd*'
   san decode decode_attention_test '*/0:*/9:*/31'
   san compress compress_blocks_test '*/0:*/3'
+  san expand expand_blocks_test '*/0:*/3'
   [[ -x $bundle/bin/sampling_test ]] && san sampling sampling_test '*/0:*/3'
 else
   summary+=("compute-sanitizer not found")
@@ -44,6 +45,9 @@ if [[ $quick != --quick ]]; then
   "$bundle/bin/subspace-bench-cpu" --device cuda --batch 1,16,64 --prompt-tokens 128 \
     --decode-tokens 128 >"$out/bench-generate-cuda.md" 2>&1
   summary+=("bench generate cuda rc=$?")
+  "$bundle/bin/subspace-bench-cpu" --device cuda --kv-cache compressed --batch 1,16,64 \
+    --prompt-tokens 128 --decode-tokens 128 >"$out/bench-generate-cuda-compressed.md" 2>&1
+  summary+=("bench generate cuda compressed rc=$?")
   "$bundle/bin/subspace-bench-cpu" --device cpu --batch 1,16,64 --prompt-tokens 128 \
     --decode-tokens 128 >"$out/bench-generate-cpu.md" 2>&1
   summary+=("bench generate cpu rc=$?")

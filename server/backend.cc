@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -95,15 +96,43 @@ absl::StatusOr<Backend> CpuBackend(const BackendOptions& options,
   return Backend{std::move(cpu_model), *std::move(cache)};
 }
 
+// Why the compressed cache as configured cannot run on the GPU, or "" when it can: the device
+// cache serves static bases (installed or self-calibrated) with fp16 full blocks and fp16 or int8
+// coefficients; outliers and online refresh run on the CPU backend only.
+std::string CpuOnlyCompressedFeature(const KvCacheOptions& o) {
+  if (o.kind != KvCacheKind::kCompressed) return "";
+  if (o.outlier_threshold < 1.0f) return "--kv-outlier-threshold below 1 (outlier tokens)";
+  if (o.refresh.method != RefreshMethod::kNone) return "--refresh-method other than none";
+  if (o.full_dtype != CoeffDtype::kFp16) return "--kv-full-dtype other than fp16";
+  if (o.coeff_dtype == CoeffDtype::kFp32) return "--kv-coeff-dtype fp32";
+  return "";
+}
+
 absl::StatusOr<Backend> CudaBackend(const kernels::CudaPluginApi& plugin,
-                                    const BackendOptions& options, const LlamaModel& cpu_model) {
+                                    const BackendOptions& options, const LlamaModel& cpu_model,
+                                    const KvCacheOptions& cache_options,
+                                    std::shared_ptr<const Basis> bases) {
+  std::optional<kernels::CudaCompressedCacheOptions> compressed;
+  if (cache_options.kind == KvCacheKind::kCompressed) {
+    const KvCacheOptions o =
+        ResolveKvCacheOptions(cache_options, cpu_model.config().cache_geometry(), bases.get());
+    kernels::CudaCompressedCacheOptions c;
+    c.sink_tokens = o.sink_tokens;
+    c.window_tokens = o.window_tokens;
+    c.r_k.assign(static_cast<size_t>(cpu_model.config().n_layers), o.rank_k);
+    c.r_v.assign(static_cast<size_t>(cpu_model.config().n_layers), o.rank_v);
+    c.coeff_dtype = o.coeff_dtype;
+    c.basis = std::move(bases);
+    compressed = std::move(c);
+  }
   absl::StatusOr<kernels::CudaPluginBackend> cuda = plugin.create_backend(
       cpu_model, {.device = 0,
                   .max_batch_tokens = options.max_batch_tokens,
                   .max_sequences = options.max_running,
                   .block_size = options.block_size,
                   .kv_cache_bytes = options.gpu_memory_fraction > 0.0 ? 0 : options.kv_cache_bytes,
-                  .gpu_memory_fraction = options.gpu_memory_fraction});
+                  .gpu_memory_fraction = options.gpu_memory_fraction,
+                  .compressed = std::move(compressed)});
   if (!cuda.ok()) return cuda.status();
   spdlog::info("CUDA backend on {}", cuda->description);
   return Backend{std::move(cuda->model), std::move(cuda->cache)};
@@ -120,16 +149,15 @@ absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
   if (!(options.gpu_memory_fraction >= 0.0 && options.gpu_memory_fraction <= 1.0)) {
     return absl::InvalidArgumentError("--gpu-memory-fraction must be in [0, 1]");
   }
-  const bool compressed = cache_options.kind == KvCacheKind::kCompressed;
   if (options.device == Device::kCpu) {
     return CpuBackend(options, std::move(cpu_model), cache_options, std::move(bases));
   }
   const absl::StatusOr<const kernels::CudaPluginApi*>& plugin = CudaPlugin();
+  const std::string cpu_only = CpuOnlyCompressedFeature(cache_options);
   if (options.device == Device::kCuda) {
-    if (compressed) {
+    if (!cpu_only.empty()) {
       return absl::InvalidArgumentError(
-          "--device cuda runs --kv-cache full: the compressed cache has CUDA kernels but no "
-          "device-resident cache yet");
+          absl::StrCat("--device cuda: ", cpu_only, " runs on the CPU backend only"));
     }
     if (!plugin.ok()) {
       return absl::UnavailableError(
@@ -142,12 +170,14 @@ absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
     if (!has_device) {
       return absl::UnavailableError(absl::StrCat("--device cuda: no CUDA device (", why, ")"));
     }
-    return CudaBackend(**plugin, options, *cpu_model);
+    return CudaBackend(**plugin, options, *cpu_model, cache_options, std::move(bases));
   }
-  if (has_device && !compressed) return CudaBackend(**plugin, options, *cpu_model);
+  if (has_device && cpu_only.empty()) {
+    return CudaBackend(**plugin, options, *cpu_model, cache_options, std::move(bases));
+  }
   spdlog::info("--device auto: serving on the CPU ({})",
                !plugin.ok() ? std::string(plugin.status().message())
-               : has_device ? "the compressed KV cache runs on the CPU backend only"
+               : has_device ? absl::StrCat(cpu_only, " runs on the CPU backend only")
                             : absl::StrCat("no CUDA device: ", why));
   BackendOptions cpu = options;
   cpu.gpu_memory_fraction = 0.0;

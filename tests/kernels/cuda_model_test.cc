@@ -22,8 +22,11 @@
 #include "core/engine.h"
 #include "core/gguf.h"
 #include "core/model.h"
+#include "core/compressed_kv_cache.h"
 #include "core/paged_kv_cache.h"
 #include "core/tokenizer.h"
+#include "kernels/device_compressed_kv_cache.h"
+#include "tests/core/compressed_kv_cache_test_util.h"
 #include "tests/kernels/cuda_test_util.h"
 
 namespace subspace::kernels {
@@ -38,9 +41,48 @@ std::string ModelPath() {
 
 struct Pair {
   std::shared_ptr<LlamaModel> cpu;
-  std::unique_ptr<PagedKvCache> cpu_cache;
+  std::unique_ptr<KvCache> cpu_cache;
   CudaBackend cuda;
 };
+
+// Both backends on the compressed cache with one installed basis (random orthonormal, rank
+// head_dim / 4: the comparison is of the implementations, not of the basis), sinks 4, window 32.
+Pair OpenCompressed(CoeffDtype coeff_dtype) {
+  Pair p;
+  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(ModelPath());
+  EXPECT_TRUE(cpu.ok()) << cpu.status();
+  if (!cpu.ok()) return p;
+  p.cpu = *std::move(cpu);
+  const KvCacheGeometry g = p.cpu->config().cache_geometry();
+  const int r = g.head_dim / 4;
+  std::shared_ptr<const Basis> basis = cache_test::OrthoBasis(g, r, r, 17);
+  CompressedKvCacheConfig c;
+  c.geometry = g;
+  c.block_size = 16;
+  c.sink_tokens = 4;
+  c.window_tokens = 32;
+  c.coeff_dtype = coeff_dtype;
+  c.capacity_bytes = int64_t{64} << 20;
+  absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache = CompressedKvCache::Create(c);
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  if (!cache.ok()) return p;
+  absl::StatusOr<EpochId> epoch = (*cache)->InstallBasis(basis);
+  EXPECT_TRUE(epoch.ok() && (*cache)->SetDefaultEpoch(*epoch).ok());
+  p.cpu_cache = *std::move(cache);
+  CudaCompressedCacheOptions co;
+  co.sink_tokens = 4;
+  co.window_tokens = 32;
+  co.coeff_dtype = coeff_dtype;
+  co.basis = basis;
+  absl::StatusOr<CudaBackend> cuda = CreateCudaBackend(*p.cpu, {.max_batch_tokens = 256,
+                                                                 .max_sequences = 8,
+                                                                 .block_size = 16,
+                                                                 .kv_cache_bytes = int64_t{32} << 20,
+                                                                 .compressed = co});
+  EXPECT_TRUE(cuda.ok()) << cuda.status();
+  if (cuda.ok()) p.cuda = *std::move(cuda);
+  return p;
+}
 
 Pair Open(int max_batch_tokens = 256, int max_sequences = 8) {
   Pair p;
@@ -130,6 +172,52 @@ TEST(CudaModelTest, LogitsMatchTheCpuBackendAcrossPrefillAndDecode) {
              "decode " + std::to_string(step));
   }
 }
+
+// The compressed cache on both backends: prefills long enough to leave the window, a second
+// chunk over a compressed history (expanded into scratch pages for the prefill kernel), then
+// decodes whose attention runs over mixed blocks while more blocks are coded step by step.
+class CudaModelCompressedTest : public ::testing::TestWithParam<CoeffDtype> {};
+
+TEST_P(CudaModelCompressedTest, LogitsMatchTheCpuCompressedCache) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  Pair p = OpenCompressed(GetParam());
+  ASSERT_NE(p.cuda.model, nullptr);
+  auto* device_cache = dynamic_cast<DeviceCompressedKvCache*>(p.cuda.cache.get());
+  ASSERT_NE(device_cache, nullptr);
+  std::vector<SeqId> cpu_seqs, gpu_seqs;
+  for (int s = 0; s < 3; ++s) {
+    cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
+    gpu_seqs.push_back(*p.cuda.cache->CreateSequence());
+  }
+  const auto tokens = [](int n, int salt) {
+    std::vector<int32_t> t;
+    for (int i = 0; i < n; ++i) t.push_back(1 + (i * 37 + salt * 101) % 900);
+    return t;
+  };
+  StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(100, 0)}, {1, tokens(70, 1)}}, "prefill");
+  EXPECT_GT(device_cache->Detail().blocks_compressed, 0);
+  StepBoth(p, cpu_seqs, gpu_seqs, {{0, {42}}, {1, tokens(60, 2)}, {2, tokens(90, 3)}},
+           "history");
+  for (int step = 0; step < 40; ++step) {
+    StepBoth(p, cpu_seqs, gpu_seqs,
+             {{0, {static_cast<int32_t>(3 + step)}},
+              {1, {static_cast<int32_t>(50 + step)}},
+              {2, {static_cast<int32_t>(400 + step)}}},
+             "decode " + std::to_string(step));
+  }
+  // Truncation into a compressed block on both, then more decoding.
+  ASSERT_TRUE(p.cpu_cache->Truncate(cpu_seqs[0], 57).ok());
+  ASSERT_TRUE(p.cuda.cache->Truncate(gpu_seqs[0], 57).ok());
+  StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(9, 4)}, {1, {5}}}, "after truncation");
+  const KvCacheStats st = p.cuda.cache->Stats();
+  EXPECT_LT(st.bytes_used_full + st.bytes_used_compressed, st.bytes_full_fp16_equivalent);
+}
+
+INSTANTIATE_TEST_SUITE_P(Codes, CudaModelCompressedTest,
+                         ::testing::Values(CoeffDtype::kFp16, CoeffDtype::kInt8),
+                         [](const ::testing::TestParamInfo<CoeffDtype>& info) {
+                           return std::string(CoeffDtypeName(info.param));
+                         });
 
 TEST(CudaModelTest, AllLogitsRowsMatch) {
   SUBSPACE_REQUIRE_CUDA_DEVICE();

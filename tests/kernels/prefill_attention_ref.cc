@@ -1,6 +1,7 @@
-// Plain loops in double over the block table and the pool's fp16 rows: the reference
-// prefill_attention.cu is tested against. Logit q.k * sm_scale for every key at or before the
-// query's position, one softmax over them, values summed in the same pass's weights.
+// Plain loops in double over the block table and the fp16 rows of the pool (or scratch) pages:
+// the reference prefill_attention.cu is tested against. Logit q.k * sm_scale for every key at
+// or before the query's position, one softmax over them, values summed in the same pass's
+// weights.
 #include "tests/kernels/prefill_attention_ref.h"
 
 #include <algorithm>
@@ -18,6 +19,17 @@ double LoadHalf(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof(h));
   return HalfToFloat(h);
+}
+
+// K and V rows of KV head h ([B, d] fp16) in the block a table entry names: e >= 0 is page e
+// of the pool, e < 0 page -1 - e of scratch.
+const uint8_t* BlockK(const PrefillAttentionParams& p, int32_t e, int h) {
+  assert(e >= 0 || p.scratch != nullptr);
+  return (e < 0 ? p.scratch : p.pool) + p.layout.FullK(e < 0 ? -1 - e : e, h);
+}
+const uint8_t* BlockV(const PrefillAttentionParams& p, int32_t e, int h) {
+  assert(e >= 0 || p.scratch != nullptr);
+  return (e < 0 ? p.scratch : p.pool) + p.layout.FullV(e < 0 ? -1 - e : e, h);
 }
 
 }  // namespace
@@ -40,7 +52,7 @@ void PrefillAttentionRef(const PrefillAttentionParams& p) {
         const float* q = p.q + (static_cast<int64_t>(row) * p.n_heads + hq) * hd;  // [d]
         logits.assign(static_cast<size_t>(pos + 1), 0.0);
         for (int64_t t = 0; t <= pos; ++t) {
-          const uint8_t* k = p.pool + l.FullK(table[t / bs], h) + (t % bs) * hd * 2;  // [d]
+          const uint8_t* k = BlockK(p, table[t / bs], h) + (t % bs) * hd * 2;  // [d]
           double dot = 0.0;
           for (int i = 0; i < hd; ++i) dot += q[i] * LoadHalf(k + 2 * i);
           logits[static_cast<size_t>(t)] = dot * p.sm_scale;
@@ -51,7 +63,7 @@ void PrefillAttentionRef(const PrefillAttentionParams& p) {
         for (int64_t t = 0; t <= pos; ++t) {
           const double w = std::exp(logits[static_cast<size_t>(t)] - max);
           sum += w;
-          const uint8_t* v = p.pool + l.FullV(table[t / bs], h) + (t % bs) * hd * 2;  // [d]
+          const uint8_t* v = BlockV(p, table[t / bs], h) + (t % bs) * hd * 2;  // [d]
           for (int i = 0; i < hd; ++i) acc[i] += w * LoadHalf(v + 2 * i);
         }
         float* out = p.out + (static_cast<int64_t>(row) * p.n_heads + hq) * hd;  // [d]

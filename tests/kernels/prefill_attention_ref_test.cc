@@ -7,7 +7,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -44,6 +46,37 @@ PrefillAttentionParams HostParams(const PrefillCase& c, float* out) {
 // Full pages only; ranks are irrelevant to prefill but make the layout a valid one.
 KvPoolLayout Layout(int n_kv, int hd, int bs) {
   return MakeKvPoolLayout(n_kv, hd, bs, 16, 16, CoeffDtype::kFp16);
+}
+
+// Moves a random subset of each sequence's pages (at least one in all) to a scratch buffer, as
+// the CUDA backend does with expanded compressed blocks: bytes copied to shuffled scratch pages
+// (plus one nobody names, all poison), the pool page poisoned, the table entry replaced by
+// -1 - j for scratch page j. Returns the scratch buffer, [num_scratch_pages * page_bytes].
+std::vector<uint8_t> MovePagesToScratch(PrefillCase* c, std::mt19937_64& rng) {
+  const KvPoolLayout& l = c->layout;
+  std::vector<int32_t*> moved;  // table entries
+  std::bernoulli_distribution coin(0.5);
+  for (int32_t s = 0; s < c->num_seqs(); ++s) {
+    const int32_t tokens = c->q_start[s] + (c->q_indptr[s + 1] - c->q_indptr[s]);
+    const int32_t nb = (tokens + l.block_size - 1) / l.block_size;
+    int32_t* row = c->block_table.data() + static_cast<int64_t>(s) * c->max_blocks;
+    for (int32_t b = 0; b < nb; ++b) {
+      if (coin(rng)) moved.push_back(row + b);
+    }
+  }
+  if (moved.empty()) moved.push_back(c->block_table.data());  // the first sequence has a block
+  std::vector<int32_t> slots(moved.size() + 1);
+  for (size_t j = 0; j < slots.size(); ++j) slots[j] = static_cast<int32_t>(j);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  std::vector<uint8_t> scratch(slots.size() * static_cast<size_t>(l.page_bytes), testing::kPoison);
+  for (size_t i = 0; i < moved.size(); ++i) {
+    int32_t& e = *moved[i];
+    uint8_t* page = c->pool.data() + l.Page(e);
+    std::memcpy(scratch.data() + l.Page(slots[i]), page, static_cast<size_t>(l.page_bytes));
+    std::memset(page, testing::kPoison, static_cast<size_t>(l.page_bytes));
+    e = -1 - slots[i];
+  }
+  return scratch;
 }
 
 // head_dim, block size, group (query heads per KV head).
@@ -84,6 +117,36 @@ TEST_P(PrefillAttentionRefTest, MatchesDenseCausalAttention) {
   for (size_t row = 0; row < out.size() / hd; ++row) {
     EXPECT_LT(RelError(out.data() + row * hd, dense.data() + row * hd, hd), 1e-6)
         << "query row " << row / c.n_heads << " head " << row % c.n_heads;
+  }
+}
+
+// Blocks read from scratch pages (negative table entries) give the same bits as the same
+// blocks in the pool: the pool copies are poisoned, so reading the pool for them gives NaN.
+TEST_P(PrefillAttentionRefTest, ScratchPagesMatchPoolPages) {
+  const auto [hd, bs, group] = GetParam();
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  std::vector<PrefillSeqShape> shapes = {{0, 37}, {130, 70}, {bs, 2 * bs + 3}, {64, 0}};
+  shapes.push_back({std::uniform_int_distribution<int32_t>(0, 150)(rng),
+                    std::uniform_int_distribution<int32_t>(1, 80)(rng)});
+  PrefillCase c = testing::RandomPrefillCase(Layout(2, hd, bs), 2 * group, shapes,
+                                             /*q_sigma=*/2.0f, rng);
+  std::vector<float> want(c.q.size(), std::nanf(""));
+  PrefillAttentionRef(HostParams(c, want.data()));
+
+  const std::vector<uint8_t> scratch = MovePagesToScratch(&c, rng);
+  std::vector<float> got(c.q.size(), std::nanf(""));
+  PrefillAttentionParams p = HostParams(c, got.data());
+  p.scratch = scratch.data();
+  PrefillAttentionRef(p);
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << "element " << i << " read a poisoned page";
+    uint32_t got_bits, want_bits;
+    std::memcpy(&got_bits, &got[i], sizeof(got_bits));
+    std::memcpy(&want_bits, &want[i], sizeof(want_bits));
+    ASSERT_EQ(got_bits, want_bits) << "query row " << i / hd / c.n_heads << " head "
+                                   << i / hd % c.n_heads << " element " << i % hd;
   }
 }
 

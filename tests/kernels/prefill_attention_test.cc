@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -54,12 +55,15 @@ PrefillAttentionParams Params(const PrefillCase& c) {
 }
 
 // Runs the kernel on `c` with the grid sized for `max_q_per_seq` (the case's own when 0) and
-// compares every output element with the twin.
-void CheckAgainstTwin(const PrefillCase& c, int32_t max_q_per_seq = 0) {
+// compares every output element with the twin; `scratch` (when not empty) holds the pages that
+// c's negative table entries name.
+void CheckAgainstTwin(const PrefillCase& c, int32_t max_q_per_seq = 0,
+                      const std::vector<uint8_t>& scratch = {}) {
   const int hd = c.layout.head_dim;
   std::vector<float> want(c.q.size(), std::nanf(""));
   PrefillAttentionParams host = Params(c);
   host.pool = c.pool.data();
+  host.scratch = scratch.empty() ? nullptr : scratch.data();
   host.block_table = c.block_table.data();
   host.seq_q_indptr = c.q_indptr.data();
   host.seq_q_start = c.q_start.data();
@@ -68,14 +72,17 @@ void CheckAgainstTwin(const PrefillCase& c, int32_t max_q_per_seq = 0) {
   PrefillAttentionRef(host);
 
   DeviceBuffer<uint8_t> pool = ToDevice(c.pool);
+  DeviceBuffer<uint8_t> scratch_d = scratch.empty() ? DeviceBuffer<uint8_t>() : ToDevice(scratch);
   DeviceBuffer<int32_t> table = ToDevice(c.block_table), indptr = ToDevice(c.q_indptr),
                         start = ToDevice(c.q_start);
   DeviceBuffer<float> q = ToDevice(c.q);
   DeviceBuffer<float> out(std::max<size_t>(c.q.size(), 1));
-  ASSERT_TRUE(pool.ok() && table.ok() && indptr.ok() && start.ok() && q.ok() && out.ok());
+  ASSERT_TRUE(pool.ok() && scratch_d.ok() && table.ok() && indptr.ok() && start.ok() && q.ok() &&
+              out.ok());
   SUBSPACE_ASSERT_CUDA(out.Poison());
   PrefillAttentionParams p = Params(c);
   p.pool = pool.get();
+  p.scratch = scratch_d.get();  // null when empty
   p.block_table = table.get();
   p.seq_q_indptr = indptr.get();
   p.seq_q_start = start.get();
@@ -108,6 +115,38 @@ void CheckAgainstTwin(const PrefillCase& c, int32_t max_q_per_seq = 0) {
       << "max |v| " << v_max << "; worst at query row " << worst_at / hd / c.n_heads << " head "
       << worst_at / hd % c.n_heads << " element " << worst_at % hd << ": " << got[worst_at]
       << " vs " << want[worst_at];
+}
+
+// Moves a random subset of each sequence's pages (at least one in all) to a scratch buffer, as
+// the CUDA backend does with expanded compressed blocks: bytes copied to shuffled scratch pages
+// (plus one nobody names, all poison), the pool page poisoned, the table entry replaced by
+// -1 - j for scratch page j. Returns the scratch buffer, [num_scratch_pages * page_bytes].
+// (Twin of the helper in prefill_attention_ref_test.cc.)
+std::vector<uint8_t> MovePagesToScratch(PrefillCase* c, std::mt19937_64& rng) {
+  const KvPoolLayout& l = c->layout;
+  std::vector<int32_t*> moved;  // table entries
+  std::bernoulli_distribution coin(0.5);
+  for (int32_t s = 0; s < c->num_seqs(); ++s) {
+    const int32_t tokens = c->q_start[s] + (c->q_indptr[s + 1] - c->q_indptr[s]);
+    const int32_t nb = (tokens + l.block_size - 1) / l.block_size;
+    int32_t* row = c->block_table.data() + static_cast<int64_t>(s) * c->max_blocks;
+    for (int32_t b = 0; b < nb; ++b) {
+      if (coin(rng)) moved.push_back(row + b);
+    }
+  }
+  if (moved.empty()) moved.push_back(c->block_table.data());  // the first sequence has a block
+  std::vector<int32_t> slots(moved.size() + 1);
+  for (size_t j = 0; j < slots.size(); ++j) slots[j] = static_cast<int32_t>(j);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  std::vector<uint8_t> scratch(slots.size() * static_cast<size_t>(l.page_bytes), testing::kPoison);
+  for (size_t i = 0; i < moved.size(); ++i) {
+    int32_t& e = *moved[i];
+    uint8_t* page = c->pool.data() + l.Page(e);
+    std::memcpy(scratch.data() + l.Page(slots[i]), page, static_cast<size_t>(l.page_bytes));
+    std::memset(page, testing::kPoison, static_cast<size_t>(l.page_bytes));
+    e = -1 - slots[i];
+  }
+  return scratch;
 }
 
 // head_dim, block size, batch, query rows, group.
@@ -187,6 +226,33 @@ TEST(PrefillAttentionGpuShapesTest, OddGroupsBlockSizesAndGrids) {
   }
 }
 
+// Some of each sequence's blocks read from scratch pages (negative table entries), the pool
+// copies poisoned: the kernel must pick the buffer per block as the twin does.
+TEST(PrefillAttentionGpuShapesTest, ScratchPages) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  struct Case {
+    int n_kv, hd, bs, group;
+    std::vector<PrefillSeqShape> shapes;
+  };
+  const Case cases[] = {
+      {2, 64, 16, 2, {{0, 64}, {130, 70}, {64, 0}, {17, 5}}},
+      {2, 128, 1, 4, {{0, 40}, {90, 3}}},
+      {1, 128, 64, 8, {{0, 200}, {300, 64}, {5, 1}}},
+      {2, 64, 7, 3, {{10, 50}, {0, 22}, {200, 9}}},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(::testing::Message()
+                 << "n_kv " << k.n_kv << " d " << k.hd << " B " << k.bs << " group " << k.group);
+    PrefillCase c = testing::RandomPrefillCase(Layout(k.n_kv, k.hd, k.bs), k.n_kv * k.group,
+                                               k.shapes, kQSigma, rng);
+    const std::vector<uint8_t> scratch = MovePagesToScratch(&c, rng);
+    CheckAgainstTwin(c, /*max_q_per_seq=*/0, scratch);
+  }
+}
+
 // Validation happens before any CUDA call, so this runs without a device too.
 TEST(PrefillAttentionGpuLimitsTest, RejectsUnsupportedParams) {
   alignas(16) static uint8_t pool[64];
@@ -233,6 +299,7 @@ TEST(PrefillAttentionGpuLimitsTest, RejectsUnsupportedParams) {
   add("no q", [](auto& p) { p.q = nullptr; });
   add("no out", [](auto& p) { p.out = nullptr; });
   add("pool misaligned", [](auto& p) { p.pool += 8; });
+  add("scratch misaligned", [](auto& p) { p.scratch = pool + 8; });
   add("q misaligned", [](auto& p) { p.q += 1; });
   add("out misaligned", [](auto& p) { p.out += 2; });
   for (const auto& [why, p] : bad) {

@@ -66,18 +66,34 @@ TEST(BackendTest, GpuMemoryFractionNeedsCuda) {
             absl::StatusCode::kInvalidArgument);
 }
 
-TEST(BackendTest, CudaRefusesTheCompressedCache) {
+// The device cache serves static bases; what only the CPU cache does is refused by name, before
+// any device is looked for (so this runs on machines without a GPU too).
+TEST(BackendTest, CudaRefusesCompressedFeaturesThatRunOnTheCpuOnly) {
   if (!CudaBackendBuilt()) GTEST_SKIP() << "built without CUDA";
   absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
   ASSERT_TRUE(tiny.ok());
+  const auto refused = [&](const KvCacheOptions& cache, const char* flag) {
+    const absl::Status st =
+        CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, cache,
+                      nullptr)
+            .status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find(flag), std::string::npos) << st;
+  };
   KvCacheOptions cache;
   cache.kind = KvCacheKind::kCompressed;
-  const absl::Status st =
-      CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, cache,
-                    nullptr)
-          .status();
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-  EXPECT_NE(st.message().find("--kv-cache full"), std::string::npos) << st;
+  KvCacheOptions outliers = cache;
+  outliers.outlier_threshold = 0.5f;
+  refused(outliers, "--kv-outlier-threshold");
+  KvCacheOptions refresh = cache;
+  refresh.refresh.method = RefreshMethod::kPca;
+  refused(refresh, "--refresh-method");
+  KvCacheOptions fp32 = cache;
+  fp32.full_dtype = CoeffDtype::kFp32;
+  refused(fp32, "--kv-full-dtype");
+  KvCacheOptions coeff32 = cache;
+  coeff32.coeff_dtype = CoeffDtype::kFp32;
+  refused(coeff32, "--kv-coeff-dtype");
 }
 
 TEST(BackendTest, WithoutAGpuCudaIsUnavailableAndAutoFallsBackToCpu) {

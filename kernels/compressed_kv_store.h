@@ -1,0 +1,59 @@
+// What the device-resident compressed KV cache (device_compressed_kv_cache.h) asks of whoever holds
+// its bytes: the CUDA backend (the pool and the basis tables in device memory, its stream) in
+// production, host memory and the kernels' CPU twins in tests. The cache keeps the bookkeeping
+// and the policy on the host and never touches the bytes itself.
+//
+// The pool is one slice per layer of [num_pages, page_bytes] (kernels/kv_layout.h); a page id
+// names the same page in every layer's slice, so one operation below covers every layer. The
+// basis tables hold `capacity` epochs per layer, [capacity, n_kv, head_dim, r] as the kernels
+// read them. Every operation is ordered after the earlier ones and before the backend's next
+// step (one CUDA stream); the host arrays passed in may be reused as soon as the call returns.
+// Host-only C++; builds without nvcc.
+#ifndef SUBSPACE_KERNELS_COMPRESSED_KV_STORE_H_
+#define SUBSPACE_KERNELS_COMPRESSED_KV_STORE_H_
+
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "core/basis.h"
+
+namespace subspace::kernels {
+
+// Blocks to code, in every layer: full page src_page[i] into slot dst_slot[i] of slab page
+// dst_page[i], KV head h with basis-table entry epoch[i * n_kv + h].
+struct CompressBatch {
+  std::span<const int32_t> src_page;
+  std::span<const int32_t> dst_page;
+  std::span<const int32_t> dst_slot;
+  std::span<const int32_t> epoch;  // [n, n_kv]
+};
+
+// Blocks to expand, in every layer: slot src_slot[i] of slab page src_page[i] into full page
+// dst_page[i] (k^ = P_q c, v^ = R_v^T u: the keys and values as queries saw them).
+struct ExpandBatch {
+  std::span<const int32_t> src_page;
+  std::span<const int32_t> src_slot;
+  std::span<const int32_t> dst_page;
+  std::span<const int32_t> epoch;  // [n, n_kv]
+};
+
+class CompressedKvStore {
+ public:
+  virtual ~CompressedKvStore() = default;
+
+  // Epochs each layer's basis tables hold.
+  virtual int basis_capacity() const = 0;
+  // Writes `basis` (validated against the cache's geometry and ranks) into entry `entry` of
+  // every layer's tables.
+  virtual absl::Status LoadBasis(int entry, const Basis& basis) = 0;
+  virtual absl::Status Compress(const CompressBatch& batch) = 0;
+  virtual absl::Status Expand(const ExpandBatch& batch) = 0;
+  // Copies full page `page` of layer `layer` to `out` ([2][n_kv][B][head_dim] fp16), after every
+  // earlier operation has finished; waits for it.
+  virtual absl::Status ReadPage(int layer, int32_t page, std::span<uint16_t> out) = 0;
+};
+
+}  // namespace subspace::kernels
+
+#endif  // SUBSPACE_KERNELS_COMPRESSED_KV_STORE_H_

@@ -1,0 +1,71 @@
+// The compressed KV cache's bytes on the GPU (CompressedKvStore): the pool slices and the basis
+// tables are carved from the CUDA backend's one allocation; compression and expansion launch
+// compress_blocks / expand_blocks on the backend's stream, once per layer, with the batch's
+// indices staged through a pinned buffer (no allocation per call).
+#ifndef SUBSPACE_KERNELS_CUDA_KV_STORE_H_
+#define SUBSPACE_KERNELS_CUDA_KV_STORE_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/compressed_kv_store.h"
+#include "kernels/device_memory.h"
+#include "kernels/kv_layout.h"
+
+namespace subspace::kernels {
+
+class CudaKvStore final : public CompressedKvStore {
+ public:
+  // Device buffers, carved by the backend (CarveDevice with a counting Carver sizes them).
+  struct Device {
+    uint8_t* pool = nullptr;  // [n_layers, num_pages, page_bytes]
+    std::vector<float*> pk, pq, pv, rv;  // [n_layers] each [capacity, n_kv, d, r] / [.., r_v, d]
+    int32_t* staging = nullptr;          // [StagingInts]
+  };
+  static void CarveDevice(Carver& c, const std::vector<KvPoolLayout>& layouts, int64_t num_pages,
+                          int capacity, Device* out);
+
+  // INTERNAL / RESOURCE_EXHAUSTED for a CUDA failure (pinned buffer, event).
+  static absl::StatusOr<std::unique_ptr<CudaKvStore>> Create(std::vector<KvPoolLayout> layouts,
+                                                             int64_t num_pages, int capacity,
+                                                             const Device& device,
+                                                             cudaStream_t stream);
+  ~CudaKvStore() override;
+
+  int basis_capacity() const override { return capacity_; }
+  absl::Status LoadBasis(int entry, const Basis& basis) override;
+  absl::Status Compress(const CompressBatch& batch) override;
+  absl::Status Expand(const ExpandBatch& batch) override;
+  absl::Status ReadPage(int layer, int32_t page, std::span<uint16_t> out) override;
+
+  uint8_t* LayerPool(int layer) const {
+    return device_.pool + static_cast<int64_t>(layer) * num_pages_ *
+                              layouts_[static_cast<size_t>(layer)].page_bytes;
+  }
+  const float* basis_pq(int layer) const { return device_.pq[static_cast<size_t>(layer)]; }
+  const float* basis_rv(int layer) const { return device_.rv[static_cast<size_t>(layer)]; }
+
+ private:
+  CudaKvStore(std::vector<KvPoolLayout> layouts, int64_t num_pages, int capacity,
+              const Device& device, cudaStream_t stream);
+  // Copies n blocks' arrays (each [n] but the last [n, n_kv]) to the device staging area.
+  // Returns device pointers to the four arrays in `out`.
+  absl::Status Stage(const int32_t* a, const int32_t* b, const int32_t* c, const int32_t* epoch,
+                     int64_t n, const int32_t* out[4]);
+
+  std::vector<KvPoolLayout> layouts_;
+  int64_t num_pages_;
+  int capacity_;
+  Device device_;
+  cudaStream_t stream_;
+  std::unique_ptr<PinnedHostBuffer> staging_host_;
+  cudaEvent_t staged_ = nullptr;  // the last staging copy has been read from the host buffer
+};
+
+}  // namespace subspace::kernels
+
+#endif  // SUBSPACE_KERNELS_CUDA_KV_STORE_H_

@@ -1,0 +1,516 @@
+// DeviceCompressedKvCache: bookkeeping and policy on the host; the store moves the bytes.
+#include "kernels/device_compressed_kv_cache.h"
+
+#include <algorithm>
+#include <cassert>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "core/pca.h"
+
+namespace subspace::kernels {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Caps hostile token counts before any arithmetic (no pool holds this many tokens).
+constexpr int64_t kMaxTokens = int64_t{1} << 48;
+// Tokens a self-calibrated epoch is built from, at most (as the CPU cache).
+constexpr int64_t kPcaMaxTokens = 1024;
+// Pages Reserve leaves free so that Commit can open a slab page before it frees the queued
+// blocks' full pages at Flush.
+constexpr int64_t kCompressionHeadroom = 1;
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache::Create(
+    const DeviceCompressedKvCacheConfig& config, std::shared_ptr<CompressedKvStore> store) {
+  const KvCacheGeometry& g = config.geometry;
+  if (g.n_layers <= 0 || g.n_kv_heads <= 0 || g.head_dim <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("KV cache geometry must be positive: n_layers=%d n_kv_heads=%d head_dim=%d",
+                        g.n_layers, g.n_kv_heads, g.head_dim));
+  }
+  if (config.block_size < 1 || config.block_size > kMaxBlockSize) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("block_size must be in [1, %d], got %d", kMaxBlockSize, config.block_size));
+  }
+  if (config.sink_tokens < 0 || config.window_tokens < 0) {
+    return absl::InvalidArgumentError("sink_tokens and window_tokens must be >= 0");
+  }
+  if (config.coeff_dtype != CoeffDtype::kFp16 && config.coeff_dtype != CoeffDtype::kInt8) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the CUDA backend codes coefficients in fp16 or int8, got %s",
+        CoeffDtypeName(config.coeff_dtype)));
+  }
+  if (store == nullptr || store->basis_capacity() < 1) {
+    return absl::InvalidArgumentError("device compressed KV cache needs a store with basis tables");
+  }
+  const auto ranks = [&](const std::vector<int>& given,
+                         const char* name) -> absl::StatusOr<std::vector<int>> {
+    if (given.empty()) {
+      return std::vector<int>(static_cast<size_t>(g.n_layers), std::max(1, g.head_dim / 4));
+    }
+    if (given.size() != static_cast<size_t>(g.n_layers)) {
+      return absl::InvalidArgumentError(absl::StrFormat("%s needs one rank per layer", name));
+    }
+    return given;
+  };
+  absl::StatusOr<std::vector<int>> r_k = ranks(config.r_k, "r_k");
+  if (!r_k.ok()) return r_k.status();
+  absl::StatusOr<std::vector<int>> r_v = ranks(config.r_v, "r_v");
+  if (!r_v.ok()) return r_v.status();
+  for (int l = 0; l < g.n_layers; ++l) {
+    const KvPoolLayout layout =
+        MakeKvPoolLayout(g.n_kv_heads, g.head_dim, config.block_size, (*r_k)[static_cast<size_t>(l)],
+                         (*r_v)[static_cast<size_t>(l)], config.coeff_dtype);
+    if (const char* error = KvPoolLayoutError(layout); error != nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer %d at ranks (%d, %d): %s", l, layout.rank_k, layout.rank_v, error));
+    }
+  }
+  if (config.num_pages < 1 + kCompressionHeadroom) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "device KV pool of %d pages per layer: it needs at least %d", config.num_pages,
+        1 + kCompressionHeadroom));
+  }
+  const int64_t page_bytes = 2 * int64_t{g.n_kv_heads} * config.block_size * g.head_dim * 2;
+  absl::StatusOr<std::unique_ptr<BlockPool>> pool =
+      BlockPool::CreateBookkeeping(page_bytes / static_cast<int64_t>(sizeof(float)),
+                                   config.num_pages);
+  if (!pool.ok()) return pool.status();
+  return std::unique_ptr<DeviceCompressedKvCache>(new DeviceCompressedKvCache(
+      config, *std::move(r_k), *std::move(r_v), *std::move(pool), std::move(store)));
+}
+
+DeviceCompressedKvCache::DeviceCompressedKvCache(const DeviceCompressedKvCacheConfig& config,
+                                                 std::vector<int> r_k, std::vector<int> r_v,
+                                                 std::unique_ptr<BlockPool> pool,
+                                                 std::shared_ptr<CompressedKvStore> store)
+    : config_(config),
+      r_k_(std::move(r_k)),
+      r_v_(std::move(r_v)),
+      pool_(std::move(pool)),
+      slabs_(pool_.get(), BlockKind::kCompressed),
+      store_(std::move(store)) {
+  const KvCacheGeometry& g = config_.geometry;
+  for (int l = 0; l < g.n_layers; ++l) {
+    layouts_.push_back(MakeKvPoolLayout(g.n_kv_heads, g.head_dim, config_.block_size,
+                                        r_k_[static_cast<size_t>(l)], r_v_[static_cast<size_t>(l)],
+                                        config_.coeff_dtype));
+    if (layouts_.back().slot_bytes > layouts_[static_cast<size_t>(widest_layer_)].slot_bytes) {
+      widest_layer_ = l;
+    }
+  }
+  slab_class_ = slabs_.AddClass(plan_layout().slot_bytes);
+  assert(slab_class_ >= 0 && slabs_.slots_per_page(slab_class_) == plan_layout().SlotsPerPage());
+  for (int e = store_->basis_capacity() - 1; e >= 0; --e) free_entries_.push_back(e);
+}
+
+// --- Sequences -----------------------------------------------------------------------------
+
+absl::StatusOr<SeqId> DeviceCompressedKvCache::CreateSequence() {
+  absl::StatusOr<SeqId> id = seqs_.Acquire([](Sequence& s) {
+    s.table.reserve(64);
+    s.block_epochs.reserve(64);
+  });
+  if (!id.ok()) return id;
+  Sequence& s = seqs_[*id];
+  s.length = 0;
+  s.next_compress = 0;
+  s.table.clear();
+  s.block_epochs.clear();
+  s.epoch = default_epoch_;
+  if (s.epoch != kNoEpoch) (void)registry_.Acquire(s.epoch);
+  return id;
+}
+
+void DeviceCompressedKvCache::FreeBlock(Sequence& s, int64_t b) {
+  Block& e = s.table[static_cast<size_t>(b)];
+  if (e.slot == kFullBlock) {
+    pool_->Free(e.page);
+  } else {
+    slabs_.Free({e.page, e.slot});
+    Release(s.block_epochs[static_cast<size_t>(b)]);
+    --blocks_compressed_;
+  }
+  e = Block{};
+  s.block_epochs[static_cast<size_t>(b)] = kNoEpoch;
+}
+
+absl::Status DeviceCompressedKvCache::FreeSequence(SeqId seq) {
+  Sequence* s = seqs_.Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  // Queued compressions first: a slot freed here could otherwise be queued again, for another
+  // block, in the same batch.
+  if (absl::Status st = Flush(); !st.ok()) return st;
+  for (int64_t b = 0; b < static_cast<int64_t>(s->table.size()); ++b) FreeBlock(*s, b);
+  s->table.clear();
+  s->block_epochs.clear();
+  if (s->epoch != kNoEpoch) Release(s->epoch);
+  s->epoch = kNoEpoch;
+  tokens_cached_ -= s->length;
+  s->length = 0;
+  seqs_.Release(seq);
+  return absl::OkStatus();
+}
+
+int64_t DeviceCompressedKvCache::Length(SeqId seq) const {
+  const Sequence* s = seqs_.Find(seq);
+  return s == nullptr ? 0 : s->length;
+}
+
+std::span<const DeviceCompressedKvCache::Block> DeviceCompressedKvCache::BlockTable(
+    SeqId seq) const {
+  const Sequence* s = seqs_.Find(seq);
+  if (s == nullptr) return {};
+  return s->table;
+}
+
+// Counted per layer, as every cache counts them (the scheduler's blocks per token = n_layers / B).
+// A cut compressed block Truncate could not expand yet needs its page too.
+int64_t DeviceCompressedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
+  const Sequence* s = seqs_.Find(seq);
+  if (s == nullptr) {
+    return CeilDiv(std::clamp<int64_t>(n, 0, kMaxTokens), config_.block_size) *
+           config_.geometry.n_layers;
+  }
+  const int64_t held = static_cast<int64_t>(s->table.size());
+  const int64_t wanted = s->length + std::clamp<int64_t>(n, 0, kMaxTokens);
+  int64_t pages = std::max<int64_t>(CeilDiv(wanted, config_.block_size) - held, 0);
+  const bool cut = s->length % config_.block_size != 0 && held > 0 &&
+                   s->table.back().slot != kFullBlock && n > 0;
+  if (cut) ++pages;
+  return pages * config_.geometry.n_layers;
+}
+
+absl::Status DeviceCompressedKvCache::Reserve(SeqId seq, int64_t n) {
+  Sequence* s = seqs_.Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (n < 0) return absl::InvalidArgumentError(absl::StrFormat("cannot reserve %d tokens", n));
+  const int64_t pages = BlocksNeeded(seq, n) / config_.geometry.n_layers;
+  if (pages == 0) return absl::OkStatus();
+  const int64_t usable = pool_->num_free() - kCompressionHeadroom;
+  if (pages > usable) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "KV cache full: sequence %d needs %d more blocks (%d per layer x %d layers), %d of %d "
+        "free",
+        seq, pages * config_.geometry.n_layers, pages, config_.geometry.n_layers,
+        std::max<int64_t>(usable, 0) * config_.geometry.n_layers,
+        pool_->num_blocks() * config_.geometry.n_layers));
+  }
+  const int64_t held = static_cast<int64_t>(s->table.size());
+  if (s->length % config_.block_size != 0 && held > 0 && s->table.back().slot != kFullBlock) {
+    if (absl::Status st = ExpandBlock(*s, held - 1); !st.ok()) return st;
+  }
+  while (static_cast<int64_t>(s->table.size()) < CeilDiv(s->length + n, config_.block_size)) {
+    s->table.push_back({pool_->Allocate(BlockKind::kFull), kFullBlock, -1});
+    s->block_epochs.push_back(kNoEpoch);
+  }
+  return absl::OkStatus();
+}
+
+// --- Compression ---------------------------------------------------------------------------
+
+absl::Status DeviceCompressedKvCache::Commit(SeqId seq, int64_t length) {
+  Sequence* s = seqs_.Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  const int bs = config_.block_size;
+  const int64_t reserved = static_cast<int64_t>(s->table.size()) * bs;
+  if (length < s->length || length > reserved) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "commit of sequence %d to length %d outside [%d, %d] (committed, reserved)", seq, length,
+        s->length, reserved));
+  }
+  tokens_cached_ += length - s->length;
+  s->length = length;
+  const int64_t first = std::max<int64_t>(s->next_compress, CeilDiv(config_.sink_tokens, bs));
+  const int64_t limit = length - config_.window_tokens;  // blocks ending at or before it go
+  if ((first + 1) * bs > limit) return absl::OkStatus();
+  if (absl::Status st = EnsureEpoch(*s); !st.ok()) return st;
+  int64_t b = first;
+  for (; (b + 1) * bs <= limit; ++b) {
+    if (s->table[static_cast<size_t>(b)].slot != kFullBlock) continue;
+    absl::StatusOr<bool> queued = QueueCompression(*s, b);
+    if (!queued.ok()) return queued.status();
+    if (!*queued) break;  // no page for a slab: the block stays full until one frees up
+  }
+  s->next_compress = b;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> DeviceCompressedKvCache::QueueCompression(Sequence& s, int64_t b) {
+  SlabAllocator::Slot slot = slabs_.Allocate(slab_class_);
+  if (slot.page < 0 && !pending_src_.empty()) {
+    // Issuing the queue frees its full pages.
+    if (absl::Status st = Flush(); !st.ok()) return st;
+    slot = slabs_.Allocate(slab_class_);
+  }
+  if (slot.page < 0) {
+    ++compressions_deferred_;
+    return false;
+  }
+  if (absl::Status st = registry_.Acquire(s.epoch); !st.ok()) return st;
+  Block& e = s.table[static_cast<size_t>(b)];
+  const int32_t entry = entries_.at(s.epoch);
+  pending_src_.push_back(e.page);
+  pending_dst_page_.push_back(slot.page);
+  pending_dst_slot_.push_back(slot.index);
+  pending_epoch_.insert(pending_epoch_.end(), static_cast<size_t>(config_.geometry.n_kv_heads),
+                        entry);
+  e = {slot.page, slot.index, entry};
+  s.block_epochs[static_cast<size_t>(b)] = s.epoch;
+  ++blocks_compressed_;
+  return true;
+}
+
+absl::Status DeviceCompressedKvCache::Flush() {
+  if (pending_src_.empty()) return absl::OkStatus();
+  const absl::Status st = store_->Compress({.src_page = pending_src_,
+                                            .dst_page = pending_dst_page_,
+                                            .dst_slot = pending_dst_slot_,
+                                            .epoch = pending_epoch_});
+  // The pages go back even after a failure: the blocks' table entries already name their slots.
+  for (int32_t page : pending_src_) pool_->Free(page);
+  pending_src_.clear();
+  pending_dst_page_.clear();
+  pending_dst_slot_.clear();
+  pending_epoch_.clear();
+  return st;
+}
+
+absl::Status DeviceCompressedKvCache::ExpandBlock(Sequence& s, int64_t b) {
+  Block& e = s.table[static_cast<size_t>(b)];
+  assert(e.slot != kFullBlock);
+  const int32_t page = pool_->Allocate(BlockKind::kFull);
+  if (page < 0) {
+    return absl::ResourceExhaustedError(
+        "KV cache full: no page to expand a compressed block cut by a truncation into");
+  }
+  const std::vector<int32_t> epochs(static_cast<size_t>(config_.geometry.n_kv_heads), e.entry);
+  const int32_t src_page = e.page, src_slot = e.slot;
+  if (absl::Status st = store_->Expand({.src_page = {&src_page, 1},
+                                        .src_slot = {&src_slot, 1},
+                                        .dst_page = {&page, 1},
+                                        .epoch = epochs});
+      !st.ok()) {
+    pool_->Free(page);
+    return st;
+  }
+  // Freed now, read by the store first: its operations run in order.
+  FreeBlock(s, b);
+  s.table[static_cast<size_t>(b)] = {page, kFullBlock, -1};
+  return absl::OkStatus();
+}
+
+absl::Status DeviceCompressedKvCache::Truncate(SeqId seq, int64_t length) {
+  Sequence* s = seqs_.Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (length < 0 || length > s->length) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("truncate of sequence %d to %d outside [0, %d]", seq, length, s->length));
+  }
+  if (absl::Status st = Flush(); !st.ok()) return st;
+  const int bs = config_.block_size;
+  const int64_t keep = CeilDiv(length, bs);
+  // Blocks reserved past the committed length go too: Truncate undoes a failed step.
+  for (int64_t b = keep; b < static_cast<int64_t>(s->table.size()); ++b) FreeBlock(*s, b);
+  s->table.resize(static_cast<size_t>(keep));
+  s->block_epochs.resize(static_cast<size_t>(keep));
+  tokens_cached_ -= s->length - length;
+  s->length = length;
+  const bool cut = length % bs != 0 && keep > 0;
+  s->next_compress = std::min(s->next_compress, cut ? keep - 1 : keep);
+  if (cut && s->table.back().slot != kFullBlock) {
+    // Without a free page now, the next Reserve expands it (and counts the page).
+    if (absl::Status st = ExpandBlock(*s, keep - 1);
+        !st.ok() && !absl::IsResourceExhausted(st)) {
+      return st;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DeviceCompressedKvCache::SetSequenceRefresh(SeqId seq, const RefreshConfig& config) {
+  if (seqs_.Find(seq) == nullptr) {
+    return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  }
+  if (config.method == RefreshMethod::kNone) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "online basis refresh runs on the CPU backend only; the CUDA backend serves static bases");
+}
+
+// --- Epochs --------------------------------------------------------------------------------
+
+absl::StatusOr<EpochId> DeviceCompressedKvCache::Register(std::shared_ptr<const Basis> basis) {
+  if (free_entries_.empty()) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "the device basis tables hold %d epochs, all in use", store_->basis_capacity()));
+  }
+  const int32_t entry = free_entries_.back();
+  if (absl::Status st = store_->LoadBasis(entry, *basis); !st.ok()) return st;
+  free_entries_.pop_back();
+  const EpochId id = registry_.Register(std::move(basis));
+  entries_[id] = entry;
+  return id;
+}
+
+void DeviceCompressedKvCache::Release(EpochId id) {
+  registry_.Release(id);
+  if (registry_.Get(id) != nullptr) return;
+  // No block, sequence or default refers to it: no queued compression either (a queued block
+  // holds a reference until it is freed, and freeing flushes first).
+  const auto it = entries_.find(id);
+  assert(it != entries_.end());
+  free_entries_.push_back(it->second);
+  entries_.erase(it);
+}
+
+absl::StatusOr<EpochId> DeviceCompressedKvCache::InstallBasis(std::shared_ptr<const Basis> basis) {
+  if (basis == nullptr) return absl::InvalidArgumentError("null basis");
+  if (absl::Status st = ValidateBasis(*basis, config_.geometry, r_k_, r_v_); !st.ok()) return st;
+  return Register(std::move(basis));
+}
+
+absl::Status DeviceCompressedKvCache::ReleaseEpoch(EpochId id) {
+  if (registry_.Get(id) == nullptr) {
+    return absl::NotFoundError(absl::StrFormat("unknown basis epoch %d", id));
+  }
+  Release(id);
+  return absl::OkStatus();
+}
+
+absl::Status DeviceCompressedKvCache::SetDefaultEpoch(EpochId id) {
+  if (id != kNoEpoch) {
+    if (absl::Status st = registry_.Acquire(id); !st.ok()) return st;
+  }
+  if (default_epoch_ != kNoEpoch) Release(default_epoch_);
+  default_epoch_ = id;
+  default_self_calibrated_ = false;
+  return absl::OkStatus();
+}
+
+int32_t DeviceCompressedKvCache::EpochEntry(EpochId id) const {
+  const auto it = entries_.find(id);
+  return it == entries_.end() ? -1 : it->second;
+}
+
+absl::Status DeviceCompressedKvCache::EnsureEpoch(Sequence& s) {
+  if (s.epoch != kNoEpoch) return absl::OkStatus();
+  if (default_epoch_ != kNoEpoch) {
+    if (absl::Status st = registry_.Acquire(default_epoch_); !st.ok()) return st;
+    s.epoch = default_epoch_;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::shared_ptr<const Basis>> basis = PcaOfSequence(s);
+  if (!basis.ok()) return basis.status();
+  absl::StatusOr<EpochId> id = Register(*std::move(basis));  // the sequence's reference
+  if (!id.ok()) return id.status();
+  ++pca_epochs_built_;
+  s.epoch = *id;
+  if (absl::Status st = registry_.Acquire(*id); !st.ok()) return st;  // the default's
+  default_epoch_ = *id;
+  default_self_calibrated_ = true;
+  return absl::OkStatus();
+}
+
+// Grams of the committed keys and values of whole blocks spread evenly over the sequence, at most
+// kPcaMaxTokens tokens, read back from the store (once per server: the epoch becomes the
+// default). For sequences up to kPcaMaxTokens this is every token, as the CPU cache's.
+absl::StatusOr<std::shared_ptr<const Basis>> DeviceCompressedKvCache::PcaOfSequence(
+    const Sequence& s) {
+  const KvCacheGeometry& g = config_.geometry;
+  const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = config_.block_size;
+  const size_t dd = static_cast<size_t>(hd) * hd;
+  const int64_t blocks = CeilDiv(s.length, bs);
+  const int64_t stride = std::max<int64_t>(1, CeilDiv(blocks, CeilDiv(kPcaMaxTokens, bs)));
+  const KvPoolLayout& layout = layouts_[0];
+  std::vector<uint16_t> page(static_cast<size_t>(layout.page_bytes / 2));
+  std::vector<std::vector<double>> gk(static_cast<size_t>(g.n_layers)), gv(gk.size());
+  std::vector<double> rows;  // [tokens, hd] of one head
+  UseSingleThreadedBlas();
+  for (int l = 0; l < g.n_layers; ++l) {
+    // [n_kv][2][tokens * hd]: the sampled rows of each head's keys and values.
+    std::vector<std::vector<double>> head_rows(static_cast<size_t>(2 * n_kv));
+    for (int64_t b = 0; b < blocks; b += stride) {
+      const Block& e = s.table[static_cast<size_t>(b)];
+      if (e.slot != kFullBlock) continue;
+      if (absl::Status st = store_->ReadPage(l, e.page, page); !st.ok()) return st;
+      const int64_t valid = std::min<int64_t>(bs, s.length - b * bs);
+      for (int h = 0; h < n_kv; ++h) {
+        for (int kv = 0; kv < 2; ++kv) {
+          const int64_t first = (kv == 0 ? layout.FullK(0, h) : layout.FullV(0, h)) / 2;
+          std::vector<double>& dst = head_rows[static_cast<size_t>(2 * h + kv)];
+          for (int64_t i = 0; i < valid * hd; ++i) {
+            dst.push_back(HalfToFloat(page[static_cast<size_t>(first + i)]));
+          }
+        }
+      }
+    }
+    gk[static_cast<size_t>(l)].assign(static_cast<size_t>(n_kv) * dd, 0.0);
+    gv[static_cast<size_t>(l)].assign(static_cast<size_t>(n_kv) * dd, 0.0);
+    for (int h = 0; h < n_kv; ++h) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const std::vector<double>& src = head_rows[static_cast<size_t>(2 * h + kv)];
+        double* gram = (kv == 0 ? gk : gv)[static_cast<size_t>(l)].data() + h * dd;
+        GramOfRows(src.data(), static_cast<int64_t>(src.size()) / hd, hd, gram);
+      }
+    }
+  }
+  return std::make_shared<const Basis>(PcaBasis(g, r_k_, r_v_, gk, gv));
+}
+
+// --- Views ---------------------------------------------------------------------------------
+
+void DeviceCompressedKvCache::DescribeDecode(SeqId seq, int64_t length,
+                                             DecodeSeqDesc* desc) const {
+  const std::span<const Block> table = BlockTable(seq);
+  const int n_kv = config_.geometry.n_kv_heads;
+  const int64_t nb = std::min<int64_t>(CeilDiv(length, config_.block_size),
+                                       static_cast<int64_t>(table.size()));
+  desc->length = length;
+  desc->pages.resize(static_cast<size_t>(nb));
+  desc->slots.resize(static_cast<size_t>(nb));
+  desc->epochs.resize(static_cast<size_t>(nb * n_kv));
+  for (int64_t b = 0; b < nb; ++b) {
+    const Block& e = table[static_cast<size_t>(b)];
+    desc->pages[static_cast<size_t>(b)] = e.page;
+    desc->slots[static_cast<size_t>(b)] = e.slot;
+    std::fill_n(desc->epochs.begin() + b * n_kv, n_kv, e.entry);
+  }
+  desc->outlier_masks.clear();
+  desc->outlier_pages.clear();
+  desc->n_outliers = 0;
+}
+
+KvCacheStats DeviceCompressedKvCache::Stats() const {
+  const KvCacheGeometry& g = config_.geometry;
+  const int64_t page = layouts_[0].page_bytes * g.n_layers;  // one page id, every layer
+  KvCacheStats st;
+  st.bytes_total = pool_->num_blocks() * page;
+  st.bytes_used_full = pool_->num_used(BlockKind::kFull) * page;
+  // Whole slab pages: what the pool cannot give to anyone else (includes slab waste).
+  st.bytes_used_compressed = pool_->num_used(BlockKind::kCompressed) * page;
+  st.bytes_full_fp16_equivalent =
+      tokens_cached_ * g.n_layers * 2 * int64_t{g.n_kv_heads} * g.head_dim * 2;
+  st.blocks_total = pool_->num_blocks() * g.n_layers;
+  st.blocks_free = std::max<int64_t>(pool_->num_free() - kCompressionHeadroom, 0) * g.n_layers;
+  st.tokens_cached = tokens_cached_;
+  st.sequences = seqs_.live();
+  st.epochs_live = registry_.live();
+  return st;
+}
+
+DeviceCompressedKvCacheDetail DeviceCompressedKvCache::Detail() const {
+  DeviceCompressedKvCacheDetail d;
+  d.pages_full = pool_->num_used(BlockKind::kFull);
+  d.pages_compressed = pool_->num_used(BlockKind::kCompressed);
+  d.blocks_compressed = blocks_compressed_;
+  d.compressions_deferred = compressions_deferred_;
+  d.pca_epochs_built = pca_epochs_built_;
+  d.basis_entries_used = static_cast<int64_t>(entries_.size());
+  d.default_self_calibrated = default_self_calibrated_;
+  return d;
+}
+
+}  // namespace subspace::kernels

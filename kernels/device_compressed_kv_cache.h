@@ -1,0 +1,178 @@
+// The compressed KV cache in device memory (the CUDA backend's --kv-cache=compressed): the CPU
+// reference's policy (core/compressed_kv_cache.h: full-rank sinks and window, older blocks coded
+// into low-rank coefficients with the sequence's basis epoch, a self-calibrated default epoch)
+// over the layout the kernels read (kernels/kv_layout.h). The bytes live in a CompressedKvStore;
+// this class holds the host bookkeeping and tells the store what to do.
+//
+// One block table per sequence serves every layer, as in DevicePagedKvCache: the policy is the
+// same in every layer (a block leaves the window at the same step everywhere, with the same
+// epoch), so block b of a sequence is full page p, or slot s of slab page p, in every layer's
+// slice. The slab class is the largest compressed block over the layers; a layer with smaller
+// blocks addresses slot s at s * its own slot_bytes, inside the page all the same. One decode
+// plan thus serves all layers.
+//
+// Compression is queued at Commit and issued by Flush as one batch (the backend flushes after
+// its step's commits; every other mutating call flushes first). The queued blocks' full pages
+// are freed only at Flush, after the batch is issued: a slot of the batch never lies in one of
+// its source pages (CheckCompressBatch), and the store's stream order keeps a freed page from
+// being rewritten before it has been read. So compression does need a free page now and then:
+// Reserve leaves one page of headroom, and Commit flushes early when the slabs run out.
+//
+// Not here yet (CPU backend only): outlier tokens, online basis refresh and the compactor.
+#ifndef SUBSPACE_KERNELS_DEVICE_COMPRESSED_KV_CACHE_H_
+#define SUBSPACE_KERNELS_DEVICE_COMPRESSED_KV_CACHE_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/basis.h"
+#include "core/block_pool.h"
+#include "core/coeff_codec.h"
+#include "core/kv_cache.h"
+#include "core/sequence_slots.h"
+#include "kernels/compressed_kv_store.h"
+#include "kernels/decode_plan_builder.h"
+#include "kernels/kv_layout.h"
+
+namespace subspace::kernels {
+
+struct DeviceCompressedKvCacheConfig {
+  KvCacheGeometry geometry;
+  int block_size = 16;     // B, 1..64
+  int sink_tokens = 4;     // S: blocks overlapping [0, S) stay full-rank
+  int window_tokens = 64;  // W: a block is compressed once it lies entirely before length - W
+  std::vector<int> r_k;    // [n_layers]; empty: head_dim / 4 (at least 1) in every layer
+  std::vector<int> r_v;    // [n_layers]; empty: head_dim / 4
+  CoeffDtype coeff_dtype = CoeffDtype::kFp16;  // fp16 or int8 (the kernels' codes)
+  int64_t num_pages = 0;  // pages in each layer's slice of the store's pool
+};
+
+// Beyond KvCacheStats (tests, benchmarks, the start-up log).
+struct DeviceCompressedKvCacheDetail {
+  int64_t pages_full = 0;        // per layer
+  int64_t pages_compressed = 0;  // slab pages, per layer
+  int64_t blocks_compressed = 0;  // per layer
+  int64_t compressions_deferred = 0;  // blocks left full for a while: no page for a slab
+  int64_t pca_epochs_built = 0;
+  int64_t basis_entries_used = 0;
+  bool default_self_calibrated = false;
+};
+
+class DeviceCompressedKvCache final : public KvCacheBase {
+ public:
+  // One block table entry: a full page (slot kFullBlock, entry -1), or a slab slot coded with
+  // basis-table entry `entry` (every KV head alike: no compactor mixes them).
+  struct Block {
+    int32_t page = -1;
+    int32_t slot = kFullBlock;
+    int32_t entry = -1;
+  };
+
+  // INVALID_ARGUMENT for a bad geometry, block size, ranks or dtype, a compressed block larger
+  // than a page, or fewer than two pages (one holds the compression headroom).
+  static absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> Create(
+      const DeviceCompressedKvCacheConfig& config, std::shared_ptr<CompressedKvStore> store);
+
+  const KvCacheGeometry& geometry() const override { return config_.geometry; }
+  int block_size() const override { return config_.block_size; }
+  absl::StatusOr<SeqId> CreateSequence() override;
+  absl::Status FreeSequence(SeqId seq) override;
+  int64_t Length(SeqId seq) const override;
+  // New tokens land in full pages, as in the CPU cache; one page is held back for compression.
+  absl::Status Reserve(SeqId seq, int64_t n) override;
+  int64_t BlocksNeeded(SeqId seq, int64_t n) const override;
+  // Commits, then queues every full block that has left the window (and the sinks) for
+  // compression. The first sequence to compress without a default epoch reads its keys and
+  // values back and builds one by PCA.
+  absl::Status Commit(SeqId seq, int64_t length) override;
+  // A compressed block cut in the middle is expanded back into a full page (the keys as queries
+  // saw them) so that new tokens can be written after it. RESOURCE_EXHAUSTED when no page is
+  // free for it (nothing changed then).
+  absl::Status Truncate(SeqId seq, int64_t length) override;
+  absl::Status SetSequenceRefresh(SeqId seq, const RefreshConfig& config) override;
+  KvCacheStats Stats() const override;
+  DeviceCompressedKvCacheDetail Detail() const;
+
+  // Issues the queued compressions to the store and frees their full pages.
+  absl::Status Flush();
+
+  // --- Basis epochs (as CompressedKvCache's) ---
+  // RESOURCE_EXHAUSTED when the store's basis tables are full; INVALID_ARGUMENT for a basis
+  // that does not match the geometry and ranks. The caller holds one reference.
+  absl::StatusOr<EpochId> InstallBasis(std::shared_ptr<const Basis> basis);
+  absl::Status ReleaseEpoch(EpochId id);
+  absl::Status SetDefaultEpoch(EpochId id);
+  EpochId default_epoch() const { return default_epoch_; }
+  // The basis-table entry of a live epoch; -1 for an unknown one.
+  int32_t EpochEntry(EpochId id) const;
+
+  // --- The CUDA backend's view ---
+  // Layer `layer`'s geometry (its ranks and slot size).
+  const KvPoolLayout& layout(int layer) const { return layouts_[static_cast<size_t>(layer)]; }
+  // The layout whose slots are largest: the one every slot index fits (decode plan checks).
+  const KvPoolLayout& plan_layout() const { return layouts_[static_cast<size_t>(widest_layer_)]; }
+  int64_t num_pages() const { return config_.num_pages; }
+  const std::vector<int>& r_k() const { return r_k_; }
+  const std::vector<int>& r_v() const { return r_v_; }
+  // Blocks of `seq` in position order; empty for an unknown id.
+  std::span<const Block> BlockTable(SeqId seq) const;
+  // The decode-plan description of `seq`'s first `length` tokens (every layer alike).
+  void DescribeDecode(SeqId seq, int64_t length, DecodeSeqDesc* desc) const;
+
+ private:
+  struct Sequence {
+    bool live = false;
+    int64_t length = 0;
+    int64_t next_compress = 0;  // first block not yet considered for compression
+    EpochId epoch = kNoEpoch;   // holds one reference
+    std::vector<Block> table;
+    std::vector<EpochId> block_epochs;  // [blocks] kNoEpoch for full blocks; one ref each
+  };
+
+  DeviceCompressedKvCache(const DeviceCompressedKvCacheConfig& config, std::vector<int> r_k,
+                          std::vector<int> r_v, std::unique_ptr<BlockPool> pool,
+                          std::shared_ptr<CompressedKvStore> store);
+
+  absl::Status EnsureEpoch(Sequence& s);
+  absl::StatusOr<std::shared_ptr<const Basis>> PcaOfSequence(const Sequence& s);
+  // Registers `basis` with one reference for the caller and loads it into a free table entry.
+  absl::StatusOr<EpochId> Register(std::shared_ptr<const Basis> basis);
+  void Release(EpochId id);
+  // false: no slab slot to be had (the block stays full for now).
+  absl::StatusOr<bool> QueueCompression(Sequence& s, int64_t b);
+  void FreeBlock(Sequence& s, int64_t b);
+  absl::Status ExpandBlock(Sequence& s, int64_t b);
+
+  DeviceCompressedKvCacheConfig config_;
+  std::vector<int> r_k_, r_v_;
+  std::vector<KvPoolLayout> layouts_;  // [n_layers]
+  int widest_layer_ = 0;
+  std::unique_ptr<BlockPool> pool_;  // page ids only: the bytes are the store's
+  SlabAllocator slabs_;
+  int slab_class_ = 0;
+  std::shared_ptr<CompressedKvStore> store_;
+
+  BasisRegistry registry_;
+  absl::flat_hash_map<EpochId, int32_t> entries_;  // live epoch -> basis-table entry
+  std::vector<int32_t> free_entries_;
+  EpochId default_epoch_ = kNoEpoch;
+  bool default_self_calibrated_ = false;
+  int64_t pca_epochs_built_ = 0;
+
+  SequenceSlots<Sequence> seqs_;
+  int64_t tokens_cached_ = 0;
+  int64_t blocks_compressed_ = 0;
+  int64_t compressions_deferred_ = 0;
+
+  // Queued compressions (CompressBatch) and the full pages they free once issued.
+  std::vector<int32_t> pending_src_, pending_dst_page_, pending_dst_slot_, pending_epoch_;
+};
+
+}  // namespace subspace::kernels
+
+#endif  // SUBSPACE_KERNELS_DEVICE_COMPRESSED_KV_CACHE_H_

@@ -1,0 +1,114 @@
+#include "tests/kernels/twin_kv_store_ref.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "core/ggml_types.h"
+#include "kernels/compress_blocks.h"
+#include "kernels/expand_blocks.h"
+#include "tests/kernels/compress_blocks_ref.h"
+#include "tests/kernels/expand_blocks_ref.h"
+
+namespace subspace::kernels {
+
+TwinKvStore::TwinKvStore(std::vector<KvPoolLayout> layouts, int64_t num_pages, int basis_capacity)
+    : layouts_(std::move(layouts)), num_pages_(num_pages), capacity_(basis_capacity) {
+  for (const KvPoolLayout& l : layouts_) {
+    pools_.emplace_back(static_cast<size_t>(num_pages * l.page_bytes), uint8_t{0xff});
+    const size_t k = static_cast<size_t>(capacity_) * l.n_kv_heads * l.head_dim * l.rank_k;
+    const size_t v = static_cast<size_t>(capacity_) * l.n_kv_heads * l.head_dim * l.rank_v;
+    pk_.emplace_back(k, 0.0f);
+    pq_.emplace_back(k, 0.0f);
+    pv_.emplace_back(v, 0.0f);
+    rv_.emplace_back(v, 0.0f);
+  }
+}
+
+absl::Status TwinKvStore::LoadBasis(int entry, const Basis& basis) {
+  if (entry < 0 || entry >= capacity_ || basis.layers.size() != layouts_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat("basis entry %d / %d layers out of range",
+                                                      entry, basis.layers.size()));
+  }
+  for (size_t l = 0; l < layouts_.size(); ++l) {
+    const LayerBasis& lb = basis.layers[l];
+    const size_t k = lb.p_k.size(), v = lb.p_v.size();
+    if (k * capacity_ != pk_[l].size() || v * capacity_ != pv_[l].size() || lb.p_q.size() != k ||
+        lb.r_v.size() != v) {
+      return absl::InvalidArgumentError(absl::StrFormat("layer %d basis does not match", l));
+    }
+    std::copy(lb.p_k.begin(), lb.p_k.end(), pk_[l].begin() + entry * k);
+    std::copy(lb.p_q.begin(), lb.p_q.end(), pq_[l].begin() + entry * k);
+    std::copy(lb.p_v.begin(), lb.p_v.end(), pv_[l].begin() + entry * v);
+    std::copy(lb.r_v.begin(), lb.r_v.end(), rv_[l].begin() + entry * v);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TwinKvStore::Compress(const CompressBatch& batch) {
+  ++compress_calls_;
+  blocks_compressed_ += static_cast<int64_t>(batch.src_page.size());
+  for (size_t l = 0; l < layouts_.size(); ++l) {
+    CompressBlocksParams p;
+    p.layout = layouts_[l];
+    p.pool = pools_[l].data();
+    p.basis_pk = pk_[l].data();
+    p.basis_pv = pv_[l].data();
+    p.src_page = batch.src_page.data();
+    p.dst_page = batch.dst_page.data();
+    p.dst_slot = batch.dst_slot.data();
+    p.epoch = batch.epoch.data();
+    p.n_blocks = static_cast<int32_t>(batch.src_page.size());
+    if (absl::Status st = CheckCompressBatch(p, num_pages_, capacity_); !st.ok()) return st;
+    CompressBlocksRef(p);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TwinKvStore::Expand(const ExpandBatch& batch) {
+  blocks_expanded_ += static_cast<int64_t>(batch.src_page.size());
+  for (size_t l = 0; l < layouts_.size(); ++l) {
+    ExpandBlocksParams p;
+    p.layout = layouts_[l];
+    p.src_pool = pools_[l].data();
+    p.dst_pool = pools_[l].data();
+    p.basis_pq = pq_[l].data();
+    p.basis_rv = rv_[l].data();
+    p.src_page = batch.src_page.data();
+    p.src_slot = batch.src_slot.data();
+    p.dst_page = batch.dst_page.data();
+    p.epoch = batch.epoch.data();
+    p.n_blocks = static_cast<int32_t>(batch.src_page.size());
+    if (absl::Status st = CheckExpandBatch(p, num_pages_, num_pages_, capacity_); !st.ok()) {
+      return st;
+    }
+    ExpandBlocksRef(p);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TwinKvStore::ReadPage(int layer, int32_t page, std::span<uint16_t> out) {
+  const KvPoolLayout& l = layouts_[static_cast<size_t>(layer)];
+  if (page < 0 || page >= num_pages_ || static_cast<int64_t>(out.size()) * 2 != l.page_bytes) {
+    return absl::InvalidArgumentError(absl::StrFormat("page %d out of range", page));
+  }
+  std::memcpy(out.data(), pools_[static_cast<size_t>(layer)].data() + l.Page(page),
+              static_cast<size_t>(l.page_bytes));
+  return absl::OkStatus();
+}
+
+void TwinKvStore::WriteToken(int layer, int32_t page, int t, const float* k, const float* v) {
+  const KvPoolLayout& l = layouts_[static_cast<size_t>(layer)];
+  uint8_t* pool = pools_[static_cast<size_t>(layer)].data();
+  for (int h = 0; h < l.n_kv_heads; ++h) {
+    auto* kd = reinterpret_cast<uint16_t*>(pool + l.FullK(page, h)) + t * l.head_dim;
+    auto* vd = reinterpret_cast<uint16_t*>(pool + l.FullV(page, h)) + t * l.head_dim;
+    for (int i = 0; i < l.head_dim; ++i) {
+      kd[i] = Fp32ToFp16(k[h * l.head_dim + i]);
+      vd[i] = Fp32ToFp16(v[h * l.head_dim + i]);
+    }
+  }
+}
+
+}  // namespace subspace::kernels
