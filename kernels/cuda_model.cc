@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/block_pool.h"
 #include "core/ggml_types.h"
 #include "kernels/append_kv.h"
 #include "kernels/cuda_status.h"
@@ -240,9 +241,10 @@ struct CudaLlamaModel::Impl {
     meta.block_table = at(s * max_blocks_per_seq * 4);
     meta.q_indptr = at((s + 1) * 4);
     meta.q_start = at(s * 4);
-    // Blocks of one step: each sequence holds its own, so at most the pool's, and at most
-    // max_blocks_per_seq per sequence.
-    const int64_t blocks = std::min(s * max_blocks_per_seq, pool_blocks + s);
+    // Blocks of one step: each sequence holds its own, so at most the pool's (a compressed
+    // cache packs up to 64 slots to a page), and at most max_blocks_per_seq per sequence.
+    const int64_t per_page = options.compressed ? SlabAllocator::kMaxSlotsPerPage : 1;
+    const int64_t blocks = std::min(s * max_blocks_per_seq, pool_blocks * per_page + s);
     const int64_t work = MaxDecodeWork(s, {.target_ctas = target_ctas});
     const int64_t epochs = options.compressed ? s : 0;  // one per sequence
     meta.plan_capacity = LayoutDecodePlan(s, blocks, epochs, work, config.n_kv_heads).total_bytes;
