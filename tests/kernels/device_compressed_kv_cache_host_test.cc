@@ -147,8 +147,11 @@ void ExpectSameAttention(Pair& p, SeqId cpu_seq, SeqId dev_seq, uint32_t seed, d
   }
 }
 
-// Seen: at most ~5e-6 (a code or two rounding apart); the bounds leave room for int8 flips.
-double Tolerance(CoeffDtype dt) { return dt == CoeffDtype::kInt8 ? 5e-4 : 1e-4; }
+// An fp16 code one ulp apart (2^-11 relative) moves the output by up to ~1e-4 relative on keys
+// with strong directions (seen: 1.02e-4, self-calibrated, d 128), ~5e-6 on isotropic ones; an
+// int8 code one step apart (1/127 of the row's scale) moves it more. Bugs (a wrong page, epoch,
+// layer or rank) show up as O(1) errors.
+double Tolerance(CoeffDtype dt) { return dt == CoeffDtype::kInt8 ? 5e-3 : 1e-3; }
 
 using Shape = std::tuple<int, CoeffDtype>;
 class DeviceCompressedKvCacheVsCpuTest : public ::testing::TestWithParam<Shape> {};
