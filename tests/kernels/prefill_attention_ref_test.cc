@@ -48,37 +48,6 @@ KvPoolLayout Layout(int n_kv, int hd, int bs) {
   return MakeKvPoolLayout(n_kv, hd, bs, 16, 16, CoeffDtype::kFp16);
 }
 
-// Moves a random subset of each sequence's pages (at least one in all) to a scratch buffer, as
-// the CUDA backend does with expanded compressed blocks: bytes copied to shuffled scratch pages
-// (plus one nobody names, all poison), the pool page poisoned, the table entry replaced by
-// -1 - j for scratch page j. Returns the scratch buffer, [num_scratch_pages * page_bytes].
-std::vector<uint8_t> MovePagesToScratch(PrefillCase* c, std::mt19937_64& rng) {
-  const KvPoolLayout& l = c->layout;
-  std::vector<int32_t*> moved;  // table entries
-  std::bernoulli_distribution coin(0.5);
-  for (int32_t s = 0; s < c->num_seqs(); ++s) {
-    const int32_t tokens = c->q_start[s] + (c->q_indptr[s + 1] - c->q_indptr[s]);
-    const int32_t nb = (tokens + l.block_size - 1) / l.block_size;
-    int32_t* row = c->block_table.data() + static_cast<int64_t>(s) * c->max_blocks;
-    for (int32_t b = 0; b < nb; ++b) {
-      if (coin(rng)) moved.push_back(row + b);
-    }
-  }
-  if (moved.empty()) moved.push_back(c->block_table.data());  // the first sequence has a block
-  std::vector<int32_t> slots(moved.size() + 1);
-  for (size_t j = 0; j < slots.size(); ++j) slots[j] = static_cast<int32_t>(j);
-  std::shuffle(slots.begin(), slots.end(), rng);
-  std::vector<uint8_t> scratch(slots.size() * static_cast<size_t>(l.page_bytes), testing::kPoison);
-  for (size_t i = 0; i < moved.size(); ++i) {
-    int32_t& e = *moved[i];
-    uint8_t* page = c->pool.data() + l.Page(e);
-    std::memcpy(scratch.data() + l.Page(slots[i]), page, static_cast<size_t>(l.page_bytes));
-    std::memset(page, testing::kPoison, static_cast<size_t>(l.page_bytes));
-    e = -1 - slots[i];
-  }
-  return scratch;
-}
-
 // head_dim, block size, group (query heads per KV head).
 using Shape = std::tuple<int, int, int>;
 
@@ -135,7 +104,7 @@ TEST_P(PrefillAttentionRefTest, ScratchPagesMatchPoolPages) {
   std::vector<float> want(c.q.size(), std::nanf(""));
   PrefillAttentionRef(HostParams(c, want.data()));
 
-  const std::vector<uint8_t> scratch = MovePagesToScratch(&c, rng);
+  const std::vector<uint8_t> scratch = testing::MovePagesToScratch(&c, rng);
   std::vector<float> got(c.q.size(), std::nanf(""));
   PrefillAttentionParams p = HostParams(c, got.data());
   p.scratch = scratch.data();
