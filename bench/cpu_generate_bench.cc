@@ -1,8 +1,10 @@
-// subspace-bench-cpu: prefill and decode throughput of a backend's forward pass on one GGUF
-// model (--device cpu or cuda; --kv-cache full or compressed: sinks 4, window 64, rank
-// head_dim / 4, fp16 codes, a basis self-calibrated from the first prompt), at several batch sizes,
-// printed as a table. Token ids are synthetic (fixed pseudo-random ids), which does not change
-// the arithmetic of a dense forward pass.
+// subspace-bench-cpu: end-to-end prefill and decode throughput of a backend's forward pass on one
+// GGUF model (--device cpu or cuda) for each KV cache kind in --kv-cache (full: paged full-rank;
+// compressed: sinks 4, window 64, rank head_dim / 4, fp16 codes, a basis self-calibrated from the
+// first prompt) at several batch sizes, with the cache bytes in use at the end of decode. Kinds
+// run one after another, each on its own runner and cache (one pool allocated at a time), so the
+// compressed/full ratios come from one run. Token ids are synthetic (fixed pseudo-random ids),
+// which does not change the arithmetic of a dense forward pass.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +18,7 @@
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/compressed_kv_cache.h"
 #include "core/model.h"
 #include "core/paged_kv_cache.h"
@@ -31,19 +34,50 @@ ABSL_FLAG(int32_t, decode_tokens, 64, "decode steps per measurement");
 ABSL_FLAG(std::vector<std::string>, batch, std::vector<std::string>({"1", "8"}),
           "comma-separated batch sizes");
 ABSL_FLAG(int32_t, repeats, 3, "measurements per cell; the best is reported");
-ABSL_FLAG(int64_t, kv_cache_bytes, 1ll << 30, "KV cache pool size in bytes");
+ABSL_FLAG(int64_t, kv_cache_bytes, 1ll << 30, "KV cache pool size in bytes (per kind)");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda (the CUDA backend)");
-ABSL_FLAG(std::string, kv_cache, "full", "full (paged full-rank) or compressed (low-rank)");
+ABSL_FLAG(std::vector<std::string>, kv_cache, std::vector<std::string>({"full", "compressed"}),
+          "comma-separated KV cache kinds, each measured in turn: full (paged full-rank), "
+          "compressed (low-rank)");
 
 namespace subspace {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
+struct BenchConfig {
+  std::string device;  // cpu or cuda
+  std::vector<int> batches;
+  int prompt_len = 0;
+  int decode_len = 0;
+  int repeats = 1;
+  int64_t kv_cache_bytes = 0;
+};
+
 struct Cell {
   double prefill_tps = 0;
   double decode_tps = 0;
+  KvCacheStats stats;  // at the end of decode, before the sequences are freed
 };
+
+// One kind's results, one cell per batch size.
+struct KindResult {
+  std::string kind;
+  std::string device_name;
+  std::vector<Cell> cells;
+};
+
+// Members in this order so the cache goes before the runner that owns its device context.
+struct Backend {
+  std::shared_ptr<ModelRunner> model;
+  std::unique_ptr<KvCacheBase> cache;
+};
+
+int64_t BytesUsed(const KvCacheStats& s) {
+  return s.bytes_used_full + s.bytes_used_compressed + s.bytes_used_outlier;
+}
+
+double Ratio(double num, double den) { return den > 0 ? num / den : 0.0; }
 
 absl::StatusOr<Cell> Measure(ModelRunner& model, KvCacheBase& cache, int batch, int prompt_len,
                              int decode_len, uint64_t seed) {
@@ -82,89 +116,161 @@ absl::StatusOr<Cell> Measure(ModelRunner& model, KvCacheBase& cache, int batch, 
   }
   seconds = std::chrono::duration<double>(Clock::now() - start).count();
   cell.decode_tps = batch * decode_len / seconds;
+  cell.stats = cache.Stats();
   for (SeqId s : seqs) cache.FreeSequence(s).IgnoreError();
   return cell;
 }
 
-absl::Status Run() {
-  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu_model =
-      LlamaModel::Open(absl::GetFlag(FLAGS_model));
-  if (!cpu_model.ok()) return cpu_model.status();
-  const ModelConfig cfg = (*cpu_model)->config();
-  std::vector<int> batches;
-  for (const std::string& b : absl::GetFlag(FLAGS_batch)) batches.push_back(std::stoi(b));
-  const int max_batch = *std::max_element(batches.begin(), batches.end());
-
-  std::shared_ptr<ModelRunner> model;
-  std::unique_ptr<KvCacheBase> cache;
-  const std::string device = absl::GetFlag(FLAGS_device);
-  const std::string kind = absl::GetFlag(FLAGS_kv_cache);
-  if (kind != "full" && kind != "compressed") {
-    return absl::InvalidArgumentError("--kv-cache must be full or compressed");
-  }
-  if (device == "cpu" && kind == "compressed") {
-    CompressedKvCacheConfig c;
-    c.geometry = cfg.cache_geometry();
-    c.capacity_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
-    absl::StatusOr<std::unique_ptr<CompressedKvCache>> compressed = CompressedKvCache::Create(c);
-    if (!compressed.ok()) return compressed.status();
-    model = std::shared_ptr<LlamaModel>(*std::move(cpu_model));
-    cache = *std::move(compressed);
-  } else if (device == "cpu") {
-    PagedKvCache::Config cache_config;
-    cache_config.geometry = cfg.cache_geometry();
-    cache_config.capacity_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
-    absl::StatusOr<std::unique_ptr<PagedKvCache>> paged = PagedKvCache::Create(cache_config);
-    if (!paged.ok()) return paged.status();
-    model = std::shared_ptr<LlamaModel>(*std::move(cpu_model));
-    cache = *std::move(paged);
-  } else if (device == "cuda") {
+// cpu: a cache of the kind over the shared CPU model. cuda: a whole backend (weights, activations
+// and pool in one device allocation) per kind.
+absl::StatusOr<Backend> CreateBackend(const std::shared_ptr<LlamaModel>& cpu_model,
+                                      const BenchConfig& config, const std::string& kind) {
+  const bool compressed = kind == "compressed";
+  if (config.device == "cuda") {
 #if defined(SUBSPACE_WITH_CUDA)
+    const int max_batch = *std::max_element(config.batches.begin(), config.batches.end());
     absl::StatusOr<kernels::CudaBackend> cuda = kernels::CreateCudaBackend(
-        **cpu_model, {.max_batch_tokens = max_batch * absl::GetFlag(FLAGS_prompt_tokens),
-                      .max_sequences = max_batch,
-                      .kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes),
-                      .compressed = kind == "compressed"
-                                        ? std::optional<kernels::CudaCompressedCacheOptions>(
-                                              kernels::CudaCompressedCacheOptions{})
-                                        : std::nullopt});
+        *cpu_model, {.max_batch_tokens = max_batch * config.prompt_len,
+                     .max_sequences = max_batch,
+                     .kv_cache_bytes = config.kv_cache_bytes,
+                     .compressed = compressed ? std::optional<kernels::CudaCompressedCacheOptions>(
+                                                    kernels::CudaCompressedCacheOptions{})
+                                              : std::nullopt});
     if (!cuda.ok()) return cuda.status();
-    model = std::move(cuda->model);
-    cache = std::move(cuda->cache);
+    return Backend{std::move(cuda->model), std::move(cuda->cache)};
 #else
     return absl::UnavailableError("built without CUDA");
 #endif
+  }
+  absl::StatusOr<std::unique_ptr<KvCacheBase>> cache;
+  if (compressed) {
+    CompressedKvCacheConfig c;
+    c.geometry = cpu_model->config().cache_geometry();
+    c.capacity_bytes = config.kv_cache_bytes;
+    cache = CompressedKvCache::Create(c);
   } else {
+    PagedKvCache::Config c;
+    c.geometry = cpu_model->config().cache_geometry();
+    c.capacity_bytes = config.kv_cache_bytes;
+    cache = PagedKvCache::Create(c);
+  }
+  if (!cache.ok()) return cache.status();
+  return Backend{cpu_model, *std::move(cache)};
+}
+
+// Builds the kind's backend, measures every batch size (best of config.repeats) and drops the
+// backend again before the next kind takes its memory.
+absl::StatusOr<KindResult> MeasureKind(const std::shared_ptr<LlamaModel>& cpu_model,
+                                       const BenchConfig& config, const std::string& kind) {
+  absl::StatusOr<Backend> backend = CreateBackend(cpu_model, config, kind);
+  if (!backend.ok()) return backend.status();
+  KindResult result{.kind = kind, .device_name = backend->model->device_name()};
+  for (const int batch : config.batches) {
+    Cell best;
+    for (int r = 0; r < config.repeats; ++r) {
+      absl::StatusOr<Cell> cell =
+          Measure(*backend->model, *backend->cache, batch, config.prompt_len, config.decode_len, r);
+      if (!cell.ok()) {
+        return absl::Status(cell.status().code(), absl::StrCat(kind, " cache, batch ", batch, ": ",
+                                                               cell.status().message()));
+      }
+      best.prefill_tps = std::max(best.prefill_tps, cell->prefill_tps);
+      best.decode_tps = std::max(best.decode_tps, cell->decode_tps);
+      best.stats = cell->stats;  // the same every repeat: same lengths, same block rounding
+    }
+    result.cells.push_back(best);
+  }
+  return result;
+}
+
+void PrintTables(const BenchConfig& config, const std::vector<KindResult>& results) {
+  std::printf(
+      "| batch | KV cache   | prefill tokens/s | decode tokens/s | decode ms/step "
+      "| KV MiB used | fp16-equivalent / used |\n");
+  std::printf(
+      "|------:|:-----------|-----------------:|----------------:|---------------:"
+      "|------------:|-----------------------:|\n");
+  for (size_t i = 0; i < config.batches.size(); ++i) {
+    for (const KindResult& r : results) {
+      const Cell& c = r.cells[i];
+      const int64_t used = BytesUsed(c.stats);
+      std::printf("| %5d | %-10s | %16.1f | %15.1f | %14.2f | %11.2f | %22.2f |\n",
+                  config.batches[i], r.kind.c_str(), c.prefill_tps, c.decode_tps,
+                  Ratio(1000.0 * config.batches[i], c.decode_tps), used / 1048576.0,
+                  Ratio(c.stats.bytes_full_fp16_equivalent, used));
+    }
+  }
+  const KindResult* full = nullptr;
+  const KindResult* compressed = nullptr;
+  for (const KindResult& r : results) {
+    if (r.kind == "full") full = &r;
+    if (r.kind == "compressed") compressed = &r;
+  }
+  if (full == nullptr || compressed == nullptr) return;
+  std::printf("\nCompressed against full: decode tokens/s ratio next to the KV bytes ratio.\n\n");
+  std::printf("| batch | decode speedup compressed/full | KV bytes full/compressed |\n");
+  std::printf("|------:|-------------------------------:|-------------------------:|\n");
+  for (size_t i = 0; i < config.batches.size(); ++i) {
+    const Cell& f = full->cells[i];
+    const Cell& c = compressed->cells[i];
+    std::printf("| %5d | %30.2f | %24.2f |\n", config.batches[i], Ratio(c.decode_tps, f.decode_tps),
+                Ratio(BytesUsed(f.stats), BytesUsed(c.stats)));
+  }
+}
+
+absl::Status Run() {
+  BenchConfig config;
+  config.device = absl::GetFlag(FLAGS_device);
+  if (config.device != "cpu" && config.device != "cuda") {
     return absl::InvalidArgumentError("--device must be cpu or cuda");
   }
-  std::printf("device %s, KV cache %s\n", model->device_name().c_str(), kind.c_str());
-
-  int prompt_len = absl::GetFlag(FLAGS_prompt_tokens);
-  int decode_len = absl::GetFlag(FLAGS_decode_tokens);
-  if (prompt_len + decode_len > cfg.context_length) {
-    prompt_len = cfg.context_length - decode_len;
+  const std::vector<std::string> kinds = absl::GetFlag(FLAGS_kv_cache);
+  if (kinds.empty()) return absl::InvalidArgumentError("--kv-cache names no kind");
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    if (kinds[i] != "full" && kinds[i] != "compressed") {
+      return absl::InvalidArgumentError("--kv-cache takes full and/or compressed");
+    }
+    if (std::find(kinds.begin(), kinds.begin() + i, kinds[i]) != kinds.begin() + i) {
+      return absl::InvalidArgumentError(absl::StrCat("--kv-cache names ", kinds[i], " twice"));
+    }
   }
-  if (prompt_len < 1 || decode_len < 1) {
+  for (const std::string& b : absl::GetFlag(FLAGS_batch)) config.batches.push_back(std::stoi(b));
+  if (config.batches.empty() ||
+      *std::min_element(config.batches.begin(), config.batches.end()) < 1) {
+    return absl::InvalidArgumentError("--batch sizes must be at least 1");
+  }
+  config.repeats = absl::GetFlag(FLAGS_repeats);
+  if (config.repeats < 1) return absl::InvalidArgumentError("--repeats must be at least 1");
+  config.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+
+  absl::StatusOr<std::unique_ptr<LlamaModel>> opened = LlamaModel::Open(absl::GetFlag(FLAGS_model));
+  if (!opened.ok()) return opened.status();
+  const std::shared_ptr<LlamaModel> cpu_model = *std::move(opened);
+  const ModelConfig cfg = cpu_model->config();
+  config.prompt_len = absl::GetFlag(FLAGS_prompt_tokens);
+  config.decode_len = absl::GetFlag(FLAGS_decode_tokens);
+  if (config.prompt_len + config.decode_len > cfg.context_length) {
+    config.prompt_len = cfg.context_length - config.decode_len;
+  }
+  if (config.prompt_len < 1 || config.decode_len < 1) {
     return absl::InvalidArgumentError("prompt and decode lengths must fit the context");
   }
+
+  std::vector<KindResult> results;
+  for (const std::string& kind : kinds) {
+    absl::StatusOr<KindResult> r = MeasureKind(cpu_model, config, kind);
+    if (!r.ok()) return r.status();
+    results.push_back(*std::move(r));
+  }
+
+  std::printf("device %s, KV caches %s\n", results.front().device_name.c_str(),
+              absl::StrJoin(kinds, ", ").c_str());
   std::printf("model %s: dim %d, layers %d, heads %d/%d, vocab %d, context %d\n",
               absl::GetFlag(FLAGS_model).c_str(), cfg.dim, cfg.n_layers, cfg.n_heads,
               cfg.n_kv_heads, cfg.n_vocab, cfg.context_length);
-  std::printf("prompt %d tokens, decode %d tokens, best of %d\n\n", prompt_len, decode_len,
-              absl::GetFlag(FLAGS_repeats));
-  std::printf("| batch | prefill tokens/s | decode tokens/s | decode ms/step |\n");
-  std::printf("|------:|-----------------:|----------------:|---------------:|\n");
-  for (const int batch : batches) {
-    Cell best;
-    for (int r = 0; r < absl::GetFlag(FLAGS_repeats); ++r) {
-      absl::StatusOr<Cell> cell = Measure(*model, *cache, batch, prompt_len, decode_len, r);
-      if (!cell.ok()) return cell.status();
-      best.prefill_tps = std::max(best.prefill_tps, cell->prefill_tps);
-      best.decode_tps = std::max(best.decode_tps, cell->decode_tps);
-    }
-    std::printf("| %5d | %16.1f | %15.1f | %14.2f |\n", batch, best.prefill_tps, best.decode_tps,
-                1000.0 * batch / best.decode_tps);
-  }
+  std::printf("prompt %d tokens, decode %d tokens, best of %d; KV bytes at the end of decode\n\n",
+              config.prompt_len, config.decode_len, config.repeats);
+  PrintTables(config, results);
   return absl::OkStatus();
 }
 

@@ -42,14 +42,12 @@ fi
 if [[ $quick != --quick ]]; then
   "$bundle/bin/subspace-bench-decode-attention" >"$out/bench-decode-attention.md" 2>&1
   summary+=("bench decode attention rc=$?")
-  "$bundle/bin/subspace-bench-cpu" --device cuda --batch 1,16,64 --prompt-tokens 128 \
-    --decode-tokens 128 >"$out/bench-generate-cuda.md" 2>&1
+  # Both caches in one run: per-kind rows, then compressed/full decode speedup next to bytes.
+  "$bundle/bin/subspace-bench-cpu" --device cuda --kv-cache full,compressed --batch 1,16,64 \
+    --prompt-tokens 128 --decode-tokens 128 >"$out/bench-generate-cuda.md" 2>&1
   summary+=("bench generate cuda rc=$?")
-  "$bundle/bin/subspace-bench-cpu" --device cuda --kv-cache compressed --batch 1,16,64 \
-    --prompt-tokens 128 --decode-tokens 128 >"$out/bench-generate-cuda-compressed.md" 2>&1
-  summary+=("bench generate cuda compressed rc=$?")
-  "$bundle/bin/subspace-bench-cpu" --device cpu --batch 1,16,64 --prompt-tokens 128 \
-    --decode-tokens 128 >"$out/bench-generate-cpu.md" 2>&1
+  "$bundle/bin/subspace-bench-cpu" --device cpu --kv-cache full,compressed --batch 1,16,64 \
+    --prompt-tokens 128 --decode-tokens 128 >"$out/bench-generate-cpu.md" 2>&1
   summary+=("bench generate cpu rc=$?")
 fi
 
