@@ -7,6 +7,8 @@
 #include <chrono>
 #include <utility>
 
+#include "core/coeff_codec.h"
+
 namespace subspace {
 namespace {
 
@@ -16,6 +18,31 @@ constexpr int64_t kMinResidualTriggerTokens = 64;
 
 int64_t BytesOf(const BlockObservation& o) {
   return static_cast<int64_t>((o.keys.size() + o.values.size()) * sizeof(float));
+}
+
+// sum ||k - P_q P_k^T k||^2 and sum ||k||^2 over the n_kv * n rows of `keys` ([n_kv, n, d]):
+// the residual the CPU cache computes as it codes a block, here for blocks a device coded.
+void KeyResidual(const LayerBasis& basis, const float* keys, int n_kv, int n, int d,
+                 double* residual, double* energy) {
+  const int r = basis.rank_k;
+  std::vector<float> c(static_cast<size_t>(r));
+  for (int h = 0; h < n_kv; ++h) {
+    const float* pk = basis.p_k.data() + static_cast<size_t>(h) * d * r;  // [d, r]
+    const float* pq = basis.p_q.data() + static_cast<size_t>(h) * d * r;
+    for (int t = 0; t < n; ++t) {
+      const float* k = keys + (static_cast<size_t>(h) * n + t) * d;
+      std::fill(c.begin(), c.end(), 0.0f);
+      for (int x = 0; x < d; ++x) {
+        for (int j = 0; j < r; ++j) c[static_cast<size_t>(j)] += k[x] * pk[x * r + j];
+      }
+      for (int x = 0; x < d; ++x) {
+        float kr = 0.0f;
+        for (int j = 0; j < r; ++j) kr += pq[x * r + j] * c[static_cast<size_t>(j)];
+        *residual += static_cast<double>(k[x] - kr) * (k[x] - kr);
+        *energy += static_cast<double>(k[x]) * k[x];
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -73,6 +100,30 @@ bool Refresher::Observe(StreamId stream, QueryObservation observation) {
   return EnqueueObservation(std::move(m));
 }
 
+absl::StatusOr<bool> Refresher::Observe(HalfBlockBatch batch) {
+  if (batch.blocks.empty()) return true;
+  const std::shared_ptr<const Basis>& first = batch.blocks[0].basis;
+  if (first == nullptr || batch.block_size < 1) {
+    return absl::InvalidArgumentError("half-block batch without a basis or block size");
+  }
+  const KvCacheGeometry& g = first->geometry;
+  for (const HalfBlockBatch::Block& b : batch.blocks) {
+    if (b.basis == nullptr || b.basis->geometry.n_layers != g.n_layers ||
+        b.basis->geometry.n_kv_heads != g.n_kv_heads || b.basis->geometry.head_dim != g.head_dim) {
+      return absl::InvalidArgumentError("half-block batch mixes geometries");
+    }
+  }
+  const size_t per_block = 2 * static_cast<size_t>(g.n_kv_heads) * batch.block_size * g.head_dim;
+  if (batch.data.size() != per_block * batch.blocks.size() * static_cast<size_t>(g.n_layers)) {
+    return absl::InvalidArgumentError("half-block batch data does not match its blocks");
+  }
+  Message m{.kind = Message::Kind::kHalfBlocks};
+  m.bytes = static_cast<int64_t>(batch.data.size() * sizeof(uint16_t));
+  m.observations = static_cast<int64_t>(batch.blocks.size()) * g.n_layers;
+  m.half_blocks = std::move(batch);
+  return EnqueueObservation(std::move(m));
+}
+
 void Refresher::Enqueue(Message m) {
   if (options_.inline_mode) {
     Process(m);
@@ -90,7 +141,7 @@ bool Refresher::EnqueueObservation(Message m) {
   if (!options_.inline_mode) {
     std::lock_guard<std::mutex> lock(mu_);
     if (queued_bytes_ + m.bytes > options_.max_queued_bytes) {
-      ++stats_.observations_dropped;
+      stats_.observations_dropped += m.observations;
       return false;
     }
   }
@@ -154,24 +205,54 @@ void Refresher::Process(Message& m) {
       it->second.stats->ObserveQueries(m.queries.layer, m.queries.q.data(), m.queries.n);
       return;
     }
-    case Message::Kind::kBlock: {
-      auto it = streams_.find(m.stream);
-      if (it == streams_.end()) return;
-      Stream& s = it->second;
-      const BlockObservation& b = m.block;
-      s.stats->ObserveBlock(b.layer, b.keys.data(), b.values.data(), b.tokens);
-      s.residual_since += b.residual;
-      s.energy_since += b.energy;
-      if (b.layer == 0) s.tokens_since += b.tokens;
-      // Triggers are checked once the block's last layer is in, so a refresh sees all layers.
-      if (b.layer != s.stats->n_layers() - 1) return;
-      const RefreshConfig& c = s.stats->config();
-      const bool by_count = c.every_tokens > 0 && s.tokens_since >= c.every_tokens;
-      const bool by_residual = c.residual_threshold > 0.0 && s.energy_since > 0.0 &&
-                               s.tokens_since >= kMinResidualTriggerTokens &&
-                               s.residual_since / s.energy_since > c.residual_threshold;
-      if (by_count || by_residual) RefreshStream(m.stream, s);
+    case Message::Kind::kBlock:
+      ProcessBlock(m.stream, m.block);
       return;
+    case Message::Kind::kHalfBlocks:
+      ProcessHalfBlocks(m.half_blocks);
+      return;
+  }
+}
+
+void Refresher::ProcessBlock(StreamId id, const BlockObservation& b) {
+  auto it = streams_.find(id);
+  if (it == streams_.end()) return;
+  Stream& s = it->second;
+  s.stats->ObserveBlock(b.layer, b.keys.data(), b.values.data(), b.tokens);
+  s.residual_since += b.residual;
+  s.energy_since += b.energy;
+  if (b.layer == 0) s.tokens_since += b.tokens;
+  // Triggers are checked once the block's last layer is in, so a refresh sees all layers.
+  if (b.layer != s.stats->n_layers() - 1) return;
+  const RefreshConfig& c = s.stats->config();
+  const bool by_count = c.every_tokens > 0 && s.tokens_since >= c.every_tokens;
+  const bool by_residual = c.residual_threshold > 0.0 && s.energy_since > 0.0 &&
+                           s.tokens_since >= kMinResidualTriggerTokens &&
+                           s.residual_since / s.energy_since > c.residual_threshold;
+  if (by_count || by_residual) RefreshStream(id, s);
+}
+
+void Refresher::ProcessHalfBlocks(const HalfBlockBatch& batch) {
+  const KvCacheGeometry& g = batch.blocks[0].basis->geometry;
+  const int n_kv = g.n_kv_heads, d = g.head_dim, n = batch.block_size;
+  const size_t half = static_cast<size_t>(n_kv) * n * d;  // keys (or values) of one block-layer
+  const size_t nb = batch.blocks.size();
+  BlockObservation o;
+  for (size_t i = 0; i < nb; ++i) {
+    const HalfBlockBatch::Block& block = batch.blocks[i];
+    if (!streams_.contains(block.stream)) continue;  // closed since it was read back
+    for (int l = 0; l < g.n_layers; ++l) {
+      const uint16_t* src = batch.data.data() + (static_cast<size_t>(l) * nb + i) * 2 * half;
+      o.layer = l;
+      o.tokens = n;
+      o.keys.resize(half);
+      o.values.resize(half);
+      for (size_t j = 0; j < half; ++j) o.keys[j] = HalfToFloat(src[j]);
+      for (size_t j = 0; j < half; ++j) o.values[j] = HalfToFloat(src[half + j]);
+      o.residual = o.energy = 0.0;
+      KeyResidual(block.basis->layers[static_cast<size_t>(l)], o.keys.data(), n_kv, n, d,
+                  &o.residual, &o.energy);
+      ProcessBlock(block.stream, o);
     }
   }
 }

@@ -19,6 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "core/basis.h"
 #include "core/kv_cache.h"
 #include "core/online_statistics.h"
@@ -35,6 +36,20 @@ struct BlockObservation {
   // sum ||k||^2 over its heads and tokens.
   double residual = 0.0;
   double energy = 0.0;
+};
+
+// Blocks of every layer read back from a device pool, still fp16, with the epoch that coded
+// each: the refresher widens them and computes their key residual on its own thread, so the
+// engine's step pays one copy instead of O(B d r) work per block and layer.
+struct HalfBlockBatch {
+  struct Block {
+    uint64_t stream = 0;                 // Refresher::StreamId
+    std::shared_ptr<const Basis> basis;  // the epoch that coded it
+  };
+  int block_size = 0;
+  // [n_layers][blocks.size()][2][n_kv][block_size][head_dim]: keys then values, post-RoPE
+  std::vector<uint16_t> data;
+  std::vector<Block> blocks;
 };
 
 struct QueryObservation {
@@ -73,6 +88,9 @@ class Refresher {
   // False when dropped because the queue is full.
   bool Observe(StreamId stream, BlockObservation observation);
   bool Observe(StreamId stream, QueryObservation observation);
+  // INVALID_ARGUMENT when `batch.data` does not hold every layer of every block (the geometry
+  // is each block's basis's); false when dropped because the queue is full.
+  absl::StatusOr<bool> Observe(HalfBlockBatch batch);
 
   // New bases published since the last call (possibly for streams closed since).
   std::vector<Published> TakePublished();
@@ -86,12 +104,14 @@ class Refresher {
 
  private:
   struct Message {
-    enum class Kind { kOpen, kClose, kBlock, kQueries } kind;
+    enum class Kind { kOpen, kClose, kBlock, kQueries, kHalfBlocks } kind;
     StreamId stream = 0;
     std::function<std::unique_ptr<OnlineStatistics>()> make;  // kOpen: run on this thread
     BlockObservation block;                                   // kBlock
     QueryObservation queries;                                 // kQueries
+    HalfBlockBatch half_blocks;                               // kHalfBlocks
     int64_t bytes = 0;
+    int64_t observations = 1;  // block-layers it carries (counted when dropped)
   };
   struct Stream {
     std::unique_ptr<OnlineStatistics> stats;
@@ -103,6 +123,8 @@ class Refresher {
   bool EnqueueObservation(Message m);
   void Run();
   void Process(Message& m);  // refresher thread (or the caller's, inline)
+  void ProcessBlock(StreamId id, const BlockObservation& b);
+  void ProcessHalfBlocks(const HalfBlockBatch& batch);
   void RefreshStream(StreamId id, Stream& s);
 
   const Options options_;

@@ -14,8 +14,10 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "core/basis.h"
 
 namespace subspace::kernels {
@@ -52,6 +54,18 @@ class CompressedKvStore {
   // Copies full page `page` of layer `layer` to `out` ([2][n_kv][B][head_dim] fp16), after every
   // earlier operation has finished; waits for it.
   virtual absl::Status ReadPage(int layer, int32_t page, std::span<uint16_t> out) = 0;
+
+  // --- Readback for the background refresher: one copy in flight, never waited for ---
+  // Full pages one readback holds at most (0: the store reads nothing back).
+  virtual int64_t readback_capacity() const = 0;
+  // Starts copying full pages `pages` of every layer to host memory, ordered after every
+  // earlier operation (so later ones may rewrite them). FAILED_PRECONDITION while the previous
+  // readback has not been taken; INVALID_ARGUMENT for more than readback_capacity() pages.
+  virtual absl::Status StartReadback(std::span<const int32_t> pages) = 0;
+  // Without waiting: false while the readback is in flight (or none was started); true once it
+  // has landed, with its bytes in `out` ([n_layers][n][2][n_kv][B][head_dim] fp16, n the pages
+  // it was started with), after which another may start.
+  virtual absl::StatusOr<bool> TakeReadback(std::vector<uint16_t>* out) = 0;
 };
 
 }  // namespace subspace::kernels

@@ -39,11 +39,13 @@ void CudaKvStore::CarveDevice(Carver& c, const std::vector<KvPoolLayout>& layout
   out->staging = c.TakeArray<int32_t>(StagingInts(layouts[0].n_kv_heads));
 }
 
-absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(
-    std::vector<KvPoolLayout> layouts, int64_t num_pages, int capacity, const Device& device,
-    cudaStream_t stream) {
+absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(std::vector<KvPoolLayout> layouts,
+                                                                 int64_t num_pages, int capacity,
+                                                                 int64_t readback_pages,
+                                                                 const Device& device,
+                                                                 cudaStream_t stream) {
   std::unique_ptr<CudaKvStore> store(
-      new CudaKvStore(std::move(layouts), num_pages, capacity, device, stream));
+      new CudaKvStore(std::move(layouts), num_pages, capacity, readback_pages, device, stream));
   absl::StatusOr<std::unique_ptr<PinnedHostBuffer>> host = PinnedHostBuffer::Create(
       StagingInts(store->layouts_[0].n_kv_heads) * 4, "KV store staging");
   if (!host.ok()) return host.status();
@@ -57,15 +59,21 @@ absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(
 }
 
 CudaKvStore::CudaKvStore(std::vector<KvPoolLayout> layouts, int64_t num_pages, int capacity,
-                         const Device& device, cudaStream_t stream)
+                         int64_t readback_pages, const Device& device, cudaStream_t stream)
     : layouts_(std::move(layouts)),
       num_pages_(num_pages),
       capacity_(capacity),
       device_(device),
-      stream_(stream) {}
+      stream_(stream),
+      readback_capacity_(readback_pages) {}
 
 CudaKvStore::~CudaKvStore() {
   if (staged_ != nullptr) cudaEventDestroy(staged_);
+  // A readback still in flight writes into readback_host_: let it land before that goes.
+  if (read_back_ != nullptr) {
+    cudaEventSynchronize(read_back_);
+    cudaEventDestroy(read_back_);
+  }
 }
 
 absl::Status CudaKvStore::LoadBasis(int entry, const Basis& basis) {
@@ -195,6 +203,50 @@ absl::Status CudaKvStore::ReadPage(int layer, int32_t page, std::span<uint16_t> 
       "page read");
   const absl::Status sync = CudaStatus(cudaStreamSynchronize(stream_), "page read");
   return st.ok() ? sync : st;
+}
+
+// One strided copy per page: the page's rows in every layer's slice (num_pages * page_bytes
+// apart) land [n_layers][n][page] in the pinned buffer, on the copy engine, in stream order.
+absl::Status CudaKvStore::StartReadback(std::span<const int32_t> pages) {
+  if (readback_pages_ >= 0) return absl::FailedPreconditionError("a readback is in flight");
+  const int64_t n = static_cast<int64_t>(pages.size());
+  if (n > readback_capacity_) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("readback of %d pages, capacity %d", n, readback_capacity_));
+  }
+  const size_t page_bytes = static_cast<size_t>(layouts_[0].page_bytes);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t page = pages[static_cast<size_t>(i)];
+    if (page < 0 || page >= num_pages_) {
+      return absl::InvalidArgumentError(absl::StrFormat("page %d outside the pool", page));
+    }
+    if (absl::Status st = CudaStatus(
+            cudaMemcpy2DAsync(readback_host_->data() + i * page_bytes, n * page_bytes,
+                              device_.pool + page * page_bytes, num_pages_ * page_bytes, page_bytes,
+                              layouts_.size(), cudaMemcpyDeviceToHost, stream_),
+            "refresher readback");
+        !st.ok()) {
+      return st;
+    }
+  }
+  if (absl::Status st = CudaStatus(cudaEventRecord(read_back_, stream_), "refresher readback");
+      !st.ok()) {
+    return st;
+  }
+  readback_pages_ = n;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> CudaKvStore::TakeReadback(std::vector<uint16_t>* out) {
+  if (readback_pages_ < 0) return false;
+  const cudaError_t e = cudaEventQuery(read_back_);
+  if (e == cudaErrorNotReady) return false;
+  if (absl::Status st = CudaStatus(e, "refresher readback"); !st.ok()) return st;
+  const auto* host = reinterpret_cast<const uint16_t*>(readback_host_->data());
+  out->assign(host, host + static_cast<int64_t>(layouts_.size()) * readback_pages_ *
+                               layouts_[0].page_bytes / 2);
+  readback_pages_ = -1;
+  return true;
 }
 
 }  // namespace subspace::kernels

@@ -1,7 +1,8 @@
 // The compressed KV cache's bytes on the GPU (CompressedKvStore): the pool slices and the basis
 // tables are carved from the CUDA backend's one allocation; compression and expansion launch
 // compress_blocks / expand_blocks on the backend's stream, once per layer, with the batch's
-// indices staged through a pinned buffer (no allocation per call).
+// indices staged through a pinned buffer (no allocation per call). Readbacks for the refresher
+// are strided copies (one per page, every layer) into a second pinned buffer, polled by event.
 #ifndef SUBSPACE_KERNELS_CUDA_KV_STORE_H_
 #define SUBSPACE_KERNELS_CUDA_KV_STORE_H_
 
@@ -29,9 +30,11 @@ class CudaKvStore final : public CompressedKvStore {
   static void CarveDevice(Carver& c, const std::vector<KvPoolLayout>& layouts, int64_t num_pages,
                           int capacity, Device* out);
 
+  // readback_pages: full pages a refresher readback holds (0: none; no pinned buffer then).
   // INTERNAL / RESOURCE_EXHAUSTED for a CUDA failure (pinned buffer, event).
   static absl::StatusOr<std::unique_ptr<CudaKvStore>> Create(std::vector<KvPoolLayout> layouts,
                                                              int64_t num_pages, int capacity,
+                                                             int64_t readback_pages,
                                                              const Device& device,
                                                              cudaStream_t stream);
   ~CudaKvStore() override;
@@ -41,6 +44,9 @@ class CudaKvStore final : public CompressedKvStore {
   absl::Status Compress(const CompressBatch& batch) override;
   absl::Status Expand(const ExpandBatch& batch) override;
   absl::Status ReadPage(int layer, int32_t page, std::span<uint16_t> out) override;
+  int64_t readback_capacity() const override { return readback_capacity_; }
+  absl::Status StartReadback(std::span<const int32_t> pages) override;
+  absl::StatusOr<bool> TakeReadback(std::vector<uint16_t>* out) override;
 
   uint8_t* LayerPool(int layer) const {
     return device_.pool + static_cast<int64_t>(layer) * num_pages_ *
@@ -51,7 +57,7 @@ class CudaKvStore final : public CompressedKvStore {
 
  private:
   CudaKvStore(std::vector<KvPoolLayout> layouts, int64_t num_pages, int capacity,
-              const Device& device, cudaStream_t stream);
+              int64_t readback_pages, const Device& device, cudaStream_t stream);
   // Copies n blocks' arrays (each [n] but the last [n, n_kv]) to the device staging area.
   // Returns device pointers to the four arrays in `out`.
   absl::Status Stage(const int32_t* a, const int32_t* b, const int32_t* c, const int32_t* epoch,
@@ -64,6 +70,10 @@ class CudaKvStore final : public CompressedKvStore {
   cudaStream_t stream_;
   std::unique_ptr<PinnedHostBuffer> staging_host_;
   cudaEvent_t staged_ = nullptr;  // the last staging copy has been read from the host buffer
+  int64_t readback_capacity_;
+  std::unique_ptr<PinnedHostBuffer> readback_host_;  // [n_layers][readback_capacity_][page]
+  cudaEvent_t read_back_ = nullptr;                  // the readback in flight has landed
+  int64_t readback_pages_ = -1;                      // pages in flight; -1: none
 };
 
 }  // namespace subspace::kernels

@@ -1,8 +1,9 @@
 // CudaLlamaModel: start-up (sizing and carving the one device allocation, uploading weights as
-// fp16, fused [wq; wk; wv] and [w_gate; w_up]) and the step: host plan into pinned memory, one
-// copy to the device, then per layer RMSNorm → QKV GEMM → RoPE/split → KV append → attention
-// (decode and prefill kernels) → output GEMM → residual → RMSNorm → gate/up GEMM → SwiGLU →
-// down GEMM → residual; final norm of the logit rows, vocabulary GEMM, one copy back.
+// fp16, fused [wq; wk; wv] and [w_gate; w_up]) and the step: host plan into pinned memory
+// (cuda_step_plan.h), one copy to the device, then per layer RMSNorm → QKV GEMM → RoPE/split →
+// KV append → attention (decode and prefill kernels) → output GEMM → residual → RMSNorm →
+// gate/up GEMM → SwiGLU → down GEMM → residual; final norm of the logit rows, vocabulary GEMM,
+// one copy back.
 #include "kernels/cuda_model.h"
 
 #include <cuda_runtime_api.h>
@@ -14,12 +15,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/block_pool.h"
 #include "core/ggml_types.h"
 #include "kernels/append_kv.h"
-#include "kernels/cuda_status.h"
-#include "kernels/decode_attention.h"
 #include "kernels/cuda_kv_store.h"
+#include "kernels/cuda_status.h"
+#include "kernels/cuda_step_plan.h"
+#include "kernels/decode_attention.h"
 #include "kernels/decode_plan_builder.h"
 #include "kernels/device_compressed_kv_cache.h"
 #include "kernels/device_info.h"
@@ -48,28 +49,6 @@ struct DeviceLayer {
   float* ffn_norm = nullptr;      // [dim]
   uint16_t* w_gate_up = nullptr;  // [2 * ffn, dim]
   uint16_t* w_down = nullptr;     // [dim, ffn]
-};
-
-// Byte offsets of one step's metadata, identical in the pinned host buffer and its device mirror.
-struct MetaLayout {
-  int64_t tokens = 0;         // [T] int32
-  int64_t positions = 0;      // [T] int32
-  int64_t slot_mapping = 0;   // [T] int64
-  int64_t logit_rows = 0;     // [T] int32
-  int64_t block_table = 0;    // [S, max_blocks_per_seq] int32 (prefill chunks)
-  int64_t q_indptr = 0;       // [S + 1] int32
-  int64_t q_start = 0;        // [S] int32
-  int64_t plan = 0;           // decode plan buffer
-  int64_t plan_capacity = 0;  // its bound (LayoutDecodePlan of the largest step)
-  // Compressed cache: the blocks prefill chunks read expanded into scratch pages, per group of
-  // chunks whose expansions fit the scratch (src page, src slot, scratch page: [E] each;
-  // epochs [E, n_kv]).
-  int64_t exp_src_page = 0;
-  int64_t exp_src_slot = 0;
-  int64_t exp_dst = 0;
-  int64_t exp_epoch = 0;
-  int64_t exp_capacity = 0;  // E at most
-  int64_t total = 0;
 };
 
 }  // namespace
@@ -108,7 +87,7 @@ struct CudaLlamaModel::Impl {
   int64_t num_pages = 0;
   uint8_t* scratch = nullptr;
   int64_t scratch_pages = 0;
-  MetaLayout meta;
+  StepMetaLayout meta;
   std::unique_ptr<PinnedHostBuffer> meta_host;
   std::unique_ptr<PinnedHostBuffer> logits_host;  // [T, vocab] fp32
   const KvCacheBase* cache = nullptr;  // the one created with this model: one of
@@ -117,11 +96,8 @@ struct CudaLlamaModel::Impl {
 
   // Per-step host scratch (reused; grows only to the largest step).
   std::vector<SeqId> seq_scratch;
-  std::vector<int> order;            // chunk indices: decodes first, then prefills
-  std::vector<int64_t> first_row;    // [chunks] the chunk's first activation row
-  std::vector<DecodeSeqDesc> descs;  // decode chunks
-  std::vector<int> group_end;        // prefill groups: one past each group's last chunk
-  std::vector<int64_t> group_exp;    // [groups + 1] first expansion of each group
+  StepPlanner planner;
+  StepPlan plan;
 
   ~Impl() {
     gemm.reset();
@@ -190,6 +166,9 @@ struct CudaLlamaModel::Impl {
     if (co.basis_capacity < 1) {
       return absl::InvalidArgumentError("CUDA backend: basis_capacity must be >= 1");
     }
+    if (co.readback_pages < 0) {
+      return absl::InvalidArgumentError("CUDA backend: readback_pages must be >= 0");
+    }
     layouts.clear();
     for (int l = 0; l < n_layers; ++l) {
       const auto rank = [&](const std::vector<int>& given, bool key) {
@@ -227,40 +206,15 @@ struct CudaLlamaModel::Impl {
   }
 
   void LayoutMeta(int64_t pool_blocks) {
-    const int64_t t = options.max_batch_tokens, s = options.max_sequences;
-    Carver c(nullptr, 0);
-    const auto at = [&c](int64_t bytes) {
-      const int64_t offset = c.used();
-      c.Take(bytes);
-      return offset;
-    };
-    meta.tokens = at(t * 4);
-    meta.positions = at(t * 4);
-    meta.slot_mapping = at(t * 8);
-    meta.logit_rows = at(t * 4);
-    meta.block_table = at(s * max_blocks_per_seq * 4);
-    meta.q_indptr = at((s + 1) * 4);
-    meta.q_start = at(s * 4);
-    // Blocks of one step: each sequence holds its own, so at most the pool's (a compressed
-    // cache packs up to 64 slots to a page), and at most max_blocks_per_seq per sequence.
-    const int64_t per_page = options.compressed ? SlabAllocator::kMaxSlotsPerPage : 1;
-    const int64_t blocks = std::min(s * max_blocks_per_seq, pool_blocks * per_page + s);
-    const int64_t work = MaxDecodeWork(s, {.target_ctas = target_ctas});
-    const int64_t epochs = options.compressed ? s : 0;  // one per sequence
-    meta.plan_capacity = LayoutDecodePlan(s, blocks, epochs, work, config.n_kv_heads).total_bytes;
-    meta.plan = at(meta.plan_capacity);
-    meta.exp_capacity = options.compressed ? blocks : 0;
-    meta.exp_src_page = at(meta.exp_capacity * 4);
-    meta.exp_src_slot = at(meta.exp_capacity * 4);
-    meta.exp_dst = at(meta.exp_capacity * 4);
-    meta.exp_epoch = at(meta.exp_capacity * config.n_kv_heads * 4);
-    meta.total = c.used();
+    meta = LayoutStepMeta({.max_tokens = options.max_batch_tokens,
+                           .max_sequences = options.max_sequences,
+                           .max_blocks_per_seq = max_blocks_per_seq,
+                           .pool_blocks = pool_blocks,
+                           .n_kv_heads = config.n_kv_heads,
+                           .target_ctas = target_ctas,
+                           .compressed = options.compressed.has_value()});
   }
 
-  template <typename T>
-  T* MetaHost(int64_t offset) {
-    return reinterpret_cast<T*>(meta_host->data() + offset);
-  }
   template <typename T>
   T* MetaDevice(int64_t offset) {
     return reinterpret_cast<T*>(meta_device + offset);
@@ -346,24 +300,12 @@ struct CudaLlamaModel::Impl {
 
   absl::Status Launch(cudaError_t err, std::string_view what) { return CudaStatus(err, what); }
 
-  // The page holding position `pos` of `seq` (a full block: new tokens always land in one).
-  int32_t FullPage(SeqId seq, int64_t pos) const {
-    const int64_t b = pos / options.block_size;
-    if (paged != nullptr) return paged->BlockTable(seq)[static_cast<size_t>(b)];
-    return compressed->BlockTable(seq)[static_cast<size_t>(b)].page;
-  }
   const KvPoolLayout& LayerLayout(int layer) const {
     return paged != nullptr ? paged->layout() : layouts[static_cast<size_t>(layer)];
   }
   uint8_t* LayerPool(int layer) const {
     return paged != nullptr ? paged->LayerPool(layer) : store->LayerPool(layer);
   }
-  // Compressed blocks among the first `blocks` of `seq` (0 for the full-rank cache).
-  int64_t CodedBlocks(SeqId seq, int64_t blocks) const;
-  // Prefill block table row of one chunk; compressed blocks go to scratch pages (-1 - j, j
-  // counted from the group's first expansion) with their expansions appended to the meta lists.
-  void PrefillTableRow(SeqId seq, int64_t blocks, int32_t* row, int64_t* n_exp,
-                       int64_t group_first_exp);
   absl::Status Step(std::span<const SequenceChunk> batch, int64_t t_rows, int64_t logit_rows,
                     std::vector<float>* out_logits);
 };
@@ -488,7 +430,7 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   if (options.compressed) {
     absl::StatusOr<std::unique_ptr<CudaKvStore>> store =
         CudaKvStore::Create(s.layouts, s.num_pages, options.compressed->basis_capacity,
-                            s.store_device, s.stream);
+                            options.compressed->readback_pages, s.store_device, s.stream);
     if (!store.ok()) return store.status();
     s.store = *std::move(store);
   }
@@ -515,6 +457,7 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   }
   cc.coeff_dtype = co.coeff_dtype;
   cc.num_pages = r.num_pages;
+  cc.refresh = co.refresh;
   // The store's buffers are the runner's: the cache keeps the runner alive through it.
   absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> cache = DeviceCompressedKvCache::Create(
       cc, std::shared_ptr<CompressedKvStore>(runner, r.store.get()));
@@ -560,170 +503,40 @@ absl::Status CudaLlamaModel::Forward(std::span<const SequenceChunk> batch, KvCac
   return s.Step(batch, t_rows, logit_rows, logits);
 }
 
-int64_t CudaLlamaModel::Impl::CodedBlocks(SeqId seq, int64_t blocks) const {
-  if (compressed == nullptr) return 0;
-  const std::span<const DeviceCompressedKvCache::Block> table = compressed->BlockTable(seq);
-  int64_t coded = 0;
-  for (int64_t b = 0; b < blocks; ++b) coded += table[static_cast<size_t>(b)].slot != kFullBlock;
-  return coded;
-}
-
-void CudaLlamaModel::Impl::PrefillTableRow(SeqId seq, int64_t blocks, int32_t* row,
-                                           int64_t* n_exp, int64_t group_first_exp) {
-  if (paged != nullptr) {
-    const std::span<const int32_t> table = paged->BlockTable(seq);
-    std::copy(table.begin(), table.begin() + blocks, row);
-    return;
-  }
-  const std::span<const DeviceCompressedKvCache::Block> table = compressed->BlockTable(seq);
-  auto* src_page = MetaHost<int32_t>(meta.exp_src_page);
-  auto* src_slot = MetaHost<int32_t>(meta.exp_src_slot);
-  auto* dst = MetaHost<int32_t>(meta.exp_dst);
-  auto* epoch = MetaHost<int32_t>(meta.exp_epoch);
-  const int n_kv = config.n_kv_heads;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const DeviceCompressedKvCache::Block& e = table[static_cast<size_t>(b)];
-    if (e.slot == kFullBlock) {
-      row[b] = e.page;
-      continue;
-    }
-    const int64_t j = *n_exp - group_first_exp;  // scratch page within the group
-    src_page[*n_exp] = e.page;
-    src_slot[*n_exp] = e.slot;
-    dst[*n_exp] = static_cast<int32_t>(j);
-    std::fill_n(epoch + *n_exp * n_kv, n_kv, e.entry);
-    row[b] = static_cast<int32_t>(-1 - j);
-    ++*n_exp;
-  }
-}
-
 absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, int64_t t_rows,
                                         int64_t n_logit_rows, std::vector<float>* out_logits) {
   const ModelConfig& m = config;
-  const int bs = options.block_size;
   KvCacheBase& cache = paged != nullptr ? static_cast<KvCacheBase&>(*paged) : *compressed;
   // Compressions queued outside a step (a Commit by the engine) run before this step's writes.
   if (compressed != nullptr) {
     if (absl::Status st = compressed->Flush(); !st.ok()) return st;
   }
 
-  // ---- Plan on the host: decodes first (their rows are the decode kernel's sequences), then
-  // prefill chunks; logit rows in the caller's chunk order. ----------------------------------
-  order.clear();
-  for (size_t ci = 0; ci < batch.size(); ++ci) {
-    if (batch[ci].tokens.size() == 1) order.push_back(static_cast<int>(ci));
-  }
-  const int64_t n_decode = static_cast<int64_t>(order.size());
-  for (size_t ci = 0; ci < batch.size(); ++ci) {
-    if (batch[ci].tokens.size() != 1) order.push_back(static_cast<int>(ci));
-  }
-  auto* tokens = MetaHost<int32_t>(meta.tokens);
-  auto* positions = MetaHost<int32_t>(meta.positions);
-  auto* slots = MetaHost<int64_t>(meta.slot_mapping);
-  first_row.assign(batch.size(), 0);
-  int64_t row = 0;
-  for (int ci : order) {
-    const SequenceChunk& ch = batch[static_cast<size_t>(ci)];
-    first_row[static_cast<size_t>(ci)] = row;
-    for (size_t i = 0; i < ch.tokens.size(); ++i, ++row) {
-      const int64_t pos = ch.pos + static_cast<int64_t>(i);
-      tokens[row] = ch.tokens[i];
-      positions[row] = static_cast<int32_t>(pos);
-      slots[row] = static_cast<int64_t>(FullPage(ch.seq, pos)) * bs + pos % bs;
-    }
-  }
-  auto* logit_row = MetaHost<int32_t>(meta.logit_rows);
-  int64_t r = 0;
-  for (size_t ci = 0; ci < batch.size(); ++ci) {
-    const int64_t first = first_row[ci], n = static_cast<int64_t>(batch[ci].tokens.size());
-    if (batch[ci].all_logits) {
-      for (int64_t i = 0; i < n; ++i) logit_row[r++] = static_cast<int32_t>(first + i);
-    } else {
-      logit_row[r++] = static_cast<int32_t>(first + n - 1);
-    }
-  }
-
-  // Decode plan: each decode attends to its whole sequence, its own new token included.
-  descs.resize(static_cast<size_t>(n_decode));
-  for (int64_t d = 0; d < n_decode; ++d) {
-    const SequenceChunk& ch = batch[static_cast<size_t>(order[static_cast<size_t>(d)])];
-    DecodeSeqDesc& desc = descs[static_cast<size_t>(d)];
-    if (compressed != nullptr) {
-      compressed->DescribeDecode(ch.seq, ch.pos + 1, &desc);
-      continue;
-    }
-    desc.length = ch.pos + 1;
-    const int64_t nb = CeilDiv(desc.length, bs);
-    const std::span<const int32_t> table = paged->BlockTable(ch.seq);
-    desc.pages.assign(table.begin(), table.begin() + nb);
-    desc.slots.assign(static_cast<size_t>(nb), kFullBlock);
-    desc.epochs.assign(static_cast<size_t>(nb * m.n_kv_heads), -1);
-    desc.outlier_masks.clear();
-    desc.outlier_pages.clear();
-    desc.n_outliers = 0;
-  }
-  DecodePlan plan;
-  if (n_decode > 0) {
-    absl::StatusOr<DecodePlan> built =
-        paged != nullptr
-            ? BuildDecodePlan(paged->layout(), paged->num_blocks(), 0, descs,
-                              {.target_ctas = target_ctas})
-            : BuildDecodePlan(compressed->plan_layout(), num_pages, store->basis_capacity(), descs,
-                              {.target_ctas = target_ctas});
-    if (!built.ok()) return built.status();
-    plan = *std::move(built);
-    if (plan.bytes() > meta.plan_capacity) {
-      return absl::InternalError(absl::StrFormat(
-          "decode plan of %d bytes exceeds its %d-byte buffer", plan.bytes(), meta.plan_capacity));
-    }
-    std::memcpy(meta_host->data() + meta.plan, plan.data(), static_cast<size_t>(plan.bytes()));
-  }
-
-  // Prefill chunks: block tables [n_prefill, stride], query row ranges and start positions.
-  const int64_t n_prefill = static_cast<int64_t>(batch.size()) - n_decode;
-  int32_t stride = 1, max_q = 1;
-  for (int64_t p = 0; p < n_prefill; ++p) {
-    const SequenceChunk& ch = batch[static_cast<size_t>(order[static_cast<size_t>(n_decode + p)])];
-    const int64_t end = ch.pos + static_cast<int64_t>(ch.tokens.size());
-    stride = std::max<int32_t>(stride, static_cast<int32_t>(CeilDiv(end, bs)));
-    max_q = std::max<int32_t>(max_q, static_cast<int32_t>(ch.tokens.size()));
-  }
-  auto* block_table = MetaHost<int32_t>(meta.block_table);
-  auto* q_indptr = MetaHost<int32_t>(meta.q_indptr);
-  auto* q_start = MetaHost<int32_t>(meta.q_start);
-  q_indptr[0] = 0;
-  // Groups of consecutive prefill chunks whose expanded history fits the scratch together.
-  // A chunk's own history always fits (the scratch holds a whole context).
-  group_end.clear();
-  group_exp.assign(1, 0);
-  int64_t n_exp = 0;
-  for (int64_t p = 0; p < n_prefill; ++p) {
-    const SequenceChunk& ch = batch[static_cast<size_t>(order[static_cast<size_t>(n_decode + p)])];
-    const int64_t nb = CeilDiv(ch.pos + static_cast<int64_t>(ch.tokens.size()), bs);
-    const int64_t group_first = group_exp.back();
-    if (p > 0 && n_exp - group_first + CodedBlocks(ch.seq, nb) > scratch_pages) {
-      group_end.push_back(static_cast<int>(p));
-      group_exp.push_back(n_exp);
-    }
-    int32_t* dst = block_table + p * stride;
-    PrefillTableRow(ch.seq, nb, dst, &n_exp, group_exp.back());
-    std::fill(dst + nb, dst + stride, 0);
-    q_indptr[p + 1] = q_indptr[p] + static_cast<int32_t>(ch.tokens.size());
-    q_start[p] = static_cast<int32_t>(ch.pos);
-  }
-  group_end.push_back(static_cast<int>(n_prefill));
-  group_exp.push_back(n_exp);
+  // ---- Plan on the host: decodes first, then prefill chunks (cuda_step_plan.h). ------------
+  const StepPlanInputs inputs = {
+      .meta = &meta,
+      .meta_host = meta_host->data(),
+      .block_size = options.block_size,
+      .n_kv_heads = m.n_kv_heads,
+      .target_ctas = target_ctas,
+      .paged = paged,
+      .compressed = compressed,
+      .num_pages = num_pages,
+      .basis_capacity = compressed != nullptr ? store->basis_capacity() : 0,
+      .scratch_pages = scratch_pages};
+  if (absl::Status st = planner.Plan(inputs, batch, &plan); !st.ok()) return st;
+  const int64_t n_decode = plan.n_decode, n_prefill = plan.n_prefill;
 
   // ---- One copy of the plan to the device. -------------------------------------------------
-  const int64_t meta_bytes = n_decode > 0 ? meta.plan + plan.bytes() : meta.plan;
   if (absl::Status st = CudaStatus(
-          cudaMemcpyAsync(meta_device, meta_host->data(), static_cast<size_t>(meta_bytes),
+          cudaMemcpyAsync(meta_device, meta_host->data(), static_cast<size_t>(plan.meta_bytes),
                           cudaMemcpyHostToDevice, stream),
           "plan copy");
       !st.ok()) {
     return st;
   }
   // The expansion lists (after the plan's capacity): the used prefix of each.
+  const int64_t n_exp = plan.n_exp;
   for (const auto& [offset, ints] : {std::pair{meta.exp_src_page, n_exp},
                                      std::pair{meta.exp_src_slot, n_exp},
                                      std::pair{meta.exp_dst, n_exp},
@@ -789,7 +602,7 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
     if (st.ok() && n_decode > 0) {
       DecodeAttentionParams p;
       p.layout = layout;
-      p.plan = plan.DeviceView(meta_device + meta.plan);
+      p.plan = plan.decode.DeviceView(meta_device + meta.plan);
       p.pool = pool;
       if (compressed != nullptr) {
         p.basis_pq = store->basis_pq(l);
@@ -804,9 +617,9 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
     }
     // Prefill chunks, group by group: the group's compressed history expanded into the scratch
     // pages (this layer's bases), then attention over pool and scratch pages.
-    for (size_t g = 0; st.ok() && n_prefill > 0 && g < group_end.size(); ++g) {
-      const int first = g == 0 ? 0 : group_end[g - 1];
-      const int64_t e0 = group_exp[g], n_expand = group_exp[g + 1] - e0;
+    for (size_t g = 0; st.ok() && n_prefill > 0 && g < plan.group_end.size(); ++g) {
+      const int first = g == 0 ? 0 : plan.group_end[g - 1];
+      const int64_t e0 = plan.group_exp[g], n_expand = plan.group_exp[g + 1] - e0;
       if (n_expand > 0) {
         ExpandBlocksParams ep;
         ep.layout = layout;
@@ -828,14 +641,14 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
       pp.layout = layout;
       pp.pool = pool;
       pp.scratch = scratch;
-      pp.block_table = MetaDevice<int32_t>(meta.block_table) + int64_t{first} * stride;
+      pp.block_table = MetaDevice<int32_t>(meta.block_table) + int64_t{first} * plan.table_stride;
       pp.seq_q_indptr = MetaDevice<int32_t>(meta.q_indptr) + first;
       pp.seq_q_start = MetaDevice<int32_t>(meta.q_start) + first;
       pp.q = q + off;
       pp.out = attn + off;
-      pp.num_seqs = group_end[g] - first;
-      pp.max_blocks = stride;
-      pp.max_q_per_seq = max_q;
+      pp.num_seqs = plan.group_end[g] - first;
+      pp.max_blocks = plan.table_stride;
+      pp.max_q_per_seq = plan.max_q;
       pp.n_heads = m.n_heads;
       pp.sm_scale = sm_scale;
       st = Launch(LaunchPrefillAttention(pp, stream), "prefill attention");

@@ -22,6 +22,7 @@
 #include "core/coeff_codec.h"
 #include "core/model.h"
 #include "core/model_runner.h"
+#include "core/refresh_config.h"
 #include "kernels/device_kv_cache.h"
 
 namespace subspace::kernels {
@@ -36,6 +37,11 @@ struct CudaCompressedCacheOptions {
   // Installed as the default epoch (--bases); null: the first sequence to compress builds one.
   std::shared_ptr<const Basis> basis;
   int basis_capacity = 8;  // epochs the device basis tables hold
+  // Online refresh every new sequence starts with (pca, oja or fd; sessions may ask for their
+  // own). The refresher reads back at most readback_pages blocks per step (pinned host memory:
+  // readback_pages x n_layers pages).
+  RefreshConfig refresh;
+  int64_t readback_pages = 16;
 };
 
 struct CudaModelOptions {

@@ -17,9 +17,6 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t kMaxTokens = int64_t{1} << 48;
 // Tokens a self-calibrated epoch is built from, at most (as the CPU cache).
 constexpr int64_t kPcaMaxTokens = 1024;
-// Pages Reserve leaves free so that Commit can open a slab page before it frees the queued
-// blocks' full pages at Flush.
-constexpr int64_t kCompressionHeadroom = 1;
 
 }  // namespace
 
@@ -42,6 +39,12 @@ absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache
     return absl::InvalidArgumentError(absl::StrFormat(
         "the CUDA backend codes coefficients in fp16 or int8, got %s",
         CoeffDtypeName(config.coeff_dtype)));
+  }
+  if (absl::Status st = ValidateRefreshConfig(config.refresh); !st.ok()) return st;
+  if (config.refresh.method == RefreshMethod::kKqsvd) {
+    return absl::InvalidArgumentError(
+        "kqsvd refresh needs the queries, which the CUDA backend keeps on the GPU: use pca, oja "
+        "or fd");
   }
   if (store == nullptr || store->basis_capacity() < 1) {
     return absl::InvalidArgumentError("device compressed KV cache needs a store with basis tables");
@@ -120,6 +123,9 @@ absl::StatusOr<SeqId> DeviceCompressedKvCache::CreateSequence() {
   s.next_compress = 0;
   s.table.clear();
   s.block_epochs.clear();
+  s.coded_blocks.clear();
+  s.refresh = config_.refresh;
+  s.stream = 0;
   s.epoch = default_epoch_;
   if (s.epoch != kNoEpoch) (void)registry_.Acquire(s.epoch);
   return id;
@@ -131,7 +137,9 @@ void DeviceCompressedKvCache::FreeBlock(Sequence& s, int64_t b) {
     pool_->Free(e.page);
   } else {
     slabs_.Free({e.page, e.slot});
-    Release(s.block_epochs[static_cast<size_t>(b)]);
+    const EpochId epoch = s.block_epochs[static_cast<size_t>(b)];
+    if (--s.coded_blocks[epoch] == 0) s.coded_blocks.erase(epoch);
+    Release(epoch);
     --blocks_compressed_;
   }
   e = Block{};
@@ -147,6 +155,7 @@ absl::Status DeviceCompressedKvCache::FreeSequence(SeqId seq) {
   for (int64_t b = 0; b < static_cast<int64_t>(s->table.size()); ++b) FreeBlock(*s, b);
   s->table.clear();
   s->block_epochs.clear();
+  CloseStream(*s);
   if (s->epoch != kNoEpoch) Release(s->epoch);
   s->epoch = kNoEpoch;
   tokens_cached_ -= s->length;
@@ -224,14 +233,16 @@ absl::Status DeviceCompressedKvCache::Commit(SeqId seq, int64_t length) {
   }
   tokens_cached_ += length - s->length;
   s->length = length;
+  if (refresher_ != nullptr && refresher_->has_published()) InstallPublishedEpochs();
   const int64_t first = std::max<int64_t>(s->next_compress, CeilDiv(config_.sink_tokens, bs));
   const int64_t limit = length - config_.window_tokens;  // blocks ending at or before it go
   if ((first + 1) * bs > limit) return absl::OkStatus();
   if (absl::Status st = EnsureEpoch(*s); !st.ok()) return st;
+  if (s->stream == 0) OpenStream(*s, seq);
   int64_t b = first;
   for (; (b + 1) * bs <= limit; ++b) {
     if (s->table[static_cast<size_t>(b)].slot != kFullBlock) continue;
-    absl::StatusOr<bool> queued = QueueCompression(*s, b);
+    absl::StatusOr<bool> queued = QueueCompression(*s, seq, b);
     if (!queued.ok()) return queued.status();
     if (!*queued) break;  // no page for a slab: the block stays full until one frees up
   }
@@ -239,7 +250,7 @@ absl::Status DeviceCompressedKvCache::Commit(SeqId seq, int64_t length) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<bool> DeviceCompressedKvCache::QueueCompression(Sequence& s, int64_t b) {
+absl::StatusOr<bool> DeviceCompressedKvCache::QueueCompression(Sequence& s, SeqId seq, int64_t b) {
   SlabAllocator::Slot slot = slabs_.Allocate(slab_class_);
   if (slot.page < 0 && !pending_src_.empty()) {
     // Issuing the queue frees its full pages.
@@ -258,25 +269,40 @@ absl::StatusOr<bool> DeviceCompressedKvCache::QueueCompression(Sequence& s, int6
   pending_dst_slot_.push_back(slot.index);
   pending_epoch_.insert(pending_epoch_.end(), static_cast<size_t>(config_.geometry.n_kv_heads),
                         entry);
+  pending_stream_.push_back(s.stream);
+  pending_epoch_id_.push_back(s.epoch);
   e = {slot.page, slot.index, entry};
   s.block_epochs[static_cast<size_t>(b)] = s.epoch;
+  if (++s.coded_blocks[s.epoch] == 1) QueueCompaction(s, seq);  // a new epoch among its blocks
   ++blocks_compressed_;
   return true;
 }
 
 absl::Status DeviceCompressedKvCache::Flush() {
-  if (pending_src_.empty()) return absl::OkStatus();
-  const absl::Status st = store_->Compress({.src_page = pending_src_,
-                                            .dst_page = pending_dst_page_,
-                                            .dst_slot = pending_dst_slot_,
-                                            .epoch = pending_epoch_});
-  // The pages go back even after a failure: the blocks' table entries already name their slots.
-  for (int32_t page : pending_src_) pool_->Free(page);
-  pending_src_.clear();
-  pending_dst_page_.clear();
-  pending_dst_slot_.clear();
-  pending_epoch_.clear();
-  return st;
+  if (refresher_ == nullptr && pending_src_.empty()) return absl::OkStatus();
+  // A readback that landed since the last Flush frees the way for this one's.
+  if (absl::Status st = PollObservations(); !st.ok()) return st;
+  if (!pending_src_.empty()) {
+    absl::Status st = StartObservations();
+    if (st.ok()) {
+      st = store_->Compress({.src_page = pending_src_,
+                             .dst_page = pending_dst_page_,
+                             .dst_slot = pending_dst_slot_,
+                             .epoch = pending_epoch_});
+    }
+    // The pages go back even after a failure: the blocks' table entries already name their
+    // slots.
+    for (int32_t page : pending_src_) pool_->Free(page);
+    pending_src_.clear();
+    pending_dst_page_.clear();
+    pending_dst_slot_.clear();
+    pending_epoch_.clear();
+    pending_stream_.clear();
+    pending_epoch_id_.clear();
+    if (!st.ok()) return st;
+  }
+  if (absl::Status st = PollObservations(); !st.ok()) return st;  // lands at once off the GPU
+  return Compact();
 }
 
 absl::Status DeviceCompressedKvCache::ExpandBlock(Sequence& s, int64_t b) {
@@ -331,15 +357,6 @@ absl::Status DeviceCompressedKvCache::Truncate(SeqId seq, int64_t length) {
   return absl::OkStatus();
 }
 
-absl::Status DeviceCompressedKvCache::SetSequenceRefresh(SeqId seq, const RefreshConfig& config) {
-  if (seqs_.Find(seq) == nullptr) {
-    return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
-  }
-  if (config.method == RefreshMethod::kNone) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      "online basis refresh runs on the CPU backend only; the CUDA backend serves static bases");
-}
-
 // --- Epochs --------------------------------------------------------------------------------
 
 absl::StatusOr<EpochId> DeviceCompressedKvCache::Register(std::shared_ptr<const Basis> basis) {
@@ -388,6 +405,11 @@ absl::Status DeviceCompressedKvCache::SetDefaultEpoch(EpochId id) {
   default_epoch_ = id;
   default_self_calibrated_ = false;
   return absl::OkStatus();
+}
+
+EpochId DeviceCompressedKvCache::SequenceEpoch(SeqId seq) const {
+  const Sequence* s = seqs_.Find(seq);
+  return s == nullptr ? kNoEpoch : s->epoch;
 }
 
 int32_t DeviceCompressedKvCache::EpochEntry(EpochId id) const {
@@ -498,6 +520,10 @@ KvCacheStats DeviceCompressedKvCache::Stats() const {
   st.tokens_cached = tokens_cached_;
   st.sequences = seqs_.live();
   st.epochs_live = registry_.live();
+  if (refresher_ != nullptr) st.refresh = refresher_->Stats();
+  st.refresh.installed = refreshes_installed_;
+  // Block-heads of every layer, as the CPU cache counts them.
+  st.refresh.blocks_reprojected = blocks_recoded_ * g.n_kv_heads * g.n_layers;
   return st;
 }
 
@@ -510,6 +536,9 @@ DeviceCompressedKvCacheDetail DeviceCompressedKvCache::Detail() const {
   d.pca_epochs_built = pca_epochs_built_;
   d.basis_entries_used = static_cast<int64_t>(entries_.size());
   d.default_self_calibrated = default_self_calibrated_;
+  d.refreshes_unplaced = refreshes_unplaced_;
+  d.blocks_unobserved = blocks_unobserved_;
+  d.blocks_recoded = blocks_recoded_;
   return d;
 }
 

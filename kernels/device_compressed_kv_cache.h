@@ -18,7 +18,16 @@
 // being rewritten before it has been read. So compression does need a free page now and then:
 // Reserve leaves one page of headroom, and Commit flushes early when the slabs run out.
 //
-// Not here yet (CPU backend only): outlier tokens, online basis refresh and the compactor.
+// Online refresh (pca, oja, fd) runs as on the CPU: the blocks a Flush compresses for refreshing
+// sequences are read back (one asynchronous copy in flight, polled at each Flush, never waited
+// for) and handed, still fp16, to the Refresher's thread; its new epochs are loaded into free
+// basis-table entries at the sequence's next Commit. The compactor keeps at most
+// refresh.max_epochs epochs among a sequence's coded blocks: Flush re-codes blocks of its oldest
+// epoch into the current one, expanding them into spare pages and compressing them back into
+// their own slots (a whole block, every KV head, at once). kqsvd needs the queries, which stay on
+// the device: refused.
+//
+// Not here yet (CPU backend only): outlier tokens.
 #ifndef SUBSPACE_KERNELS_DEVICE_COMPRESSED_KV_CACHE_H_
 #define SUBSPACE_KERNELS_DEVICE_COMPRESSED_KV_CACHE_H_
 
@@ -34,6 +43,7 @@
 #include "core/block_pool.h"
 #include "core/coeff_codec.h"
 #include "core/kv_cache.h"
+#include "core/refresher.h"
 #include "core/sequence_slots.h"
 #include "kernels/compressed_kv_store.h"
 #include "kernels/decode_plan_builder.h"
@@ -50,6 +60,10 @@ struct DeviceCompressedKvCacheConfig {
   std::vector<int> r_v;    // [n_layers]; empty: head_dim / 4
   CoeffDtype coeff_dtype = CoeffDtype::kFp16;  // fp16 or int8 (the kernels' codes)
   int64_t num_pages = 0;  // pages in each layer's slice of the store's pool
+  // Online refresh every new sequence starts with (SetSequenceRefresh changes one sequence's).
+  RefreshConfig refresh;
+  bool refresh_inline = false;  // refresh on the caller's thread: deterministic (tests)
+  int64_t refresh_queue_bytes = int64_t{64} << 20;  // Refresher::Options::max_queued_bytes
 };
 
 // Beyond KvCacheStats (tests, benchmarks, the start-up log).
@@ -61,6 +75,9 @@ struct DeviceCompressedKvCacheDetail {
   int64_t pca_epochs_built = 0;
   int64_t basis_entries_used = 0;
   bool default_self_calibrated = false;
+  int64_t refreshes_unplaced = 0;  // new epochs dropped: every basis-table entry in use
+  int64_t blocks_unobserved = 0;   // refreshing sequences' blocks not read back (busy)
+  int64_t blocks_recoded = 0;      // blocks the compactor moved to a newer epoch
 };
 
 class DeviceCompressedKvCache final : public KvCacheBase {
@@ -98,7 +115,8 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   KvCacheStats Stats() const override;
   DeviceCompressedKvCacheDetail Detail() const;
 
-  // Issues the queued compressions to the store and frees their full pages.
+  // Issues the queued compressions to the store and frees their full pages; hands landed
+  // readbacks to the refresher and starts the next; runs the compactor.
   absl::Status Flush();
 
   // --- Basis epochs (as CompressedKvCache's) ---
@@ -123,6 +141,9 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   std::span<const Block> BlockTable(SeqId seq) const;
   // The decode-plan description of `seq`'s first `length` tokens (every layer alike).
   void DescribeDecode(SeqId seq, int64_t length, DecodeSeqDesc* desc) const;
+  // The epoch `seq` codes new blocks with (kNoEpoch before its first compression).
+  EpochId SequenceEpoch(SeqId seq) const;
+  Refresher* refresher() { return refresher_.get(); }  // null until a sequence refreshes
 
  private:
   struct Sequence {
@@ -132,7 +153,14 @@ class DeviceCompressedKvCache final : public KvCacheBase {
     EpochId epoch = kNoEpoch;   // holds one reference
     std::vector<Block> table;
     std::vector<EpochId> block_epochs;  // [blocks] kNoEpoch for full blocks; one ref each
+    absl::flat_hash_map<EpochId, int64_t> coded_blocks;  // epoch -> blocks coded with it
+    RefreshConfig refresh;
+    Refresher::StreamId stream = 0;  // 0: not observed
   };
+
+  // Pages Reserve leaves free so that Commit can open a slab page before it frees the queued
+  // blocks' full pages at Flush; the compactor's spare pages come from beyond them.
+  static constexpr int64_t kCompressionHeadroom = 1;
 
   DeviceCompressedKvCache(const DeviceCompressedKvCacheConfig& config, std::vector<int> r_k,
                           std::vector<int> r_v, std::unique_ptr<BlockPool> pool,
@@ -144,9 +172,22 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   absl::StatusOr<EpochId> Register(std::shared_ptr<const Basis> basis);
   void Release(EpochId id);
   // false: no slab slot to be had (the block stays full for now).
-  absl::StatusOr<bool> QueueCompression(Sequence& s, int64_t b);
+  absl::StatusOr<bool> QueueCompression(Sequence& s, SeqId seq, int64_t b);
   void FreeBlock(Sequence& s, int64_t b);
   absl::Status ExpandBlock(Sequence& s, int64_t b);
+
+  // Refresh (device_compressed_kv_cache_refresh.cc).
+  void OpenStream(Sequence& s, SeqId seq);
+  void CloseStream(Sequence& s);
+  void InstallPublishedEpochs();
+  // Starts reading back the queued blocks of refreshing sequences (before they are issued).
+  absl::Status StartObservations();
+  // Hands a landed readback to the refresher.
+  absl::Status PollObservations();
+  // Re-codes up to a budget of blocks of queued sequences' oldest epochs.
+  absl::Status Compact();
+  bool NeedsCompaction(const Sequence& s) const;
+  void QueueCompaction(const Sequence& s, SeqId seq);
 
   DeviceCompressedKvCacheConfig config_;
   std::vector<int> r_k_, r_v_;
@@ -169,8 +210,20 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   int64_t blocks_compressed_ = 0;
   int64_t compressions_deferred_ = 0;
 
-  // Queued compressions (CompressBatch) and the full pages they free once issued.
+  // Queued compressions (CompressBatch) and the full pages they free once issued; per block
+  // also its sequence's refresher stream (0: none) and epoch, for the readback.
   std::vector<int32_t> pending_src_, pending_dst_page_, pending_dst_slot_, pending_epoch_;
+  std::vector<Refresher::StreamId> pending_stream_;
+  std::vector<EpochId> pending_epoch_id_;
+
+  std::unique_ptr<Refresher> refresher_;
+  absl::flat_hash_map<Refresher::StreamId, SeqId> streams_;
+  std::vector<HalfBlockBatch::Block> readback_blocks_;  // the readback in flight; empty: none
+  std::vector<SeqId> compact_;                          // sequences with too many epochs
+  int64_t refreshes_installed_ = 0;
+  int64_t refreshes_unplaced_ = 0;
+  int64_t blocks_unobserved_ = 0;
+  int64_t blocks_recoded_ = 0;
 };
 
 }  // namespace subspace::kernels

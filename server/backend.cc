@@ -97,12 +97,12 @@ absl::StatusOr<Backend> CpuBackend(const BackendOptions& options,
 }
 
 // Why the compressed cache as configured cannot run on the GPU, or "" when it can: the device
-// cache serves static bases (installed or self-calibrated) with fp16 full blocks and fp16 or int8
-// coefficients; outliers and online refresh run on the CPU backend only.
+// cache has fp16 full blocks and fp16 or int8 coefficients, with installed, self-calibrated or
+// refreshed (pca, oja, fd) bases; outliers and kqsvd (it reads the queries) run on the CPU only.
 std::string CpuOnlyCompressedFeature(const KvCacheOptions& o) {
   if (o.kind != KvCacheKind::kCompressed) return "";
   if (o.outlier_threshold < 1.0f) return "--kv-outlier-threshold below 1 (outlier tokens)";
-  if (o.refresh.method != RefreshMethod::kNone) return "--refresh-method other than none";
+  if (o.refresh.method == RefreshMethod::kKqsvd) return "--refresh-method kqsvd";
   if (o.full_dtype != CoeffDtype::kFp16) return "--kv-full-dtype other than fp16";
   if (o.coeff_dtype == CoeffDtype::kFp32) return "--kv-coeff-dtype fp32";
   return "";
@@ -123,6 +123,7 @@ absl::StatusOr<Backend> CudaBackend(const kernels::CudaPluginApi& plugin,
     c.r_v.assign(static_cast<size_t>(cpu_model.config().n_layers), o.rank_v);
     c.coeff_dtype = o.coeff_dtype;
     c.basis = std::move(bases);
+    c.refresh = o.refresh;
     compressed = std::move(c);
   }
   absl::StatusOr<kernels::CudaPluginBackend> cuda = plugin.create_backend(

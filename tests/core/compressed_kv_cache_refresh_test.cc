@@ -253,6 +253,9 @@ class Collect : public GenerateObserver {
   int n_ = 0;
 };
 
+// The refresher is first held inside its first refresh (a session that compressed enough blocks
+// to trigger it), then a second session generates to the end while it stays held: decoding
+// never waits for it, and what it cannot take is dropped and counted.
 TEST(CompressedKvCacheRefreshTest, AStalledRefresherDoesNotStallDecoding) {
   auto tm = testing::LoadTinyModel();
   ASSERT_TRUE(tm.ok());
@@ -265,7 +268,7 @@ TEST(CompressedKvCacheRefreshTest, AStalledRefresherDoesNotStallDecoding) {
   c.n_query_heads = tm->model->config().n_heads;
   c.refresh.method = RefreshMethod::kKqsvd;
   c.refresh.every_tokens = 8;
-  c.refresh_queue_bytes = 16 << 10;  // a few blocks: the stall must overflow it
+  c.refresh_queue_bytes = 16 << 10;  // a few blocks: the second session must overflow it
   c.capacity_bytes = 256 * CompressedKvCache::PageBytes(g, 4, c.full_dtype);
   std::unique_ptr<CompressedKvCache> cache = Make(c);
   ASSERT_NE(cache, nullptr);
@@ -275,15 +278,19 @@ TEST(CompressedKvCacheRefreshTest, AStalledRefresherDoesNotStallDecoding) {
   refresher->SetBeforeRefreshHookForTest([&] { stall.Hold(); });
   auto engine = *Engine::Create({}, tm->model, tm->tokenizer, std::move(cache));
 
-  GenerateRequest r;
-  r.prompt = tm->tokenizer->Encode("hello world and the");
-  r.max_new_tokens = 100;
-  r.ignore_eos = true;
-  auto obs = std::make_shared<Collect>();
-  ASSERT_TRUE(engine->Submit(std::move(r), obs).ok());
+  const auto generate = [&](int tokens) {
+    GenerateRequest r;
+    r.prompt = tm->tokenizer->Encode("hello world and the");
+    r.max_new_tokens = tokens;
+    r.ignore_eos = true;
+    auto obs = std::make_shared<Collect>();
+    EXPECT_TRUE(engine->Submit(std::move(r), obs).ok());
+    return obs->Wait(std::chrono::seconds(120));
+  };
+  ASSERT_EQ(generate(40), 40);
+  stall.WaitEntered();  // the refresher got to the first session's blocks, and is held
   // The whole generation completes while the refresher sits in its first refresh.
-  EXPECT_EQ(obs->Wait(std::chrono::seconds(120)), 100);
-  EXPECT_TRUE(stall.Entered());
+  EXPECT_EQ(generate(100), 100);
   EXPECT_GT(engine->Stats().cache.refresh.observations_dropped, 0);
   EXPECT_EQ(engine->Stats().cache.refresh.refreshes, 0);
   stall.Release();

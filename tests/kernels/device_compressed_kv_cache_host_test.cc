@@ -3,8 +3,6 @@
 // (core/compressed_kv_cache.h) and into the device cache, and attention through the decode-plan
 // the backend would build (decode-attention twin) must match the CPU cache's Attend, across
 // compression, a self-calibrated epoch, per-layer ranks and truncation into a compressed block.
-#include "kernels/device_compressed_kv_cache.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -21,137 +19,19 @@
 #include "core/ggml_types.h"
 #include "kernels/decode_attention.h"
 #include "kernels/decode_plan_builder.h"
+#include "kernels/device_compressed_kv_cache.h"
 #include "tests/core/compressed_kv_cache_test_util.h"
 #include "tests/kernels/decode_attention_ref.h"
+#include "tests/kernels/device_compressed_kv_cache_test_util.h"
 #include "tests/kernels/kv_test_data.h"
 #include "tests/kernels/twin_kv_store_ref.h"
 
 namespace subspace::kernels {
 namespace {
 
-constexpr int kBasisCapacity = 4;
+using namespace device_cache_test;  // NOLINT(build/namespaces): this test family's helpers
 
-struct Pair {
-  std::unique_ptr<CompressedKvCache> cpu;
-  std::shared_ptr<TwinKvStore> store;
-  std::unique_ptr<DeviceCompressedKvCache> dev;
-};
-
-DeviceCompressedKvCacheConfig DeviceConfig(const CompressedKvCacheConfig& c, int64_t num_pages) {
-  DeviceCompressedKvCacheConfig d;
-  d.geometry = c.geometry;
-  d.block_size = c.block_size;
-  d.sink_tokens = c.sink_tokens;
-  d.window_tokens = c.window_tokens;
-  d.r_k = c.r_k;
-  d.r_v = c.r_v;
-  d.coeff_dtype = c.coeff_dtype;
-  d.num_pages = num_pages;
-  return d;
-}
-
-std::shared_ptr<TwinKvStore> MakeStore(const DeviceCompressedKvCacheConfig& d) {
-  std::vector<KvPoolLayout> layouts;
-  for (int l = 0; l < d.geometry.n_layers; ++l) {
-    layouts.push_back(MakeKvPoolLayout(d.geometry.n_kv_heads, d.geometry.head_dim, d.block_size,
-                                       d.r_k[static_cast<size_t>(l)], d.r_v[static_cast<size_t>(l)],
-                                       d.coeff_dtype));
-  }
-  return std::make_shared<TwinKvStore>(std::move(layouts), d.num_pages, kBasisCapacity);
-}
-
-// Two layers of different ranks (so their slots differ in size), sinks, a window of two blocks.
-CompressedKvCacheConfig CpuConfig(int hd, CoeffDtype dt) {
-  CompressedKvCacheConfig c;
-  c.geometry = {2, 2, hd};
-  c.block_size = 16;
-  c.sink_tokens = 4;
-  c.window_tokens = 32;
-  c.r_k = {hd / 4, hd / 8};
-  c.r_v = {hd / 4 - 4, hd / 8};
-  c.coeff_dtype = dt;
-  c.full_dtype = CoeffDtype::kFp16;
-  c.capacity_bytes = 256 * CompressedKvCache::PageBytes(c.geometry, c.block_size, c.full_dtype);
-  return c;
-}
-
-Pair MakePair(const CompressedKvCacheConfig& c, int64_t num_pages = 256) {
-  Pair p;
-  p.cpu = cache_test::Make(c);
-  const DeviceCompressedKvCacheConfig d = DeviceConfig(c, num_pages);
-  p.store = MakeStore(d);
-  absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> dev =
-      DeviceCompressedKvCache::Create(d, p.store);
-  EXPECT_TRUE(dev.ok()) << dev.status();
-  if (dev.ok()) p.dev = *std::move(dev);
-  return p;
-}
-
-// Tokens [from, to) in one step, as the CUDA backend runs it: reserve, the append kernel's
-// writes into each token's full page, commit, flush.
-void AppendDevice(DeviceCompressedKvCache& cache, TwinKvStore& store, SeqId seq,
-                  const cache_test::Data& d, int64_t from, int64_t to) {
-  const KvCacheGeometry& g = cache.geometry();
-  const int64_t row = static_cast<int64_t>(g.n_kv_heads) * g.head_dim;
-  const int bs = cache.block_size();
-  ASSERT_TRUE(cache.Reserve(seq, to - from).ok());
-  const std::span<const DeviceCompressedKvCache::Block> table = cache.BlockTable(seq);
-  for (int64_t t = from; t < to; ++t) {
-    const DeviceCompressedKvCache::Block& b = table[static_cast<size_t>(t / bs)];
-    ASSERT_EQ(b.slot, kFullBlock) << "token " << t << " would land in a compressed block";
-    for (int l = 0; l < g.n_layers; ++l) {
-      store.WriteToken(l, b.page, static_cast<int>(t % bs), d.k[l].data() + t * row,
-                       d.v[l].data() + t * row);
-    }
-  }
-  ASSERT_TRUE(cache.Commit(seq, to).ok());
-  ASSERT_TRUE(cache.Flush().ok());
-}
-
-// The last token's attention in `layer` through the plan the backend builds.
-std::vector<float> AttendDevice(DeviceCompressedKvCache& cache, TwinKvStore& store, int layer,
-                                SeqId seq, const std::vector<float>& q, int n_heads) {
-  DecodeSeqDesc desc;
-  cache.DescribeDecode(seq, cache.Length(seq), &desc);
-  absl::StatusOr<DecodePlan> plan = BuildDecodePlan(cache.plan_layout(), cache.num_pages(),
-                                                    kBasisCapacity, {&desc, 1});
-  EXPECT_TRUE(plan.ok()) << plan.status();
-  std::vector<float> out(q.size(), std::nanf(""));
-  if (!plan.ok()) return out;
-  DecodeAttentionParams p;
-  p.layout = cache.layout(layer);
-  p.plan = plan->HostView();
-  p.pool = store.pool(layer);
-  p.basis_pq = store.basis_pq(layer);
-  p.basis_rv = store.basis_rv(layer);
-  p.q = q.data();
-  p.out = out.data();
-  p.n_heads = n_heads;
-  p.sm_scale = 1.0f / std::sqrt(static_cast<float>(cache.geometry().head_dim));
-  DecodeAttentionRef(p);
-  return out;
-}
-
-// Both caches against each other for every layer's last token. The CPU cache projects in float,
-// the twins in double, so a few codes round apart (fp16: one ulp; int8: one step of the scale).
-void ExpectSameAttention(Pair& p, SeqId cpu_seq, SeqId dev_seq, uint32_t seed, double tol) {
-  const KvCacheGeometry& g = p.cpu->geometry();
-  const int n_heads = 3 * g.n_kv_heads;
-  const std::vector<float> q = cache_test::RandomQ(1, n_heads, g.head_dim, seed);
-  const int64_t pos = p.cpu->Length(cpu_seq) - 1;
-  ASSERT_EQ(pos + 1, p.dev->Length(dev_seq));
-  for (int l = 0; l < g.n_layers; ++l) {
-    const std::vector<float> want = cache_test::RunAttend(*p.cpu, l, cpu_seq, pos, 1, q, n_heads);
-    const std::vector<float> got = AttendDevice(*p.dev, *p.store, l, dev_seq, q, n_heads);
-    EXPECT_LT(cache_test::RelErr(got, want), tol) << "layer " << l << " length " << pos + 1;
-  }
-}
-
-// An fp16 code one ulp apart (2^-11 relative) moves the output by up to ~1e-4 relative on keys
-// with strong directions (seen: 1.02e-4, self-calibrated, d 128), ~5e-6 on isotropic ones; an
-// int8 code one step apart (1/127 of the row's scale) moves it more. Bugs (a wrong page, epoch,
-// layer or rank) show up as O(1) errors.
-double Tolerance(CoeffDtype dt) { return dt == CoeffDtype::kInt8 ? 5e-3 : 1e-3; }
+constexpr int kBasisCapacity = kDefaultBasisCapacity;
 
 using Shape = std::tuple<int, CoeffDtype>;
 class DeviceCompressedKvCacheVsCpuTest : public ::testing::TestWithParam<Shape> {};
@@ -335,19 +215,30 @@ TEST(DeviceCompressedKvCacheTest, BasisTableEntriesAreRecycled) {
   EXPECT_TRUE(absl::IsInvalidArgument((*cache)->InstallBasis(wrong).status()));
 }
 
-TEST(DeviceCompressedKvCacheTest, RefreshIsRefusedAndStaticBasesAccepted) {
+TEST(DeviceCompressedKvCacheTest, RefreshMethodsTheDeviceCanRunAreAccepted) {
   const CompressedKvCacheConfig c = CpuConfig(64, CoeffDtype::kFp16);
-  const DeviceCompressedKvCacheConfig d = DeviceConfig(c, 16);
+  DeviceCompressedKvCacheConfig d = DeviceConfig(c, 16);
   auto cache = DeviceCompressedKvCache::Create(d, MakeStore(d));
   ASSERT_TRUE(cache.ok());
   absl::StatusOr<SeqId> seq = (*cache)->CreateSequence();
   ASSERT_TRUE(seq.ok());
-  RefreshConfig none;
-  EXPECT_TRUE((*cache)->SetSequenceRefresh(*seq, none).ok());
-  RefreshConfig pca;
-  pca.method = RefreshMethod::kPca;
-  EXPECT_TRUE(absl::IsFailedPrecondition((*cache)->SetSequenceRefresh(*seq, pca)));
-  EXPECT_TRUE(absl::IsNotFound((*cache)->SetSequenceRefresh(*seq + 1, none)));
+  RefreshConfig r;
+  EXPECT_TRUE((*cache)->SetSequenceRefresh(*seq, r).ok());
+  for (RefreshMethod m : {RefreshMethod::kPca, RefreshMethod::kOja, RefreshMethod::kFd}) {
+    r.method = m;
+    EXPECT_TRUE((*cache)->SetSequenceRefresh(*seq, r).ok()) << RefreshMethodName(m);
+  }
+  // KQ-SVD needs the queries, which stay on the device.
+  r.method = RefreshMethod::kKqsvd;
+  EXPECT_TRUE(absl::IsFailedPrecondition((*cache)->SetSequenceRefresh(*seq, r)));
+  r.method = RefreshMethod::kPca;
+  r.max_epochs = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument((*cache)->SetSequenceRefresh(*seq, r)));
+  EXPECT_TRUE(absl::IsNotFound((*cache)->SetSequenceRefresh(*seq + 1, RefreshConfig{})));
+  d.refresh.method = RefreshMethod::kKqsvd;
+  EXPECT_TRUE(absl::IsInvalidArgument(DeviceCompressedKvCache::Create(d, MakeStore(d)).status()));
+  d.refresh.method = RefreshMethod::kFd;
+  EXPECT_TRUE(DeviceCompressedKvCache::Create(d, MakeStore(d)).ok());
 }
 
 TEST(DeviceCompressedKvCacheTest, ReserveKeepsOnePageForCompression) {
@@ -383,7 +274,13 @@ TEST(DeviceCompressedKvCacheTest, ReserveKeepsOnePageForCompression) {
 // Random appends, truncations and frees of several sequences on a pool that is always nearly
 // full: every batch the store gets passes the twins' checks, no page or slot is ever held twice,
 // the accounting adds up, and every full page still holds the tokens its sequence wrote.
-TEST(DeviceCompressedKvCacheTest, RandomTrafficOnATightPoolKeepsEveryPageAccountedFor) {
+// With online refresh (a new epoch every two blocks, at most one live per sequence) the
+// compactor's spare pages and re-coded slots go through the same checks, and a readback
+// lands only every other Flush.
+class RandomTrafficTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(RandomTrafficTest, OnATightPoolEveryPageIsAccountedFor) {
+  const bool refresh = GetParam();
   const uint64_t seed = testing::FreshSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
@@ -391,9 +288,16 @@ TEST(DeviceCompressedKvCacheTest, RandomTrafficOnATightPoolKeepsEveryPageAccount
   c.block_size = 8;
   c.window_tokens = 8;
   c.sink_tokens = 3;
+  if (refresh) {
+    c.refresh.method = RefreshMethod::kPca;
+    c.refresh.every_tokens = 16;
+    c.refresh.max_epochs = 1;
+    c.refresh_inline = true;
+  }
   const int64_t pages = 24;
   const DeviceCompressedKvCacheConfig d = DeviceConfig(c, pages);
-  std::shared_ptr<TwinKvStore> store = MakeStore(d);
+  std::shared_ptr<TwinKvStore> store =
+      MakeStore(d, /*basis_capacity=*/8, /*readback_delay=*/refresh ? 1 : 0);
   auto made = DeviceCompressedKvCache::Create(d, store);
   ASSERT_TRUE(made.ok());
   DeviceCompressedKvCache& cache = **made;
@@ -486,7 +390,19 @@ TEST(DeviceCompressedKvCacheTest, RandomTrafficOnATightPoolKeepsEveryPageAccount
   }
   EXPECT_EQ(cache.Stats().blocks_free, (pages - 1) * 2);
   EXPECT_GT(store->blocks_compressed(), 0);
+  if (refresh) {
+    EXPECT_GT(store->pages_read_back(), 0);
+    EXPECT_GT(cache.Stats().refresh.installed, 0);
+    EXPECT_GT(cache.Detail().blocks_recoded, 0);
+  }
+  // Only the default epoch is left (every sequence and its epochs are gone).
+  EXPECT_EQ(cache.Detail().basis_entries_used, 1);
 }
+
+INSTANTIATE_TEST_SUITE_P(Refresh, RandomTrafficTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "OnlineRefresh" : "StaticBasis";
+                         });
 
 }  // namespace
 }  // namespace subspace::kernels

@@ -13,8 +13,13 @@
 
 namespace subspace::kernels {
 
-TwinKvStore::TwinKvStore(std::vector<KvPoolLayout> layouts, int64_t num_pages, int basis_capacity)
-    : layouts_(std::move(layouts)), num_pages_(num_pages), capacity_(basis_capacity) {
+TwinKvStore::TwinKvStore(std::vector<KvPoolLayout> layouts, int64_t num_pages, int basis_capacity,
+                         int64_t readback_capacity, int readback_delay)
+    : layouts_(std::move(layouts)),
+      num_pages_(num_pages),
+      capacity_(basis_capacity),
+      readback_capacity_(readback_capacity),
+      readback_delay_(readback_delay) {
   for (const KvPoolLayout& l : layouts_) {
     pools_.emplace_back(static_cast<size_t>(num_pages * l.page_bytes), uint8_t{0xff});
     const size_t k = static_cast<size_t>(capacity_) * l.n_kv_heads * l.head_dim * l.rank_k;
@@ -96,6 +101,39 @@ absl::Status TwinKvStore::ReadPage(int layer, int32_t page, std::span<uint16_t> 
   std::memcpy(out.data(), pools_[static_cast<size_t>(layer)].data() + l.Page(page),
               static_cast<size_t>(l.page_bytes));
   return absl::OkStatus();
+}
+
+absl::Status TwinKvStore::StartReadback(std::span<const int32_t> pages) {
+  if (readback_started_) return absl::FailedPreconditionError("a readback is in flight");
+  if (static_cast<int64_t>(pages.size()) > readback_capacity_) {
+    return absl::InvalidArgumentError("readback larger than its capacity");
+  }
+  const size_t page_halves = static_cast<size_t>(layouts_[0].page_bytes / 2);
+  readback_.resize(layouts_.size() * pages.size() * page_halves);
+  uint16_t* dst = readback_.data();
+  for (size_t l = 0; l < layouts_.size(); ++l) {
+    for (const int32_t page : pages) {
+      if (absl::Status st = ReadPage(static_cast<int>(l), page, {dst, page_halves}); !st.ok()) {
+        return st;
+      }
+      dst += page_halves;
+    }
+  }
+  readback_started_ = true;
+  readback_polls_left_ = readback_delay_;
+  pages_read_back_ += static_cast<int64_t>(pages.size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> TwinKvStore::TakeReadback(std::vector<uint16_t>* out) {
+  if (!readback_started_) return false;
+  if (readback_polls_left_ > 0) {
+    --readback_polls_left_;
+    return false;
+  }
+  readback_started_ = false;
+  out->swap(readback_);
+  return true;
 }
 
 void TwinKvStore::WriteToken(int layer, int32_t page, int t, const float* k, const float* v) {

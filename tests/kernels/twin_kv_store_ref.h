@@ -18,7 +18,10 @@ namespace subspace::kernels {
 class TwinKvStore final : public CompressedKvStore {
  public:
   // layouts: [n_layers] (each layer's ranks); pages start poisoned (0xff: fp16 NaN).
-  TwinKvStore(std::vector<KvPoolLayout> layouts, int64_t num_pages, int basis_capacity);
+  // A readback lands when TakeReadback is called `readback_delay` times after it started
+  // (0: at once), as a GPU copy lands some steps later.
+  TwinKvStore(std::vector<KvPoolLayout> layouts, int64_t num_pages, int basis_capacity,
+              int64_t readback_capacity = 16, int readback_delay = 0);
 
   int basis_capacity() const override { return capacity_; }
   // INVALID_ARGUMENT for an entry out of range or a basis whose layers do not match.
@@ -27,6 +30,9 @@ class TwinKvStore final : public CompressedKvStore {
   absl::Status Compress(const CompressBatch& batch) override;
   absl::Status Expand(const ExpandBatch& batch) override;
   absl::Status ReadPage(int layer, int32_t page, std::span<uint16_t> out) override;
+  int64_t readback_capacity() const override { return readback_capacity_; }
+  absl::Status StartReadback(std::span<const int32_t> pages) override;
+  absl::StatusOr<bool> TakeReadback(std::vector<uint16_t>* out) override;
 
   // Token t of full page `page` in `layer`, as the append kernel writes it (rounded to fp16).
   // k, v: [n_kv, head_dim]
@@ -39,6 +45,7 @@ class TwinKvStore final : public CompressedKvStore {
   int64_t compress_calls() const { return compress_calls_; }
   int64_t blocks_compressed() const { return blocks_compressed_; }
   int64_t blocks_expanded() const { return blocks_expanded_; }
+  int64_t pages_read_back() const { return pages_read_back_; }
 
  private:
   std::vector<KvPoolLayout> layouts_;
@@ -47,6 +54,13 @@ class TwinKvStore final : public CompressedKvStore {
   std::vector<std::vector<uint8_t>> pools_;                 // [n_layers][num_pages * page_bytes]
   std::vector<std::vector<float>> pk_, pq_, pv_, rv_;       // [n_layers][capacity, n_kv, ...]
   int64_t compress_calls_ = 0, blocks_compressed_ = 0, blocks_expanded_ = 0;
+  int64_t readback_capacity_;
+  int readback_delay_;
+  // The readback in flight: copied when it starts (what a stream-ordered copy would see).
+  bool readback_started_ = false;
+  int readback_polls_left_ = 0;
+  std::vector<uint16_t> readback_;
+  int64_t pages_read_back_ = 0;
 };
 
 }  // namespace subspace::kernels

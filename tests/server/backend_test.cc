@@ -66,8 +66,8 @@ TEST(BackendTest, GpuMemoryFractionNeedsCuda) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// The device cache serves static bases; what only the CPU cache does is refused by name, before
-// any device is looked for (so this runs on machines without a GPU too).
+// What only the CPU cache does (outliers, kqsvd refresh, fp32 blocks) is refused by name on
+// cuda, before any device is looked for (so this runs on machines without a GPU too).
 TEST(BackendTest, CudaRefusesCompressedFeaturesThatRunOnTheCpuOnly) {
   if (!CudaBackendBuilt()) GTEST_SKIP() << "built without CUDA";
   absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
@@ -85,9 +85,17 @@ TEST(BackendTest, CudaRefusesCompressedFeaturesThatRunOnTheCpuOnly) {
   KvCacheOptions outliers = cache;
   outliers.outlier_threshold = 0.5f;
   refused(outliers, "--kv-outlier-threshold");
-  KvCacheOptions refresh = cache;
-  refresh.refresh.method = RefreshMethod::kPca;
-  refused(refresh, "--refresh-method");
+  KvCacheOptions kqsvd = cache;
+  kqsvd.refresh.method = RefreshMethod::kKqsvd;
+  refused(kqsvd, "--refresh-method kqsvd");
+  // The device cache refreshes with the other methods: no refusal (UNAVAILABLE without a GPU).
+  KvCacheOptions pca = cache;
+  pca.refresh.method = RefreshMethod::kPca;
+  EXPECT_NE(
+      CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, pca, nullptr)
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
   KvCacheOptions fp32 = cache;
   fp32.full_dtype = CoeffDtype::kFp32;
   refused(fp32, "--kv-full-dtype");

@@ -1,0 +1,110 @@
+// The CUDA backend's step planning, the host half of "plan on the host, run on the device": from
+// a batch of chunks and the device KV cache's block tables, one step's metadata (tokens,
+// positions, slot mapping, logit rows, the decode plan, prefill block tables and the expansions
+// of compressed history into scratch pages) written into the pinned buffer that cuda_model.cc
+// copies to the device in one go. Internal to the backend: only cuda_model.cc uses it.
+#ifndef SUBSPACE_KERNELS_CUDA_STEP_PLAN_H_
+#define SUBSPACE_KERNELS_CUDA_STEP_PLAN_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/model_runner.h"
+#include "kernels/decode_plan_builder.h"
+#include "kernels/device_compressed_kv_cache.h"
+#include "kernels/device_kv_cache.h"
+
+namespace subspace::kernels {
+
+// Byte offsets of one step's metadata, identical in the pinned host buffer and its device mirror.
+struct StepMetaLayout {
+  int64_t tokens = 0;         // [T] int32
+  int64_t positions = 0;      // [T] int32
+  int64_t slot_mapping = 0;   // [T] int64
+  int64_t logit_rows = 0;     // [T] int32
+  int64_t block_table = 0;    // [S, max_blocks_per_seq] int32 (prefill chunks)
+  int64_t q_indptr = 0;       // [S + 1] int32
+  int64_t q_start = 0;        // [S] int32
+  int64_t plan = 0;           // decode plan buffer
+  int64_t plan_capacity = 0;  // its bound (LayoutDecodePlan of the largest step)
+  // Compressed cache: the blocks prefill chunks read expanded into scratch pages, per group of
+  // chunks whose expansions fit the scratch (src page, src slot, scratch page: [E] each;
+  // epochs [E, n_kv]).
+  int64_t exp_src_page = 0;
+  int64_t exp_src_slot = 0;
+  int64_t exp_dst = 0;
+  int64_t exp_epoch = 0;
+  int64_t exp_capacity = 0;  // E at most
+  int64_t total = 0;
+};
+
+// What bounds every step's metadata; fixed at start-up.
+struct StepMetaLimits {
+  int64_t max_tokens = 0;          // T: rows per step
+  int64_t max_sequences = 0;       // S: chunks per step
+  int64_t max_blocks_per_seq = 0;  // blocks of a whole context
+  int64_t pool_blocks = 0;         // page ids of the KV pool
+  int n_kv_heads = 0;
+  int target_ctas = 0;      // decode split-K
+  bool compressed = false;  // DeviceCompressedKvCache: slab pages, epochs and expansions
+};
+
+// Offsets (each array aligned as Carver aligns) that hold any step within `limits`; the decode
+// plan's capacity bounds the plan of the largest such step.
+StepMetaLayout LayoutStepMeta(const StepMetaLimits& limits);
+
+// What a step is planned against: everything but the batch, fixed once the backend exists.
+struct StepPlanInputs {
+  const StepMetaLayout* meta = nullptr;
+  uint8_t* meta_host = nullptr;  // [meta->total] the pinned buffer the plan is written into
+  int block_size = 0;
+  int n_kv_heads = 0;
+  int target_ctas = 0;  // decode split-K
+  // The cache the step runs on: exactly one of the two.
+  const DevicePagedKvCache* paged = nullptr;
+  const DeviceCompressedKvCache* compressed = nullptr;
+  // Compressed cache only: the decode plan's page and epoch bounds, and the scratch pages that
+  // one group of prefill chunks may expand its history into.
+  int64_t num_pages = 0;
+  int basis_capacity = 0;
+  int64_t scratch_pages = 0;
+};
+
+// What the forward pass reads of a plan besides the metadata bytes. Reused step after step: the
+// vectors grow only to the largest step.
+struct StepPlan {
+  // Decodes (one-token chunks) come first: rows [0, n_decode) are the decode kernel's sequences.
+  // The prefill chunks follow in the caller's order; logit rows stay in the caller's order.
+  int64_t n_decode = 0;
+  int64_t n_prefill = 0;
+  DecodePlan decode;         // empty without decodes; its bytes are at meta.plan
+  int64_t meta_bytes = 0;    // the metadata's prefix this step fills, up to the decode plan's end
+  int32_t table_stride = 1;  // blocks per prefill block table row
+  int32_t max_q = 1;         // rows of the longest prefill chunk
+  // Groups of consecutive prefill chunks whose expanded history fits the scratch together; the
+  // full-rank cache has one group and no expansions.
+  std::vector<int> group_end;      // [groups] one past each group's last prefill chunk
+  std::vector<int64_t> group_exp;  // [groups + 1] first expansion of each group
+  int64_t n_exp = 0;               // expansions of all groups: the used prefix of the exp_ lists
+};
+
+// Fills StepPlans; holds the host scratch it reuses from step to step.
+class StepPlanner {
+ public:
+  // Writes the metadata of `batch` (validated by the caller against the limits) into
+  // in.meta_host and the rest into `plan`. INVALID_ARGUMENT from BuildDecodePlan for block
+  // tables it rejects; INTERNAL for a decode plan over its buffer.
+  absl::Status Plan(const StepPlanInputs& in, std::span<const SequenceChunk> batch, StepPlan* plan);
+
+ private:
+  // Reused per step.
+  std::vector<int> order_;            // chunk indices: decodes first, then prefills
+  std::vector<int64_t> first_row_;    // [chunks] the chunk's first activation row
+  std::vector<DecodeSeqDesc> descs_;  // decode chunks
+};
+
+}  // namespace subspace::kernels
+
+#endif  // SUBSPACE_KERNELS_CUDA_STEP_PLAN_H_

@@ -1,0 +1,182 @@
+// DeviceCompressedKvCache: online refresh and the compactor (see the header). The refresher and
+// its statistics are the CPU cache's (core/refresher.h); what differs is where the blocks come
+// from (a readback of the pages a Flush compresses, never waited for: a copy still in flight at
+// the next Flush just means that Flush's blocks go unobserved, which the refresher's statistics
+// tolerate as they tolerate its own dropped blocks) and how old blocks are re-coded (expand into
+// a spare page, compress back into the same slot: k^ = P_q[old] c, then c' = P_k[new]^T k^, as
+// the CPU compactor's r x r map up to one fp16 rounding of k^).
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "kernels/device_compressed_kv_cache.h"
+
+namespace subspace::kernels {
+namespace {
+
+// Blocks (every layer and KV head) the compactor re-codes per Flush: a refresh's worth of
+// catching up is spread over steps. At B = 16 a block is two small launches' worth of work.
+constexpr int64_t kCompactBlocksPerFlush = 16;
+
+}  // namespace
+
+absl::Status DeviceCompressedKvCache::SetSequenceRefresh(SeqId seq, const RefreshConfig& config) {
+  if (absl::Status st = ValidateRefreshConfig(config); !st.ok()) return st;
+  Sequence* s = seqs_.Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (config.method == RefreshMethod::kKqsvd) {
+    return absl::FailedPreconditionError(
+        "kqsvd refresh needs the queries, which the CUDA backend keeps on the GPU: use pca, oja "
+        "or fd (or the CPU backend)");
+  }
+  CloseStream(*s);
+  s->refresh = config;
+  OpenStream(*s, seq);       // now if it has an epoch, else at its first compression
+  QueueCompaction(*s, seq);  // a smaller max_epochs
+  return absl::OkStatus();
+}
+
+void DeviceCompressedKvCache::OpenStream(Sequence& s, SeqId seq) {
+  if (s.refresh.method == RefreshMethod::kNone || s.epoch == kNoEpoch || s.stream != 0) return;
+  if (refresher_ == nullptr) {
+    refresher_ = std::make_unique<Refresher>(Refresher::Options{
+        .inline_mode = config_.refresh_inline, .max_queued_bytes = config_.refresh_queue_bytes});
+  }
+  s.stream = refresher_->Open([g = config_.geometry, r_k = r_k_, r_v = r_v_, refresh = s.refresh,
+                               initial = registry_.GetShared(s.epoch)] {
+    // No query heads: kqsvd, the one method that reads queries, is refused.
+    return std::make_unique<OnlineStatistics>(g, g.n_kv_heads, r_k, r_v, refresh, *initial);
+  });
+  streams_[s.stream] = seq;
+}
+
+void DeviceCompressedKvCache::CloseStream(Sequence& s) {
+  if (s.stream == 0) return;
+  refresher_->Close(s.stream);
+  streams_.erase(s.stream);
+  s.stream = 0;
+}
+
+// Live epochs are those of coded blocks, as in the CPU cache: a new epoch counts once a block is
+// coded with it (so the compactor moves blocks in the same Commit's Flush as the CPU cache).
+bool DeviceCompressedKvCache::NeedsCompaction(const Sequence& s) const {
+  return s.refresh.method != RefreshMethod::kNone &&
+         s.coded_blocks.size() > static_cast<size_t>(s.refresh.max_epochs);
+}
+
+void DeviceCompressedKvCache::InstallPublishedEpochs() {
+  for (Refresher::Published& p : refresher_->TakePublished()) {
+    const auto it = streams_.find(p.stream);
+    if (it == streams_.end()) continue;  // the sequence went away or restarted its refresh
+    // Its shapes are the cache's own; the one failure is a full basis table. The refresher
+    // publishes again after its next T tokens.
+    absl::StatusOr<EpochId> id = Register(std::move(p.basis));
+    if (!id.ok()) {
+      ++refreshes_unplaced_;
+      continue;
+    }
+    Sequence& s = seqs_[it->second];
+    Release(s.epoch);
+    s.epoch = *id;  // Register's reference is the sequence's now
+    ++refreshes_installed_;
+  }
+}
+
+void DeviceCompressedKvCache::QueueCompaction(const Sequence& s, SeqId seq) {
+  if (NeedsCompaction(s) && std::find(compact_.begin(), compact_.end(), seq) == compact_.end()) {
+    compact_.push_back(seq);
+  }
+}
+
+absl::Status DeviceCompressedKvCache::StartObservations() {
+  std::vector<int32_t> pages;
+  std::vector<HalfBlockBatch::Block> blocks;
+  const bool busy = !readback_blocks_.empty();
+  for (size_t i = 0; i < pending_src_.size(); ++i) {
+    if (pending_stream_[i] == 0) continue;
+    if (busy || static_cast<int64_t>(pages.size()) >= store_->readback_capacity()) {
+      ++blocks_unobserved_;
+      continue;
+    }
+    pages.push_back(pending_src_[i]);
+    blocks.push_back({pending_stream_[i], registry_.GetShared(pending_epoch_id_[i])});
+  }
+  if (pages.empty()) return absl::OkStatus();
+  if (absl::Status st = store_->StartReadback(pages); !st.ok()) return st;
+  readback_blocks_ = std::move(blocks);
+  return absl::OkStatus();
+}
+
+absl::Status DeviceCompressedKvCache::PollObservations() {
+  if (readback_blocks_.empty()) return absl::OkStatus();
+  HalfBlockBatch batch;
+  absl::StatusOr<bool> landed = store_->TakeReadback(&batch.data);
+  if (!landed.ok()) return landed.status();
+  if (!*landed) return absl::OkStatus();
+  batch.block_size = config_.block_size;
+  batch.blocks = std::move(readback_blocks_);
+  readback_blocks_.clear();
+  // False: the refresher is behind and dropped it (counted there).
+  absl::StatusOr<bool> observed = refresher_->Observe(std::move(batch));
+  return observed.status();
+}
+
+absl::Status DeviceCompressedKvCache::Compact() {
+  const int n_kv = config_.geometry.n_kv_heads;
+  int64_t budget = kCompactBlocksPerFlush;
+  std::vector<int32_t> pages, slots, spare, old_entries, new_entries;
+  std::vector<int64_t> moved;  // block indices
+  size_t kept = 0;
+  for (size_t i = 0; i < compact_.size(); ++i) {
+    const SeqId seq = compact_[i];
+    Sequence* s = seqs_.Find(seq);
+    while (s != nullptr && budget > 0 && NeedsCompaction(*s)) {
+      EpochId oldest = kNoEpoch;  // ids grow with time
+      for (const auto& [epoch, count] : s->coded_blocks) {
+        if (epoch != s->epoch && (oldest == kNoEpoch || epoch < oldest)) oldest = epoch;
+      }
+      const int64_t n =
+          std::min({budget, s->coded_blocks[oldest], pool_->num_free() - kCompressionHeadroom});
+      if (n <= 0) break;  // no spare page now: the next Flush goes on
+      pages.clear();
+      slots.clear();
+      spare.clear();
+      moved.clear();
+      for (int64_t b = 0;
+           b < static_cast<int64_t>(s->table.size()) && static_cast<int64_t>(moved.size()) < n;
+           ++b) {
+        if (s->block_epochs[static_cast<size_t>(b)] != oldest) continue;
+        const Block& e = s->table[static_cast<size_t>(b)];
+        pages.push_back(e.page);
+        slots.push_back(e.slot);
+        spare.push_back(pool_->Allocate(BlockKind::kFull));
+        moved.push_back(b);
+      }
+      old_entries.assign(moved.size() * n_kv, entries_.at(oldest));
+      new_entries.assign(moved.size() * n_kv, entries_.at(s->epoch));
+      absl::Status st = store_->Expand(
+          {.src_page = pages, .src_slot = slots, .dst_page = spare, .epoch = old_entries});
+      if (st.ok()) {
+        st = store_->Compress(
+            {.src_page = spare, .dst_page = pages, .dst_slot = slots, .epoch = new_entries});
+      }
+      for (int32_t page : spare) pool_->Free(page);  // read before anything rewrites them
+      if (!st.ok()) return st;
+      for (const int64_t b : moved) {
+        if (absl::Status acquired = registry_.Acquire(s->epoch); !acquired.ok()) return acquired;
+        s->table[static_cast<size_t>(b)].entry = entries_.at(s->epoch);
+        s->block_epochs[static_cast<size_t>(b)] = s->epoch;
+        ++s->coded_blocks[s->epoch];
+        if (--s->coded_blocks[oldest] == 0) s->coded_blocks.erase(oldest);
+        Release(oldest);  // may free its table entry: the store reads it first, in order
+      }
+      budget -= static_cast<int64_t>(moved.size());
+      blocks_recoded_ += static_cast<int64_t>(moved.size());
+    }
+    if (s != nullptr && NeedsCompaction(*s)) compact_[kept++] = seq;
+  }
+  compact_.resize(kept);
+  return absl::OkStatus();
+}
+
+}  // namespace subspace::kernels

@@ -1,0 +1,199 @@
+// DeviceCompressedKvCache with online refresh, on the twin store: the blocks it reads back feed
+// the same Refresher as the CPU cache's, so with the same tokens both caches install the same
+// epochs at the same steps and attend alike (the CPU cache is the reference); the compactor
+// keeps max_epochs live per sequence; a late readback or a full basis table costs observations
+// or a refresh, never a step.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/compressed_kv_cache.h"
+#include "kernels/device_compressed_kv_cache.h"
+#include "tests/core/compressed_kv_cache_test_util.h"
+#include "tests/kernels/device_compressed_kv_cache_test_util.h"
+#include "tests/kernels/kv_test_data.h"
+
+namespace subspace::kernels {
+namespace {
+
+using namespace device_cache_test;  // NOLINT(build/namespaces): this test family's helpers
+
+// Enough entries for every epoch of these short sequences: nothing is refused for room.
+constexpr int kRoomyCapacity = 16;
+constexpr double kRecodedTolerance = 1e-2;
+
+CompressedKvCacheConfig RefreshingConfig(int hd, CoeffDtype dt, RefreshMethod m, int max_epochs) {
+  CompressedKvCacheConfig c = CpuConfig(hd, dt);
+  c.refresh.method = m;
+  c.refresh.every_tokens = 32;  // two blocks
+  c.refresh.max_epochs = max_epochs;
+  c.refresh_inline = true;  // both caches refresh at the same step, deterministically
+  return c;
+}
+
+// A static default epoch (a random orthonormal basis per layer) in both caches.
+void InstallDefault(Pair& p, const CompressedKvCacheConfig& c, uint32_t seed) {
+  std::shared_ptr<Basis> basis = cache_test::OrthoBasis(c.geometry, 1, 1, 0);
+  for (int l = 0; l < c.geometry.n_layers; ++l) {
+    basis->layers[static_cast<size_t>(l)] =
+        cache_test::OrthoBasis({1, c.geometry.n_kv_heads, c.geometry.head_dim},
+                               c.r_k[static_cast<size_t>(l)], c.r_v[static_cast<size_t>(l)],
+                               seed + static_cast<uint32_t>(l))
+            ->layers[0];
+  }
+  absl::StatusOr<EpochId> cpu_id = p.cpu->InstallBasis(basis);
+  absl::StatusOr<EpochId> dev_id = p.dev->InstallBasis(basis);
+  ASSERT_TRUE(cpu_id.ok() && dev_id.ok());
+  ASSERT_TRUE(p.cpu->SetDefaultEpoch(*cpu_id).ok());
+  ASSERT_TRUE(p.dev->SetDefaultEpoch(*dev_id).ok());
+  ASSERT_TRUE(p.cpu->ReleaseEpoch(*cpu_id).ok());
+  ASSERT_TRUE(p.dev->ReleaseEpoch(*dev_id).ok());
+}
+
+// Keys with a few strong directions that drift over the sequence, so refreshed bases differ
+// from the default and from each other.
+cache_test::Data DriftingKv(const KvCacheGeometry& g, int64_t tokens, uint32_t seed) {
+  cache_test::Data d = cache_test::RandomKv(g, tokens, seed);
+  const int hd = g.head_dim;
+  for (auto& layer : d.k) {
+    for (size_t i = 0; i < layer.size(); ++i) {
+      const int64_t t = static_cast<int64_t>(i) / (int64_t{g.n_kv_heads} * hd);
+      const int x = static_cast<int>(i % static_cast<size_t>(hd));
+      const int strong = static_cast<int>((t / 48) * 3 % hd);  // moves every 48 tokens
+      layer[i] *= (x >= strong && x < strong + 6) ? 4.0f : 0.3f;
+    }
+  }
+  return d;
+}
+
+// Appends the same tokens to both caches in uneven steps and compares attention after each.
+void RunBoth(Pair& p, const cache_test::Data& d, int64_t tokens, double tol, std::mt19937_64& rng) {
+  absl::StatusOr<SeqId> cs = p.cpu->CreateSequence(), ds = p.dev->CreateSequence();
+  ASSERT_TRUE(cs.ok() && ds.ok());
+  int64_t at = 0;
+  while (at < tokens) {
+    const int64_t to = std::min<int64_t>(tokens, at + 1 + static_cast<int64_t>(rng() % 23));
+    cache_test::Append(*p.cpu, *cs, d, at, to);
+    AppendDevice(*p.dev, *p.store, *ds, d, at, to);
+    if (::testing::Test::HasFatalFailure()) return;
+    at = to;
+    ExpectSameAttention(p, *cs, *ds, static_cast<uint32_t>(rng()), tol);
+  }
+}
+
+using Shape = std::tuple<int, CoeffDtype, RefreshMethod>;
+class DeviceRefreshVsCpuTest : public ::testing::TestWithParam<Shape> {};
+
+// max_epochs large: no compaction, so every block keeps the epoch that coded it in both caches.
+TEST_P(DeviceRefreshVsCpuTest, SameEpochsAtTheSameStepsAsTheCpuCache) {
+  const auto [hd, dt, method] = GetParam();
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  const CompressedKvCacheConfig c = RefreshingConfig(hd, dt, method, /*max_epochs=*/16);
+  Pair p = MakePair(c, 256, kRoomyCapacity);
+  ASSERT_NE(p.dev, nullptr);
+  InstallDefault(p, c, static_cast<uint32_t>(rng()));
+  const int64_t T = 260;
+  RunBoth(p, DriftingKv(c.geometry, T, static_cast<uint32_t>(rng())), T, Tolerance(dt), rng);
+  const KvCacheStats cpu = p.cpu->Stats(), dev = p.dev->Stats();
+  // (260 - 32) / 16 = 14 blocks past the sinks' first: 13 coded, a refresh every two.
+  EXPECT_GE(dev.refresh.installed, 5);
+  EXPECT_EQ(dev.refresh.installed, cpu.refresh.installed);
+  EXPECT_EQ(dev.refresh.refreshes, cpu.refresh.refreshes);
+  EXPECT_EQ(dev.epochs_live, cpu.epochs_live);
+  EXPECT_EQ(p.dev->Detail().blocks_unobserved, 0);
+  EXPECT_EQ(p.dev->Detail().blocks_recoded, 0);
+  EXPECT_EQ(p.store->pages_read_back(), p.dev->Detail().blocks_compressed);
+}
+
+// max_epochs 1: after each refresh the compactor moves every older block to the new epoch (the
+// CPU cache with an exact r x r map, the device through k^ in fp16: one more rounding each time
+// a block moves, five times here; seen up to 4.5e-3 relative on these keys with strong
+// directions, fp16 codes. A wrong epoch or slot shows up as O(0.1)).
+TEST_P(DeviceRefreshVsCpuTest, CompactorKeepsOneEpochLikeTheCpuCache) {
+  const auto [hd, dt, method] = GetParam();
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  const CompressedKvCacheConfig c = RefreshingConfig(hd, dt, method, /*max_epochs=*/1);
+  Pair p = MakePair(c, 256, kRoomyCapacity);
+  ASSERT_NE(p.dev, nullptr);
+  InstallDefault(p, c, static_cast<uint32_t>(rng()));
+  const int64_t T = 260;
+  RunBoth(p, DriftingKv(c.geometry, T, static_cast<uint32_t>(rng())), T, kRecodedTolerance, rng);
+  const KvCacheStats cpu = p.cpu->Stats(), dev = p.dev->Stats();
+  EXPECT_GE(dev.refresh.installed, 5);
+  EXPECT_EQ(dev.refresh.installed, cpu.refresh.installed);
+  EXPECT_EQ(dev.refresh.blocks_reprojected, cpu.refresh.blocks_reprojected);
+  // Every coded block has one epoch; entries in use: that one, the default's, and the
+  // sequence's current epoch if a refresh landed since its last block was coded.
+  const SeqId seq = 0;
+  std::set<int32_t> coded;
+  for (const DeviceCompressedKvCache::Block& b : p.dev->BlockTable(seq)) {
+    if (b.slot != kFullBlock) coded.insert(b.entry);
+  }
+  ASSERT_EQ(coded.size(), 1u);
+  const bool current_unused = *coded.begin() != p.dev->EpochEntry(p.dev->SequenceEpoch(seq));
+  EXPECT_EQ(p.dev->Detail().basis_entries_used, current_unused ? 3 : 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DeviceRefreshVsCpuTest,
+                         ::testing::Values(Shape{64, CoeffDtype::kFp16, RefreshMethod::kPca},
+                                           Shape{128, CoeffDtype::kInt8, RefreshMethod::kPca},
+                                           Shape{64, CoeffDtype::kInt8, RefreshMethod::kOja},
+                                           Shape{128, CoeffDtype::kFp16, RefreshMethod::kFd}),
+                         [](const ::testing::TestParamInfo<Shape>& info) {
+                           return "d" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  CoeffDtypeName(std::get<1>(info.param)) + "_" +
+                                  RefreshMethodName(std::get<2>(info.param));
+                         });
+
+// A readback still in flight at the next Flush: that Flush's blocks go unobserved (counted),
+// the refresher sees fewer blocks, and refreshes still land.
+TEST(DeviceRefreshTest, ASlowReadbackSkipsBlocksAndNeverWaits) {
+  CompressedKvCacheConfig c = RefreshingConfig(64, CoeffDtype::kFp16, RefreshMethod::kPca, 2);
+  c.refresh.every_tokens = 16;
+  Pair p = MakePair(c, 256, kRoomyCapacity, /*readback_delay=*/3);
+  ASSERT_NE(p.dev, nullptr);
+  InstallDefault(p, c, 11);
+  const cache_test::Data d = DriftingKv(c.geometry, 400, 12);
+  absl::StatusOr<SeqId> seq = p.dev->CreateSequence();
+  ASSERT_TRUE(seq.ok());
+  // A block a step: each readback is still in flight at the next one's Flush.
+  for (int64_t t = 0; t < 400; t += 16) AppendDevice(*p.dev, *p.store, *seq, d, t, t + 16);
+  const DeviceCompressedKvCacheDetail detail = p.dev->Detail();
+  EXPECT_GT(detail.blocks_unobserved, 0);
+  EXPECT_EQ(detail.blocks_unobserved + p.store->pages_read_back(), detail.blocks_compressed);
+  EXPECT_GT(p.dev->Stats().refresh.installed, 0);
+}
+
+// Basis tables of two entries: the default and one refreshed epoch. The next refresh finds no
+// free entry (the default keeps its own), so it is counted and dropped; Commit never fails.
+TEST(DeviceRefreshTest, AFullBasisTableDropsARefreshNotAStep) {
+  const CompressedKvCacheConfig c = RefreshingConfig(64, CoeffDtype::kFp16, RefreshMethod::kPca, 1);
+  Pair p = MakePair(c, 256, /*basis_capacity=*/2);
+  ASSERT_NE(p.dev, nullptr);
+  InstallDefault(p, c, 21);
+  const cache_test::Data d = DriftingKv(c.geometry, 300, 22);
+  absl::StatusOr<SeqId> seq = p.dev->CreateSequence();
+  ASSERT_TRUE(seq.ok());
+  for (int64_t t = 0; t < 300; t += 7) {
+    AppendDevice(*p.dev, *p.store, *seq, d, t, std::min<int64_t>(300, t + 7));
+  }
+  EXPECT_EQ(p.dev->Stats().refresh.installed, 1);
+  EXPECT_GT(p.dev->Detail().refreshes_unplaced, 0);
+  EXPECT_EQ(p.dev->Detail().basis_entries_used, 2);
+  // Freeing the sequence frees its epoch's entry.
+  ASSERT_TRUE(p.dev->FreeSequence(*seq).ok());
+  EXPECT_EQ(p.dev->Detail().basis_entries_used, 1);
+  EXPECT_EQ(p.dev->Stats().refresh.streams, 0);
+}
+
+}  // namespace
+}  // namespace subspace::kernels
