@@ -458,6 +458,7 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   cc.coeff_dtype = co.coeff_dtype;
   cc.num_pages = r.num_pages;
   cc.refresh = co.refresh;
+  cc.refresh_inline = co.refresh_inline;
   // The store's buffers are the runner's: the cache keeps the runner alive through it.
   absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> cache = DeviceCompressedKvCache::Create(
       cc, std::shared_ptr<CompressedKvStore>(runner, r.store.get()));

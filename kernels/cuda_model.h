@@ -41,6 +41,7 @@ struct CudaCompressedCacheOptions {
   // own). The refresher reads back at most readback_pages blocks per step (pinned host memory:
   // readback_pages x n_layers pages).
   RefreshConfig refresh;
+  bool refresh_inline = false;  // refresh on the engine thread: deterministic (tests)
   int64_t readback_pages = 16;
 };
 

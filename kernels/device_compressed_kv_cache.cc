@@ -521,6 +521,10 @@ KvCacheStats DeviceCompressedKvCache::Stats() const {
   st.sequences = seqs_.live();
   st.epochs_live = registry_.live();
   if (refresher_ != nullptr) st.refresh = refresher_->Stats();
+  // What the metrics count alike: blocks never read back are observations the refresher never
+  // saw (per layer, as it counts them); an epoch with no basis-table entry is a refresh lost.
+  st.refresh.observations_dropped += blocks_unobserved_ * g.n_layers;
+  st.refresh.failures += refreshes_unplaced_;
   st.refresh.installed = refreshes_installed_;
   // Block-heads of every layer, as the CPU cache counts them.
   st.refresh.blocks_reprojected = blocks_recoded_ * g.n_kv_heads * g.n_layers;

@@ -33,9 +33,9 @@ ABSL_FLAG(int32_t, port, 50051, "gRPC port; 0 picks a free one and prints it");
 ABSL_FLAG(int32_t, metrics_port, 9090,
           "Prometheus /metrics HTTP port; 0 picks a free one, -1 turns metrics off");
 ABSL_FLAG(std::string, device, "cpu",
-          "backend: cpu, cuda (a GPU: both cache kinds; the compressed one with static or "
-          "self-calibrated bases, no outliers or online refresh) or auto (cuda when a GPU is "
-          "present and the cache configuration runs there, else cpu)");
+          "backend: cpu, cuda (a GPU: both cache kinds; the compressed one with static, "
+          "self-calibrated or refreshed bases, no outliers or kqsvd refresh) or auto (cuda when "
+          "a GPU is present and the cache configuration runs there, else cpu)");
 ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{256} << 20, "KV cache pool size in bytes");
 ABSL_FLAG(double, gpu_memory_fraction, 0.0,
           "cuda: size the KV pool as this fraction of the GPU's memory minus weights and "

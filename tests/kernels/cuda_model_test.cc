@@ -9,6 +9,7 @@
 // range, and the same argmax wherever the CPU's top-2 margin exceeds 5 % of that range.
 #include "kernels/cuda_model.h"
 
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -47,7 +48,8 @@ struct Pair {
 
 // Both backends on the compressed cache with one installed basis (random orthonormal, rank
 // head_dim / 4: the comparison is of the implementations, not of the basis), sinks 4, window 32.
-Pair OpenCompressed(CoeffDtype coeff_dtype) {
+// refresh: online refresh on both caches, inline (each publishes at the same steps).
+Pair OpenCompressed(CoeffDtype coeff_dtype, const RefreshConfig& refresh = {}) {
   Pair p;
   absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(ModelPath());
   EXPECT_TRUE(cpu.ok()) << cpu.status();
@@ -63,6 +65,8 @@ Pair OpenCompressed(CoeffDtype coeff_dtype) {
   c.window_tokens = 32;
   c.coeff_dtype = coeff_dtype;
   c.capacity_bytes = int64_t{64} << 20;
+  c.refresh = refresh;
+  c.refresh_inline = true;
   absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache = CompressedKvCache::Create(c);
   EXPECT_TRUE(cache.ok()) << cache.status();
   if (!cache.ok()) return p;
@@ -74,6 +78,9 @@ Pair OpenCompressed(CoeffDtype coeff_dtype) {
   co.window_tokens = 32;
   co.coeff_dtype = coeff_dtype;
   co.basis = basis;
+  co.refresh = refresh;
+  co.refresh_inline = true;
+  co.basis_capacity = 32;  // every epoch of the refresh test stays live
   absl::StatusOr<CudaBackend> cuda = CreateCudaBackend(*p.cpu, {.max_batch_tokens = 256,
                                                                  .max_sequences = 8,
                                                                  .block_size = 16,
@@ -211,6 +218,39 @@ TEST_P(CudaModelCompressedTest, LogitsMatchTheCpuCompressedCache) {
   StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(9, 4)}, {1, {5}}}, "after truncation");
   const KvCacheStats st = p.cuda.cache->Stats();
   EXPECT_LT(st.bytes_used_full + st.bytes_used_compressed, st.bytes_full_fp16_equivalent);
+}
+
+// Online refresh on both caches (pca every two blocks, no compaction: every epoch stays). The
+// device reads the compressed blocks back and the refresher publishes at the next Flush that
+// finds the copy landed; the test waits for the device between steps, so that is the next
+// step's first Flush, before its Commits: the same steps as the CPU cache's installs.
+TEST_P(CudaModelCompressedTest, OnlineRefreshInstallsTheCpuCachesEpochs) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  RefreshConfig refresh;
+  refresh.method = RefreshMethod::kPca;
+  refresh.every_tokens = 32;
+  refresh.max_epochs = 32;
+  Pair p = OpenCompressed(GetParam(), refresh);
+  ASSERT_NE(p.cuda.model, nullptr);
+  std::vector<SeqId> cpu_seqs, gpu_seqs;
+  for (int s = 0; s < 2; ++s) {
+    cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
+    gpu_seqs.push_back(*p.cuda.cache->CreateSequence());
+  }
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 90; ++i) prompt.push_back(1 + (i * 53) % 900);
+  StepBoth(p, cpu_seqs, gpu_seqs, {{0, prompt}, {1, {prompt.begin(), prompt.begin() + 70}}},
+           "prefill");
+  for (int step = 0; step < 120; ++step) {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    StepBoth(p, cpu_seqs, gpu_seqs,
+             {{0, {static_cast<int32_t>(3 + step)}}, {1, {static_cast<int32_t>(500 + step)}}},
+             "decode " + std::to_string(step));
+  }
+  const KvCacheStats cpu = p.cpu_cache->Stats(), gpu = p.cuda.cache->Stats();
+  EXPECT_GE(gpu.refresh.installed, 4);
+  EXPECT_EQ(gpu.refresh.installed, cpu.refresh.installed);
+  EXPECT_EQ(gpu.epochs_live, cpu.epochs_live);
 }
 
 INSTANTIATE_TEST_SUITE_P(Codes, CudaModelCompressedTest,

@@ -171,6 +171,9 @@ TEST(DeviceRefreshTest, ASlowReadbackSkipsBlocksAndNeverWaits) {
   EXPECT_GT(detail.blocks_unobserved, 0);
   EXPECT_EQ(detail.blocks_unobserved + p.store->pages_read_back(), detail.blocks_compressed);
   EXPECT_GT(p.dev->Stats().refresh.installed, 0);
+  // The metrics count them as dropped observations, one per layer.
+  EXPECT_EQ(p.dev->Stats().refresh.observations_dropped,
+            detail.blocks_unobserved * c.geometry.n_layers);
 }
 
 // Basis tables of two entries: the default and one refreshed epoch. The next refresh finds no
@@ -188,6 +191,7 @@ TEST(DeviceRefreshTest, AFullBasisTableDropsARefreshNotAStep) {
   }
   EXPECT_EQ(p.dev->Stats().refresh.installed, 1);
   EXPECT_GT(p.dev->Detail().refreshes_unplaced, 0);
+  EXPECT_EQ(p.dev->Stats().refresh.failures, p.dev->Detail().refreshes_unplaced);
   EXPECT_EQ(p.dev->Detail().basis_entries_used, 2);
   // Freeing the sequence frees its epoch's entry.
   ASSERT_TRUE(p.dev->FreeSequence(*seq).ok());
