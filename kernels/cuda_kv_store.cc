@@ -55,6 +55,28 @@ absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(std::vector<KvP
       !st.ok()) {
     return st;
   }
+  if (readback_pages > 0) {
+    int device = 0, max_pitch = 0;
+    if (absl::Status st = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); !st.ok()) return st;
+    if (absl::Status st = CudaStatus(
+            cudaDeviceGetAttribute(&max_pitch, cudaDevAttrMaxPitch, device), "max pitch");
+        !st.ok()) {
+      return st;
+    }
+    store->max_pitch_ = max_pitch;
+    const int64_t bytes = static_cast<int64_t>(store->layouts_.size()) * readback_pages *
+                          store->layouts_[0].page_bytes;
+    absl::StatusOr<std::unique_ptr<PinnedHostBuffer>> rb =
+        PinnedHostBuffer::Create(bytes, "refresher readback");
+    if (!rb.ok()) return rb.status();
+    store->readback_host_ = *std::move(rb);
+    if (absl::Status st =
+            CudaStatus(cudaEventCreateWithFlags(&store->read_back_, cudaEventDisableTiming),
+                       "cudaEventCreate");
+        !st.ok()) {
+      return st;
+    }
+  }
   return store;
 }
 
@@ -205,8 +227,8 @@ absl::Status CudaKvStore::ReadPage(int layer, int32_t page, std::span<uint16_t> 
   return st.ok() ? sync : st;
 }
 
-// One strided copy per page: the page's rows in every layer's slice (num_pages * page_bytes
-// apart) land [n_layers][n][page] in the pinned buffer, on the copy engine, in stream order.
+// One strided copy per page: the page in every layer's slice (num_pages * page_bytes apart)
+// lands [n_layers][n][page] in the pinned buffer, on the copy engine, in stream order.
 absl::Status CudaKvStore::StartReadback(std::span<const int32_t> pages) {
   if (readback_pages_ >= 0) return absl::FailedPreconditionError("a readback is in flight");
   const int64_t n = static_cast<int64_t>(pages.size());
@@ -215,19 +237,26 @@ absl::Status CudaKvStore::StartReadback(std::span<const int32_t> pages) {
         absl::StrFormat("readback of %d pages, capacity %d", n, readback_capacity_));
   }
   const size_t page_bytes = static_cast<size_t>(layouts_[0].page_bytes);
+  const size_t layer_bytes = static_cast<size_t>(num_pages_) * page_bytes;  // one layer's slice
+  const bool strided = static_cast<int64_t>(layer_bytes) <= max_pitch_;
   for (int64_t i = 0; i < n; ++i) {
     const int32_t page = pages[static_cast<size_t>(i)];
     if (page < 0 || page >= num_pages_) {
       return absl::InvalidArgumentError(absl::StrFormat("page %d outside the pool", page));
     }
-    if (absl::Status st = CudaStatus(
-            cudaMemcpy2DAsync(readback_host_->data() + i * page_bytes, n * page_bytes,
-                              device_.pool + page * page_bytes, num_pages_ * page_bytes, page_bytes,
-                              layouts_.size(), cudaMemcpyDeviceToHost, stream_),
-            "refresher readback");
-        !st.ok()) {
-      return st;
+    uint8_t* dst = readback_host_->data() + i * page_bytes;  // layer l at + l * n * page_bytes
+    const uint8_t* src = device_.pool + page * page_bytes;   // layer l at + l * layer_bytes
+    cudaError_t e = cudaSuccess;
+    if (strided) {
+      e = cudaMemcpy2DAsync(dst, n * page_bytes, src, layer_bytes, page_bytes, layouts_.size(),
+                            cudaMemcpyDeviceToHost, stream_);
+    } else {
+      for (size_t l = 0; l < layouts_.size() && e == cudaSuccess; ++l) {
+        e = cudaMemcpyAsync(dst + l * n * page_bytes, src + l * layer_bytes, page_bytes,
+                            cudaMemcpyDeviceToHost, stream_);
+      }
     }
+    if (absl::Status st = CudaStatus(e, "refresher readback"); !st.ok()) return st;
   }
   if (absl::Status st = CudaStatus(cudaEventRecord(read_back_, stream_), "refresher readback");
       !st.ok()) {

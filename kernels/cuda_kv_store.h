@@ -74,6 +74,9 @@ class CudaKvStore final : public CompressedKvStore {
   std::unique_ptr<PinnedHostBuffer> readback_host_;  // [n_layers][readback_capacity_][page]
   cudaEvent_t read_back_ = nullptr;                  // the readback in flight has landed
   int64_t readback_pages_ = -1;                      // pages in flight; -1: none
+  // cudaMemcpy2D refuses pitches past the device's maximum (2^31 - 1 bytes on current GPUs): a
+  // layer slice larger than that is read back one copy per layer and page instead.
+  int64_t max_pitch_ = 0;
 };
 
 }  // namespace subspace::kernels

@@ -6,7 +6,8 @@
 #                                               CI runs, is the clean set (below); unit and all
 #                                               are for looking at reports by hand
 # sched is the threaded core: the scheduler and engine tests and the background basis refresher
-# (online_statistics_test, compressed_kv_cache_refresh_test); binaries run whole.
+# (online_statistics_test, compressed_kv_cache_refresh_test, refresher_test, and the device
+# cache's refresh over the twin store); binaries run whole.
 # Any sanitizer report fails the test that produced it (UBSan does not recover; ASan and LSan
 # abort; TSan halts on its first report), so a clean run means a clean suite.
 set -euo pipefail
@@ -17,7 +18,8 @@ case "$kind" in
   tsan) scope="${2:-sched}" ;;
   *) scope="" ;;
 esac
-sched_tests=(scheduler_test engine_test online_statistics_test compressed_kv_cache_refresh_test)
+sched_tests=(scheduler_test engine_test online_statistics_test compressed_kv_cache_refresh_test
+  refresher_test device_compressed_kv_cache_refresh_host_test)
 if [[ -z "$scope" || ! "$scope" =~ ^(unit|all|sched)$ ]]; then
   echo "usage: $0 asan [unit|all|sched] | tsan [sched|unit|all]" >&2
   exit 2

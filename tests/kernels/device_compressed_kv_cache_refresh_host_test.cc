@@ -199,5 +199,32 @@ TEST(DeviceRefreshTest, AFullBasisTableDropsARefreshNotAStep) {
   EXPECT_EQ(p.dev->Stats().refresh.streams, 0);
 }
 
+// The refresher on its own thread (as served): observations queue, epochs land at a Commit after
+// the thread has published them, and freeing the sequences closes every stream.
+TEST(DeviceRefreshTest, WithTheRefresherOnItsThreadEpochsLandAtALaterCommit) {
+  CompressedKvCacheConfig c = RefreshingConfig(64, CoeffDtype::kInt8, RefreshMethod::kOja, 1);
+  c.refresh_inline = false;
+  Pair p = MakePair(c, 256, kRoomyCapacity);
+  ASSERT_NE(p.dev, nullptr);
+  InstallDefault(p, c, 31);
+  const cache_test::Data d = DriftingKv(c.geometry, 300, 32);
+  std::vector<SeqId> seqs;
+  for (int i = 0; i < 3; ++i) seqs.push_back(*p.dev->CreateSequence());
+  int64_t at = 0;
+  for (; at < 200; at += 10) {
+    for (SeqId s : seqs) AppendDevice(*p.dev, *p.store, s, d, at, at + 10);
+  }
+  ASSERT_NE(p.dev->refresher(), nullptr);
+  p.dev->refresher()->Flush();  // everything observed so far is processed and published
+  for (SeqId s : seqs) AppendDevice(*p.dev, *p.store, s, d, at, at + 10);
+  const KvCacheStats st = p.dev->Stats();
+  EXPECT_GT(st.refresh.refreshes, 0);
+  EXPECT_GT(st.refresh.installed, 0);
+  EXPECT_EQ(st.refresh.streams, 3);
+  for (SeqId s : seqs) ASSERT_TRUE(p.dev->FreeSequence(s).ok());
+  EXPECT_EQ(p.dev->Stats().refresh.streams, 0);
+  EXPECT_EQ(p.dev->Detail().basis_entries_used, 1);  // the default's
+}
+
 }  // namespace
 }  // namespace subspace::kernels
