@@ -149,31 +149,23 @@ absl::Status CudaKvStore::Stage(const int32_t* a, const int32_t* b, const int32_
   return st;
 }
 
-absl::Status CudaKvStore::Compress(const CompressBatch& batch) {
+absl::Status CudaKvStore::StageAndLaunch(
+    std::span<const int32_t> a, std::span<const int32_t> b, std::span<const int32_t> c,
+    std::span<const int32_t> epoch, const char* what,
+    absl::FunctionRef<cudaError_t(size_t layer, const int32_t* const staged[4], int32_t n)>
+        launch) {
   const int n_kv = layouts_[0].n_kv_heads;
-  const int64_t total = static_cast<int64_t>(batch.src_page.size());
+  const int64_t total = static_cast<int64_t>(a.size());
   for (int64_t first = 0; first < total; first += kStagedBlocks) {
     const int64_t n = std::min(kStagedBlocks, total - first);
     const int32_t* d[4];
-    if (absl::Status st = Stage(batch.src_page.data() + first, batch.dst_page.data() + first,
-                                batch.dst_slot.data() + first, batch.epoch.data() + first * n_kv,
-                                n, d);
+    if (absl::Status st = Stage(a.data() + first, b.data() + first, c.data() + first,
+                                epoch.data() + first * n_kv, n, d);
         !st.ok()) {
       return st;
     }
     for (size_t l = 0; l < layouts_.size(); ++l) {
-      CompressBlocksParams p;
-      p.layout = layouts_[l];
-      p.pool = LayerPool(static_cast<int>(l));
-      p.basis_pk = device_.pk[l];
-      p.basis_pv = device_.pv[l];
-      p.src_page = d[0];
-      p.dst_page = d[1];
-      p.dst_slot = d[2];
-      p.epoch = d[3];
-      p.n_blocks = static_cast<int32_t>(n);
-      if (absl::Status st = CudaStatus(LaunchCompressBlocks(p, stream_), "compress blocks");
-          !st.ok()) {
+      if (absl::Status st = CudaStatus(launch(l, d, static_cast<int32_t>(n)), what); !st.ok()) {
         return st;
       }
     }
@@ -181,37 +173,41 @@ absl::Status CudaKvStore::Compress(const CompressBatch& batch) {
   return absl::OkStatus();
 }
 
+absl::Status CudaKvStore::Compress(const CompressBatch& batch) {
+  return StageAndLaunch(
+      batch.src_page, batch.dst_page, batch.dst_slot, batch.epoch, "compress blocks",
+      [&](size_t l, const int32_t* const d[4], int32_t n) {
+        CompressBlocksParams p;
+        p.layout = layouts_[l];
+        p.pool = LayerPool(static_cast<int>(l));
+        p.basis_pk = device_.pk[l];
+        p.basis_pv = device_.pv[l];
+        p.src_page = d[0];
+        p.dst_page = d[1];
+        p.dst_slot = d[2];
+        p.epoch = d[3];
+        p.n_blocks = n;
+        return LaunchCompressBlocks(p, stream_);
+      });
+}
+
 absl::Status CudaKvStore::Expand(const ExpandBatch& batch) {
-  const int n_kv = layouts_[0].n_kv_heads;
-  const int64_t total = static_cast<int64_t>(batch.src_page.size());
-  for (int64_t first = 0; first < total; first += kStagedBlocks) {
-    const int64_t n = std::min(kStagedBlocks, total - first);
-    const int32_t* d[4];
-    if (absl::Status st = Stage(batch.src_page.data() + first, batch.src_slot.data() + first,
-                                batch.dst_page.data() + first, batch.epoch.data() + first * n_kv,
-                                n, d);
-        !st.ok()) {
-      return st;
-    }
-    for (size_t l = 0; l < layouts_.size(); ++l) {
-      ExpandBlocksParams p;
-      p.layout = layouts_[l];
-      p.src_pool = LayerPool(static_cast<int>(l));
-      p.dst_pool = LayerPool(static_cast<int>(l));
-      p.basis_pq = device_.pq[l];
-      p.basis_rv = device_.rv[l];
-      p.src_page = d[0];
-      p.src_slot = d[1];
-      p.dst_page = d[2];
-      p.epoch = d[3];
-      p.n_blocks = static_cast<int32_t>(n);
-      if (absl::Status st = CudaStatus(LaunchExpandBlocks(p, stream_), "expand blocks");
-          !st.ok()) {
-        return st;
-      }
-    }
-  }
-  return absl::OkStatus();
+  return StageAndLaunch(
+      batch.src_page, batch.src_slot, batch.dst_page, batch.epoch, "expand blocks",
+      [&](size_t l, const int32_t* const d[4], int32_t n) {
+        ExpandBlocksParams p;
+        p.layout = layouts_[l];
+        p.src_pool = LayerPool(static_cast<int>(l));
+        p.dst_pool = LayerPool(static_cast<int>(l));
+        p.basis_pq = device_.pq[l];
+        p.basis_rv = device_.rv[l];
+        p.src_page = d[0];
+        p.src_slot = d[1];
+        p.dst_page = d[2];
+        p.epoch = d[3];
+        p.n_blocks = n;
+        return LaunchExpandBlocks(p, stream_);
+      });
 }
 
 absl::Status CudaKvStore::ReadPage(int layer, int32_t page, std::span<uint16_t> out) {

@@ -10,8 +10,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "kernels/compressed_kv_store.h"
 #include "kernels/device_memory.h"
@@ -62,6 +64,13 @@ class CudaKvStore final : public CompressedKvStore {
   // Returns device pointers to the four arrays in `out`.
   absl::Status Stage(const int32_t* a, const int32_t* b, const int32_t* c, const int32_t* epoch,
                      int64_t n, const int32_t* out[4]);
+  // Stages a batch's arrays (a, b, c: [n]; epoch: [n, n_kv]) in chunks of at most the staging
+  // area and calls `launch` for every layer of each chunk with the staged device arrays.
+  absl::Status StageAndLaunch(
+      std::span<const int32_t> a, std::span<const int32_t> b, std::span<const int32_t> c,
+      std::span<const int32_t> epoch, const char* what,
+      absl::FunctionRef<cudaError_t(size_t layer, const int32_t* const staged[4], int32_t n)>
+          launch);
 
   std::vector<KvPoolLayout> layouts_;
   int64_t num_pages_;
