@@ -36,6 +36,7 @@ ABSL_FLAG(std::vector<std::string>, batch, std::vector<std::string>({"1", "8"}),
 ABSL_FLAG(int32_t, repeats, 3, "measurements per cell; the best is reported");
 ABSL_FLAG(int64_t, kv_cache_bytes, 1ll << 30, "KV cache pool size in bytes (per kind)");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda (the CUDA backend)");
+ABSL_FLAG(bool, cuda_graphs, true, "cuda: decode steps as CUDA graphs (false: eager launches)");
 ABSL_FLAG(std::vector<std::string>, kv_cache, std::vector<std::string>({"full", "compressed"}),
           "comma-separated KV cache kinds, each measured in turn: full (paged full-rank), "
           "compressed (low-rank)");
@@ -47,6 +48,7 @@ using Clock = std::chrono::steady_clock;
 
 struct BenchConfig {
   std::string device;  // cpu or cuda
+  bool cuda_graphs = true;
   std::vector<int> batches;
   int prompt_len = 0;
   int decode_len = 0;
@@ -135,7 +137,8 @@ absl::StatusOr<Backend> CreateBackend(const std::shared_ptr<LlamaModel>& cpu_mod
                      .kv_cache_bytes = config.kv_cache_bytes,
                      .compressed = compressed ? std::optional<kernels::CudaCompressedCacheOptions>(
                                                     kernels::CudaCompressedCacheOptions{})
-                                              : std::nullopt});
+                                              : std::nullopt,
+                     .cuda_graphs = config.cuda_graphs});
     if (!cuda.ok()) return cuda.status();
     return Backend{std::move(cuda->model), std::move(cuda->cache)};
 #else
@@ -221,6 +224,7 @@ void PrintTables(const BenchConfig& config, const std::vector<KindResult>& resul
 absl::Status Run() {
   BenchConfig config;
   config.device = absl::GetFlag(FLAGS_device);
+  config.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   if (config.device != "cpu" && config.device != "cuda") {
     return absl::InvalidArgumentError("--device must be cpu or cuda");
   }

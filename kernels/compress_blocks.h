@@ -31,6 +31,14 @@ struct CompressBlocksParams {
   const int32_t* dst_slot = nullptr;  // [n_blocks] slot index in dst_page
   const int32_t* epoch = nullptr;     // [n_blocks, n_kv] basis-table epoch of each head
   int32_t n_blocks = 0;
+  // Outlier detection, off while outlier_masks is null: token t of block i is an outlier when,
+  // in some KV head, its key residual |k - P_q c|^2 exceeds outlier_threshold^2 |k|^2, with c
+  // the fp32 coefficients before encoding (CompressedKvCache::CompressBlock's test). Bit t of
+  // outlier_masks[i] is OR-ed in atomically, so the heads and the layers of one batch (one
+  // launch per layer) share one mask: the caller zeroes the masks before the first launch.
+  const float* basis_pq = nullptr;    // [n_epochs, n_kv, head_dim, r_k]  k^ = P_q c
+  uint64_t* outlier_masks = nullptr;  // [n_blocks]
+  float outlier_threshold = 1.0f;
 };
 
 #if defined(SUBSPACE_WITH_CUDA)

@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/basis.h"
+#include "kernels/outlier_tokens.h"
 
 namespace subspace::kernels {
 
@@ -29,6 +30,11 @@ struct CompressBatch {
   std::span<const int32_t> dst_page;
   std::span<const int32_t> dst_slot;
   std::span<const int32_t> epoch;  // [n, n_kv]
+  // Outlier detection (compress_blocks.h): when not empty, [n] masks that Compress fills with
+  // the tokens whose key residual exceeds outlier_threshold in some KV head of some layer, and
+  // waits for (the caller places the outliers before it frees the source pages).
+  std::span<uint64_t> outlier_masks;
+  float outlier_threshold = 1.0f;
 };
 
 // Blocks to expand, in every layer: slot src_slot[i] of slab page src_page[i] into full page
@@ -38,6 +44,17 @@ struct ExpandBatch {
   std::span<const int32_t> src_slot;
   std::span<const int32_t> dst_page;
   std::span<const int32_t> epoch;  // [n, n_kv]
+};
+
+// Outlier tokens to move in every layer (outlier_tokens.h): block i's tokens mask[i] between full
+// page block_page[i] and its outlier slots, first_slot[i] onwards in outlier_page[2 i] and then
+// outlier_page[2 i + 1].
+struct OutlierBatch {
+  std::span<const int32_t> block_page;
+  std::span<const uint64_t> mask;
+  std::span<const int32_t> first_slot;
+  std::span<const int32_t> outlier_page;  // [n, 2]
+  OutlierMove direction = OutlierMove::kToOutlierPages;
 };
 
 class CompressedKvStore {
@@ -51,6 +68,7 @@ class CompressedKvStore {
   virtual absl::Status LoadBasis(int entry, const Basis& basis) = 0;
   virtual absl::Status Compress(const CompressBatch& batch) = 0;
   virtual absl::Status Expand(const ExpandBatch& batch) = 0;
+  virtual absl::Status MoveOutliers(const OutlierBatch& batch) = 0;
   // Copies full page `page` of layer `layer` to `out` ([2][n_kv][B][head_dim] fp16), after every
   // earlier operation has finished; waits for it.
   virtual absl::Status ReadPage(int layer, int32_t page, std::span<uint16_t> out) = 0;

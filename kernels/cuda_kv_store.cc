@@ -9,6 +9,7 @@
 #include "kernels/compress_blocks.h"
 #include "kernels/cuda_status.h"
 #include "kernels/expand_blocks.h"
+#include "kernels/outlier_tokens.h"
 
 namespace subspace::kernels {
 namespace {
@@ -17,7 +18,12 @@ namespace {
 // chunks, so the staging buffers stay small whatever the pool.
 constexpr int64_t kStagedBlocks = 1024;
 
-int64_t StagingInts(int n_kv) { return kStagedBlocks * (3 + n_kv); }
+// The largest chunk of any batch: compress and expand stage three int32 columns and the epochs
+// [n_kv] int32; an outlier move stages page, slot and two pages (int32) and a mask (uint64).
+int64_t StagingBytes(int n_kv) {
+  const int64_t per_block = std::max<int64_t>(4 * (3 + n_kv), 4 + 8 + 4 + 8);
+  return kStagedBlocks * per_block + CudaKvStore::kMaxColumns * 8;  // + each column's alignment
+}
 
 }  // namespace
 
@@ -36,7 +42,8 @@ void CudaKvStore::CarveDevice(Carver& c, const std::vector<KvPoolLayout>& layout
     out->pv.push_back(c.TakeArray<float>(v));
     out->rv.push_back(c.TakeArray<float>(v));
   }
-  out->staging = c.TakeArray<int32_t>(StagingInts(layouts[0].n_kv_heads));
+  out->staging = c.Take(StagingBytes(layouts[0].n_kv_heads));
+  out->outlier_masks = c.TakeArray<uint64_t>(kStagedBlocks);
 }
 
 absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(std::vector<KvPoolLayout> layouts,
@@ -46,10 +53,14 @@ absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(std::vector<KvP
                                                                  cudaStream_t stream) {
   std::unique_ptr<CudaKvStore> store(
       new CudaKvStore(std::move(layouts), num_pages, capacity, readback_pages, device, stream));
-  absl::StatusOr<std::unique_ptr<PinnedHostBuffer>> host = PinnedHostBuffer::Create(
-      StagingInts(store->layouts_[0].n_kv_heads) * 4, "KV store staging");
+  absl::StatusOr<std::unique_ptr<PinnedHostBuffer>> host =
+      PinnedHostBuffer::Create(StagingBytes(store->layouts_[0].n_kv_heads), "KV store staging");
   if (!host.ok()) return host.status();
   store->staging_host_ = *std::move(host);
+  absl::StatusOr<std::unique_ptr<PinnedHostBuffer>> masks =
+      PinnedHostBuffer::Create(kStagedBlocks * 8, "outlier masks");
+  if (!masks.ok()) return masks.status();
+  store->masks_host_ = *std::move(masks);
   if (absl::Status st = CudaStatus(
           cudaEventCreateWithFlags(&store->staged_, cudaEventDisableTiming), "cudaEventCreate");
       !st.ok()) {
@@ -129,43 +140,37 @@ absl::Status CudaKvStore::LoadBasis(int entry, const Basis& basis) {
   return CudaStatus(cudaStreamSynchronize(stream_), "basis upload");
 }
 
-absl::Status CudaKvStore::Stage(const int32_t* a, const int32_t* b, const int32_t* c,
-                                const int32_t* epoch, int64_t n, const int32_t* out[4]) {
-  const int n_kv = layouts_[0].n_kv_heads;
-  // The previous staging copy must have left the pinned buffer before it is rewritten.
-  if (absl::Status st = CudaStatus(cudaEventSynchronize(staged_), "staging"); !st.ok()) return st;
-  auto* host = reinterpret_cast<int32_t*>(staging_host_->data());
-  const size_t bytes = static_cast<size_t>(n) * 4;
-  std::memcpy(host, a, bytes);
-  std::memcpy(host + n, b, bytes);
-  std::memcpy(host + 2 * n, c, bytes);
-  std::memcpy(host + 3 * n, epoch, bytes * n_kv);
-  const int64_t ints = n * (3 + n_kv);
-  absl::Status st = CudaStatus(cudaMemcpyAsync(device_.staging, host, static_cast<size_t>(ints) * 4,
-                                               cudaMemcpyHostToDevice, stream_),
-                               "staging copy");
-  if (st.ok()) st = CudaStatus(cudaEventRecord(staged_, stream_), "staging");
-  for (int i = 0; i < 4; ++i) out[i] = device_.staging + i * n;
-  return st;
-}
-
 absl::Status CudaKvStore::StageAndLaunch(
-    std::span<const int32_t> a, std::span<const int32_t> b, std::span<const int32_t> c,
-    std::span<const int32_t> epoch, const char* what,
-    absl::FunctionRef<cudaError_t(size_t layer, const int32_t* const staged[4], int32_t n)>
+    int64_t n, std::initializer_list<Column> columns, const char* what,
+    absl::FunctionRef<cudaError_t(size_t layer, const void* const staged[kMaxColumns],
+                                  int64_t first, int32_t n)>
         launch) {
-  const int n_kv = layouts_[0].n_kv_heads;
-  const int64_t total = static_cast<int64_t>(a.size());
-  for (int64_t first = 0; first < total; first += kStagedBlocks) {
-    const int64_t n = std::min(kStagedBlocks, total - first);
-    const int32_t* d[4];
-    if (absl::Status st = Stage(a.data() + first, b.data() + first, c.data() + first,
-                                epoch.data() + first * n_kv, n, d);
-        !st.ok()) {
+  for (int64_t first = 0; first < n; first += kStagedBlocks) {
+    const int64_t chunk = std::min(kStagedBlocks, n - first);
+    // The previous staging copy must have left the pinned buffer before it is rewritten.
+    if (absl::Status st = CudaStatus(cudaEventSynchronize(staged_), "staging"); !st.ok()) {
       return st;
     }
+    const void* staged[kMaxColumns] = {};
+    int64_t offset = 0;
+    int i = 0;
+    for (const Column& c : columns) {
+      const int64_t bytes = chunk * c.bytes_per_block;
+      std::memcpy(staging_host_->data() + offset,
+                  static_cast<const uint8_t*>(c.host) + first * c.bytes_per_block,
+                  static_cast<size_t>(bytes));
+      staged[i++] = device_.staging + offset;
+      offset += AlignUp(bytes, 8);
+    }
+    absl::Status st =
+        CudaStatus(cudaMemcpyAsync(device_.staging, staging_host_->data(),
+                                   static_cast<size_t>(offset), cudaMemcpyHostToDevice, stream_),
+                   "staging copy");
+    if (st.ok()) st = CudaStatus(cudaEventRecord(staged_, stream_), "staging");
+    if (!st.ok()) return st;
     for (size_t l = 0; l < layouts_.size(); ++l) {
-      if (absl::Status st = CudaStatus(launch(l, d, static_cast<int32_t>(n)), what); !st.ok()) {
+      if (absl::Status st = CudaStatus(launch(l, staged, first, static_cast<int32_t>(chunk)), what);
+          !st.ok()) {
         return st;
       }
     }
@@ -174,40 +179,104 @@ absl::Status CudaKvStore::StageAndLaunch(
 }
 
 absl::Status CudaKvStore::Compress(const CompressBatch& batch) {
+  const int n_kv = layouts_[0].n_kv_heads;
+  const bool detect = !batch.outlier_masks.empty();
+  if (detect && batch.outlier_masks.size() != batch.src_page.size()) {
+    return absl::InvalidArgumentError("one outlier mask per block");
+  }
   return StageAndLaunch(
-      batch.src_page, batch.dst_page, batch.dst_slot, batch.epoch, "compress blocks",
-      [&](size_t l, const int32_t* const d[4], int32_t n) {
+      static_cast<int64_t>(batch.src_page.size()),
+      {{batch.src_page.data(), 4},
+       {batch.dst_page.data(), 4},
+       {batch.dst_slot.data(), 4},
+       {batch.epoch.data(), 4 * n_kv}},
+      "compress blocks", [&](size_t l, const void* const d[kMaxColumns], int64_t first, int32_t n) {
+        const size_t mask_bytes = static_cast<size_t>(n) * 8;
+        // The layers' launches OR into one mask per block: zeroed before the first.
+        if (detect && l == 0) {
+          if (cudaError_t e = cudaMemsetAsync(device_.outlier_masks, 0, mask_bytes, stream_);
+              e != cudaSuccess) {
+            return e;
+          }
+        }
         CompressBlocksParams p;
         p.layout = layouts_[l];
         p.pool = LayerPool(static_cast<int>(l));
         p.basis_pk = device_.pk[l];
         p.basis_pv = device_.pv[l];
-        p.src_page = d[0];
-        p.dst_page = d[1];
-        p.dst_slot = d[2];
-        p.epoch = d[3];
+        p.src_page = static_cast<const int32_t*>(d[0]);
+        p.dst_page = static_cast<const int32_t*>(d[1]);
+        p.dst_slot = static_cast<const int32_t*>(d[2]);
+        p.epoch = static_cast<const int32_t*>(d[3]);
         p.n_blocks = n;
-        return LaunchCompressBlocks(p, stream_);
+        if (detect) {
+          p.basis_pq = device_.pq[l];
+          p.outlier_masks = device_.outlier_masks;
+          p.outlier_threshold = batch.outlier_threshold;
+        }
+        cudaError_t e = LaunchCompressBlocks(p, stream_);
+        if (e != cudaSuccess || !detect || l + 1 < layouts_.size()) return e;
+        // After the last layer: the chunk's masks, waited for (the caller places the outliers
+        // before it frees the source pages).
+        e = cudaMemcpyAsync(masks_host_->data(), device_.outlier_masks, mask_bytes,
+                            cudaMemcpyDeviceToHost, stream_);
+        if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+        if (e == cudaSuccess) {
+          std::memcpy(batch.outlier_masks.data() + first, masks_host_->data(), mask_bytes);
+        }
+        return e;
       });
 }
 
 absl::Status CudaKvStore::Expand(const ExpandBatch& batch) {
-  return StageAndLaunch(
-      batch.src_page, batch.src_slot, batch.dst_page, batch.epoch, "expand blocks",
-      [&](size_t l, const int32_t* const d[4], int32_t n) {
-        ExpandBlocksParams p;
-        p.layout = layouts_[l];
-        p.src_pool = LayerPool(static_cast<int>(l));
-        p.dst_pool = LayerPool(static_cast<int>(l));
-        p.basis_pq = device_.pq[l];
-        p.basis_rv = device_.rv[l];
-        p.src_page = d[0];
-        p.src_slot = d[1];
-        p.dst_page = d[2];
-        p.epoch = d[3];
-        p.n_blocks = n;
-        return LaunchExpandBlocks(p, stream_);
-      });
+  const int n_kv = layouts_[0].n_kv_heads;
+  return StageAndLaunch(static_cast<int64_t>(batch.src_page.size()),
+                        {{batch.src_page.data(), 4},
+                         {batch.src_slot.data(), 4},
+                         {batch.dst_page.data(), 4},
+                         {batch.epoch.data(), 4 * n_kv}},
+                        "expand blocks",
+                        [&](size_t l, const void* const d[kMaxColumns], int64_t, int32_t n) {
+                          ExpandBlocksParams p;
+                          p.layout = layouts_[l];
+                          p.src_pool = LayerPool(static_cast<int>(l));
+                          p.dst_pool = LayerPool(static_cast<int>(l));
+                          p.basis_pq = device_.pq[l];
+                          p.basis_rv = device_.rv[l];
+                          p.src_page = static_cast<const int32_t*>(d[0]);
+                          p.src_slot = static_cast<const int32_t*>(d[1]);
+                          p.dst_page = static_cast<const int32_t*>(d[2]);
+                          p.epoch = static_cast<const int32_t*>(d[3]);
+                          p.n_blocks = n;
+                          return LaunchExpandBlocks(p, stream_);
+                        });
+}
+
+absl::Status CudaKvStore::MoveOutliers(const OutlierBatch& batch) {
+  const size_t n = batch.block_page.size();
+  if (batch.mask.size() != n || batch.first_slot.size() != n ||
+      batch.outlier_page.size() != 2 * n) {
+    return absl::InvalidArgumentError("outlier batch arrays of different lengths");
+  }
+  return StageAndLaunch(static_cast<int64_t>(n),
+                        {{batch.mask.data(), 8},
+                         {batch.block_page.data(), 4},
+                         {batch.first_slot.data(), 4},
+                         {batch.outlier_page.data(), 8}},
+                        "outlier tokens",
+                        [&](size_t l, const void* const d[kMaxColumns], int64_t, int32_t chunk) {
+                          OutlierTokensParams p;
+                          p.layout = layouts_[l];
+                          p.block_pool = LayerPool(static_cast<int>(l));
+                          p.outlier_pool = LayerPool(static_cast<int>(l));
+                          p.mask = static_cast<const uint64_t*>(d[0]);
+                          p.block_page = static_cast<const int32_t*>(d[1]);
+                          p.first_slot = static_cast<const int32_t*>(d[2]);
+                          p.outlier_page = static_cast<const int32_t*>(d[3]);
+                          p.n_blocks = chunk;
+                          p.direction = batch.direction;
+                          return LaunchOutlierTokens(p, stream_);
+                        });
 }
 
 absl::Status CudaKvStore::ReadPage(int layer, int32_t page, std::span<uint16_t> out) {

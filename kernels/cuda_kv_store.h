@@ -1,14 +1,16 @@
 // The compressed KV cache's bytes on the GPU (CompressedKvStore): the pool slices and the basis
-// tables are carved from the CUDA backend's one allocation; compression and expansion launch
-// compress_blocks / expand_blocks on the backend's stream, once per layer, with the batch's
-// indices staged through a pinned buffer (no allocation per call). Readbacks for the refresher
-// are strided copies (one per page, every layer) into a second pinned buffer, polled by event.
+// tables are carved from the CUDA backend's one allocation; compression, expansion and outlier
+// moves launch compress_blocks / expand_blocks / outlier_tokens on the backend's stream, once per
+// layer, with the batch's arrays staged through a pinned buffer (no allocation per call).
+// Readbacks for the refresher are strided copies (one per page, every layer) into a second
+// pinned buffer, polled by event.
 #ifndef SUBSPACE_KERNELS_CUDA_KV_STORE_H_
 #define SUBSPACE_KERNELS_CUDA_KV_STORE_H_
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <span>
 #include <vector>
@@ -23,11 +25,15 @@ namespace subspace::kernels {
 
 class CudaKvStore final : public CompressedKvStore {
  public:
+  // Per-block arrays one staged batch has at most.
+  static constexpr int kMaxColumns = 4;
+
   // Device buffers, carved by the backend (CarveDevice with a counting Carver sizes them).
   struct Device {
     uint8_t* pool = nullptr;  // [n_layers, num_pages, page_bytes]
     std::vector<float*> pk, pq, pv, rv;  // [n_layers] each [capacity, n_kv, d, r] / [.., r_v, d]
-    int32_t* staging = nullptr;          // [StagingInts]
+    uint8_t* staging = nullptr;          // [StagingBytes]
+    uint64_t* outlier_masks = nullptr;   // [kStagedBlocks] one chunk's detected outliers
   };
   static void CarveDevice(Carver& c, const std::vector<KvPoolLayout>& layouts, int64_t num_pages,
                           int capacity, Device* out);
@@ -45,6 +51,8 @@ class CudaKvStore final : public CompressedKvStore {
   absl::Status LoadBasis(int entry, const Basis& basis) override;
   absl::Status Compress(const CompressBatch& batch) override;
   absl::Status Expand(const ExpandBatch& batch) override;
+  // With outlier masks: waits for them, one chunk of the batch at a time.
+  absl::Status MoveOutliers(const OutlierBatch& batch) override;
   absl::Status ReadPage(int layer, int32_t page, std::span<uint16_t> out) override;
   int64_t readback_capacity() const override { return readback_capacity_; }
   absl::Status StartReadback(std::span<const int32_t> pages) override;
@@ -60,16 +68,18 @@ class CudaKvStore final : public CompressedKvStore {
  private:
   CudaKvStore(std::vector<KvPoolLayout> layouts, int64_t num_pages, int capacity,
               int64_t readback_pages, const Device& device, cudaStream_t stream);
-  // Copies n blocks' arrays (each [n] but the last [n, n_kv]) to the device staging area.
-  // Returns device pointers to the four arrays in `out`.
-  absl::Status Stage(const int32_t* a, const int32_t* b, const int32_t* c, const int32_t* epoch,
-                     int64_t n, const int32_t* out[4]);
-  // Stages a batch's arrays (a, b, c: [n]; epoch: [n, n_kv]) in chunks of at most the staging
-  // area and calls `launch` for every layer of each chunk with the staged device arrays.
+  // One per-block array of a batch: `bytes_per_block` bytes of each block from `host`.
+  struct Column {
+    const void* host = nullptr;
+    int64_t bytes_per_block = 0;
+  };
+  // Stages the batch's columns (blocks of n) in chunks of at most kStagedBlocks and calls
+  // `launch` for every layer of each chunk with the staged device arrays (8-byte aligned, in
+  // column order), the chunk's first block and its size.
   absl::Status StageAndLaunch(
-      std::span<const int32_t> a, std::span<const int32_t> b, std::span<const int32_t> c,
-      std::span<const int32_t> epoch, const char* what,
-      absl::FunctionRef<cudaError_t(size_t layer, const int32_t* const staged[4], int32_t n)>
+      int64_t n, std::initializer_list<Column> columns, const char* what,
+      absl::FunctionRef<cudaError_t(size_t layer, const void* const staged[kMaxColumns],
+                                    int64_t first, int32_t n)>
           launch);
 
   std::vector<KvPoolLayout> layouts_;
@@ -79,6 +89,7 @@ class CudaKvStore final : public CompressedKvStore {
   cudaStream_t stream_;
   std::unique_ptr<PinnedHostBuffer> staging_host_;
   cudaEvent_t staged_ = nullptr;  // the last staging copy has been read from the host buffer
+  std::unique_ptr<PinnedHostBuffer> masks_host_;  // [kStagedBlocks] detected outliers, read back
   int64_t readback_capacity_;
   std::unique_ptr<PinnedHostBuffer> readback_host_;  // [n_layers][readback_capacity_][page]
   cudaEvent_t read_back_ = nullptr;                  // the readback in flight has landed

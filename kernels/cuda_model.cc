@@ -28,10 +28,12 @@
 #include "kernels/embedding.h"
 #include "kernels/expand_blocks.h"
 #include "kernels/gemm.h"
+#include "kernels/outlier_tokens.h"
 #include "kernels/prefill_attention.h"
 #include "kernels/residual.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
+#include "kernels/step_graphs.h"
 #include "kernels/swiglu.h"
 
 namespace subspace::kernels {
@@ -98,6 +100,7 @@ struct CudaLlamaModel::Impl {
   std::vector<SeqId> seq_scratch;
   StepPlanner planner;
   StepPlan plan;
+  StepGraphs graphs;  // decode steps' executable graphs, by batch size
 
   ~Impl() {
     gemm.reset();
@@ -212,7 +215,9 @@ struct CudaLlamaModel::Impl {
                            .pool_blocks = pool_blocks,
                            .n_kv_heads = config.n_kv_heads,
                            .target_ctas = target_ctas,
-                           .compressed = options.compressed.has_value()});
+                           .compressed = options.compressed.has_value(),
+                           .outliers = options.compressed.has_value() &&
+                                       options.compressed->outlier_threshold < 1.0f});
   }
 
   template <typename T>
@@ -308,6 +313,9 @@ struct CudaLlamaModel::Impl {
   }
   absl::Status Step(std::span<const SequenceChunk> batch, int64_t t_rows, int64_t logit_rows,
                     std::vector<float>* out_logits);
+  // Everything a planned step runs on the stream, from the plan copy to the logits: what a
+  // decode step's graph captures.
+  absl::Status EnqueueForward(int64_t t_rows, int64_t n_logit_rows);
 };
 
 namespace {
@@ -459,6 +467,7 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   cc.num_pages = r.num_pages;
   cc.refresh = co.refresh;
   cc.refresh_inline = co.refresh_inline;
+  cc.outlier_threshold = co.outlier_threshold;
   // The store's buffers are the runner's: the cache keeps the runner alive through it.
   absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> cache = DeviceCompressedKvCache::Create(
       cc, std::shared_ptr<CompressedKvStore>(runner, r.store.get()));
@@ -478,6 +487,7 @@ CudaLlamaModel::~CudaLlamaModel() = default;
 const ModelConfig& CudaLlamaModel::config() const { return impl_->config; }
 std::string CudaLlamaModel::device_name() const { return impl_->device_name; }
 CudaLlamaModel::MemoryUse CudaLlamaModel::memory_use() const { return impl_->use; }
+StepGraphStats CudaLlamaModel::graph_stats() const { return impl_->graphs.stats(); }
 
 absl::Status CudaLlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache,
                                      std::vector<float>* logits) {
@@ -526,6 +536,39 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
       .basis_capacity = compressed != nullptr ? store->basis_capacity() : 0,
       .scratch_pages = scratch_pages};
   if (absl::Status st = planner.Plan(inputs, batch, &plan); !st.ok()) return st;
+
+  // ---- The forward pass: replayed as a graph for decode-only steps (step_graphs.h). --------
+  absl::Status st =
+      options.cuda_graphs && plan.n_prefill == 0
+          ? graphs.Run(stream, plan.n_decode, [&] { return EnqueueForward(t_rows, n_logit_rows); })
+          : EnqueueForward(t_rows, n_logit_rows);
+
+  // ---- Logits of the rows asked for, back to the host. --------------------------------------
+  const size_t logit_bytes = static_cast<size_t>(n_logit_rows) * m.n_vocab * sizeof(float);
+  if (st.ok()) {
+    st = CudaStatus(
+        cudaMemcpyAsync(logits_host->data(), logits, logit_bytes, cudaMemcpyDeviceToHost, stream),
+        "logits copy");
+  }
+  // Wait even after a failed launch: the host buffers must not be reused while work is queued.
+  const absl::Status sync = CudaStatus(cudaStreamSynchronize(stream), "step");
+  if (!st.ok()) return st;
+  if (!sync.ok()) return sync;
+  out_logits->resize(static_cast<size_t>(n_logit_rows) * m.n_vocab);
+  std::memcpy(out_logits->data(), logits_host->data(), logit_bytes);
+
+  for (const SequenceChunk& ch : batch) {
+    if (absl::Status c = cache.Commit(ch.seq, ch.pos + static_cast<int64_t>(ch.tokens.size()));
+        !c.ok()) {
+      return c;
+    }
+  }
+  // The blocks that left the window, coded in one batch on the stream (ahead of the next step).
+  return compressed != nullptr ? compressed->Flush() : absl::OkStatus();
+}
+
+absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logit_rows) {
+  const ModelConfig& m = config;
   const int64_t n_decode = plan.n_decode, n_prefill = plan.n_prefill;
 
   // ---- One copy of the plan to the device. -------------------------------------------------
@@ -538,11 +581,15 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
   }
   // The expansion lists (after the plan's capacity): the used prefix of each.
   const int64_t n_exp = plan.n_exp;
-  for (const auto& [offset, ints] : {std::pair{meta.exp_src_page, n_exp},
-                                     std::pair{meta.exp_src_slot, n_exp},
-                                     std::pair{meta.exp_dst, n_exp},
-                                     std::pair{meta.exp_epoch, n_exp * m.n_kv_heads}}) {
-    if (ints == 0) break;
+  // With outliers to put back, their lists too (ints of 4 bytes; the mask is two).
+  const int64_t n_exp_outliers = plan.exp_outliers ? n_exp : 0;
+  for (const auto& [offset, ints] :
+       {std::pair{meta.exp_src_page, n_exp}, std::pair{meta.exp_src_slot, n_exp},
+        std::pair{meta.exp_dst, n_exp}, std::pair{meta.exp_epoch, n_exp * m.n_kv_heads},
+        std::pair{meta.exp_outlier_mask, 2 * n_exp_outliers},
+        std::pair{meta.exp_outlier_first, n_exp_outliers},
+        std::pair{meta.exp_outlier_pages, 2 * n_exp_outliers}}) {
+    if (ints == 0) continue;
     if (absl::Status st = CudaStatus(
             cudaMemcpyAsync(meta_device + offset, meta_host->data() + offset,
                             static_cast<size_t>(ints) * 4, cudaMemcpyHostToDevice, stream),
@@ -634,6 +681,20 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
         ep.epoch = MetaDevice<int32_t>(meta.exp_epoch) + e0 * m.n_kv_heads;
         ep.n_blocks = static_cast<int32_t>(n_expand);
         st = Launch(LaunchExpandBlocks(ep, stream), "history expansion");
+        if (st.ok() && plan.exp_outliers) {
+          // The expanded blocks' outliers, exact, from the pool's outlier pages.
+          OutlierTokensParams op;
+          op.layout = layout;
+          op.block_pool = scratch;
+          op.outlier_pool = pool;
+          op.block_page = MetaDevice<int32_t>(meta.exp_dst) + e0;
+          op.mask = MetaDevice<uint64_t>(meta.exp_outlier_mask) + e0;
+          op.first_slot = MetaDevice<int32_t>(meta.exp_outlier_first) + e0;
+          op.outlier_page = MetaDevice<int32_t>(meta.exp_outlier_pages) + 2 * e0;
+          op.n_blocks = static_cast<int32_t>(n_expand);
+          op.direction = OutlierMove::kToBlockPages;
+          st = Launch(LaunchOutlierTokens(op, stream), "history outliers");
+        }
         if (!st.ok()) break;
       }
       // q_indptr holds rows from the first prefill row, so a group only moves the pointers.
@@ -681,7 +742,7 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
     }
   }
 
-  // ---- Logits of the rows asked for, back to the host. --------------------------------------
+  // ---- Logits of the rows asked for. -----------------------------------------------------------
   const int32_t rows = static_cast<int32_t>(n_logit_rows);
   if (st.ok()) {
     st = Launch(LaunchRmsNorm({.x = x,
@@ -695,27 +756,7 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
                 "output norm");
   }
   if (st.ok()) st = gemm->Linear(output, m.n_vocab, dim, xn, rows, logits);
-  const size_t logit_bytes = static_cast<size_t>(n_logit_rows) * m.n_vocab * sizeof(float);
-  if (st.ok()) {
-    st = CudaStatus(
-        cudaMemcpyAsync(logits_host->data(), logits, logit_bytes, cudaMemcpyDeviceToHost, stream),
-        "logits copy");
-  }
-  // Wait even after a failed launch: the host buffers must not be reused while work is queued.
-  const absl::Status sync = CudaStatus(cudaStreamSynchronize(stream), "step");
-  if (!st.ok()) return st;
-  if (!sync.ok()) return sync;
-  out_logits->resize(static_cast<size_t>(n_logit_rows) * m.n_vocab);
-  std::memcpy(out_logits->data(), logits_host->data(), logit_bytes);
-
-  for (const SequenceChunk& ch : batch) {
-    if (absl::Status c = cache.Commit(ch.seq, ch.pos + static_cast<int64_t>(ch.tokens.size()));
-        !c.ok()) {
-      return c;
-    }
-  }
-  // The blocks that left the window, coded in one batch on the stream (ahead of the next step).
-  return compressed != nullptr ? compressed->Flush() : absl::OkStatus();
+  return st;
 }
 
 }  // namespace subspace::kernels

@@ -43,6 +43,9 @@ struct CudaCompressedCacheOptions {
   RefreshConfig refresh;
   bool refresh_inline = false;  // refresh on the engine thread: deterministic (tests)
   int64_t readback_pages = 16;
+  // Tokens whose key residual exceeds this fraction stay full-rank, in every layer (see
+  // DeviceCompressedKvCache); >= 1: none.
+  float outlier_threshold = 1.0f;
 };
 
 struct CudaModelOptions {
@@ -56,9 +59,13 @@ struct CudaModelOptions {
   double gpu_memory_fraction = 0.0;
   // Set: the compressed cache (DeviceCompressedKvCache); unset: full-rank pages.
   std::optional<CudaCompressedCacheOptions> compressed;
+  // Decode-only steps run as CUDA graphs (kernels/step_graphs.h); false: launched one by one.
+  bool cuda_graphs = true;
 };
 
 class CudaLlamaModel;
+// kernels/step_graphs.h, which needs the CUDA headers this one keeps out of the server.
+struct StepGraphStats;
 
 // The backend's two halves: Forward accepts only the cache created with it (a
 // DevicePagedKvCache, or a DeviceCompressedKvCache with options.compressed).
@@ -93,6 +100,8 @@ class CudaLlamaModel final : public ModelRunner {
     int64_t kv_pool = 0;
   };
   MemoryUse memory_use() const;
+  // Decode steps replayed as graphs so far (tests, benchmarks).
+  StepGraphStats graph_stats() const;
 
  private:
   struct Impl;

@@ -41,19 +41,25 @@ int64_t CodedBlocks(const StepPlanInputs& in, SeqId seq, int64_t blocks) {
 }
 
 // Prefill block table row of one chunk; compressed blocks go to scratch pages (-1 - j, j
-// counted from the group's first expansion) with their expansions appended to the meta lists.
-void PrefillTableRow(const StepPlanInputs& in, SeqId seq, int64_t blocks, int32_t* row,
+// counted from the group's first expansion) with their expansions (and, with outliers, where
+// each block's outliers sit) appended to the meta lists. True when some block has outliers.
+bool PrefillTableRow(const StepPlanInputs& in, SeqId seq, int64_t blocks, int32_t* row,
                      int64_t* n_exp, int64_t group_first_exp) {
   if (in.paged != nullptr) {
     const std::span<const int32_t> table = in.paged->BlockTable(seq);
     std::copy(table.begin(), table.begin() + blocks, row);
-    return;
+    return false;
   }
   const std::span<const DeviceCompressedKvCache::Block> table = in.compressed->BlockTable(seq);
   auto* src_page = MetaHost<int32_t>(in, in.meta->exp_src_page);
   auto* src_slot = MetaHost<int32_t>(in, in.meta->exp_src_slot);
   auto* dst = MetaHost<int32_t>(in, in.meta->exp_dst);
   auto* epoch = MetaHost<int32_t>(in, in.meta->exp_epoch);
+  const bool with_outliers = in.meta->exp_outlier_capacity > 0;
+  auto* outlier_mask = MetaHost<uint64_t>(in, in.meta->exp_outlier_mask);
+  auto* outlier_first = MetaHost<int32_t>(in, in.meta->exp_outlier_first);
+  auto* outlier_pages = MetaHost<int32_t>(in, in.meta->exp_outlier_pages);
+  bool any = false;
   const int n_kv = in.n_kv_heads;
   for (int64_t b = 0; b < blocks; ++b) {
     const DeviceCompressedKvCache::Block& e = table[static_cast<size_t>(b)];
@@ -66,9 +72,18 @@ void PrefillTableRow(const StepPlanInputs& in, SeqId seq, int64_t blocks, int32_
     src_slot[*n_exp] = e.slot;
     dst[*n_exp] = static_cast<int32_t>(j);
     std::fill_n(epoch + *n_exp * n_kv, n_kv, e.entry);
+    if (with_outliers) {
+      const DeviceCompressedKvCache::BlockOutliers o = in.compressed->OutliersOf(seq, b);
+      outlier_mask[*n_exp] = o.mask;
+      outlier_first[*n_exp] = o.first_slot;
+      outlier_pages[2 * *n_exp] = o.pages[0];
+      outlier_pages[2 * *n_exp + 1] = o.pages[1];
+      any = any || o.mask != 0;
+    }
     row[b] = static_cast<int32_t>(-1 - j);
     ++*n_exp;
   }
+  return any;
 }
 
 }  // namespace
@@ -90,9 +105,11 @@ StepMetaLayout LayoutStepMeta(const StepMetaLimits& limits) {
   meta.q_indptr = at((s + 1) * 4);
   meta.q_start = at(s * 4);
   // Blocks of one step: each sequence holds its own, so at most the pool's (a compressed
-  // cache packs up to 64 slots to a page), and at most max_blocks_per_seq per sequence.
+  // cache packs up to 64 slots to a page), and at most max_blocks_per_seq per sequence (twice
+  // that with outlier pages: at most B outliers per compressed block, B to a page).
   const int64_t per_page = limits.compressed ? SlabAllocator::kMaxSlotsPerPage : 1;
-  const int64_t blocks = std::min(s * limits.max_blocks_per_seq, limits.pool_blocks * per_page + s);
+  const int64_t per_seq = limits.max_blocks_per_seq * (limits.outliers ? 2 : 1);
+  const int64_t blocks = std::min(s * per_seq, limits.pool_blocks * per_page + s);
   const int64_t work = MaxDecodeWork(s, {.target_ctas = limits.target_ctas});
   const int64_t epochs = limits.compressed ? s : 0;  // one per sequence
   meta.plan_capacity = LayoutDecodePlan(s, blocks, epochs, work, limits.n_kv_heads).total_bytes;
@@ -102,6 +119,10 @@ StepMetaLayout LayoutStepMeta(const StepMetaLimits& limits) {
   meta.exp_src_slot = at(meta.exp_capacity * 4);
   meta.exp_dst = at(meta.exp_capacity * 4);
   meta.exp_epoch = at(meta.exp_capacity * limits.n_kv_heads * 4);
+  meta.exp_outlier_capacity = limits.outliers ? meta.exp_capacity : 0;
+  meta.exp_outlier_mask = at(meta.exp_outlier_capacity * 8);
+  meta.exp_outlier_first = at(meta.exp_outlier_capacity * 4);
+  meta.exp_outlier_pages = at(meta.exp_outlier_capacity * 2 * 4);
   meta.total = c.used();
   return meta;
 }
@@ -209,6 +230,7 @@ absl::Status StepPlanner::Plan(const StepPlanInputs& in, std::span<const Sequenc
   std::vector<int64_t>& group_exp = plan->group_exp;
   group_end.clear();
   group_exp.assign(1, 0);
+  plan->exp_outliers = false;
   int64_t n_exp = 0;
   for (int64_t p = 0; p < n_prefill; ++p) {
     const SequenceChunk& ch = batch[static_cast<size_t>(order_[static_cast<size_t>(n_decode + p)])];
@@ -219,7 +241,7 @@ absl::Status StepPlanner::Plan(const StepPlanInputs& in, std::span<const Sequenc
       group_exp.push_back(n_exp);
     }
     int32_t* dst = block_table + p * stride;
-    PrefillTableRow(in, ch.seq, nb, dst, &n_exp, group_exp.back());
+    if (PrefillTableRow(in, ch.seq, nb, dst, &n_exp, group_exp.back())) plan->exp_outliers = true;
     std::fill(dst + nb, dst + stride, 0);
     q_indptr[p + 1] = q_indptr[p] + static_cast<int32_t>(ch.tokens.size());
     q_start[p] = static_cast<int32_t>(ch.pos);

@@ -36,7 +36,13 @@ struct StepMetaLayout {
   int64_t exp_src_slot = 0;
   int64_t exp_dst = 0;
   int64_t exp_epoch = 0;
-  int64_t exp_capacity = 0;  // E at most
+  // With outliers, each expansion's outlier tokens (an OutlierBatch over the scratch pages:
+  // mask [E] uint64, first slot [E], outlier pages [E, 2]; mask 0 for blocks without any).
+  int64_t exp_outlier_mask = 0;
+  int64_t exp_outlier_first = 0;
+  int64_t exp_outlier_pages = 0;
+  int64_t exp_capacity = 0;          // E at most
+  int64_t exp_outlier_capacity = 0;  // E with outliers, else 0
   int64_t total = 0;
 };
 
@@ -49,6 +55,7 @@ struct StepMetaLimits {
   int n_kv_heads = 0;
   int target_ctas = 0;      // decode split-K
   bool compressed = false;  // DeviceCompressedKvCache: slab pages, epochs and expansions
+  bool outliers = false;    // ... and outlier pages (up to one per compressed block)
 };
 
 // Offsets (each array aligned as Carver aligns) that hold any step within `limits`; the decode
@@ -88,6 +95,7 @@ struct StepPlan {
   std::vector<int> group_end;      // [groups] one past each group's last prefill chunk
   std::vector<int64_t> group_exp;  // [groups + 1] first expansion of each group
   int64_t n_exp = 0;               // expansions of all groups: the used prefix of the exp_ lists
+  bool exp_outliers = false;       // some expansion has outlier tokens to put back
 };
 
 // Fills StepPlans; holds the host scratch it reuses from step to step.

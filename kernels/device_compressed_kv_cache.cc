@@ -40,6 +40,11 @@ absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache
         "the CUDA backend codes coefficients in fp16 or int8, got %s",
         CoeffDtypeName(config.coeff_dtype)));
   }
+  if (!(config.outlier_threshold > 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("outlier_threshold must be > 0 (>= 1 disables outliers), got %g",
+                        config.outlier_threshold));
+  }
   if (absl::Status st = ValidateRefreshConfig(config.refresh); !st.ok()) return st;
   if (config.refresh.method == RefreshMethod::kKqsvd) {
     return absl::InvalidArgumentError(
@@ -124,6 +129,8 @@ absl::StatusOr<SeqId> DeviceCompressedKvCache::CreateSequence() {
   s.table.clear();
   s.block_epochs.clear();
   s.coded_blocks.clear();
+  s.outlier_pos.clear();
+  s.outlier_pages.clear();
   s.refresh = config_.refresh;
   s.stream = 0;
   s.epoch = default_epoch_;
@@ -155,6 +162,7 @@ absl::Status DeviceCompressedKvCache::FreeSequence(SeqId seq) {
   for (int64_t b = 0; b < static_cast<int64_t>(s->table.size()); ++b) FreeBlock(*s, b);
   s->table.clear();
   s->block_epochs.clear();
+  DropOutliers(*s, 0);
   CloseStream(*s);
   if (s->epoch != kNoEpoch) Release(s->epoch);
   s->epoch = kNoEpoch;
@@ -271,7 +279,9 @@ absl::StatusOr<bool> DeviceCompressedKvCache::QueueCompression(Sequence& s, SeqI
                         entry);
   pending_stream_.push_back(s.stream);
   pending_epoch_id_.push_back(s.epoch);
-  e = {slot.page, slot.index, entry};
+  pending_seq_.push_back(seq);
+  pending_block_.push_back(b);
+  e = {slot.page, slot.index, entry, 0};
   s.block_epochs[static_cast<size_t>(b)] = s.epoch;
   if (++s.coded_blocks[s.epoch] == 1) QueueCompaction(s, seq);  // a new epoch among its blocks
   ++blocks_compressed_;
@@ -283,13 +293,18 @@ absl::Status DeviceCompressedKvCache::Flush() {
   // A readback that landed since the last Flush frees the way for this one's.
   if (absl::Status st = PollObservations(); !st.ok()) return st;
   if (!pending_src_.empty()) {
+    const bool detect = config_.outlier_threshold < 1.0f;
+    pending_outliers_.assign(detect ? pending_src_.size() : 0, 0);
     absl::Status st = StartObservations();
     if (st.ok()) {
       st = store_->Compress({.src_page = pending_src_,
                              .dst_page = pending_dst_page_,
                              .dst_slot = pending_dst_slot_,
-                             .epoch = pending_epoch_});
+                             .epoch = pending_epoch_,
+                             .outlier_masks = pending_outliers_,
+                             .outlier_threshold = config_.outlier_threshold});
     }
+    if (st.ok() && detect) st = PlaceOutliers();
     // The pages go back even after a failure: the blocks' table entries already name their
     // slots.
     for (int32_t page : pending_src_) pool_->Free(page);
@@ -299,10 +314,102 @@ absl::Status DeviceCompressedKvCache::Flush() {
     pending_epoch_.clear();
     pending_stream_.clear();
     pending_epoch_id_.clear();
+    pending_seq_.clear();
+    pending_block_.clear();
     if (!st.ok()) return st;
   }
   if (absl::Status st = PollObservations(); !st.ok()) return st;  // lands at once off the GPU
   return Compact();
+}
+
+absl::Status DeviceCompressedKvCache::PlaceOutliers() {
+  const int bs = config_.block_size;
+  std::vector<int32_t> block_page, first_slot, outlier_page;
+  std::vector<uint64_t> masks;
+  for (size_t i = 0; i < pending_src_.size(); ++i) {
+    uint64_t mask = pending_outliers_[i];
+    if (mask == 0) continue;
+    Sequence& s = seqs_[pending_seq_[i]];  // live: freeing a sequence flushes first
+    const int64_t b = pending_block_[i];
+    const size_t first = s.outlier_pos.size();
+    // In position order: a sequence's blocks are queued in order, and its earlier outliers
+    // belong to earlier blocks.
+    assert(first == 0 || s.outlier_pos.back() < b * bs);
+    for (uint64_t m = mask; m != 0; m &= m - 1) {
+      const int t = __builtin_ctzll(m);
+      if (s.outlier_pos.size() % static_cast<size_t>(bs) == 0) {
+        const int32_t page = pool_->Allocate(BlockKind::kOutlier);
+        if (page < 0) {  // no page: the token stays compressed
+          mask &= ~(uint64_t{1} << t);
+          ++outliers_dropped_;
+          continue;
+        }
+        s.outlier_pages.push_back(page);
+      }
+      s.outlier_pos.push_back(b * bs + t);
+    }
+    if (mask == 0) continue;
+    outlier_tokens_ += static_cast<int64_t>(s.outlier_pos.size() - first);
+    s.table[static_cast<size_t>(b)].outliers = mask;
+    const BlockOutliers o = OutliersOf(s, b);
+    block_page.push_back(pending_src_[i]);
+    masks.push_back(mask);
+    first_slot.push_back(o.first_slot);
+    outlier_page.insert(outlier_page.end(), {o.pages[0], o.pages[1]});
+  }
+  if (block_page.empty()) return absl::OkStatus();
+  return store_->MoveOutliers({.block_page = block_page,
+                               .mask = masks,
+                               .first_slot = first_slot,
+                               .outlier_page = outlier_page,
+                               .direction = OutlierMove::kToOutlierPages});
+}
+
+void DeviceCompressedKvCache::DropOutliers(Sequence& s, int64_t from) {
+  const auto cut = std::lower_bound(s.outlier_pos.begin(), s.outlier_pos.end(), from);
+  outlier_tokens_ -= s.outlier_pos.end() - cut;
+  s.outlier_pos.erase(cut, s.outlier_pos.end());
+  const size_t pages =
+      static_cast<size_t>(CeilDiv(static_cast<int64_t>(s.outlier_pos.size()), config_.block_size));
+  while (s.outlier_pages.size() > pages) {
+    pool_->Free(s.outlier_pages.back());
+    s.outlier_pages.pop_back();
+  }
+}
+
+DeviceCompressedKvCache::BlockOutliers DeviceCompressedKvCache::OutliersOf(const Sequence& s,
+                                                                           int64_t b) const {
+  BlockOutliers o;
+  if (b < 0 || b >= static_cast<int64_t>(s.table.size())) return o;
+  o.mask = s.table[static_cast<size_t>(b)].outliers;
+  if (o.mask == 0) return o;
+  const int bs = config_.block_size;
+  const int64_t j =
+      std::lower_bound(s.outlier_pos.begin(), s.outlier_pos.end(), b * bs) - s.outlier_pos.begin();
+  o.first_slot = static_cast<int32_t>(j % bs);
+  const size_t page = static_cast<size_t>(j / bs);
+  o.pages[0] = s.outlier_pages[page];
+  // The second page, when the block's outliers run past the first one's end.
+  if (j % bs + __builtin_popcountll(o.mask) > bs) o.pages[1] = s.outlier_pages[page + 1];
+  return o;
+}
+
+DeviceCompressedKvCache::BlockOutliers DeviceCompressedKvCache::OutliersOf(SeqId seq,
+                                                                           int64_t b) const {
+  const Sequence* s = seqs_.Find(seq);
+  return s == nullptr ? BlockOutliers{} : OutliersOf(*s, b);
+}
+
+std::span<const int64_t> DeviceCompressedKvCache::OutlierPositions(SeqId seq) const {
+  const Sequence* s = seqs_.Find(seq);
+  if (s == nullptr) return {};
+  return s->outlier_pos;
+}
+
+std::span<const int32_t> DeviceCompressedKvCache::OutlierPages(SeqId seq) const {
+  const Sequence* s = seqs_.Find(seq);
+  if (s == nullptr) return {};
+  return s->outlier_pages;
 }
 
 absl::Status DeviceCompressedKvCache::ExpandBlock(Sequence& s, int64_t b) {
@@ -315,15 +422,28 @@ absl::Status DeviceCompressedKvCache::ExpandBlock(Sequence& s, int64_t b) {
   }
   const std::vector<int32_t> epochs(static_cast<size_t>(config_.geometry.n_kv_heads), e.entry);
   const int32_t src_page = e.page, src_slot = e.slot;
-  if (absl::Status st = store_->Expand({.src_page = {&src_page, 1},
-                                        .src_slot = {&src_slot, 1},
-                                        .dst_page = {&page, 1},
-                                        .epoch = epochs});
-      !st.ok()) {
+  absl::Status st = store_->Expand({.src_page = {&src_page, 1},
+                                    .src_slot = {&src_slot, 1},
+                                    .dst_page = {&page, 1},
+                                    .epoch = epochs});
+  // Its outliers back in place, exact; they are the sequence's last (only the last block is
+  // ever expanded in place).
+  const BlockOutliers o = OutliersOf(s, b);
+  if (st.ok() && o.mask != 0) {
+    st = store_->MoveOutliers({.block_page = {&page, 1},
+                               .mask = {&o.mask, 1},
+                               .first_slot = {&o.first_slot, 1},
+                               .outlier_page = o.pages,
+                               .direction = OutlierMove::kToBlockPages});
+  }
+  if (!st.ok()) {
     pool_->Free(page);
     return st;
   }
+  const int bs = config_.block_size;
+  assert(s.outlier_pos.empty() || s.outlier_pos.back() < (b + 1) * bs);
   // Freed now, read by the store first: its operations run in order.
+  DropOutliers(s, b * bs);
   FreeBlock(s, b);
   s.table[static_cast<size_t>(b)] = {page, kFullBlock, -1};
   return absl::OkStatus();
@@ -341,6 +461,7 @@ absl::Status DeviceCompressedKvCache::Truncate(SeqId seq, int64_t length) {
   const int64_t keep = CeilDiv(length, bs);
   // Blocks reserved past the committed length go too: Truncate undoes a failed step.
   for (int64_t b = keep; b < static_cast<int64_t>(s->table.size()); ++b) FreeBlock(*s, b);
+  DropOutliers(*s, keep * bs);
   s->table.resize(static_cast<size_t>(keep));
   s->block_epochs.resize(static_cast<size_t>(keep));
   tokens_cached_ -= s->length - length;
@@ -494,15 +615,29 @@ void DeviceCompressedKvCache::DescribeDecode(SeqId seq, int64_t length,
   desc->pages.resize(static_cast<size_t>(nb));
   desc->slots.resize(static_cast<size_t>(nb));
   desc->epochs.resize(static_cast<size_t>(nb * n_kv));
+  desc->outlier_masks.clear();
+  desc->outlier_pages.clear();
+  desc->n_outliers = 0;
+  const Sequence* s = seqs_.Find(seq);
+  const bool outliers = s != nullptr && !s->outlier_pos.empty();
+  if (outliers) desc->outlier_masks.assign(static_cast<size_t>(nb), 0);
   for (int64_t b = 0; b < nb; ++b) {
     const Block& e = table[static_cast<size_t>(b)];
     desc->pages[static_cast<size_t>(b)] = e.page;
     desc->slots[static_cast<size_t>(b)] = e.slot;
     std::fill_n(desc->epochs.begin() + b * n_kv, n_kv, e.entry);
+    if (outliers) desc->outlier_masks[static_cast<size_t>(b)] = e.outliers;
   }
-  desc->outlier_masks.clear();
-  desc->outlier_pages.clear();
-  desc->n_outliers = 0;
+  if (!outliers) return;
+  // Only the tokens before `length`: outliers are in position order, B to a page.
+  const int bs = config_.block_size;
+  desc->n_outliers = std::lower_bound(s->outlier_pos.begin(), s->outlier_pos.end(), length) -
+                     s->outlier_pos.begin();
+  desc->outlier_pages.assign(s->outlier_pages.begin(),
+                             s->outlier_pages.begin() + CeilDiv(desc->n_outliers, bs));
+  if (nb > 0 && length % bs != 0) {
+    desc->outlier_masks[static_cast<size_t>(nb - 1)] &= (uint64_t{1} << (length % bs)) - 1;
+  }
 }
 
 KvCacheStats DeviceCompressedKvCache::Stats() const {
@@ -513,6 +648,7 @@ KvCacheStats DeviceCompressedKvCache::Stats() const {
   st.bytes_used_full = pool_->num_used(BlockKind::kFull) * page;
   // Whole slab pages: what the pool cannot give to anyone else (includes slab waste).
   st.bytes_used_compressed = pool_->num_used(BlockKind::kCompressed) * page;
+  st.bytes_used_outlier = pool_->num_used(BlockKind::kOutlier) * page;
   st.bytes_full_fp16_equivalent =
       tokens_cached_ * g.n_layers * 2 * int64_t{g.n_kv_heads} * g.head_dim * 2;
   st.blocks_total = pool_->num_blocks() * g.n_layers;
@@ -543,6 +679,9 @@ DeviceCompressedKvCacheDetail DeviceCompressedKvCache::Detail() const {
   d.refreshes_unplaced = refreshes_unplaced_;
   d.blocks_unobserved = blocks_unobserved_;
   d.blocks_recoded = blocks_recoded_;
+  d.pages_outlier = pool_->num_used(BlockKind::kOutlier);
+  d.outlier_tokens = outlier_tokens_;
+  d.outliers_dropped = outliers_dropped_;
   return d;
 }
 

@@ -27,7 +27,13 @@
 // their own slots (a whole block, every KV head, at once). kqsvd needs the queries, which stay on
 // the device: refused.
 //
-// Not here yet (CPU backend only): outlier tokens.
+// Outlier tokens (outlier_threshold < 1): the compression kernel flags the tokens whose key
+// residual exceeds the threshold, and Flush waits for those masks (a few bytes, behind the
+// step's last kernels) to move the flagged tokens full-rank into the sequence's outlier pages,
+// B to a page in position order, before their source pages go. As everything else here, one
+// decision serves every layer: a token is an outlier in all layers when it is one in any (the
+// CPU cache decides per layer), since a page id spans every layer's slice and one decode plan
+// serves them all. Expanding a block (Truncate, the prefill scratch) puts its outliers back.
 #ifndef SUBSPACE_KERNELS_DEVICE_COMPRESSED_KV_CACHE_H_
 #define SUBSPACE_KERNELS_DEVICE_COMPRESSED_KV_CACHE_H_
 
@@ -64,6 +70,9 @@ struct DeviceCompressedKvCacheConfig {
   RefreshConfig refresh;
   bool refresh_inline = false;  // refresh on the caller's thread: deterministic (tests)
   int64_t refresh_queue_bytes = int64_t{64} << 20;  // Refresher::Options::max_queued_bytes
+  // A token whose key residual |k - P P^T k| exceeds this fraction of |k| in some KV head of some
+  // layer stays full-rank; >= 1 disables outliers (as CompressedKvCacheConfig's).
+  float outlier_threshold = 1.0f;
 };
 
 // Beyond KvCacheStats (tests, benchmarks, the start-up log).
@@ -78,16 +87,27 @@ struct DeviceCompressedKvCacheDetail {
   int64_t refreshes_unplaced = 0;  // new epochs dropped: every basis-table entry in use
   int64_t blocks_unobserved = 0;   // refreshing sequences' blocks not read back (busy)
   int64_t blocks_recoded = 0;      // blocks the compactor moved to a newer epoch
+  int64_t pages_outlier = 0;       // per layer
+  int64_t outlier_tokens = 0;      // of live sequences (every layer holds each)
+  int64_t outliers_dropped = 0;    // outliers compressed anyway: the pool had no page
 };
 
 class DeviceCompressedKvCache final : public KvCacheBase {
  public:
   // One block table entry: a full page (slot kFullBlock, entry -1), or a slab slot coded with
-  // basis-table entry `entry` (every KV head alike: no compactor mixes them).
+  // basis-table entry `entry` (every KV head alike: no compactor mixes them) whose tokens
+  // `outliers` (bit t: token t) are read from the sequence's outlier pages instead.
   struct Block {
     int32_t page = -1;
     int32_t slot = kFullBlock;
     int32_t entry = -1;
+    uint64_t outliers = 0;
+  };
+  // Where a compressed block's outliers sit, as OutlierBatch addresses them.
+  struct BlockOutliers {
+    uint64_t mask = 0;
+    int32_t first_slot = 0;
+    int32_t pages[2] = {-1, -1};
   };
 
   // INVALID_ARGUMENT for a bad geometry, block size, ranks or dtype, a compressed block larger
@@ -143,6 +163,11 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   void DescribeDecode(SeqId seq, int64_t length, DecodeSeqDesc* desc) const;
   // The epoch `seq` codes new blocks with (kNoEpoch before its first compression).
   EpochId SequenceEpoch(SeqId seq) const;
+  // Positions of `seq`'s outlier tokens, ascending, and the pages holding them (B to a page).
+  std::span<const int64_t> OutlierPositions(SeqId seq) const;
+  std::span<const int32_t> OutlierPages(SeqId seq) const;
+  // Block b's outliers (mask 0: none, or not a compressed block of `seq`).
+  BlockOutliers OutliersOf(SeqId seq, int64_t b) const;
   Refresher* refresher() { return refresher_.get(); }  // null until a sequence refreshes
 
  private:
@@ -156,6 +181,8 @@ class DeviceCompressedKvCache final : public KvCacheBase {
     absl::flat_hash_map<EpochId, int64_t> coded_blocks;  // epoch -> blocks coded with it
     RefreshConfig refresh;
     Refresher::StreamId stream = 0;  // 0: not observed
+    std::vector<int64_t> outlier_pos;    // [outliers] ascending
+    std::vector<int32_t> outlier_pages;  // [ceil(outliers / B)]
   };
 
   // Pages Reserve leaves free so that Commit can open a slab page before it frees the queued
@@ -175,6 +202,12 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   absl::StatusOr<bool> QueueCompression(Sequence& s, SeqId seq, int64_t b);
   void FreeBlock(Sequence& s, int64_t b);
   absl::Status ExpandBlock(Sequence& s, int64_t b);
+  BlockOutliers OutliersOf(const Sequence& s, int64_t b) const;
+  // Gives each flagged token of the batch just issued a slot in its sequence's outlier pages
+  // and moves it there from the block's source page (still held).
+  absl::Status PlaceOutliers();
+  // Drops the outliers at positions >= `from` and the pages they leave empty.
+  void DropOutliers(Sequence& s, int64_t from);
 
   // Refresh (device_compressed_kv_cache_refresh.cc).
   void OpenStream(Sequence& s, SeqId seq);
@@ -215,6 +248,11 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   std::vector<int32_t> pending_src_, pending_dst_page_, pending_dst_slot_, pending_epoch_;
   std::vector<Refresher::StreamId> pending_stream_;
   std::vector<EpochId> pending_epoch_id_;
+  std::vector<SeqId> pending_seq_;
+  std::vector<int64_t> pending_block_;
+  std::vector<uint64_t> pending_outliers_;  // the masks Compress fills
+  int64_t outlier_tokens_ = 0;
+  int64_t outliers_dropped_ = 0;
 
   std::unique_ptr<Refresher> refresher_;
   absl::flat_hash_map<Refresher::StreamId, SeqId> streams_;

@@ -46,6 +46,10 @@ if [[ $quick != --quick ]]; then
   "$bundle/bin/subspace-bench-cpu" --device cuda --kv-cache full,compressed --batch 1,16,64 \
     --prompt-tokens 128 --decode-tokens 128 >"$out/bench-generate-cuda.md" 2>&1
   summary+=("bench generate cuda rc=$?")
+  # The same without CUDA graphs: what replaying decode steps as graphs gains.
+  "$bundle/bin/subspace-bench-cpu" --device cuda --cuda-graphs=false --kv-cache full,compressed \
+    --batch 1,16,64 --prompt-tokens 128 --decode-tokens 128 >"$out/bench-generate-cuda-eager.md" 2>&1
+  summary+=("bench generate cuda eager rc=$?")
   "$bundle/bin/subspace-bench-cpu" --device cpu --kv-cache full,compressed --batch 1,16,64 \
     --prompt-tokens 128 --decode-tokens 128 >"$out/bench-generate-cpu.md" 2>&1
   summary+=("bench generate cpu rc=$?")

@@ -98,10 +98,10 @@ absl::StatusOr<Backend> CpuBackend(const BackendOptions& options,
 
 // Why the compressed cache as configured cannot run on the GPU, or "" when it can: the device
 // cache has fp16 full blocks and fp16 or int8 coefficients, with installed, self-calibrated or
-// refreshed (pca, oja, fd) bases; outliers and kqsvd (it reads the queries) run on the CPU only.
+// refreshed (pca, oja, fd) bases and outlier tokens; kqsvd (it reads the queries) runs on the
+// CPU only.
 std::string CpuOnlyCompressedFeature(const KvCacheOptions& o) {
   if (o.kind != KvCacheKind::kCompressed) return "";
-  if (o.outlier_threshold < 1.0f) return "--kv-outlier-threshold below 1 (outlier tokens)";
   if (o.refresh.method == RefreshMethod::kKqsvd) return "--refresh-method kqsvd";
   if (o.full_dtype != CoeffDtype::kFp16) return "--kv-full-dtype other than fp16";
   if (o.coeff_dtype == CoeffDtype::kFp32) return "--kv-coeff-dtype fp32";
@@ -124,6 +124,7 @@ absl::StatusOr<Backend> CudaBackend(const kernels::CudaPluginApi& plugin,
     c.coeff_dtype = o.coeff_dtype;
     c.basis = std::move(bases);
     c.refresh = o.refresh;
+    c.outlier_threshold = o.outlier_threshold;
     compressed = std::move(c);
   }
   absl::StatusOr<kernels::CudaPluginBackend> cuda = plugin.create_backend(
@@ -133,7 +134,8 @@ absl::StatusOr<Backend> CudaBackend(const kernels::CudaPluginApi& plugin,
                   .block_size = options.block_size,
                   .kv_cache_bytes = options.gpu_memory_fraction > 0.0 ? 0 : options.kv_cache_bytes,
                   .gpu_memory_fraction = options.gpu_memory_fraction,
-                  .compressed = std::move(compressed)});
+                  .compressed = std::move(compressed),
+                  .cuda_graphs = options.cuda_graphs});
   if (!cuda.ok()) return cuda.status();
   spdlog::info("CUDA backend on {}", cuda->description);
   return Backend{std::move(cuda->model), std::move(cuda->cache)};

@@ -34,12 +34,15 @@ ABSL_FLAG(int32_t, metrics_port, 9090,
           "Prometheus /metrics HTTP port; 0 picks a free one, -1 turns metrics off");
 ABSL_FLAG(std::string, device, "cpu",
           "backend: cpu, cuda (a GPU: both cache kinds; the compressed one with static, "
-          "self-calibrated or refreshed bases, no outliers or kqsvd refresh) or auto (cuda when "
+          "self-calibrated or refreshed bases and outliers; no kqsvd refresh) or auto (cuda when "
           "a GPU is present and the cache configuration runs there, else cpu)");
 ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{256} << 20, "KV cache pool size in bytes");
 ABSL_FLAG(double, gpu_memory_fraction, 0.0,
           "cuda: size the KV pool as this fraction of the GPU's memory minus weights and "
           "buffers (overrides --kv-cache-bytes); 0 = use --kv-cache-bytes");
+ABSL_FLAG(bool, cuda_graphs, true,
+          "cuda: run decode steps as CUDA graphs (one submission per step); false launches each "
+          "kernel on its own");
 ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens (at most 64 when compressed)");
 ABSL_FLAG(std::string, kv_cache, "compressed",
           "KV cache: 'compressed' (low-rank blocks outside the sinks and the window) or 'full' "
@@ -123,6 +126,7 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   if (!device.ok()) return device.status();
   c.device = *device;
   c.gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
+  c.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   c.block_size = absl::GetFlag(FLAGS_block_size);
   absl::StatusOr<subspace::server::KvCacheKind> kind =
       subspace::server::ParseKvCacheKind(absl::GetFlag(FLAGS_kv_cache));

@@ -158,7 +158,8 @@ absl::Status ServerApp::Init() {
                      .kv_cache_bytes = config_.kv_cache_bytes,
                      .gpu_memory_fraction = config_.gpu_memory_fraction,
                      .max_batch_tokens = config_.engine.max_batch_tokens,
-                     .max_running = config_.engine.max_running},
+                     .max_running = config_.engine.max_running,
+                     .cuda_graphs = config_.cuda_graphs},
                     *std::move(model), cache_options, std::move(bases));
   if (!backend.ok()) return backend.status();
   const std::string device_name = backend->model->device_name();

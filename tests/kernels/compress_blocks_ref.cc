@@ -22,6 +22,9 @@ absl::Status CheckCompressBatch(const CompressBlocksParams& p, int64_t num_pages
     return absl::InvalidArgumentError(absl::StrFormat("compress batch: %s", err));
   }
   if (p.n_blocks < 0) return absl::InvalidArgumentError("compress batch: negative n_blocks");
+  if (p.outlier_masks != nullptr && p.basis_pq == nullptr) {
+    return absl::InvalidArgumentError("compress batch: outlier masks without basis_pq");
+  }
   std::set<int32_t> sources;
   std::set<std::pair<int32_t, int32_t>> destinations;
   for (int32_t i = 0; i < p.n_blocks; ++i) {
@@ -76,6 +79,25 @@ void EncodeCoeffsRef(CoeffDtype dtype, const float* x, int r, void* codes, uint1
   *scale = s16;
 }
 
+namespace {
+
+// Whether a key row (fp16 [d]) is an outlier under P_q ([d, r] row-major) given its fp32
+// coefficients c [r]: CompressedKvCache::CompressBlock's test, k^ = P_q c and the sums in double.
+bool IsOutlierKey(const uint16_t* k, const float* pq, const float* c, int hd, int r, float thr) {
+  double err = 0.0, norm = 0.0;
+  for (int i = 0; i < hd; ++i) {
+    double kr = 0.0;
+    for (int j = 0; j < r; ++j)
+      kr += static_cast<double>(pq[static_cast<int64_t>(i) * r + j]) * c[j];
+    const double x = HalfToFloat(k[i]);
+    err += (x - kr) * (x - kr);
+    norm += x * x;
+  }
+  return err > static_cast<double>(thr) * thr * norm;
+}
+
+}  // namespace
+
 void CompressBlocksRef(const CompressBlocksParams& p) {
   const KvPoolLayout& l = p.layout;
   const int hd = l.head_dim, bs = l.block_size;
@@ -102,6 +124,13 @@ void CompressBlocksRef(const CompressBlocksParams& p) {
             }
             coef[static_cast<size_t>(j)] = static_cast<float>(acc);
           }
+          if (side == 0 && p.outlier_masks != nullptr) {
+            const float* pq = p.basis_pq + (ep * l.n_kv_heads + h) * static_cast<int64_t>(hd) * r;
+            if (IsOutlierKey(rows + static_cast<int64_t>(t) * hd, pq, coef.data(), hd, r,
+                             p.outlier_threshold)) {
+              p.outlier_masks[i] |= uint64_t{1} << t;
+            }
+          }
           uint16_t scale = 0;
           EncodeCoeffsRef(l.coeff_dtype, coef.data(), r,
                           codes + static_cast<int64_t>(t) * r * l.code_bytes, &scale);
@@ -112,4 +141,19 @@ void CompressBlocksRef(const CompressBlocksParams& p) {
   }
 }
 
+namespace testing {
+
+float ThresholdInAGap(std::vector<double> ratios) {
+  assert(ratios.size() >= 2);
+  std::sort(ratios.begin(), ratios.end());
+  const size_t n = ratios.size();
+  const size_t lo = n / 4, hi = std::max(3 * n / 4, lo + 1);  // gaps [i, i + 1], lo <= i < hi
+  size_t best = lo;
+  for (size_t i = lo; i < hi && i + 1 < n; ++i) {
+    if (ratios[i + 1] - ratios[i] > ratios[best + 1] - ratios[best]) best = i;
+  }
+  return static_cast<float>(std::sqrt(0.5 * (ratios[best] + ratios[best + 1])));
+}
+
+}  // namespace testing
 }  // namespace subspace::kernels

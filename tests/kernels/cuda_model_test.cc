@@ -13,20 +13,21 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
+#include "core/compressed_kv_cache.h"
 #include "core/engine.h"
 #include "core/gguf.h"
 #include "core/model.h"
-#include "core/compressed_kv_cache.h"
 #include "core/paged_kv_cache.h"
 #include "core/tokenizer.h"
 #include "kernels/device_compressed_kv_cache.h"
+#include "kernels/step_graphs.h"
 #include "tests/core/compressed_kv_cache_test_util.h"
 #include "tests/kernels/cuda_test_util.h"
 
@@ -49,7 +50,9 @@ struct Pair {
 // Both backends on the compressed cache with one installed basis (random orthonormal, rank
 // head_dim / 4: the comparison is of the implementations, not of the basis), sinks 4, window 32.
 // refresh: online refresh on both caches, inline (each publishes at the same steps).
-Pair OpenCompressed(CoeffDtype coeff_dtype, const RefreshConfig& refresh = {}) {
+// outlier_threshold: both caches'.
+Pair OpenCompressed(CoeffDtype coeff_dtype, const RefreshConfig& refresh = {},
+                    float outlier_threshold = 1.0f) {
   Pair p;
   absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(ModelPath());
   EXPECT_TRUE(cpu.ok()) << cpu.status();
@@ -67,6 +70,7 @@ Pair OpenCompressed(CoeffDtype coeff_dtype, const RefreshConfig& refresh = {}) {
   c.capacity_bytes = int64_t{64} << 20;
   c.refresh = refresh;
   c.refresh_inline = true;
+  c.outlier_threshold = outlier_threshold;
   absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache = CompressedKvCache::Create(c);
   EXPECT_TRUE(cache.ok()) << cache.status();
   if (!cache.ok()) return p;
@@ -81,6 +85,7 @@ Pair OpenCompressed(CoeffDtype coeff_dtype, const RefreshConfig& refresh = {}) {
   co.refresh = refresh;
   co.refresh_inline = true;
   co.basis_capacity = 32;  // every epoch of the refresh test stays live
+  co.outlier_threshold = outlier_threshold;
   absl::StatusOr<CudaBackend> cuda = CreateCudaBackend(*p.cpu, {.max_batch_tokens = 256,
                                                                  .max_sequences = 8,
                                                                  .block_size = 16,
@@ -185,10 +190,7 @@ TEST(CudaModelTest, LogitsMatchTheCpuBackendAcrossPrefillAndDecode) {
 // decodes whose attention runs over mixed blocks while more blocks are coded step by step.
 class CudaModelCompressedTest : public ::testing::TestWithParam<CoeffDtype> {};
 
-TEST_P(CudaModelCompressedTest, LogitsMatchTheCpuCompressedCache) {
-  SUBSPACE_REQUIRE_CUDA_DEVICE();
-  Pair p = OpenCompressed(GetParam());
-  ASSERT_NE(p.cuda.model, nullptr);
+void CompareMixedSteps(Pair& p) {
   auto* device_cache = dynamic_cast<DeviceCompressedKvCache*>(p.cuda.cache.get());
   ASSERT_NE(device_cache, nullptr);
   std::vector<SeqId> cpu_seqs, gpu_seqs;
@@ -216,8 +218,33 @@ TEST_P(CudaModelCompressedTest, LogitsMatchTheCpuCompressedCache) {
   ASSERT_TRUE(p.cpu_cache->Truncate(cpu_seqs[0], 57).ok());
   ASSERT_TRUE(p.cuda.cache->Truncate(gpu_seqs[0], 57).ok());
   StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(9, 4)}, {1, {5}}}, "after truncation");
+}
+
+TEST_P(CudaModelCompressedTest, LogitsMatchTheCpuCompressedCache) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  Pair p = OpenCompressed(GetParam());
+  ASSERT_NE(p.cuda.model, nullptr);
+  CompareMixedSteps(p);
   const KvCacheStats st = p.cuda.cache->Stats();
   EXPECT_LT(st.bytes_used_full + st.bytes_used_compressed, st.bytes_full_fp16_equivalent);
+}
+
+// Outliers: at a threshold this low every coded token is one, in every layer on both caches
+// (the device decides for all layers at once, the CPU per layer: here they agree), so the
+// detection, the moves into outlier pages, decode attention through the masks, the prefill
+// scratch and the truncation putting outliers back all run against the CPU cache.
+TEST_P(CudaModelCompressedTest, OutlierTokensMatchTheCpuCompressedCache) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  Pair p = OpenCompressed(GetParam(), {}, /*outlier_threshold=*/1e-3f);
+  ASSERT_NE(p.cuda.model, nullptr);
+  CompareMixedSteps(p);
+  auto* device_cache = dynamic_cast<DeviceCompressedKvCache*>(p.cuda.cache.get());
+  ASSERT_NE(device_cache, nullptr);
+  const DeviceCompressedKvCacheDetail detail = device_cache->Detail();
+  EXPECT_GT(detail.outlier_tokens, 0);
+  EXPECT_EQ(detail.outlier_tokens, detail.blocks_compressed * 16);
+  EXPECT_EQ(detail.outliers_dropped, 0);
+  EXPECT_GT(p.cuda.cache->Stats().bytes_used_outlier, 0);
 }
 
 // Online refresh on both caches (pca every two blocks, no compaction: every epoch stays). The
@@ -279,6 +306,81 @@ TEST(CudaModelTest, AllLogitsRowsMatch) {
   double worst = 0.0;
   for (size_t i = 0; i < c.size(); ++i) worst = std::max(worst, double{std::fabs(c[i] - g[i])});
   EXPECT_LT(worst, 0.5);  // logits span ~20 on this model; fp16 rounding stays far below
+}
+
+// Decode steps replayed as CUDA graphs (the default) against the same steps launched one kernel
+// at a time, on both caches: the same kernels on the same inputs, so the logits agree to float
+// noise (exactly, unless cuBLAS picks another algorithm under capture); the batch size changes
+// now and then, so graphs are both updated and instantiated, and mixed steps run eagerly.
+TEST(CudaModelTest, DecodeStepsReplayedAsGraphsGiveTheEagerLogits) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(ModelPath());
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const KvCacheGeometry g = (*cpu)->config().cache_geometry();
+  for (const bool compressed : {false, true}) {
+    SCOPED_TRACE(compressed ? "compressed cache" : "full-rank cache");
+    CudaModelOptions options = {.max_batch_tokens = 256,
+                                .max_sequences = 8,
+                                .block_size = 16,
+                                .kv_cache_bytes = int64_t{32} << 20};
+    if (compressed) {
+      CudaCompressedCacheOptions co;
+      co.window_tokens = 32;
+      co.basis = cache_test::OrthoBasis(g, g.head_dim / 4, g.head_dim / 4, 17);
+      options.compressed = co;
+    }
+    CudaModelOptions eager_options = options;
+    eager_options.cuda_graphs = false;
+    absl::StatusOr<CudaBackend> graphed = CreateCudaBackend(**cpu, options);
+    absl::StatusOr<CudaBackend> eager = CreateCudaBackend(**cpu, eager_options);
+    ASSERT_TRUE(graphed.ok() && eager.ok()) << graphed.status() << eager.status();
+    std::vector<SeqId> gs, es;
+    for (int s = 0; s < 3; ++s) {
+      gs.push_back(*graphed->cache->CreateSequence());
+      es.push_back(*eager->cache->CreateSequence());
+    }
+    int64_t decode_steps = 0;
+    for (int step = 0; step < 60; ++step) {
+      // Prompts first (eager on both); then three, sometimes two, decodes per step.
+      std::vector<std::vector<int32_t>> tokens;
+      for (int s = 0; s < 3; ++s) {
+        if (step == 0) {
+          std::vector<int32_t> prompt;
+          for (int i = 0; i < 40 + 17 * s; ++i) prompt.push_back(1 + (i * 37 + s * 101) % 900);
+          tokens.push_back(prompt);
+        } else if (s < 2 || step % 7 != 0) {
+          tokens.push_back({static_cast<int32_t>(1 + (step * 31 + s * 7) % 900)});
+        }
+      }
+      std::vector<SequenceChunk> gb, eb;
+      for (size_t s = 0; s < tokens.size(); ++s) {
+        const int64_t n = static_cast<int64_t>(tokens[s].size());
+        ASSERT_TRUE(graphed->cache->Reserve(gs[s], n).ok());
+        ASSERT_TRUE(eager->cache->Reserve(es[s], n).ok());
+        gb.push_back({gs[s], graphed->cache->Length(gs[s]), tokens[s]});
+        eb.push_back({es[s], eager->cache->Length(es[s]), tokens[s]});
+      }
+      std::vector<float> gl, el;
+      ASSERT_TRUE(graphed->model->Forward(gb, *graphed->cache, &gl).ok()) << "step " << step;
+      ASSERT_TRUE(eager->model->Forward(eb, *eager->cache, &el).ok()) << "step " << step;
+      ASSERT_EQ(gl.size(), el.size());
+      float worst = 0.0f, range = 0.0f;
+      for (size_t i = 0; i < gl.size(); ++i) {
+        worst = std::max(worst, std::fabs(gl[i] - el[i]));
+        range = std::max(range, std::fabs(el[i]));
+      }
+      EXPECT_LE(worst, 1e-4f * range) << "step " << step;
+      if (step > 0) ++decode_steps;
+    }
+    // Each batch size's first step runs eagerly, every later one as a graph.
+    const StepGraphStats st = graphed->model->graph_stats();
+    EXPECT_EQ(st.capture_failures, 0);
+    EXPECT_EQ(st.eager, 2);  // batch 3 and batch 2
+    EXPECT_EQ(st.replays, decode_steps - 2);
+    EXPECT_GT(st.updates, 0);
+    EXPECT_GE(st.instantiations, 2);
+    EXPECT_EQ(eager->model->graph_stats().replays + eager->model->graph_stats().eager, 0);
+  }
 }
 
 TEST(CudaModelTest, RejectsForeignCachesAndOversizedSteps) {

@@ -276,11 +276,12 @@ TEST(DeviceCompressedKvCacheTest, ReserveKeepsOnePageForCompression) {
 // the accounting adds up, and every full page still holds the tokens its sequence wrote.
 // With online refresh (a new epoch every two blocks, at most one live per sequence) the
 // compactor's spare pages and re-coded slots go through the same checks, and a readback
-// lands only every other Flush.
-class RandomTrafficTest : public ::testing::TestWithParam<bool> {};
+// lands only every other Flush. With outliers their pages too, and every outlier slot holds
+// its token.
+class RandomTrafficTest : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 
 TEST_P(RandomTrafficTest, OnATightPoolEveryPageIsAccountedFor) {
-  const bool refresh = GetParam();
+  const auto [refresh, outliers] = GetParam();
   const uint64_t seed = testing::FreshSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
@@ -295,7 +296,8 @@ TEST_P(RandomTrafficTest, OnATightPoolEveryPageIsAccountedFor) {
     c.refresh_inline = true;
   }
   const int64_t pages = 24;
-  const DeviceCompressedKvCacheConfig d = DeviceConfig(c, pages);
+  DeviceCompressedKvCacheConfig d = DeviceConfig(c, pages);
+  if (outliers) d.outlier_threshold = 0.85f;
   std::shared_ptr<TwinKvStore> store =
       MakeStore(d, /*basis_capacity=*/8, /*readback_delay=*/refresh ? 1 : 0);
   auto made = DeviceCompressedKvCache::Create(d, store);
@@ -312,6 +314,9 @@ TEST_P(RandomTrafficTest, OnATightPoolEveryPageIsAccountedFor) {
   }
   std::vector<SeqId> ids(kSeqs, -1);
   std::vector<std::set<int64_t>> coded(kSeqs);  // blocks of each sequence ever compressed
+  // ... and since expanded by a truncation: their pages hold k^, which a newer epoch may flag
+  // as outliers when they are compressed again.
+  std::vector<std::set<int64_t>> expanded(kSeqs);
   const int64_t page_bytes = cache.layout(0).page_bytes;
   std::vector<uint16_t> page(static_cast<size_t>(page_bytes / 2));
   std::uniform_int_distribution<int> pick(0, kSeqs - 1), op(0, 9), len(1, 40);
@@ -334,16 +339,18 @@ TEST_P(RandomTrafficTest, OnATightPoolEveryPageIsAccountedFor) {
       ASSERT_TRUE(cache.Truncate(ids[i], to).ok());
       // Blocks past the cut go back to the pool; new ones there start clean.
       coded[i].erase(coded[i].lower_bound((to + bs - 1) / bs), coded[i].end());
+      expanded[i].erase(expanded[i].lower_bound((to + bs - 1) / bs), expanded[i].end());
     } else {
       ASSERT_TRUE(cache.FreeSequence(ids[i]).ok());
       ids[i] = -1;
       coded[i].clear();
+      expanded[i].clear();
     }
 
     // Invariants over every live sequence.
-    std::set<int32_t> full_pages, slab_pages;
+    std::set<int32_t> full_pages, slab_pages, outlier_pages;
     std::set<std::pair<int32_t, int32_t>> slots;
-    int64_t tokens = 0, compressed = 0;
+    int64_t tokens = 0, compressed = 0, outlier_tokens = 0;
     for (int k = 0; k < kSeqs; ++k) {
       if (ids[k] < 0) continue;
       const int64_t n = cache.Length(ids[k]);
@@ -356,6 +363,8 @@ TEST_P(RandomTrafficTest, OnATightPoolEveryPageIsAccountedFor) {
         ASSERT_LT(e.page, pages);
         if (e.slot == kFullBlock) {
           ASSERT_TRUE(full_pages.insert(e.page).second) << "page " << e.page << " held twice";
+          if (coded[k].count(static_cast<int64_t>(b)) > 0)
+            expanded[k].insert(static_cast<int64_t>(b));
           // Its last committed token is still the one this sequence wrote (layer 1), unless
           // the block was coded once (then a truncation expanded k^ into it).
           const int64_t first = static_cast<int64_t>(b) * bs;
@@ -374,14 +383,43 @@ TEST_P(RandomTrafficTest, OnATightPoolEveryPageIsAccountedFor) {
           ASSERT_GE(e.entry, 0);
         }
       }
+      // Outliers: ascending, each the bit of a compressed block, B to a page, holding its
+      // token (layer 1, K of head 0, first element).
+      const std::span<const int64_t> pos = cache.OutlierPositions(ids[k]);
+      const std::span<const int32_t> opages = cache.OutlierPages(ids[k]);
+      ASSERT_EQ(opages.size(), (pos.size() + bs - 1) / bs);
+      outlier_tokens += static_cast<int64_t>(pos.size());
+      for (int32_t p : opages) ASSERT_TRUE(outlier_pages.insert(p).second) << "page " << p;
+      uint64_t masked = 0;
+      for (const DeviceCompressedKvCache::Block& e : table)
+        masked += __builtin_popcountll(e.outliers);
+      ASSERT_EQ(masked, pos.size());
+      for (size_t j = 0; j < pos.size(); ++j) {
+        ASSERT_TRUE(j == 0 || pos[j - 1] < pos[j]);
+        const DeviceCompressedKvCache::Block& e = table[static_cast<size_t>(pos[j] / bs)];
+        ASSERT_NE(e.slot, kFullBlock) << "outlier " << pos[j] << " of a full block";
+        ASSERT_TRUE((e.outliers >> (pos[j] % bs)) & 1u);
+        if (expanded[k].count(pos[j] / bs) > 0) continue;
+        ASSERT_TRUE(store->ReadPage(1, opages[j / bs], page).ok());
+        const float want = data[static_cast<size_t>(k)].k[1][static_cast<size_t>(pos[j] * row)];
+        ASSERT_EQ(page[static_cast<size_t>(cache.layout(1).FullK(0, 0) / 2 +
+                                           static_cast<int64_t>(j % bs) * g.head_dim)],
+                  Fp32ToFp16(want))
+            << "sequence " << k << " outlier at " << pos[j];
+      }
     }
     for (int32_t p : slab_pages) ASSERT_EQ(full_pages.count(p), 0u) << "page " << p;
+    for (int32_t p : outlier_pages) {
+      ASSERT_EQ(full_pages.count(p) + slab_pages.count(p), 0u) << "page " << p;
+    }
     const DeviceCompressedKvCacheDetail detail = cache.Detail();
     ASSERT_EQ(detail.blocks_compressed, compressed);
     ASSERT_EQ(detail.pages_full, static_cast<int64_t>(full_pages.size()));
     ASSERT_EQ(detail.pages_compressed, static_cast<int64_t>(slab_pages.size()));
+    ASSERT_EQ(detail.pages_outlier, static_cast<int64_t>(outlier_pages.size()));
+    ASSERT_EQ(detail.outlier_tokens, outlier_tokens);
     ASSERT_EQ(cache.Stats().tokens_cached, tokens);
-    ASSERT_LE(detail.pages_full + detail.pages_compressed, pages);
+    ASSERT_LE(detail.pages_full + detail.pages_compressed + detail.pages_outlier, pages);
   }
   for (SeqId id : ids) {
     if (id >= 0) {
@@ -395,13 +433,20 @@ TEST_P(RandomTrafficTest, OnATightPoolEveryPageIsAccountedFor) {
     EXPECT_GT(cache.Stats().refresh.installed, 0);
     EXPECT_GT(cache.Detail().blocks_recoded, 0);
   }
+  if (outliers) {
+    EXPECT_GT(store->outlier_moves(), 0);
+    EXPECT_EQ(cache.Detail().pages_outlier, 0);
+  }
   // Only the default epoch is left (every sequence and its epochs are gone).
   EXPECT_EQ(cache.Detail().basis_entries_used, 1);
 }
 
-INSTANTIATE_TEST_SUITE_P(Refresh, RandomTrafficTest, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return info.param ? "OnlineRefresh" : "StaticBasis";
+INSTANTIATE_TEST_SUITE_P(Policies, RandomTrafficTest,
+                         ::testing::Combine(::testing::Bool(), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<bool, bool>>& info) {
+                           return std::string(std::get<0>(info.param) ? "OnlineRefresh"
+                                                                      : "StaticBasis") +
+                                  (std::get<1>(info.param) ? "WithOutliers" : "");
                          });
 
 }  // namespace

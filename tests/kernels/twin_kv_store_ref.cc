@@ -10,6 +10,7 @@
 #include "kernels/expand_blocks.h"
 #include "tests/kernels/compress_blocks_ref.h"
 #include "tests/kernels/expand_blocks_ref.h"
+#include "tests/kernels/outlier_tokens_ref.h"
 
 namespace subspace::kernels {
 
@@ -54,6 +55,11 @@ absl::Status TwinKvStore::LoadBasis(int entry, const Basis& basis) {
 absl::Status TwinKvStore::Compress(const CompressBatch& batch) {
   ++compress_calls_;
   blocks_compressed_ += static_cast<int64_t>(batch.src_page.size());
+  const bool detect = !batch.outlier_masks.empty();
+  if (detect && batch.outlier_masks.size() != batch.src_page.size()) {
+    return absl::InvalidArgumentError("one outlier mask per block");
+  }
+  std::fill(batch.outlier_masks.begin(), batch.outlier_masks.end(), uint64_t{0});
   for (size_t l = 0; l < layouts_.size(); ++l) {
     CompressBlocksParams p;
     p.layout = layouts_[l];
@@ -65,8 +71,40 @@ absl::Status TwinKvStore::Compress(const CompressBatch& batch) {
     p.dst_slot = batch.dst_slot.data();
     p.epoch = batch.epoch.data();
     p.n_blocks = static_cast<int32_t>(batch.src_page.size());
+    if (detect) {
+      p.basis_pq = pq_[l].data();
+      p.outlier_masks = batch.outlier_masks.data();
+      p.outlier_threshold = batch.outlier_threshold;
+    }
     if (absl::Status st = CheckCompressBatch(p, num_pages_, capacity_); !st.ok()) return st;
     CompressBlocksRef(p);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TwinKvStore::MoveOutliers(const OutlierBatch& batch) {
+  const size_t n = batch.block_page.size();
+  if (batch.mask.size() != n || batch.first_slot.size() != n ||
+      batch.outlier_page.size() != 2 * n) {
+    return absl::InvalidArgumentError("outlier batch arrays of different lengths");
+  }
+  outlier_moves_ += static_cast<int64_t>(n);
+  for (size_t l = 0; l < layouts_.size(); ++l) {
+    OutlierTokensParams p;
+    p.layout = layouts_[l];
+    p.block_pool = pools_[l].data();
+    p.outlier_pool = pools_[l].data();
+    p.block_page = batch.block_page.data();
+    p.mask = batch.mask.data();
+    p.first_slot = batch.first_slot.data();
+    p.outlier_page = batch.outlier_page.data();
+    p.n_blocks = static_cast<int32_t>(n);
+    p.direction = batch.direction;
+    if (absl::Status st = CheckOutlierBatch(p, num_pages_, num_pages_, /*same_pool=*/true);
+        !st.ok()) {
+      return st;
+    }
+    OutlierTokensRef(p);
   }
   return absl::OkStatus();
 }

@@ -66,7 +66,7 @@ TEST(BackendTest, GpuMemoryFractionNeedsCuda) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// What only the CPU cache does (outliers, kqsvd refresh, fp32 blocks) is refused by name on
+// What only the CPU cache does (kqsvd refresh, fp32 blocks) is refused by name on
 // cuda, before any device is looked for (so this runs on machines without a GPU too).
 TEST(BackendTest, CudaRefusesCompressedFeaturesThatRunOnTheCpuOnly) {
   if (!CudaBackendBuilt()) GTEST_SKIP() << "built without CUDA";
@@ -82,20 +82,22 @@ TEST(BackendTest, CudaRefusesCompressedFeaturesThatRunOnTheCpuOnly) {
   };
   KvCacheOptions cache;
   cache.kind = KvCacheKind::kCompressed;
-  KvCacheOptions outliers = cache;
-  outliers.outlier_threshold = 0.5f;
-  refused(outliers, "--kv-outlier-threshold");
   KvCacheOptions kqsvd = cache;
   kqsvd.refresh.method = RefreshMethod::kKqsvd;
   refused(kqsvd, "--refresh-method kqsvd");
-  // The device cache refreshes with the other methods: no refusal (UNAVAILABLE without a GPU).
+  // The device cache refreshes with the other methods and keeps outliers: no refusal
+  // (UNAVAILABLE without a GPU).
   KvCacheOptions pca = cache;
   pca.refresh.method = RefreshMethod::kPca;
-  EXPECT_NE(
-      CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, pca, nullptr)
-          .status()
-          .code(),
-      absl::StatusCode::kInvalidArgument);
+  KvCacheOptions outliers = cache;
+  outliers.outlier_threshold = 0.5f;
+  for (const KvCacheOptions& runs : {pca, outliers}) {
+    EXPECT_NE(CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, runs,
+                            nullptr)
+                  .status()
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+  }
   KvCacheOptions fp32 = cache;
   fp32.full_dtype = CoeffDtype::kFp32;
   refused(fp32, "--kv-full-dtype");
