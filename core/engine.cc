@@ -181,6 +181,11 @@ class Engine::Impl {
   bool ReclaimIdleLocked();
   void FreeSeqLocked(SeqId seq);
   Outcome SampleAndDecode(Request& r, std::span<float> logits);
+  // The rest of SampleAndDecode, for a token sampled on the device or the host.
+  Outcome Decode(Request& r, SampledToken s);
+  // Fills rows_ when the runner samples on its device and every request of the step lets it
+  // (no repetition penalty, no top logprobs): the logits then never leave the device.
+  bool PlanDeviceSampling(const std::vector<bool>& samples);
   // Takes mu_ itself: call without it.
   void Deliver(std::vector<Delivery>& out);
 
@@ -221,6 +226,8 @@ class Engine::Impl {
   std::vector<SequenceChunk> batch_;
   std::vector<Request*> batch_requests_;
   std::vector<float> logits_;
+  std::vector<RowSampling> rows_;      // device sampling: one per chunk
+  std::vector<TokenLogprob> sampled_;  // ... and what it chose
   std::thread thread_;
 };
 
@@ -468,15 +475,25 @@ void Engine::Impl::Loop() {
     // The forward pass and sampling run without the lock: only this thread touches the cache
     // and the requests' generation state, and no request is erased while the lock is free.
     const absl::Time start = absl::Now();
-    const absl::Status forward = model_->Forward(batch_, *cache_, &logits_);
+    std::vector<bool> samples(plan.chunks.size());
+    for (size_t i = 0; i < plan.chunks.size(); ++i) samples[i] = plan.chunks[i].samples;
+    const bool on_device = PlanDeviceSampling(samples);
+    const absl::Status forward = on_device
+                                     ? model_->ForwardAndSample(batch_, *cache_, rows_, &sampled_)
+                                     : model_->Forward(batch_, *cache_, &logits_);
     std::vector<std::optional<Outcome>> outcomes(plan.chunks.size());
     std::vector<absl::Time> token_times(plan.chunks.size());
     if (forward.ok()) {
       for (size_t i = 0; i < plan.chunks.size(); ++i) {
-        if (!plan.chunks[i].samples) continue;
-        std::span<float> row(logits_.data() + static_cast<int64_t>(i) * n_vocab,
-                             static_cast<size_t>(n_vocab));
-        outcomes[i] = SampleAndDecode(*batch_requests_[i], row);
+        if (!samples[i]) continue;
+        if (on_device) {
+          outcomes[i] = Decode(*batch_requests_[i],
+                               {.token = sampled_[i].token, .logprob = sampled_[i].logprob});
+        } else {
+          std::span<float> row(logits_.data() + static_cast<int64_t>(i) * n_vocab,
+                               static_cast<size_t>(n_vocab));
+          outcomes[i] = SampleAndDecode(*batch_requests_[i], row);
+        }
         token_times[i] = absl::Now();
       }
     }
@@ -601,8 +618,24 @@ void Engine::Impl::FreeSeqLocked(SeqId seq) {
   (void)st;
 }
 
+bool Engine::Impl::PlanDeviceSampling(const std::vector<bool>& samples) {
+  if (!model_->samples_rows()) return false;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    if (samples[i] && !batch_requests_[i]->sampler.RowSamplingApplies()) return false;
+  }
+  rows_.clear();
+  for (size_t i = 0; i < samples.size(); ++i) {
+    // A chunk that samples nothing (a prompt's first part) still has a row: argmax, ignored.
+    rows_.push_back(samples[i] ? batch_requests_[i]->sampler.NextRow() : RowSampling{});
+  }
+  return true;
+}
+
 Engine::Impl::Outcome Engine::Impl::SampleAndDecode(Request& r, std::span<float> logits) {
-  SampledToken s = r.sampler.Sample(logits, r.tokens);
+  return Decode(r, r.sampler.Sample(logits, r.tokens));
+}
+
+Engine::Impl::Outcome Engine::Impl::Decode(Request& r, SampledToken s) {
   r.tokens.push_back(s.token);
   ++r.generated;
   Outcome o;

@@ -71,3 +71,14 @@ absl::Status ValidateStep(const ModelConfig& config, std::span<const SequenceChu
 }
 
 }  // namespace subspace
+
+namespace subspace {
+
+absl::Status ModelRunner::ForwardAndSample(std::span<const SequenceChunk> /*batch*/,
+                                           KvCacheBase& /*cache*/,
+                                           std::span<const RowSampling> /*rows*/,
+                                           std::vector<TokenLogprob>* /*sampled*/) {
+  return absl::UnimplementedError("this backend returns logits; sample them on the host");
+}
+
+}  // namespace subspace

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "core/gguf.h"
 #include "core/kv_cache.h"
+#include "core/sampler.h"
 
 namespace subspace {
 
@@ -58,6 +59,15 @@ class ModelRunner {
   virtual std::string device_name() const = 0;
   virtual absl::Status Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache,
                                std::vector<float>* logits) = 0;
+
+  // Runners that sample on their own device (the CUDA backend) instead of returning logits:
+  // Forward, then chunk i's logits row sampled with rows[i]; only the chosen tokens and their
+  // log-probabilities come back (`sampled`: one per chunk). INVALID_ARGUMENT for all_logits
+  // chunks or a rows count other than the chunks'; UNIMPLEMENTED where samples_rows() is false.
+  virtual bool samples_rows() const { return false; }
+  virtual absl::Status ForwardAndSample(std::span<const SequenceChunk> batch, KvCacheBase& cache,
+                                        std::span<const RowSampling> rows,
+                                        std::vector<TokenLogprob>* sampled);
 };
 
 // The checks every Forward makes before writing anything (the errors documented above, plus

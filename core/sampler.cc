@@ -109,6 +109,22 @@ SampledToken Sampler::Sample(std::span<float> logits, std::span<const int32_t> h
   return out;
 }
 
+bool Sampler::RowSamplingApplies() const {
+  return params_.repetition_penalty == 1.0f && params_.logprobs == 0;
+}
+
+RowSampling Sampler::NextRow() {
+  RowSampling row{.temperature = params_.temperature,
+                  .top_k = params_.top_k,
+                  .top_p = params_.top_p,
+                  .min_p = params_.min_p};
+  if (params_.temperature > 0.0f) {
+    // Below 1 after the narrowing too: the kernel's draw is u * total with u in [0, 1).
+    row.uniform = std::min(static_cast<float>(UniformFromBits(rng_)), 0x1.fffffep-1f);
+  }
+  return row;
+}
+
 void Sampler::FillTopLogprobs(std::span<const float> logits, float max_logit, double log_z,
                               SampledToken& out) {
   const size_t n =

@@ -38,6 +38,17 @@ struct TokenLogprob {
   float logprob = 0.0f;
 };
 
+// One logits row's sampling as a device kernel runs it (kernels/sampling.h, the policy of
+// Sampler::Sample without repetition penalty or top logprobs): the request's parameters and the
+// uniform its Sampler drew for the row.
+struct RowSampling {
+  float temperature = 0.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  float uniform = 0.0f;  // [0, 1); unused when temperature is 0
+};
+
 struct SampledToken {
   int32_t token = 0;
   float logprob = 0.0f;  // of the chosen token under the unmodified distribution (log-softmax)
@@ -71,6 +82,14 @@ class Sampler {
   // whose algorithms the standard leaves unspecified, so a seed gives the same tokens with
   // every standard library.
   SampledToken Sample(std::span<float> logits, std::span<const int32_t> history);
+
+  // Whether a device may sample for this request (no repetition penalty, which needs the
+  // history, and no top logprobs, which need the whole row).
+  bool RowSamplingApplies() const;
+  // The next row as RowSampling: draws the request's next uniform when it samples
+  // stochastically, as Sample would, so a seeded request picks the same tokens either way
+  // (up to float rounding of the draw).
+  RowSampling NextRow();
 
  private:
   void ApplyRepetitionPenalty(std::span<float> logits, std::span<const int32_t> history);

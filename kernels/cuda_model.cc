@@ -33,6 +33,7 @@
 #include "kernels/residual.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
+#include "kernels/sampling.h"
 #include "kernels/step_graphs.h"
 #include "kernels/swiglu.h"
 
@@ -311,8 +312,16 @@ struct CudaLlamaModel::Impl {
   uint8_t* LayerPool(int layer) const {
     return paged != nullptr ? paged->LayerPool(layer) : store->LayerPool(layer);
   }
+  // Forward and ForwardAndSample after their checks: one of out_logits and (rows, sampled).
+  absl::Status Run(std::span<const SequenceChunk> batch, KvCacheBase& cache,
+                   std::vector<float>* out_logits, std::span<const RowSampling> rows,
+                   std::vector<TokenLogprob>* sampled);
   absl::Status Step(std::span<const SequenceChunk> batch, int64_t t_rows, int64_t logit_rows,
-                    std::vector<float>* out_logits);
+                    std::vector<float>* out_logits, std::span<const RowSampling> rows,
+                    std::vector<TokenLogprob>* sampled);
+  // The logits rows sampled with `rows`, their tokens and log-probabilities copied back (waited
+  // for by the step's synchronisation).
+  absl::Status EnqueueSampling(std::span<const RowSampling> rows);
   // Everything a planned step runs on the stream, from the plan copy to the logits: what a
   // decode step's graph captures.
   absl::Status EnqueueForward(int64_t t_rows, int64_t n_logit_rows);
@@ -491,10 +500,34 @@ StepGraphStats CudaLlamaModel::graph_stats() const { return impl_->graphs.stats(
 
 absl::Status CudaLlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache,
                                      std::vector<float>* logits) {
-  Impl& s = *impl_;
+  return impl_->Run(batch, cache, logits, {}, nullptr);
+}
+
+absl::Status CudaLlamaModel::ForwardAndSample(std::span<const SequenceChunk> batch,
+                                              KvCacheBase& cache, std::span<const RowSampling> rows,
+                                              std::vector<TokenLogprob>* sampled) {
+  if (rows.size() != batch.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%d sampling rows for %d chunks: one per chunk", rows.size(), batch.size()));
+  }
+  for (const SequenceChunk& ch : batch) {
+    if (ch.all_logits) return absl::InvalidArgumentError("device sampling takes one row per chunk");
+  }
+  if (sampled == nullptr) return absl::InvalidArgumentError("null sampled");
+  return impl_->Run(batch, cache, nullptr, rows, sampled);
+}
+
+absl::Status CudaLlamaModel::Impl::Run(std::span<const SequenceChunk> batch, KvCacheBase& cache,
+                                       std::vector<float>* logits,
+                                       std::span<const RowSampling> rows,
+                                       std::vector<TokenLogprob>* sampled) {
+  Impl& s = *this;
   int64_t t_rows = 0, logit_rows = 0;
-  if (absl::Status st =
-          ValidateStep(s.config, batch, cache, logits, &s.seq_scratch, &t_rows, &logit_rows);
+  // ValidateStep wants the logits vector only to tell "none" from "some": the sampled path has
+  // its own output.
+  std::vector<float> unused;
+  if (absl::Status st = ValidateStep(s.config, batch, cache, logits != nullptr ? logits : &unused,
+                                     &s.seq_scratch, &t_rows, &logit_rows);
       !st.ok()) {
     return st;
   }
@@ -511,11 +544,13 @@ absl::Status CudaLlamaModel::Forward(std::span<const SequenceChunk> batch, KvCac
   if (absl::Status st = CudaStatus(cudaSetDevice(s.options.device), "cudaSetDevice"); !st.ok()) {
     return st;
   }
-  return s.Step(batch, t_rows, logit_rows, logits);
+  return s.Step(batch, t_rows, logit_rows, logits, rows, sampled);
 }
 
 absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, int64_t t_rows,
-                                        int64_t n_logit_rows, std::vector<float>* out_logits) {
+                                        int64_t n_logit_rows, std::vector<float>* out_logits,
+                                        std::span<const RowSampling> rows,
+                                        std::vector<TokenLogprob>* sampled) {
   const ModelConfig& m = config;
   KvCacheBase& cache = paged != nullptr ? static_cast<KvCacheBase&>(*paged) : *compressed;
   // Compressions queued outside a step (a Commit by the engine) run before this step's writes.
@@ -543,19 +578,28 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
           ? graphs.Run(stream, plan.n_decode, [&] { return EnqueueForward(t_rows, n_logit_rows); })
           : EnqueueForward(t_rows, n_logit_rows);
 
-  // ---- Logits of the rows asked for, back to the host. --------------------------------------
+  // ---- Logits of the rows asked for back to the host, or the tokens sampled from them. -------
   const size_t logit_bytes = static_cast<size_t>(n_logit_rows) * m.n_vocab * sizeof(float);
   if (st.ok()) {
-    st = CudaStatus(
-        cudaMemcpyAsync(logits_host->data(), logits, logit_bytes, cudaMemcpyDeviceToHost, stream),
-        "logits copy");
+    st = !rows.empty() ? EnqueueSampling(rows)
+                       : CudaStatus(cudaMemcpyAsync(logits_host->data(), logits, logit_bytes,
+                                                    cudaMemcpyDeviceToHost, stream),
+                                    "logits copy");
   }
   // Wait even after a failed launch: the host buffers must not be reused while work is queued.
   const absl::Status sync = CudaStatus(cudaStreamSynchronize(stream), "step");
   if (!st.ok()) return st;
   if (!sync.ok()) return sync;
-  out_logits->resize(static_cast<size_t>(n_logit_rows) * m.n_vocab);
-  std::memcpy(out_logits->data(), logits_host->data(), logit_bytes);
+  if (!rows.empty()) {
+    const int64_t s_cap = options.max_sequences;
+    const auto* token = reinterpret_cast<const int32_t*>(meta_host->data() + meta.sample_out);
+    const auto* logprob = reinterpret_cast<const float*>(token + s_cap);
+    sampled->resize(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) (*sampled)[i] = {token[i], logprob[i]};
+  } else {
+    out_logits->resize(static_cast<size_t>(n_logit_rows) * m.n_vocab);
+    std::memcpy(out_logits->data(), logits_host->data(), logit_bytes);
+  }
 
   for (const SequenceChunk& ch : batch) {
     if (absl::Status c = cache.Commit(ch.seq, ch.pos + static_cast<int64_t>(ch.tokens.size()));
@@ -565,6 +609,54 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
   }
   // The blocks that left the window, coded in one batch on the stream (ahead of the next step).
   return compressed != nullptr ? compressed->Flush() : absl::OkStatus();
+}
+
+absl::Status CudaLlamaModel::Impl::EnqueueSampling(std::span<const RowSampling> rows) {
+  // [5, S] parameters in the pinned metadata, copied whole (S is small), then the kernel over
+  // the logits rows (one per chunk) and [2, S] results back into the pinned metadata.
+  const int64_t s_cap = options.max_sequences;
+  uint8_t* params = meta_host->data() + meta.sample_params;
+  auto* temperature = reinterpret_cast<float*>(params);
+  auto* top_k = reinterpret_cast<int32_t*>(temperature + s_cap);
+  auto* top_p = reinterpret_cast<float*>(top_k + s_cap);
+  auto* min_p = top_p + s_cap;
+  auto* uniform = min_p + s_cap;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    temperature[i] = rows[i].temperature;
+    top_k[i] = rows[i].top_k;
+    top_p[i] = rows[i].top_p;
+    min_p[i] = rows[i].min_p;
+    uniform[i] = rows[i].uniform;
+  }
+  if (absl::Status st = CudaStatus(
+          cudaMemcpyAsync(meta_device + meta.sample_params, params,
+                          static_cast<size_t>(5 * s_cap * 4), cudaMemcpyHostToDevice, stream),
+          "sampling parameters copy");
+      !st.ok()) {
+    return st;
+  }
+  const auto* d_params = reinterpret_cast<const float*>(meta_device + meta.sample_params);
+  auto* d_token = reinterpret_cast<int32_t*>(meta_device + meta.sample_out);
+  if (absl::Status st =
+          Launch(LaunchSampleTokens({.logits = logits,
+                                     .temperature = d_params,
+                                     .top_k = reinterpret_cast<const int32_t*>(d_params + s_cap),
+                                     .top_p = d_params + 2 * s_cap,
+                                     .min_p = d_params + 3 * s_cap,
+                                     .uniform = d_params + 4 * s_cap,
+                                     .token = d_token,
+                                     .logprob = reinterpret_cast<float*>(d_token + s_cap),
+                                     .n_rows = static_cast<int32_t>(rows.size()),
+                                     .vocab = config.n_vocab},
+                                    stream),
+                 "sampling");
+      !st.ok()) {
+    return st;
+  }
+  return CudaStatus(
+      cudaMemcpyAsync(meta_host->data() + meta.sample_out, d_token,
+                      static_cast<size_t>(2 * s_cap * 4), cudaMemcpyDeviceToHost, stream),
+      "sampled tokens copy");
 }
 
 absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logit_rows) {

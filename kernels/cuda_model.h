@@ -92,6 +92,12 @@ class CudaLlamaModel final : public ModelRunner {
   // returns when the logits are on the host.
   absl::Status Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache,
                        std::vector<float>* logits) override;
+  // The logits rows sampled on the device (kernels/sampling.h): only tokens and log-probabilities
+  // come back to the host.
+  bool samples_rows() const override { return true; }
+  absl::Status ForwardAndSample(std::span<const SequenceChunk> batch, KvCacheBase& cache,
+                                std::span<const RowSampling> rows,
+                                std::vector<TokenLogprob>* sampled) override;
 
   // Bytes of the one device allocation, and how they split (start-up log, README).
   struct MemoryUse {

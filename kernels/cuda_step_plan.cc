@@ -123,6 +123,8 @@ StepMetaLayout LayoutStepMeta(const StepMetaLimits& limits) {
   meta.exp_outlier_mask = at(meta.exp_outlier_capacity * 8);
   meta.exp_outlier_first = at(meta.exp_outlier_capacity * 4);
   meta.exp_outlier_pages = at(meta.exp_outlier_capacity * 2 * 4);
+  meta.sample_params = at(5 * s * 4);
+  meta.sample_out = at(2 * s * 4);
   meta.total = c.used();
   return meta;
 }

@@ -43,6 +43,10 @@ struct StepMetaLayout {
   int64_t exp_outlier_pages = 0;
   int64_t exp_capacity = 0;          // E at most
   int64_t exp_outlier_capacity = 0;  // E with outliers, else 0
+  // Device sampling (ForwardAndSample): per chunk, arrays of S each: temperature, top_k, top_p,
+  // min_p, uniform in; token, logprob out.
+  int64_t sample_params = 0;  // [5, S] 4-byte values
+  int64_t sample_out = 0;     // [2, S]
   int64_t total = 0;
 };
 

@@ -25,6 +25,7 @@
 #include "core/gguf.h"
 #include "core/model.h"
 #include "core/paged_kv_cache.h"
+#include "core/sampler.h"
 #include "core/tokenizer.h"
 #include "kernels/device_compressed_kv_cache.h"
 #include "kernels/step_graphs.h"
@@ -381,6 +382,76 @@ TEST(CudaModelTest, DecodeStepsReplayedAsGraphsGiveTheEagerLogits) {
     EXPECT_GE(st.instantiations, 2);
     EXPECT_EQ(eager->model->graph_stats().replays + eager->model->graph_stats().eager, 0);
   }
+}
+
+// Rows sampled on the device against the host sampler on the same logits: two backends run the
+// same steps, one returning logits that seeded host Samplers sample, the other sampling with
+// identically seeded Samplers' rows (NextRow draws what Sample would). Greedy rows must agree
+// exactly; stochastic ones too, but for draws within float rounding of a boundary.
+TEST(CudaModelTest, DeviceSamplingPicksTheHostSamplersTokens) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(ModelPath());
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const CudaModelOptions options = {.max_batch_tokens = 256,
+                                    .max_sequences = 8,
+                                    .block_size = 16,
+                                    .kv_cache_bytes = int64_t{32} << 20};
+  absl::StatusOr<CudaBackend> logits_backend = CreateCudaBackend(**cpu, options);
+  absl::StatusOr<CudaBackend> sampling_backend = CreateCudaBackend(**cpu, options);
+  ASSERT_TRUE(logits_backend.ok() && sampling_backend.ok());
+  const std::vector<SamplingParams> params = {{},
+                                              {.temperature = 0.8f, .top_k = 40, .seed = 7},
+                                              {.temperature = 1.0f, .top_p = 0.9f, .seed = 3},
+                                              {.temperature = 1.2f, .min_p = 0.05f, .seed = 11}};
+  std::vector<Sampler> host_samplers, row_samplers;
+  std::vector<SeqId> ls, ss;
+  std::vector<std::vector<int32_t>> next(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    host_samplers.emplace_back(params[i]);
+    row_samplers.emplace_back(params[i]);
+    ls.push_back(*logits_backend->cache->CreateSequence());
+    ss.push_back(*sampling_backend->cache->CreateSequence());
+    for (int t = 0; t < 20 + 5 * static_cast<int>(i); ++t) {
+      next[i].push_back(1 + (t * 37 + static_cast<int>(i) * 101) % 900);
+    }
+  }
+  const int vocab = (*cpu)->config().n_vocab;
+  int stochastic = 0, agreed = 0;
+  for (int step = 0; step < 30; ++step) {
+    std::vector<SequenceChunk> lb, sb;
+    std::vector<RowSampling> rows;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int64_t n = static_cast<int64_t>(next[i].size());
+      ASSERT_TRUE(logits_backend->cache->Reserve(ls[i], n).ok());
+      ASSERT_TRUE(sampling_backend->cache->Reserve(ss[i], n).ok());
+      lb.push_back({ls[i], logits_backend->cache->Length(ls[i]), next[i]});
+      sb.push_back({ss[i], sampling_backend->cache->Length(ss[i]), next[i]});
+      rows.push_back(row_samplers[i].NextRow());
+    }
+    std::vector<float> logits;
+    std::vector<TokenLogprob> sampled;
+    ASSERT_TRUE(logits_backend->model->Forward(lb, *logits_backend->cache, &logits).ok());
+    ASSERT_TRUE(
+        sampling_backend->model->ForwardAndSample(sb, *sampling_backend->cache, rows, &sampled)
+            .ok());
+    ASSERT_EQ(sampled.size(), params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      std::span<float> row(logits.data() + i * vocab, static_cast<size_t>(vocab));
+      const SampledToken want = host_samplers[i].Sample(row, {});
+      if (params[i].temperature == 0.0f) {
+        EXPECT_EQ(sampled[i].token, want.token) << "greedy, step " << step;
+      } else {
+        ++stochastic;
+        agreed += sampled[i].token == want.token;
+      }
+      if (sampled[i].token == want.token) {
+        EXPECT_NEAR(sampled[i].logprob, want.logprob, 1e-3f) << "step " << step << " row " << i;
+      }
+      // Both continue with the host's pick, so the two caches stay identical.
+      next[i] = {want.token};
+    }
+  }
+  EXPECT_GE(agreed, stochastic - 2) << agreed << " of " << stochastic;
 }
 
 TEST(CudaModelTest, RejectsForeignCachesAndOversizedSteps) {
