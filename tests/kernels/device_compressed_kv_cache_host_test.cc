@@ -33,7 +33,6 @@ using namespace device_cache_test;  // NOLINT(build/namespaces): this test famil
 
 constexpr int kBasisCapacity = kDefaultBasisCapacity;
 
-using Shape = std::tuple<int, CoeffDtype>;
 class DeviceCompressedKvCacheVsCpuTest : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(DeviceCompressedKvCacheVsCpuTest, InstalledBasisMatchesCpuCacheStepByStep) {
@@ -158,10 +157,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DeviceCompressedKvCacheVsCpuTest,
                          ::testing::Combine(::testing::Values(64, 128),
                                             ::testing::Values(CoeffDtype::kFp16,
                                                               CoeffDtype::kInt8)),
-                         [](const ::testing::TestParamInfo<Shape>& info) {
-                           return "d" + std::to_string(std::get<0>(info.param)) + "_" +
-                                  CoeffDtypeName(std::get<1>(info.param));
-                         });
+                         ShapeName);
 
 // --- Bookkeeping alone ---------------------------------------------------------------------
 

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <span>
@@ -147,38 +148,64 @@ void ExpectAttentionWithDeviceOutliers(Pair& p, SeqId cs, SeqId ds, const cache_
   }
 }
 
-using Shape = std::tuple<int, CoeffDtype>;
-class DeviceCacheOutliersTest : public ::testing::TestWithParam<Shape> {};
+// Both caches over one installed basis, a sequence on each, the data both are fed.
+class OutlierCachesTest : public ::testing::Test {
+ protected:
+  // num_pages and device_threshold: the device cache's; the CPU cache keeps `c`'s.
+  void Open(const CompressedKvCacheConfig& c, int64_t tokens, int64_t num_pages = 256,
+            float device_threshold = kThreshold) {
+    const uint64_t seed = testing::FreshSeed();
+    seed_trace_.emplace(__FILE__, __LINE__,
+                        ::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+    rng.seed(seed);
+    p = MakeOutlierPair(c, num_pages, device_threshold);
+    ASSERT_NE(p.dev, nullptr);
+    InstallBasis(p, c, rng);
+    d = cache_test::RandomKv(c.geometry, tokens, static_cast<uint32_t>(rng()));
+    absl::StatusOr<SeqId> cpu_seq = p.cpu->CreateSequence(), dev_seq = p.dev->CreateSequence();
+    ASSERT_TRUE(cpu_seq.ok() && dev_seq.ok());
+    cs = *cpu_seq;
+    ds = *dev_seq;
+  }
+  // Tokens [from, to) of `data` into both caches, one step.
+  void Append(const cache_test::Data& data, int64_t from, int64_t to) {
+    cache_test::Append(*p.cpu, cs, data, from, to);
+    AppendDevice(*p.dev, *p.store, ds, data, from, to);
+  }
+  std::vector<int64_t> DeviceOutliers() const {
+    const std::span<const int64_t> pos = p.dev->OutlierPositions(ds);
+    return {pos.begin(), pos.end()};
+  }
+
+  std::mt19937_64 rng;
+  Pair p;
+  cache_test::Data d;
+  SeqId cs = -1, ds = -1;
+
+ private:
+  std::optional<::testing::ScopedTrace> seed_trace_;
+};
+
+class DeviceCacheOutliersTest : public OutlierCachesTest,
+                                public ::testing::WithParamInterface<Shape> {};
 
 TEST_P(DeviceCacheOutliersTest, OneLayerKeepsTheCpuCachesOutliersAndAttendsAsItDoes) {
   const auto [hd, dt] = GetParam();
-  const uint64_t seed = testing::FreshSeed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
-  std::mt19937_64 rng(seed);
   const CompressedKvCacheConfig c = OutlierConfig(1, hd, dt);
-  Pair p = MakeOutlierPair(c);
-  ASSERT_NE(p.dev, nullptr);
-  InstallBasis(p, c, rng);
-  const cache_test::Data d = cache_test::RandomKv(c.geometry, 300, static_cast<uint32_t>(rng()));
-  absl::StatusOr<SeqId> cs = p.cpu->CreateSequence(), ds = p.dev->CreateSequence();
-  ASSERT_TRUE(cs.ok() && ds.ok());
+  ASSERT_NO_FATAL_FAILURE(Open(c, 300));
   int64_t at = 0;
   for (int64_t to : {37, 90, 91, 92, 120, 121, 150, 151, 152, 153, 200, 300}) {
-    cache_test::Append(*p.cpu, *cs, d, at, to);
-    AppendDevice(*p.dev, *p.store, *ds, d, at, to);
+    ASSERT_NO_FATAL_FAILURE(Append(d, at, to));
     at = to;
-    const std::span<const int64_t> want = p.cpu->OutlierPositions(*cs, 0);
-    const std::span<const int64_t> got = p.dev->OutlierPositions(*ds);
-    ASSERT_EQ(std::vector<int64_t>(got.begin(), got.end()),
-              std::vector<int64_t>(want.begin(), want.end()))
-        << "length " << to;
-    ExpectSameAttention(p, *cs, *ds, static_cast<uint32_t>(rng()), Tolerance(dt));
+    const std::span<const int64_t> want = p.cpu->OutlierPositions(cs, 0);
+    ASSERT_EQ(DeviceOutliers(), std::vector<int64_t>(want.begin(), want.end())) << "length " << to;
+    ExpectSameAttention(p, cs, ds, static_cast<uint32_t>(rng()), Tolerance(dt));
   }
-  const std::span<const int64_t> pos = p.dev->OutlierPositions(*ds);
+  const std::span<const int64_t> pos = p.dev->OutlierPositions(ds);
   ASSERT_GT(pos.size(), 2u * c.block_size) << "the threshold flags too few tokens to test";
-  ExpectOutlierPagesHoldTheTokens(*p.dev, *p.store, *ds, d);
+  ExpectOutlierPagesHoldTheTokens(*p.dev, *p.store, ds, d);
   // Each block's mask names exactly its outliers.
-  const std::span<const DeviceCompressedKvCache::Block> table = p.dev->BlockTable(*ds);
+  const std::span<const DeviceCompressedKvCache::Block> table = p.dev->BlockTable(ds);
   size_t j = 0;
   for (size_t b = 0; b < table.size(); ++b) {
     uint64_t mask = 0;
@@ -189,58 +216,37 @@ TEST_P(DeviceCacheOutliersTest, OneLayerKeepsTheCpuCachesOutliersAndAttendsAsItD
   }
   const DeviceCompressedKvCacheDetail detail = p.dev->Detail();
   EXPECT_EQ(detail.outlier_tokens, static_cast<int64_t>(pos.size()));
-  EXPECT_EQ(detail.pages_outlier, static_cast<int64_t>(p.dev->OutlierPages(*ds).size()));
+  EXPECT_EQ(detail.pages_outlier, static_cast<int64_t>(p.dev->OutlierPages(ds).size()));
   EXPECT_EQ(detail.outliers_dropped, 0);
   EXPECT_EQ(p.dev->Stats().bytes_used_outlier, p.cpu->Stats().bytes_used_outlier);
-  ASSERT_TRUE(p.dev->FreeSequence(*ds).ok());
+  ASSERT_TRUE(p.dev->FreeSequence(ds).ok());
   EXPECT_EQ(p.dev->Stats().bytes_used_outlier, 0);
   EXPECT_EQ(p.dev->Detail().outlier_tokens, 0);
 }
 
 TEST_P(DeviceCacheOutliersTest, SeveralLayersKeepTheUnionOfTheCpuCachesOutliers) {
   const auto [hd, dt] = GetParam();
-  const uint64_t seed = testing::FreshSeed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
-  std::mt19937_64 rng(seed);
-  const CompressedKvCacheConfig c = OutlierConfig(2, hd, dt);
-  Pair p = MakeOutlierPair(c);
-  ASSERT_NE(p.dev, nullptr);
-  InstallBasis(p, c, rng);
-  const cache_test::Data d = cache_test::RandomKv(c.geometry, 240, static_cast<uint32_t>(rng()));
-  absl::StatusOr<SeqId> cs = p.cpu->CreateSequence(), ds = p.dev->CreateSequence();
-  ASSERT_TRUE(cs.ok() && ds.ok());
+  ASSERT_NO_FATAL_FAILURE(Open(OutlierConfig(2, hd, dt), 240));
   int64_t at = 0;
   for (int64_t to : {100, 101, 150, 151, 240}) {
-    cache_test::Append(*p.cpu, *cs, d, at, to);
-    AppendDevice(*p.dev, *p.store, *ds, d, at, to);
+    ASSERT_NO_FATAL_FAILURE(Append(d, at, to));
     at = to;
-    const std::span<const int64_t> got = p.dev->OutlierPositions(*ds);
-    ASSERT_EQ(std::vector<int64_t>(got.begin(), got.end()), UnionOfCpuOutliers(*p.cpu, *cs))
-        << "length " << to;
-    ExpectAttentionWithDeviceOutliers(p, *cs, *ds, d, dt, static_cast<uint32_t>(rng()));
+    ASSERT_EQ(DeviceOutliers(), UnionOfCpuOutliers(*p.cpu, cs)) << "length " << to;
+    ExpectAttentionWithDeviceOutliers(p, cs, ds, d, dt, static_cast<uint32_t>(rng()));
   }
-  ASSERT_GT(p.dev->OutlierPositions(*ds).size(), p.cpu->OutlierPositions(*cs, 0).size());
-  ExpectOutlierPagesHoldTheTokens(*p.dev, *p.store, *ds, d);
+  ASSERT_GT(DeviceOutliers().size(), p.cpu->OutlierPositions(cs, 0).size());
+  ExpectOutlierPagesHoldTheTokens(*p.dev, *p.store, ds, d);
 }
 
 TEST_P(DeviceCacheOutliersTest, TruncationIntoABlockPutsItsOutliersBack) {
   const auto [hd, dt] = GetParam();
-  const uint64_t seed = testing::FreshSeed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
-  std::mt19937_64 rng(seed);
   const CompressedKvCacheConfig c = OutlierConfig(2, hd, dt);
-  Pair p = MakeOutlierPair(c);
-  ASSERT_NE(p.dev, nullptr);
-  InstallBasis(p, c, rng);
-  const cache_test::Data d = cache_test::RandomKv(c.geometry, 240, static_cast<uint32_t>(rng()));
+  ASSERT_NO_FATAL_FAILURE(Open(c, 240));
   const cache_test::Data d2 = cache_test::RandomKv(c.geometry, 240, static_cast<uint32_t>(rng()));
-  absl::StatusOr<SeqId> cs = p.cpu->CreateSequence(), ds = p.dev->CreateSequence();
-  ASSERT_TRUE(cs.ok() && ds.ok());
-  cache_test::Append(*p.cpu, *cs, d, 0, 200);
-  AppendDevice(*p.dev, *p.store, *ds, d, 0, 200);
+  ASSERT_NO_FATAL_FAILURE(Append(d, 0, 200));
   // The last compressed block with outliers; cut it after its first outlier.
   const int bs = c.block_size;
-  const std::span<const DeviceCompressedKvCache::Block> table = p.dev->BlockTable(*ds);
+  const std::span<const DeviceCompressedKvCache::Block> table = p.dev->BlockTable(ds);
   int64_t b = static_cast<int64_t>(table.size()) - 1;
   while (b > 0 && (table[static_cast<size_t>(b)].slot == kFullBlock ||
                    table[static_cast<size_t>(b)].outliers == 0)) {
@@ -250,12 +256,12 @@ TEST_P(DeviceCacheOutliersTest, TruncationIntoABlockPutsItsOutliersBack) {
   const uint64_t mask = table[static_cast<size_t>(b)].outliers;
   const int64_t cut = b * bs + __builtin_ctzll(mask) + 1;
   const int64_t pages_before = p.dev->Detail().pages_outlier;
-  ASSERT_TRUE(p.cpu->Truncate(*cs, cut).ok());
-  ASSERT_TRUE(p.dev->Truncate(*ds, cut).ok());
-  ASSERT_EQ(p.dev->BlockTable(*ds)[static_cast<size_t>(b)].slot, kFullBlock);
+  ASSERT_TRUE(p.cpu->Truncate(cs, cut).ok());
+  ASSERT_TRUE(p.dev->Truncate(ds, cut).ok());
+  ASSERT_EQ(p.dev->BlockTable(ds)[static_cast<size_t>(b)].slot, kFullBlock);
   // Its page holds the exact outliers again (K of head 0, layer 0, first element).
   std::vector<uint16_t> page(static_cast<size_t>(p.dev->layout(0).page_bytes / 2));
-  ASSERT_TRUE(p.store->ReadPage(0, p.dev->BlockTable(*ds)[static_cast<size_t>(b)].page, page).ok());
+  ASSERT_TRUE(p.store->ReadPage(0, p.dev->BlockTable(ds)[static_cast<size_t>(b)].page, page).ok());
   const int64_t row = int64_t{c.geometry.n_kv_heads} * hd;
   for (uint64_t m = mask; m != 0; m &= m - 1) {
     const int t = __builtin_ctzll(m);
@@ -264,16 +270,13 @@ TEST_P(DeviceCacheOutliersTest, TruncationIntoABlockPutsItsOutliersBack) {
         << "token " << t;
   }
   // The sequence keeps only the outliers of the blocks still compressed.
-  for (int64_t pos : p.dev->OutlierPositions(*ds)) EXPECT_LT(pos, b * bs);
+  for (int64_t pos : DeviceOutliers()) EXPECT_LT(pos, b * bs);
   EXPECT_LE(p.dev->Detail().pages_outlier, pages_before);
-  EXPECT_EQ(p.dev->Detail().outlier_tokens,
-            static_cast<int64_t>(p.dev->OutlierPositions(*ds).size()));
+  EXPECT_EQ(p.dev->Detail().outlier_tokens, static_cast<int64_t>(DeviceOutliers().size()));
   // New tokens after the cut, compressed again: the CPU cache's outliers, merged, again.
-  cache_test::Append(*p.cpu, *cs, d2, cut, 240);
-  AppendDevice(*p.dev, *p.store, *ds, d2, cut, 240);
-  const std::span<const int64_t> got = p.dev->OutlierPositions(*ds);
-  EXPECT_EQ(std::vector<int64_t>(got.begin(), got.end()), UnionOfCpuOutliers(*p.cpu, *cs));
-  ASSERT_TRUE(p.dev->FreeSequence(*ds).ok());
+  ASSERT_NO_FATAL_FAILURE(Append(d2, cut, 240));
+  EXPECT_EQ(DeviceOutliers(), UnionOfCpuOutliers(*p.cpu, cs));
+  ASSERT_TRUE(p.dev->FreeSequence(ds).ok());
   EXPECT_EQ(p.dev->Stats().bytes_used_outlier, 0);
   EXPECT_EQ(p.dev->Stats().bytes_used_full + p.dev->Stats().bytes_used_compressed, 0);
 }
@@ -282,40 +285,27 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DeviceCacheOutliersTest,
                          ::testing::Combine(::testing::Values(64, 128),
                                             ::testing::Values(CoeffDtype::kFp16,
                                                               CoeffDtype::kInt8)),
-                         [](const ::testing::TestParamInfo<Shape>& info) {
-                           return "d" + std::to_string(std::get<0>(info.param)) + "_" +
-                                  CoeffDtypeName(std::get<1>(info.param));
-                         });
+                         ShapeName);
 
 // A pool with no page left for an outlier: the token stays compressed (counted), the step goes
 // on, and attention follows what was kept. Every token is an outlier here (a residual above
 // 0.1 of the key), so each coded block needs a page of its own; one prefill chunk reserves all
 // but the headroom page and codes seven blocks in one Commit, whose slab (four slots a page)
 // fills after four: that Flush has one free page for four blocks' outliers.
-TEST(DeviceCacheOutlierPolicyTest, NoPageForAnOutlierDropsTheOutlierNotTheStep) {
-  const uint64_t seed = testing::FreshSeed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
-  std::mt19937_64 rng(seed);
+TEST_F(OutlierCachesTest, NoPageForAnOutlierDropsTheOutlierNotTheStep) {
   // The CPU cache (a roomy pool) keeps no outliers: it is the reference for the coded tokens.
   CompressedKvCacheConfig c = OutlierConfig(1, 64, CoeffDtype::kFp16);
   c.outlier_threshold = 1.0f;
-  Pair p = MakeOutlierPair(c, /*num_pages=*/12, /*device_threshold=*/0.1f);
-  ASSERT_NE(p.dev, nullptr);
+  ASSERT_NO_FATAL_FAILURE(Open(c, 160, /*num_pages=*/12, /*device_threshold=*/0.1f));
   ASSERT_EQ(p.dev->plan_layout().SlotsPerPage(), 4);
-  InstallBasis(p, c, rng);
-  const cache_test::Data d = cache_test::RandomKv(c.geometry, 160, static_cast<uint32_t>(rng()));
-  absl::StatusOr<SeqId> cs = p.cpu->CreateSequence(), ds = p.dev->CreateSequence();
-  ASSERT_TRUE(cs.ok() && ds.ok());
-  cache_test::Append(*p.cpu, *cs, d, 0, 160);
-  AppendDevice(*p.dev, *p.store, *ds, d, 0, 160);
+  ASSERT_NO_FATAL_FAILURE(Append(d, 0, 160));
   const DeviceCompressedKvCacheDetail detail = p.dev->Detail();
   EXPECT_EQ(detail.blocks_compressed, 7);  // blocks 1..7: before 160 - 32, after the sinks
   EXPECT_GT(detail.outliers_dropped, 0);
   EXPECT_EQ(detail.outlier_tokens + detail.outliers_dropped, 7 * 16);
-  EXPECT_EQ(detail.outlier_tokens, static_cast<int64_t>(p.dev->OutlierPositions(*ds).size()));
-  ExpectOutlierPagesHoldTheTokens(*p.dev, *p.store, *ds, d);
-  ExpectAttentionWithDeviceOutliers(p, *cs, *ds, d, CoeffDtype::kFp16,
-                                    static_cast<uint32_t>(rng()));
+  EXPECT_EQ(detail.outlier_tokens, static_cast<int64_t>(DeviceOutliers().size()));
+  ExpectOutlierPagesHoldTheTokens(*p.dev, *p.store, ds, d);
+  ExpectAttentionWithDeviceOutliers(p, cs, ds, d, CoeffDtype::kFp16, static_cast<uint32_t>(rng()));
 }
 
 TEST(DeviceCacheOutlierPolicyTest, CreateRejectsANonPositiveThreshold) {

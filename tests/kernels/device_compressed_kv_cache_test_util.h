@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -141,6 +143,13 @@ inline void ExpectSameAttention(Pair& p, SeqId cpu_seq, SeqId dev_seq, uint32_t 
 // int8 code one step apart (1/127 of the row's scale) moves it more. Bugs (a wrong page, epoch,
 // layer or rank) show up as O(1) errors.
 inline double Tolerance(CoeffDtype dt) { return dt == CoeffDtype::kInt8 ? 5e-3 : 1e-3; }
+
+// The host tests' shapes: head_dim and coefficient codes, named "d64_fp16" and so on.
+using Shape = std::tuple<int, CoeffDtype>;
+inline std::string ShapeName(const ::testing::TestParamInfo<Shape>& info) {
+  return "d" + std::to_string(std::get<0>(info.param)) + "_" +
+         CoeffDtypeName(std::get<1>(info.param));
+}
 
 // Two layers of different ranks (so their slots differ in size), sinks, a window of two blocks.
 inline CompressedKvCacheConfig CpuConfig(int hd, CoeffDtype dt) {
