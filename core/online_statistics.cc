@@ -53,15 +53,15 @@ bool AllFinite(const std::vector<double>& v) {
   return std::all_of(v.begin(), v.end(), [](double x) { return std::isfinite(x); });
 }
 
-// gram (upper) = decay * gram + x^T x.  x: [n, d] with row stride ldx; gram: [d, d]
-void AddRows(const float* x, int64_t n, int d, int64_t ldx, double decay,
-             std::vector<double>& gram) {
+// gram (upper) = decay * gram + weight * x^T x.  x: [n, d] with row stride ldx; gram: [d, d]
+void AddRows(const float* x, int64_t n, int d, int64_t ldx, double decay, std::vector<double>& gram,
+             double weight = 1.0) {
   thread_local std::vector<double> rows;
   rows.resize(static_cast<size_t>(n) * d);
   for (int64_t i = 0; i < n; ++i) {
     for (int j = 0; j < d; ++j) rows[static_cast<size_t>(i * d + j)] = x[i * ldx + j];
   }
-  cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, d, static_cast<int>(n), 1.0, rows.data(), d,
+  cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, d, static_cast<int>(n), weight, rows.data(), d,
               decay, gram.data(), d);
 }
 
@@ -207,13 +207,13 @@ void OnlineStatistics::ObserveBlock(int layer, const float* keys, const float* v
   }
 }
 
-void OnlineStatistics::ObserveQueries(int layer, const float* q, int64_t n) {
+void OnlineStatistics::ObserveQueries(int layer, const float* q, int64_t n, double weight) {
   if (!wants_queries() || n <= 0) return;
   const int d = g_.head_dim;
   const int group = n_heads_ / g_.n_kv_heads;
   for (int j = 0; j < n_heads_; ++j) {
     AddRows(q + static_cast<size_t>(j) * d, n, d, static_cast<int64_t>(n_heads_) * d, 1.0,
-            head(layer, j / group).g_q);
+            head(layer, j / group).g_q, weight);
   }
 }
 

@@ -29,8 +29,11 @@ class OnlineStatistics {
   // One compressed block of `layer`: n tokens per KV head, as the cache stores a block.
   // keys, values: [n_kv, n, d]
   void ObserveBlock(int layer, const float* keys, const float* values, int n);
-  // Queries of `layer` (KQ-SVD only; ignored otherwise). q: [n, n_heads, d]
-  void ObserveQueries(int layer, const float* q, int64_t n);
+  // Queries of `layer` (KQ-SVD only; ignored otherwise). q: [n, n_heads, d]. Each row counts
+  // `weight` times: a backend that keeps every other query of a long chunk passes 2.
+  void ObserveQueries(int layer, const float* q, int64_t n, double weight = 1.0);
+  int n_heads() const { return n_heads_; }
+  int head_dim() const { return g_.head_dim; }
   bool wants_queries() const { return config_.method == RefreshMethod::kKqsvd; }
 
   // A new epoch from everything observed so far; Oja consumes its covariance. INTERNAL when

@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <utility>
 
+#include "absl/strings/str_format.h"
 #include "core/coeff_codec.h"
 
 namespace subspace {
@@ -97,6 +99,26 @@ bool Refresher::Observe(StreamId stream, QueryObservation observation) {
   Message m{.kind = Message::Kind::kQueries, .stream = stream};
   m.bytes = static_cast<int64_t>(observation.q.size() * sizeof(float));
   m.queries = std::move(observation);
+  return EnqueueObservation(std::move(m));
+}
+
+absl::StatusOr<bool> Refresher::Observe(StreamId stream, HalfQueryObservation observation) {
+  const HalfQueryObservation& o = observation;
+  if (o.n_layers < 1 || o.n < 1 || o.width < 1 ||
+      o.q.size() != static_cast<size_t>(o.n_layers) * static_cast<size_t>(o.n) *
+                        static_cast<size_t>(o.width)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("half-query observation of %d values for %d layers x %d rows x %d",
+                        o.q.size(), o.n_layers, o.n, o.width));
+  }
+  if (!(std::isfinite(o.weight) && o.weight > 0.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("half-query observation weight %g: must be finite and positive", o.weight));
+  }
+  Message m{.kind = Message::Kind::kHalfQueries, .stream = stream};
+  m.bytes = static_cast<int64_t>(o.q.size() * sizeof(uint16_t));
+  m.observations = o.n_layers;  // as many as the CPU cache's per-layer query observations
+  m.half_queries = std::move(observation);
   return EnqueueObservation(std::move(m));
 }
 
@@ -211,6 +233,23 @@ void Refresher::Process(Message& m) {
     case Message::Kind::kHalfBlocks:
       ProcessHalfBlocks(m.half_blocks);
       return;
+    case Message::Kind::kHalfQueries:
+      ProcessHalfQueries(m.stream, m.half_queries);
+      return;
+  }
+}
+
+void Refresher::ProcessHalfQueries(StreamId id, const HalfQueryObservation& o) {
+  auto it = streams_.find(id);
+  if (it == streams_.end()) return;  // closed since it was read back
+  OnlineStatistics& stats = *it->second.stats;
+  if (o.width != static_cast<int64_t>(stats.n_heads()) * stats.head_dim()) return;
+  const size_t layer_values = static_cast<size_t>(o.n) * static_cast<size_t>(o.width);
+  std::vector<float> q(layer_values);
+  for (int l = 0; l < std::min(o.n_layers, stats.n_layers()); ++l) {
+    const uint16_t* src = o.q.data() + static_cast<size_t>(l) * layer_values;
+    for (size_t j = 0; j < layer_values; ++j) q[j] = HalfToFloat(src[j]);
+    stats.ObserveQueries(l, q.data(), o.n, o.weight);
   }
 }
 

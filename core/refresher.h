@@ -58,6 +58,17 @@ struct QueryObservation {
   std::vector<float> q;  // [n, n_heads, d]
 };
 
+// One sequence's queries of every layer read back from a device, still fp16, widened on the
+// refresher's thread. A backend with room for only some of a step's query rows keeps an even
+// subset and weights each kept row by rows / kept, so G_Q still sums every query.
+struct HalfQueryObservation {
+  int n_layers = 0;
+  int64_t n = 0;      // rows per layer
+  int64_t width = 0;  // n_heads * head_dim
+  double weight = 1.0;
+  std::vector<uint16_t> q;  // [n_layers, n, width]
+};
+
 class Refresher {
  public:
   using StreamId = uint64_t;
@@ -88,6 +99,10 @@ class Refresher {
   // False when dropped because the queue is full.
   bool Observe(StreamId stream, BlockObservation observation);
   bool Observe(StreamId stream, QueryObservation observation);
+  // INVALID_ARGUMENT when `q` does not hold n_layers x n x width values or the weight is not a
+  // finite positive number; false when dropped because the queue is full. Rows whose width is
+  // not the stream's n_heads x head_dim, or layers it does not have, are ignored there.
+  absl::StatusOr<bool> Observe(StreamId stream, HalfQueryObservation observation);
   // INVALID_ARGUMENT when `batch.data` does not hold every layer of every block (the geometry
   // is each block's basis's); false when dropped because the queue is full.
   absl::StatusOr<bool> Observe(HalfBlockBatch batch);
@@ -104,12 +119,13 @@ class Refresher {
 
  private:
   struct Message {
-    enum class Kind { kOpen, kClose, kBlock, kQueries, kHalfBlocks } kind;
+    enum class Kind { kOpen, kClose, kBlock, kQueries, kHalfBlocks, kHalfQueries } kind;
     StreamId stream = 0;
     std::function<std::unique_ptr<OnlineStatistics>()> make;  // kOpen: run on this thread
     BlockObservation block;                                   // kBlock
     QueryObservation queries;                                 // kQueries
     HalfBlockBatch half_blocks;                               // kHalfBlocks
+    HalfQueryObservation half_queries;                        // kHalfQueries
     int64_t bytes = 0;
     int64_t observations = 1;  // block-layers it carries (counted when dropped)
   };
@@ -125,6 +141,7 @@ class Refresher {
   void Process(Message& m);  // refresher thread (or the caller's, inline)
   void ProcessBlock(StreamId id, const BlockObservation& b);
   void ProcessHalfBlocks(const HalfBlockBatch& batch);
+  void ProcessHalfQueries(StreamId id, const HalfQueryObservation& o);
   void RefreshStream(StreamId id, Stream& s);
 
   const Options options_;

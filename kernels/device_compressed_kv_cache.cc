@@ -46,10 +46,14 @@ absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache
                         config.outlier_threshold));
   }
   if (absl::Status st = ValidateRefreshConfig(config.refresh); !st.ok()) return st;
-  if (config.refresh.method == RefreshMethod::kKqsvd) {
+  if (config.n_query_heads < 0 || config.n_query_heads % g.n_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "n_query_heads %d is not a multiple of n_kv_heads %d", config.n_query_heads, g.n_kv_heads));
+  }
+  if (config.refresh.method == RefreshMethod::kKqsvd && config.n_query_heads == 0) {
     return absl::InvalidArgumentError(
-        "kqsvd refresh needs the queries, which the CUDA backend keeps on the GPU: use pca, oja "
-        "or fd");
+        "kqsvd refresh needs the queries, which this backend does not read back (no room for "
+        "them): use pca, oja or fd");
   }
   if (store == nullptr || store->basis_capacity() < 1) {
     return absl::InvalidArgumentError("device compressed KV cache needs a store with basis tables");

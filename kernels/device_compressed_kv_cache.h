@@ -24,8 +24,9 @@
 // basis-table entries at the sequence's next Commit. The compactor keeps at most
 // refresh.max_epochs epochs among a sequence's coded blocks: Flush re-codes blocks of its oldest
 // epoch into the current one, expanding them into spare pages and compressing them back into
-// their own slots (a whole block, every KV head, at once). kqsvd needs the queries, which stay on
-// the device: refused.
+// their own slots (a whole block, every KV head, at once). kqsvd also needs the queries: the
+// backend reads back the query rows of the sequences that WantsQueries names (all of them, or an
+// even, weighted subset when its buffer is short) and hands them over with ObserveQueries.
 //
 // Outlier tokens (outlier_threshold < 1): the compression kernel flags the tokens whose key
 // residual exceeds the threshold, and Flush waits for those masks (a few bytes, behind the
@@ -73,6 +74,9 @@ struct DeviceCompressedKvCacheConfig {
   // A token whose key residual |k - P P^T k| exceeds this fraction of |k| in some KV head of some
   // layer stays full-rank; >= 1 disables outliers (as CompressedKvCacheConfig's).
   float outlier_threshold = 1.0f;
+  // The model's query heads, when the backend reads queries back for kqsvd refresh; 0 refuses
+  // kqsvd. A multiple of n_kv_heads.
+  int n_query_heads = 0;
 };
 
 // Beyond KvCacheStats (tests, benchmarks, the start-up log).
@@ -169,6 +173,12 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   // Block b's outliers (mask 0: none, or not a compressed block of `seq`).
   BlockOutliers OutliersOf(SeqId seq, int64_t b) const;
   Refresher* refresher() { return refresher_.get(); }  // null until a sequence refreshes
+  // Whether `seq` refreshes by kqsvd now and wants its queries (from its first compression on).
+  bool WantsQueries(SeqId seq) const;
+  // Queries of `seq` for its refresher: every layer's rows of one step, still fp16
+  // ([n_layers, n, n_query_heads * head_dim]). NOT_FOUND for an unknown sequence,
+  // FAILED_PRECONDITION when it does not want them, INVALID_ARGUMENT for other shapes.
+  absl::Status ObserveQueries(SeqId seq, HalfQueryObservation queries);
 
  private:
   struct Sequence {

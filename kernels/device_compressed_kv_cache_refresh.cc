@@ -24,10 +24,10 @@ absl::Status DeviceCompressedKvCache::SetSequenceRefresh(SeqId seq, const Refres
   if (absl::Status st = ValidateRefreshConfig(config); !st.ok()) return st;
   Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
-  if (config.method == RefreshMethod::kKqsvd) {
+  if (config.method == RefreshMethod::kKqsvd && config_.n_query_heads == 0) {
     return absl::FailedPreconditionError(
-        "kqsvd refresh needs the queries, which the CUDA backend keeps on the GPU: use pca, oja "
-        "or fd (or the CPU backend)");
+        "kqsvd refresh needs the queries, which this backend does not read back (no room for "
+        "them): use pca, oja or fd (or the CPU backend)");
   }
   CloseStream(*s);
   s->refresh = config;
@@ -42,12 +42,36 @@ void DeviceCompressedKvCache::OpenStream(Sequence& s, SeqId seq) {
     refresher_ = std::make_unique<Refresher>(Refresher::Options{
         .inline_mode = config_.refresh_inline, .max_queued_bytes = config_.refresh_queue_bytes});
   }
-  s.stream = refresher_->Open([g = config_.geometry, r_k = r_k_, r_v = r_v_, refresh = s.refresh,
-                               initial = registry_.GetShared(s.epoch)] {
-    // No query heads: kqsvd, the one method that reads queries, is refused.
-    return std::make_unique<OnlineStatistics>(g, g.n_kv_heads, r_k, r_v, refresh, *initial);
+  // Without query heads kqsvd, the one method that reads queries, is refused.
+  const int n_heads =
+      config_.n_query_heads > 0 ? config_.n_query_heads : config_.geometry.n_kv_heads;
+  s.stream = refresher_->Open([g = config_.geometry, n_heads, r_k = r_k_, r_v = r_v_,
+                               refresh = s.refresh, initial = registry_.GetShared(s.epoch)] {
+    return std::make_unique<OnlineStatistics>(g, n_heads, r_k, r_v, refresh, *initial);
   });
   streams_[s.stream] = seq;
+}
+
+bool DeviceCompressedKvCache::WantsQueries(SeqId seq) const {
+  const Sequence* s = seqs_.Find(seq);
+  return s != nullptr && s->stream != 0 && s->refresh.method == RefreshMethod::kKqsvd;
+}
+
+absl::Status DeviceCompressedKvCache::ObserveQueries(SeqId seq, HalfQueryObservation queries) {
+  const Sequence* s = seqs_.Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (!WantsQueries(seq)) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("sequence %d does not refresh by kqsvd (or has no epoch yet)", seq));
+  }
+  const int64_t width = int64_t{config_.n_query_heads} * config_.geometry.head_dim;
+  if (queries.n_layers != config_.geometry.n_layers || queries.width != width) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("queries of %d layers x %d values per row; the cache has %d layers x %d",
+                        queries.n_layers, queries.width, config_.geometry.n_layers, width));
+  }
+  // False: the refresher is behind and dropped them (counted there).
+  return refresher_->Observe(s->stream, std::move(queries)).status();
 }
 
 void DeviceCompressedKvCache::CloseStream(Sequence& s) {

@@ -12,7 +12,9 @@
 #include <tuple>
 #include <vector>
 
+#include "core/coeff_codec.h"
 #include "core/compressed_kv_cache.h"
+#include "core/ggml_types.h"
 #include "kernels/device_compressed_kv_cache.h"
 #include "tests/core/compressed_kv_cache_test_util.h"
 #include "tests/kernels/device_compressed_kv_cache_test_util.h"
@@ -153,6 +155,136 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DeviceRefreshVsCpuTest,
                                   CoeffDtypeName(std::get<1>(info.param)) + "_" +
                                   RefreshMethodName(std::get<2>(info.param));
                          });
+
+// KQ-SVD: the CPU cache observes the queries it attends with; the device cache gets the same
+// rows as the CUDA backend hands them over after a step (fp16, every layer at once). With
+// fp16-exact queries both build the same statistics, so they install the same epochs at the
+// same steps and attend alike. Each step attends its last `n` tokens' queries in every layer.
+void AttendBothSharingQueries(Pair& p, SeqId cs, SeqId ds, int64_t n, uint32_t seed, double tol) {
+  const KvCacheGeometry& g = p.cpu->geometry();
+  const int n_heads = 3 * g.n_kv_heads;
+  const int64_t width = int64_t{n_heads} * g.head_dim;
+  const int64_t len = p.cpu->Length(cs);
+  std::vector<uint16_t> half;
+  for (int l = 0; l < g.n_layers; ++l) {
+    std::vector<float> q =
+        cache_test::RandomQ(n, n_heads, g.head_dim, seed + static_cast<uint32_t>(l));
+    for (float& x : q) {
+      half.push_back(Fp32ToFp16(x));
+      x = HalfToFloat(half.back());
+    }
+    const std::vector<float> want = cache_test::RunAttend(*p.cpu, l, cs, len - n, n, q, n_heads);
+    const std::vector<float> last_q(q.end() - width, q.end());
+    const std::vector<float> got = AttendDevice(*p.dev, *p.store, l, ds, last_q, n_heads);
+    const std::vector<float> last_want(want.end() - width, want.end());
+    EXPECT_LT(cache_test::RelErr(got, last_want), tol) << "layer " << l << " length " << len;
+  }
+  if (!p.dev->WantsQueries(ds)) return;  // no epoch yet: the CPU cache had no stream either
+  ASSERT_TRUE(p.dev
+                  ->ObserveQueries(
+                      ds, {.n_layers = g.n_layers, .n = n, .width = width, .q = std::move(half)})
+                  .ok());
+}
+
+CompressedKvCacheConfig KqsvdConfig(int hd, CoeffDtype dt, int max_epochs) {
+  CompressedKvCacheConfig c = RefreshingConfig(hd, dt, RefreshMethod::kKqsvd, max_epochs);
+  c.n_query_heads = 3 * c.geometry.n_kv_heads;
+  return c;
+}
+
+using KqsvdShape = std::tuple<int, CoeffDtype, int>;  // head_dim, codes, max_epochs
+class DeviceKqsvdRefreshTest : public ::testing::TestWithParam<KqsvdShape> {};
+
+TEST_P(DeviceKqsvdRefreshTest, TheSameQueriesGiveTheCpuCachesEpochs) {
+  const auto [hd, dt, max_epochs] = GetParam();
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  const CompressedKvCacheConfig c = KqsvdConfig(hd, dt, max_epochs);
+  Pair p = MakePair(c, 256, kRoomyCapacity);
+  ASSERT_NE(p.dev, nullptr);
+  InstallDefault(p, c, static_cast<uint32_t>(rng()));
+  const int64_t T = 260;
+  const cache_test::Data d = DriftingKv(c.geometry, T, static_cast<uint32_t>(rng()));
+  absl::StatusOr<SeqId> cs = p.cpu->CreateSequence(), ds = p.dev->CreateSequence();
+  ASSERT_TRUE(cs.ok() && ds.ok());
+  const double tol = max_epochs == 1 ? kRecodedTolerance : Tolerance(dt);
+  int64_t at = 0;
+  while (at < T) {
+    const int64_t to = std::min<int64_t>(T, at + 1 + static_cast<int64_t>(rng() % 23));
+    cache_test::Append(*p.cpu, *cs, d, at, to);
+    AppendDevice(*p.dev, *p.store, *ds, d, at, to);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
+    AttendBothSharingQueries(p, *cs, *ds, to - at, static_cast<uint32_t>(rng()), tol);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
+    at = to;
+  }
+  const KvCacheStats cpu = p.cpu->Stats(), dev = p.dev->Stats();
+  EXPECT_GE(dev.refresh.installed, 5);
+  EXPECT_EQ(dev.refresh.installed, cpu.refresh.installed);
+  EXPECT_EQ(dev.refresh.refreshes, cpu.refresh.refreshes);
+  EXPECT_EQ(dev.refresh.blocks_reprojected, cpu.refresh.blocks_reprojected);
+  EXPECT_EQ(dev.epochs_live, cpu.epochs_live);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DeviceKqsvdRefreshTest,
+                         ::testing::Values(KqsvdShape{64, CoeffDtype::kFp16, 16},
+                                           KqsvdShape{128, CoeffDtype::kInt8, 16},
+                                           KqsvdShape{64, CoeffDtype::kInt8, 1},
+                                           KqsvdShape{128, CoeffDtype::kFp16, 1}),
+                         [](const ::testing::TestParamInfo<KqsvdShape>& info) {
+                           return "d" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  CoeffDtypeName(std::get<1>(info.param)) + "_epochs" +
+                                  std::to_string(std::get<2>(info.param));
+                         });
+
+// Who may refresh by kqsvd: only a cache that knows the model's query heads (the backend reads
+// queries back); queries are taken only for a sequence refreshing by kqsvd, in its shapes.
+TEST(DeviceKqsvdRefreshTest, QueriesAreTakenOnlyWhereTheyAreWanted) {
+  CompressedKvCacheConfig c = RefreshingConfig(64, CoeffDtype::kFp16, RefreshMethod::kPca, 4);
+  DeviceCompressedKvCacheConfig without = DeviceConfig(c, 64);
+  without.refresh.method = RefreshMethod::kKqsvd;
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      DeviceCompressedKvCache::Create(without, MakeStore(without)).status()));
+  without.n_query_heads = 5;  // not a multiple of the KV heads
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      DeviceCompressedKvCache::Create(without, MakeStore(without)).status()));
+
+  Pair blind = MakePair(c, 64);  // no query heads: pca and friends only
+  ASSERT_NE(blind.dev, nullptr);
+  const SeqId b = *blind.dev->CreateSequence();
+  RefreshConfig kqsvd = c.refresh;
+  kqsvd.method = RefreshMethod::kKqsvd;
+  EXPECT_TRUE(absl::IsFailedPrecondition(blind.dev->SetSequenceRefresh(b, kqsvd)));
+
+  c.n_query_heads = 3 * c.geometry.n_kv_heads;
+  Pair p = MakePair(c, 256, kRoomyCapacity);
+  ASSERT_NE(p.dev, nullptr);
+  InstallDefault(p, c, 41);
+  const SeqId pca = *p.dev->CreateSequence(), kq = *p.dev->CreateSequence();
+  ASSERT_TRUE(p.dev->SetSequenceRefresh(kq, kqsvd).ok());
+  const cache_test::Data d = DriftingKv(c.geometry, 64, 42);
+  for (SeqId s : {pca, kq}) AppendDevice(*p.dev, *p.store, s, d, 0, 64);
+  EXPECT_FALSE(p.dev->WantsQueries(pca));
+  EXPECT_TRUE(p.dev->WantsQueries(kq));
+  EXPECT_FALSE(p.dev->WantsQueries(99));
+  const int64_t width = int64_t{c.n_query_heads} * 64;
+  const auto observe = [&](SeqId s, int n_layers, int64_t w) {
+    return p.dev->ObserveQueries(
+        s, {.n_layers = n_layers,
+            .n = 2,
+            .width = w,
+            .q = std::vector<uint16_t>(static_cast<size_t>(n_layers * 2 * w))});
+  };
+  EXPECT_TRUE(observe(kq, 2, width).ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(observe(pca, 2, width)));
+  EXPECT_TRUE(absl::IsNotFound(observe(99, 2, width)));
+  EXPECT_TRUE(absl::IsInvalidArgument(observe(kq, 1, width)));
+  EXPECT_TRUE(absl::IsInvalidArgument(observe(kq, 2, width - 64)));
+  // The refresher itself refuses data that does not match the declared shapes.
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      p.dev->ObserveQueries(kq, {.n_layers = 2, .n = 2, .width = width, .q = {1, 2, 3}})));
+}
 
 // A readback still in flight at the next Flush: that Flush's blocks go unobserved (counted),
 // the refresher sees fewer blocks, and refreshes still land.

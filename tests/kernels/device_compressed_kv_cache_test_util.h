@@ -48,6 +48,7 @@ inline DeviceCompressedKvCacheConfig DeviceConfig(const CompressedKvCacheConfig&
   d.num_pages = num_pages;
   d.refresh = c.refresh;
   d.refresh_inline = c.refresh_inline;
+  d.n_query_heads = c.n_query_heads;
   return d;
 }
 
