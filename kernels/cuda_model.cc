@@ -62,6 +62,7 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   s.max_blocks_per_seq = CudaLlamaModel::Impl::CeilDiv(m.context_length, options.block_size);
   if (options.compressed) {
     if (absl::Status st = s.LayoutCompressedLayers(); !st.ok()) return st;
+    s.query_readback_rows = s.QueryReadbackRows();
   }
 
   // Size everything but the pool, then the pool from what is left. One page id costs a page in
@@ -121,6 +122,12 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
       static_cast<int64_t>(options.max_batch_tokens) * m.n_vocab * 4, "logits");
   if (!logits_host.ok()) return logits_host.status();
   s.logits_host = *std::move(logits_host);
+  if (s.query_readback_rows > 0) {
+    absl::StatusOr<std::unique_ptr<PinnedHostBuffer>> queries =
+        PinnedHostBuffer::Create(s.QueryReadbackValues() * 2, "kqsvd query readback");
+    if (!queries.ok()) return queries.status();
+    s.query_readback_host = *std::move(queries);
+  }
   if (absl::Status st = s.UploadWeights(model); !st.ok()) return st;
 
   if (options.compressed) {
@@ -156,6 +163,7 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   cc.refresh = co.refresh;
   cc.refresh_inline = co.refresh_inline;
   cc.outlier_threshold = co.outlier_threshold;
+  cc.n_query_heads = r.query_readback_rows > 0 ? m.n_heads : 0;
   // The store's buffers are the runner's: the cache keeps the runner alive through it.
   absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> cache = DeviceCompressedKvCache::Create(
       cc, std::shared_ptr<CompressedKvStore>(runner, r.store.get()));

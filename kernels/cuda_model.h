@@ -46,6 +46,12 @@ struct CudaCompressedCacheOptions {
   // Tokens whose key residual exceeds this fraction stay full-rank, in every layer (see
   // DeviceCompressedKvCache); >= 1: none.
   float outlier_threshold = 1.0f;
+  // kqsvd refresh reads back the query rows of its sequences, every layer's, as fp16: a device
+  // buffer and a pinned one of up to this many bytes each (n_layers x n_heads x head_dim x 2
+  // bytes a row; at least max_sequences rows, so every decode's query fits, at most
+  // max_batch_tokens). A long prefill chunk past it is read back as an even, weighted subset.
+  // 0: no readback, kqsvd refused.
+  int64_t query_readback_bytes = int64_t{16} << 20;
 };
 
 struct CudaModelOptions {

@@ -85,6 +85,11 @@ struct CudaLlamaModel::Impl {
   int64_t num_pages = 0;
   uint8_t* scratch = nullptr;
   int64_t scratch_pages = 0;
+  // kqsvd refresh: query rows a step reads back, [n_layers, rows, n_heads * head_dim] fp16 on the
+  // device and in pinned memory (0 rows: none).
+  int64_t query_readback_rows = 0;
+  uint16_t* query_readback = nullptr;
+  std::unique_ptr<PinnedHostBuffer> query_readback_host;
   StepMetaLayout meta;
   std::unique_ptr<PinnedHostBuffer> meta_host;
   std::unique_ptr<PinnedHostBuffer> logits_host;  // [T, vocab] fp32
@@ -152,10 +157,22 @@ struct CudaLlamaModel::Impl {
       scratch_pages = max_blocks_per_seq;
       scratch = c.Take(scratch_pages * layouts[0].page_bytes);
     }
+    query_readback = c.TakeArray<uint16_t>(QueryReadbackValues());
     cublas_workspace = c.Take(kCublasWorkspaceBytes);
     meta_device = c.Take(meta.total);
     use.activations = c.used() - act_start;
   }
+
+  // Rows of the kqsvd query readback: as many as query_readback_bytes hold, clamped to
+  // [min(max_sequences, max_batch_tokens), max_batch_tokens]; 0 when disabled or full-rank.
+  int64_t QueryReadbackRows() const {
+    if (!options.compressed || options.compressed->query_readback_bytes <= 0) return 0;
+    const int64_t row_bytes = config.n_layers * QWidth() * 2;
+    const int64_t most = options.max_batch_tokens;
+    const int64_t least = std::min<int64_t>(options.max_sequences, most);
+    return std::clamp(options.compressed->query_readback_bytes / row_bytes, least, most);
+  }
+  int64_t QueryReadbackValues() const { return query_readback_rows * config.n_layers * QWidth(); }
 
   // The compressed cache's per-layer geometry: ranks from the basis when one is given, else the
   // options (head_dim / 4 when empty). INVALID_ARGUMENT for what the kernels cannot address.
@@ -204,15 +221,16 @@ struct CudaLlamaModel::Impl {
   }
 
   void LayoutMeta(int64_t pool_blocks) {
-    meta = LayoutStepMeta({.max_tokens = options.max_batch_tokens,
-                           .max_sequences = options.max_sequences,
-                           .max_blocks_per_seq = max_blocks_per_seq,
-                           .pool_blocks = pool_blocks,
-                           .n_kv_heads = config.n_kv_heads,
-                           .target_ctas = target_ctas,
-                           .compressed = options.compressed.has_value(),
-                           .outliers = options.compressed.has_value() &&
-                                       options.compressed->outlier_threshold < 1.0f});
+    meta = LayoutStepMeta(
+        {.max_tokens = options.max_batch_tokens,
+         .max_sequences = options.max_sequences,
+         .max_blocks_per_seq = max_blocks_per_seq,
+         .pool_blocks = pool_blocks,
+         .n_kv_heads = config.n_kv_heads,
+         .target_ctas = target_ctas,
+         .compressed = options.compressed.has_value(),
+         .outliers = options.compressed.has_value() && options.compressed->outlier_threshold < 1.0f,
+         .query_rows = query_readback_rows});
   }
 
   template <typename T>
@@ -319,6 +337,10 @@ struct CudaLlamaModel::Impl {
   // Everything a planned step runs on the stream, from the plan copy to the logits: what a
   // decode step's graph captures.
   absl::Status EnqueueForward(int64_t t_rows, int64_t n_logit_rows);
+  // kqsvd refresh: layer `layer`'s planned query rows into the readback buffer (after RoPE).
+  absl::Status EnqueueQueryGather(int layer);
+  // After the step's synchronisation: each planned sequence's rows to its refresher.
+  absl::Status DeliverQueries();
 };
 
 }  // namespace subspace::kernels

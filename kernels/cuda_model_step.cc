@@ -3,6 +3,8 @@
 // prefill kernels) → output GEMM → residual → RMSNorm → gate/up GEMM → SwiGLU → down GEMM →
 // residual; final norm of the logit rows, vocabulary GEMM, and one copy back of the logits or,
 // sampled on the device, of the tokens. Decode-only steps replay as CUDA graphs (step_graphs.h).
+// Sequences refreshing by kqsvd also get their query rows back (gathered after RoPE, copied once
+// at the end of the step) for their refresher.
 #include "kernels/cuda_model_impl.h"
 
 namespace subspace::kernels {
@@ -109,6 +111,9 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
     std::memcpy(out_logits->data(), logits_host->data(), logit_bytes);
   }
 
+  // Before the commits, which may install a refreshed epoch: these queries belong to the epoch
+  // the step attended with, as on the CPU backend.
+  if (absl::Status q = DeliverQueries(); !q.ok()) return q;
   for (const SequenceChunk& ch : batch) {
     if (absl::Status c = cache.Commit(ch.seq, ch.pos + static_cast<int64_t>(ch.tokens.size()));
         !c.ok()) {
@@ -117,6 +122,34 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
   }
   // The blocks that left the window, coded in one batch on the stream (ahead of the next step).
   return compressed != nullptr ? compressed->Flush() : absl::OkStatus();
+}
+
+absl::Status CudaLlamaModel::Impl::EnqueueQueryGather(int layer) {
+  const int64_t n = plan.n_query_rows;
+  return Launch(LaunchGatherRowsToHalf({.in = q,
+                                        .rows = MetaDevice<int32_t>(meta.query_rows),
+                                        .out = query_readback + layer * n * QWidth(),
+                                        .n_rows = static_cast<int32_t>(n),
+                                        .width = static_cast<int32_t>(QWidth())},
+                                       stream),
+                "query gather");
+}
+
+absl::Status CudaLlamaModel::Impl::DeliverQueries() {
+  const int64_t n = plan.n_query_rows, width = QWidth(), layers = config.n_layers;
+  if (n == 0) return absl::OkStatus();
+  const auto* host = reinterpret_cast<const uint16_t*>(query_readback_host->data());
+  for (const QuerySpan& span : plan.query_spans) {
+    HalfQueryObservation o{
+        .n_layers = config.n_layers, .n = span.n, .width = width, .weight = span.weight};
+    o.q.resize(static_cast<size_t>(layers * span.n * width));
+    for (int64_t l = 0; l < layers; ++l) {
+      const uint16_t* src = host + (l * n + span.first) * width;
+      std::copy(src, src + span.n * width, o.q.begin() + l * span.n * width);
+    }
+    if (absl::Status st = compressed->ObserveQueries(span.seq, std::move(o)); !st.ok()) return st;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CudaLlamaModel::Impl::EnqueueSampling(std::span<const RowSampling> rows) {
@@ -188,12 +221,13 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
         std::pair{meta.exp_dst, n_exp}, std::pair{meta.exp_epoch, n_exp * m.n_kv_heads},
         std::pair{meta.exp_outlier_mask, 2 * n_exp_outliers},
         std::pair{meta.exp_outlier_first, n_exp_outliers},
-        std::pair{meta.exp_outlier_pages, 2 * n_exp_outliers}}) {
+        std::pair{meta.exp_outlier_pages, 2 * n_exp_outliers},
+        std::pair{meta.query_rows, plan.n_query_rows}}) {
     if (ints == 0) continue;
     if (absl::Status st = CudaStatus(
             cudaMemcpyAsync(meta_device + offset, meta_host->data() + offset,
                             static_cast<size_t>(ints) * 4, cudaMemcpyHostToDevice, stream),
-            "expansion list copy");
+            "expansion and query list copy");
         !st.ok()) {
       return st;
     }
@@ -237,6 +271,7 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
                                      stream),
                   "rope");
     }
+    if (st.ok() && plan.n_query_rows > 0) st = EnqueueQueryGather(l);
     if (st.ok()) {
       st = Launch(LaunchAppendKv({.layout = layout,
                                   .pool = pool,
@@ -356,6 +391,14 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
                 "output norm");
   }
   if (st.ok()) st = gemm->Linear(output, m.n_vocab, dim, xn, rows, logits);
+  // ---- kqsvd: every layer's gathered query rows back to the host, in one copy. ---------------
+  if (st.ok() && plan.n_query_rows > 0) {
+    st = CudaStatus(
+        cudaMemcpyAsync(query_readback_host->data(), query_readback,
+                        static_cast<size_t>(plan.n_query_rows * m.n_layers * QWidth() * 2),
+                        cudaMemcpyDeviceToHost, stream),
+        "query readback");
+  }
   return st;
 }
 

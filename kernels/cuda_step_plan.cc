@@ -88,6 +88,43 @@ bool PrefillTableRow(const StepPlanInputs& in, SeqId seq, int64_t blocks, int32_
 
 }  // namespace
 
+int64_t PlanQueryRows(std::span<const QueryChunk> chunks, int64_t capacity, int32_t* rows,
+                      std::vector<QuerySpan>* spans) {
+  spans->clear();
+  // Max-min fair shares: smallest chunks first, each taking its rows or an equal share (rounded
+  // up, so nothing is left over) of what remains.
+  std::vector<int64_t> order(chunks.size()), kept(chunks.size(), 0);
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return chunks[static_cast<size_t>(a)].n < chunks[static_cast<size_t>(b)].n;
+  });
+  int64_t left = std::max<int64_t>(capacity, 0);
+  for (size_t k = 0; k < order.size(); ++k) {
+    const int64_t waiting = static_cast<int64_t>(order.size() - k);
+    const int64_t share = CeilDiv(left, waiting);
+    const int64_t take =
+        std::min(std::max<int64_t>(chunks[static_cast<size_t>(order[k])].n, 0), share);
+    kept[static_cast<size_t>(order[k])] = take;
+    left -= take;
+  }
+  int64_t used = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const QueryChunk& ch = chunks[i];
+    const int64_t k = kept[i];
+    if (k == 0) continue;
+    for (int64_t j = 0; j < k; ++j) {
+      // The middle of the j-th of k equal slices of the chunk's n rows.
+      rows[used + j] = static_cast<int32_t>(ch.first_row + (2 * j + 1) * ch.n / (2 * k));
+    }
+    spans->push_back({.seq = ch.seq,
+                      .first = used,
+                      .n = k,
+                      .weight = static_cast<double>(ch.n) / static_cast<double>(k)});
+    used += k;
+  }
+  return used;
+}
+
 StepMetaLayout LayoutStepMeta(const StepMetaLimits& limits) {
   const int64_t t = limits.max_tokens, s = limits.max_sequences;
   StepMetaLayout meta;
@@ -125,6 +162,8 @@ StepMetaLayout LayoutStepMeta(const StepMetaLimits& limits) {
   meta.exp_outlier_pages = at(meta.exp_outlier_capacity * 2 * 4);
   meta.sample_params = at(5 * s * 4);
   meta.sample_out = at(2 * s * 4);
+  meta.query_capacity = limits.query_rows;
+  meta.query_rows = at(meta.query_capacity * 4);
   meta.total = c.used();
   return meta;
 }
@@ -251,6 +290,19 @@ absl::Status StepPlanner::Plan(const StepPlanInputs& in, std::span<const Sequenc
   group_end.push_back(static_cast<int>(n_prefill));
   group_exp.push_back(n_exp);
   plan->n_exp = n_exp;
+
+  // KQ-SVD refresh: the queries of the sequences that want them, as many as the readback holds.
+  query_chunks_.clear();
+  if (in.compressed != nullptr && meta.query_capacity > 0) {
+    for (size_t ci = 0; ci < batch.size(); ++ci) {
+      if (!in.compressed->WantsQueries(batch[ci].seq)) continue;
+      query_chunks_.push_back({.seq = batch[ci].seq,
+                               .first_row = first_row_[ci],
+                               .n = static_cast<int64_t>(batch[ci].tokens.size())});
+    }
+  }
+  plan->n_query_rows = PlanQueryRows(query_chunks_, meta.query_capacity,
+                                     MetaHost<int32_t>(in, meta.query_rows), &plan->query_spans);
   return absl::OkStatus();
 }
 

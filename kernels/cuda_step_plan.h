@@ -2,7 +2,7 @@
 // a batch of chunks and the device KV cache's block tables, one step's metadata (tokens,
 // positions, slot mapping, logit rows, the decode plan, prefill block tables and the expansions
 // of compressed history into scratch pages) written into the pinned buffer that cuda_model.cc
-// copies to the device in one go. Internal to the backend: only cuda_model.cc uses it.
+// copies to the device in one go. Internal to the backend (and its host tests): host C++ only.
 #ifndef SUBSPACE_KERNELS_CUDA_STEP_PLAN_H_
 #define SUBSPACE_KERNELS_CUDA_STEP_PLAN_H_
 
@@ -47,6 +47,9 @@ struct StepMetaLayout {
   // min_p, uniform in; token, logprob out.
   int64_t sample_params = 0;  // [5, S] 4-byte values
   int64_t sample_out = 0;     // [2, S]
+  // KQ-SVD refresh: the activation rows whose queries the step reads back ([Q] int32).
+  int64_t query_rows = 0;
+  int64_t query_capacity = 0;  // Q
   int64_t total = 0;
 };
 
@@ -60,6 +63,7 @@ struct StepMetaLimits {
   int target_ctas = 0;      // decode split-K
   bool compressed = false;  // DeviceCompressedKvCache: slab pages, epochs and expansions
   bool outliers = false;    // ... and outlier pages (up to one per compressed block)
+  int64_t query_rows = 0;   // query rows one step reads back (0: none; see PlanQueryRows)
 };
 
 // Offsets (each array aligned as Carver aligns) that hold any step within `limits`; the decode
@@ -83,6 +87,30 @@ struct StepPlanInputs {
   int64_t scratch_pages = 0;
 };
 
+// A sequence's queries in one step's readback: rows [first, first + n) of it, each standing for
+// `weight` of the chunk's queries (an even subset when the readback is short).
+struct QuerySpan {
+  SeqId seq = -1;
+  int64_t first = 0;
+  int64_t n = 0;
+  double weight = 1.0;
+};
+
+// A chunk whose queries are wanted: activation rows [first_row, first_row + n).
+struct QueryChunk {
+  SeqId seq = -1;
+  int64_t first_row = 0;
+  int64_t n = 0;
+};
+
+// Shares `capacity` readback rows among `chunks` max-min fairly (every chunk gets its rows or an
+// equal share of what is left, so with capacity >= chunks each gets at least one); a chunk given
+// k < n rows keeps rows first_row + floor((i + 1/2) n / k), i < k, weighted n / k. Writes the
+// activation row of each readback row to `rows` (room for `capacity`), one span per chunk given
+// any, in chunk order; returns the rows used.
+int64_t PlanQueryRows(std::span<const QueryChunk> chunks, int64_t capacity, int32_t* rows,
+                      std::vector<QuerySpan>* spans);
+
 // What the forward pass reads of a plan besides the metadata bytes. Reused step after step: the
 // vectors grow only to the largest step.
 struct StepPlan {
@@ -100,6 +128,9 @@ struct StepPlan {
   std::vector<int64_t> group_exp;  // [groups + 1] first expansion of each group
   int64_t n_exp = 0;               // expansions of all groups: the used prefix of the exp_ lists
   bool exp_outliers = false;       // some expansion has outlier tokens to put back
+  // KQ-SVD refresh: query rows to read back (meta.query_rows' used prefix), and whose they are.
+  int64_t n_query_rows = 0;
+  std::vector<QuerySpan> query_spans;
 };
 
 // Fills StepPlans; holds the host scratch it reuses from step to step.
@@ -115,6 +146,7 @@ class StepPlanner {
   std::vector<int> order_;            // chunk indices: decodes first, then prefills
   std::vector<int64_t> first_row_;    // [chunks] the chunk's first activation row
   std::vector<DecodeSeqDesc> descs_;  // decode chunks
+  std::vector<QueryChunk> query_chunks_;
 };
 
 }  // namespace subspace::kernels

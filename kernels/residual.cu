@@ -1,5 +1,6 @@
-// Element-wise residual-stream kernels: ResidualAddKernel (x += y after each sub-layer) and
-// CastToHalfKernel (fp32 -> fp16, round to nearest even, for the output projection's input).
+// Element-wise residual-stream kernels: ResidualAddKernel (x += y after each sub-layer),
+// CastToHalfKernel (fp32 -> fp16, round to nearest even, for the output projection's input) and
+// GatherRowsToHalfKernel (the same cast of chosen rows: queries read back for KQ-SVD).
 // Grid-stride loops over 4-element groups when the pointers allow it, then a scalar tail.
 #include <algorithm>
 
@@ -54,6 +55,14 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t j = vec * 4 + tid; j < p.n; j += stride) out[j] = __float2half_rn(__ldg(p.in + j));
 }
 
+// One CTA per gathered row (a few hundred to a few thousand values: n_heads x head_dim).
+__global__ void __launch_bounds__(kThreads)
+    GatherRowsToHalfKernel(const __grid_constant__ GatherRowsToHalfParams p) {
+  const float* in = p.in + static_cast<int64_t>(p.rows[blockIdx.x]) * p.width;
+  auto* out = reinterpret_cast<__half*>(p.out) + static_cast<int64_t>(blockIdx.x) * p.width;
+  for (int j = threadIdx.x; j < p.width; j += kThreads) out[j] = __float2half_rn(__ldg(in + j));
+}
+
 bool Aligned(const void* ptr, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
@@ -73,6 +82,12 @@ cudaError_t LaunchCastToHalf(const CastToHalfParams& p, cudaStream_t stream) {
   const int64_t vec = Aligned(p.in, 16) && Aligned(p.out, 8) ? p.n / 4 : 0;
   CastToHalfKernel<<<static_cast<unsigned>(Blocks(vec > 0 ? vec : p.n)), kThreads, 0, stream>>>(
       p, vec);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGatherRowsToHalf(const GatherRowsToHalfParams& p, cudaStream_t stream) {
+  if (p.n_rows <= 0 || p.width <= 0) return cudaErrorInvalidValue;
+  GatherRowsToHalfKernel<<<static_cast<unsigned>(p.n_rows), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

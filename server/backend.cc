@@ -98,11 +98,9 @@ absl::StatusOr<Backend> CpuBackend(const BackendOptions& options,
 
 // Why the compressed cache as configured cannot run on the GPU, or "" when it can: the device
 // cache has fp16 full blocks and fp16 or int8 coefficients, with installed, self-calibrated or
-// refreshed (pca, oja, fd) bases and outlier tokens; kqsvd (it reads the queries) runs on the
-// CPU only.
+// refreshed (any method) bases and outlier tokens.
 std::string CpuOnlyCompressedFeature(const KvCacheOptions& o) {
   if (o.kind != KvCacheKind::kCompressed) return "";
-  if (o.refresh.method == RefreshMethod::kKqsvd) return "--refresh-method kqsvd";
   if (o.full_dtype != CoeffDtype::kFp16) return "--kv-full-dtype other than fp16";
   if (o.coeff_dtype == CoeffDtype::kFp32) return "--kv-coeff-dtype fp32";
   return "";

@@ -34,7 +34,7 @@ ABSL_FLAG(int32_t, metrics_port, 9090,
           "Prometheus /metrics HTTP port; 0 picks a free one, -1 turns metrics off");
 ABSL_FLAG(std::string, device, "cpu",
           "backend: cpu, cuda (a GPU: both cache kinds; the compressed one with static, "
-          "self-calibrated or refreshed bases and outliers; no kqsvd refresh) or auto (cuda when "
+          "self-calibrated or refreshed bases and outliers) or auto (cuda when "
           "a GPU is present and the cache configuration runs there, else cpu)");
 ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{256} << 20, "KV cache pool size in bytes");
 ABSL_FLAG(double, gpu_memory_fraction, 0.0,

@@ -80,6 +80,14 @@ void CastToHalfRef(const CastToHalfParams& p) {
   for (int64_t i = 0; i < p.n; ++i) p.out[i] = Fp32ToFp16(p.in[i]);
 }
 
+void GatherRowsToHalfRef(const GatherRowsToHalfParams& p) {
+  for (int32_t i = 0; i < p.n_rows; ++i) {
+    const float* in = p.in + static_cast<int64_t>(p.rows[i]) * p.width;
+    uint16_t* out = p.out + static_cast<int64_t>(i) * p.width;
+    for (int32_t j = 0; j < p.width; ++j) out[j] = Fp32ToFp16(in[j]);
+  }
+}
+
 void AppendKvRef(const AppendKvParams& p) {
   const KvPoolLayout& l = p.layout;
   const int64_t hd = l.head_dim, row = static_cast<int64_t>(l.n_kv_heads) * hd;

@@ -35,6 +35,7 @@ void SwiGluRef(const SwiGluParams& p);
 
 void ResidualAddRef(const ResidualAddParams& p);
 void CastToHalfRef(const CastToHalfParams& p);
+void GatherRowsToHalfRef(const GatherRowsToHalfParams& p);
 
 // Token i's K and V rows into slot slot_mapping[i] of the pool, fp16; -1 (any negative) skips
 // the token and nothing else in the pool is touched.

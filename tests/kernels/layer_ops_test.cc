@@ -265,6 +265,40 @@ TEST_P(RowOpsGpuTest, ResidualAddAndCastToHalfAreBitExact) {
   ExpectFloatsIdentical(got, want);
 }
 
+// Rows in any order, repeated or skipped; the rows not gathered are never read (NaN there).
+TEST_P(RowOpsGpuTest, GatherRowsToHalfIsBitExact) {
+  const auto [n, dim, misaligned] = GetParam();
+  const uint64_t seed = testing::FreshSeed();
+  SUBSPACE_TRACE_SEED(seed);
+  std::mt19937_64 rng(seed);
+  const int64_t count = static_cast<int64_t>(n) * dim;
+  std::vector<float> x = RandomFloats(count, 10.0f, rng);
+  std::vector<int32_t> rows;
+  for (int i = 0; i < n; i += 2) rows.push_back(n - 1 - i);  // every other row, backwards
+  rows.push_back(0);
+  rows.push_back(0);
+  for (int i = 0; i < n; ++i) {
+    if (std::find(rows.begin(), rows.end(), i) == rows.end()) {
+      std::fill_n(x.begin() + static_cast<int64_t>(i) * dim, dim, std::nanf(""));
+    }
+  }
+  const int32_t n_rows = static_cast<int32_t>(rows.size());
+  const size_t off = misaligned ? 1 : 0;
+  DeviceSlice<float> d_x(x, off);
+  DeviceSlice<int32_t> d_rows(rows, 0);
+  DeviceSlice<uint16_t> d_out(static_cast<size_t>(n_rows) * dim, off);
+  ASSERT_TRUE(d_x.ok() && d_rows.ok() && d_out.ok());
+  std::vector<uint16_t> want(static_cast<size_t>(n_rows) * dim);
+  GatherRowsToHalfRef({x.data(), rows.data(), want.data(), n_rows, dim});
+  SUBSPACE_ASSERT_CUDA(d_out.Poison());
+  SUBSPACE_ASSERT_CUDA(
+      LaunchGatherRowsToHalf({d_x.get(), d_rows.get(), d_out.get(), n_rows, dim}, nullptr));
+  SUBSPACE_ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<uint16_t> got;
+  SUBSPACE_ASSERT_CUDA(d_out.Download(&got));
+  ASSERT_EQ(got, want);
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, RowOpsGpuTest, kRowShapes, RowShapeName);
 
 // ---- RoPE + QKV split ------------------------------------------------------------------------
@@ -557,6 +591,10 @@ TEST(LayerOpsGpuLimitsTest, LaunchersRejectBadSizes) {
 
   EXPECT_EQ(LaunchSwiGlu({nullptr, nullptr, 0, 64}, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(LaunchSwiGlu({nullptr, nullptr, 3, -64}, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(LaunchGatherRowsToHalf({nullptr, nullptr, nullptr, 0, 64}, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(LaunchGatherRowsToHalf({nullptr, nullptr, nullptr, 2, 0}, nullptr),
+            cudaErrorInvalidValue);
   EXPECT_EQ(LaunchResidualAdd({nullptr, nullptr, 0}, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(LaunchCastToHalf({nullptr, nullptr, -4}, nullptr), cudaErrorInvalidValue);
 

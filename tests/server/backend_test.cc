@@ -66,8 +66,8 @@ TEST(BackendTest, GpuMemoryFractionNeedsCuda) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// What only the CPU cache does (kqsvd refresh, fp32 blocks) is refused by name on
-// cuda, before any device is looked for (so this runs on machines without a GPU too).
+// What only the CPU cache does (fp32 blocks or codes) is refused by name on cuda, before any
+// device is looked for (so this runs on machines without a GPU too).
 TEST(BackendTest, CudaRefusesCompressedFeaturesThatRunOnTheCpuOnly) {
   if (!CudaBackendBuilt()) GTEST_SKIP() << "built without CUDA";
   absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
@@ -82,16 +82,15 @@ TEST(BackendTest, CudaRefusesCompressedFeaturesThatRunOnTheCpuOnly) {
   };
   KvCacheOptions cache;
   cache.kind = KvCacheKind::kCompressed;
-  KvCacheOptions kqsvd = cache;
-  kqsvd.refresh.method = RefreshMethod::kKqsvd;
-  refused(kqsvd, "--refresh-method kqsvd");
-  // The device cache refreshes with the other methods and keeps outliers: no refusal
-  // (UNAVAILABLE without a GPU).
+  // The device cache refreshes with every method and keeps outliers: no refusal (UNAVAILABLE
+  // without a GPU).
   KvCacheOptions pca = cache;
   pca.refresh.method = RefreshMethod::kPca;
+  KvCacheOptions kqsvd = cache;
+  kqsvd.refresh.method = RefreshMethod::kKqsvd;
   KvCacheOptions outliers = cache;
   outliers.outlier_threshold = 0.5f;
-  for (const KvCacheOptions& runs : {pca, outliers}) {
+  for (const KvCacheOptions& runs : {pca, kqsvd, outliers}) {
     EXPECT_NE(CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, runs,
                             nullptr)
                   .status()
