@@ -46,6 +46,15 @@ struct ExpandBatch {
   std::span<const int32_t> epoch;  // [n, n_kv]
 };
 
+// Blocks to re-code in place, in every layer (recode_blocks.h): slot slot[i] of slab page page[i],
+// KV head h from basis-table entry from[i * n_kv + h] into to[i * n_kv + h].
+struct RecodeBatch {
+  std::span<const int32_t> page;
+  std::span<const int32_t> slot;
+  std::span<const int32_t> from;  // [n, n_kv]
+  std::span<const int32_t> to;    // [n, n_kv]
+};
+
 // Outlier tokens to move in every layer (outlier_tokens.h): block i's tokens mask[i] between full
 // page block_page[i] and its outlier slots, first_slot[i] onwards in outlier_page[2 i] and then
 // outlier_page[2 i + 1].
@@ -68,6 +77,7 @@ class CompressedKvStore {
   virtual absl::Status LoadBasis(int entry, const Basis& basis) = 0;
   virtual absl::Status Compress(const CompressBatch& batch) = 0;
   virtual absl::Status Expand(const ExpandBatch& batch) = 0;
+  virtual absl::Status Recode(const RecodeBatch& batch) = 0;
   virtual absl::Status MoveOutliers(const OutlierBatch& batch) = 0;
   // Copies full page `page` of layer `layer` to `out` ([2][n_kv][B][head_dim] fp16), after every
   // earlier operation has finished; waits for it.

@@ -10,6 +10,7 @@
 #include "kernels/cuda_status.h"
 #include "kernels/expand_blocks.h"
 #include "kernels/outlier_tokens.h"
+#include "kernels/recode_blocks.h"
 
 namespace subspace::kernels {
 namespace {
@@ -249,6 +250,35 @@ absl::Status CudaKvStore::Expand(const ExpandBatch& batch) {
                           p.epoch = static_cast<const int32_t*>(d[3]);
                           p.n_blocks = n;
                           return LaunchExpandBlocks(p, stream_);
+                        });
+}
+
+absl::Status CudaKvStore::Recode(const RecodeBatch& batch) {
+  const int n_kv = layouts_[0].n_kv_heads;
+  const size_t n = batch.page.size();
+  if (batch.slot.size() != n || batch.from.size() != n * n_kv || batch.to.size() != n * n_kv) {
+    return absl::InvalidArgumentError("recode batch arrays of different lengths");
+  }
+  return StageAndLaunch(static_cast<int64_t>(n),
+                        {{batch.page.data(), 4},
+                         {batch.slot.data(), 4},
+                         {batch.from.data(), 4 * n_kv},
+                         {batch.to.data(), 4 * n_kv}},
+                        "recode blocks",
+                        [&](size_t l, const void* const d[kMaxColumns], int64_t, int32_t count) {
+                          RecodeBlocksParams p;
+                          p.layout = layouts_[l];
+                          p.pool = LayerPool(static_cast<int>(l));
+                          p.basis_pq = device_.pq[l];
+                          p.basis_rv = device_.rv[l];
+                          p.basis_pk = device_.pk[l];
+                          p.basis_pv = device_.pv[l];
+                          p.page = static_cast<const int32_t*>(d[0]);
+                          p.slot = static_cast<const int32_t*>(d[1]);
+                          p.from_epoch = static_cast<const int32_t*>(d[2]);
+                          p.to_epoch = static_cast<const int32_t*>(d[3]);
+                          p.n_blocks = count;
+                          return LaunchRecodeBlocks(p, stream_);
                         });
 }
 

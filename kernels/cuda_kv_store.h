@@ -1,9 +1,9 @@
 // The compressed KV cache's bytes on the GPU (CompressedKvStore): the pool slices and the basis
-// tables are carved from the CUDA backend's one allocation; compression, expansion and outlier
-// moves launch compress_blocks / expand_blocks / outlier_tokens on the backend's stream, once per
-// layer, with the batch's arrays staged through a pinned buffer (no allocation per call).
-// Readbacks for the refresher are strided copies (one per page, every layer) into a second
-// pinned buffer, polled by event.
+// tables are carved from the CUDA backend's one allocation; compression, expansion, re-coding and
+// outlier moves launch compress_blocks / expand_blocks / recode_blocks / outlier_tokens on the
+// backend's stream, once per layer, with the batch's arrays staged through a pinned buffer (no
+// allocation per call). Readbacks for the refresher are strided copies (one per page, every layer)
+// into a second pinned buffer, polled by event.
 #ifndef SUBSPACE_KERNELS_CUDA_KV_STORE_H_
 #define SUBSPACE_KERNELS_CUDA_KV_STORE_H_
 
@@ -51,6 +51,7 @@ class CudaKvStore final : public CompressedKvStore {
   absl::Status LoadBasis(int entry, const Basis& basis) override;
   absl::Status Compress(const CompressBatch& batch) override;
   absl::Status Expand(const ExpandBatch& batch) override;
+  absl::Status Recode(const RecodeBatch& batch) override;
   // With outlier masks: waits for them, one chunk of the batch at a time.
   absl::Status MoveOutliers(const OutlierBatch& batch) override;
   absl::Status ReadPage(int layer, int32_t page, std::span<uint16_t> out) override;

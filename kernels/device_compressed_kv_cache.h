@@ -23,8 +23,8 @@
 // for) and handed, still fp16, to the Refresher's thread; its new epochs are loaded into free
 // basis-table entries at the sequence's next Commit. The compactor keeps at most
 // refresh.max_epochs epochs among a sequence's coded blocks: Flush re-codes blocks of its oldest
-// epoch into the current one, expanding them into spare pages and compressing them back into
-// their own slots (a whole block, every KV head, at once). kqsvd also needs the queries: the
+// epoch into the current one in place (recode_blocks: the CPU compactor's exact r x r maps; no
+// page is needed), a whole block, every KV head, at once. kqsvd also needs the queries: the
 // backend reads back the query rows of the sequences that WantsQueries names (all of them, or an
 // even, weighted subset when its buffer is short) and hands them over with ObserveQueries.
 //
@@ -196,7 +196,7 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   };
 
   // Pages Reserve leaves free so that Commit can open a slab page before it frees the queued
-  // blocks' full pages at Flush; the compactor's spare pages come from beyond them.
+  // blocks' full pages at Flush.
   static constexpr int64_t kCompressionHeadroom = 1;
 
   DeviceCompressedKvCache(const DeviceCompressedKvCacheConfig& config, std::vector<int> r_k,

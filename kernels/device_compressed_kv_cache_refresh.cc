@@ -2,9 +2,9 @@
 // its statistics are the CPU cache's (core/refresher.h); what differs is where the blocks come
 // from (a readback of the pages a Flush compresses, never waited for: a copy still in flight at
 // the next Flush just means that Flush's blocks go unobserved, which the refresher's statistics
-// tolerate as they tolerate its own dropped blocks) and how old blocks are re-coded (expand into
-// a spare page, compress back into the same slot: k^ = P_q[old] c, then c' = P_k[new]^T k^, as
-// the CPU compactor's r x r map up to one fp16 rounding of k^).
+// tolerate as they tolerate its own dropped blocks) and how old blocks are re-coded (in place, by
+// recode_blocks: k^ = P_q[old] c in float, then c' = P_k[new]^T k^ -- the CPU compactor's r x r
+// map, applied through the row).
 #include <algorithm>
 #include <utility>
 
@@ -15,7 +15,7 @@ namespace subspace::kernels {
 namespace {
 
 // Blocks (every layer and KV head) the compactor re-codes per Flush: a refresh's worth of
-// catching up is spread over steps. At B = 16 a block is two small launches' worth of work.
+// catching up is spread over steps. At B = 16 a block is one small launch's worth of work.
 constexpr int64_t kCompactBlocksPerFlush = 16;
 
 }  // namespace
@@ -148,7 +148,7 @@ absl::Status DeviceCompressedKvCache::PollObservations() {
 absl::Status DeviceCompressedKvCache::Compact() {
   const int n_kv = config_.geometry.n_kv_heads;
   int64_t budget = kCompactBlocksPerFlush;
-  std::vector<int32_t> pages, slots, spare, old_entries, new_entries;
+  std::vector<int32_t> pages, slots, old_entries, new_entries;
   std::vector<int64_t> moved;  // block indices
   size_t kept = 0;
   for (size_t i = 0; i < compact_.size(); ++i) {
@@ -159,12 +159,9 @@ absl::Status DeviceCompressedKvCache::Compact() {
       for (const auto& [epoch, count] : s->coded_blocks) {
         if (epoch != s->epoch && (oldest == kNoEpoch || epoch < oldest)) oldest = epoch;
       }
-      const int64_t n =
-          std::min({budget, s->coded_blocks[oldest], pool_->num_free() - kCompressionHeadroom});
-      if (n <= 0) break;  // no spare page now: the next Flush goes on
+      const int64_t n = std::min(budget, s->coded_blocks[oldest]);
       pages.clear();
       slots.clear();
-      spare.clear();
       moved.clear();
       for (int64_t b = 0;
            b < static_cast<int64_t>(s->table.size()) && static_cast<int64_t>(moved.size()) < n;
@@ -173,19 +170,15 @@ absl::Status DeviceCompressedKvCache::Compact() {
         const Block& e = s->table[static_cast<size_t>(b)];
         pages.push_back(e.page);
         slots.push_back(e.slot);
-        spare.push_back(pool_->Allocate(BlockKind::kFull));
         moved.push_back(b);
       }
       old_entries.assign(moved.size() * n_kv, entries_.at(oldest));
       new_entries.assign(moved.size() * n_kv, entries_.at(s->epoch));
-      absl::Status st = store_->Expand(
-          {.src_page = pages, .src_slot = slots, .dst_page = spare, .epoch = old_entries});
-      if (st.ok()) {
-        st = store_->Compress(
-            {.src_page = spare, .dst_page = pages, .dst_slot = slots, .epoch = new_entries});
+      if (absl::Status st = store_->Recode(
+              {.page = pages, .slot = slots, .from = old_entries, .to = new_entries});
+          !st.ok()) {
+        return st;
       }
-      for (int32_t page : spare) pool_->Free(page);  // read before anything rewrites them
-      if (!st.ok()) return st;
       for (const int64_t b : moved) {
         if (absl::Status acquired = registry_.Acquire(s->epoch); !acquired.ok()) return acquired;
         s->table[static_cast<size_t>(b)].entry = entries_.at(s->epoch);

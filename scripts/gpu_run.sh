@@ -35,6 +35,7 @@ if command -v compute-sanitizer >/dev/null; then
   san compress compress_blocks_test '*/0:*/3'
   san expand expand_blocks_test '*/0:*/3'
   san outliers outlier_tokens_test '*d64_b16*:*d128_b64*'
+  san recode recode_blocks_test '*/0:*/3:*Largest*'
   [[ -x $bundle/bin/sampling_test ]] && san sampling sampling_test '*/0:*/3'
 else
   summary+=("compute-sanitizer not found")

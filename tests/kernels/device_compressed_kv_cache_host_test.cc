@@ -271,9 +271,9 @@ TEST(DeviceCompressedKvCacheTest, ReserveKeepsOnePageForCompression) {
 // full: every batch the store gets passes the twins' checks, no page or slot is ever held twice,
 // the accounting adds up, and every full page still holds the tokens its sequence wrote.
 // With online refresh (a new epoch every two blocks, at most one live per sequence) the
-// compactor's spare pages and re-coded slots go through the same checks, and a readback
-// lands only every other Flush. With outliers their pages too, and every outlier slot holds
-// its token.
+// compactor's re-coded slots (CheckRecodeBatch: in range, none twice) go through the same
+// checks, and a readback lands only every other Flush. With outliers their pages too, and every
+// outlier slot holds its token.
 class RandomTrafficTest : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 
 TEST_P(RandomTrafficTest, OnATightPoolEveryPageIsAccountedFor) {

@@ -11,6 +11,7 @@
 #include "tests/kernels/compress_blocks_ref.h"
 #include "tests/kernels/expand_blocks_ref.h"
 #include "tests/kernels/outlier_tokens_ref.h"
+#include "tests/kernels/recode_blocks_ref.h"
 
 namespace subspace::kernels {
 
@@ -127,6 +128,31 @@ absl::Status TwinKvStore::Expand(const ExpandBatch& batch) {
       return st;
     }
     ExpandBlocksRef(p);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TwinKvStore::Recode(const RecodeBatch& batch) {
+  const size_t n = batch.page.size(), n_kv = static_cast<size_t>(layouts_[0].n_kv_heads);
+  if (batch.slot.size() != n || batch.from.size() != n * n_kv || batch.to.size() != n * n_kv) {
+    return absl::InvalidArgumentError("recode batch arrays of different lengths");
+  }
+  blocks_recoded_ += static_cast<int64_t>(n);
+  for (size_t l = 0; l < layouts_.size(); ++l) {
+    RecodeBlocksParams p;
+    p.layout = layouts_[l];
+    p.pool = pools_[l].data();
+    p.basis_pq = pq_[l].data();
+    p.basis_rv = rv_[l].data();
+    p.basis_pk = pk_[l].data();
+    p.basis_pv = pv_[l].data();
+    p.page = batch.page.data();
+    p.slot = batch.slot.data();
+    p.from_epoch = batch.from.data();
+    p.to_epoch = batch.to.data();
+    p.n_blocks = static_cast<int32_t>(n);
+    if (absl::Status st = CheckRecodeBatch(p, num_pages_, capacity_); !st.ok()) return st;
+    RecodeBlocksRef(p);
   }
   return absl::OkStatus();
 }

@@ -1,8 +1,8 @@
 // A CompressedKvStore in host memory that runs the kernels' CPU twins (compress_blocks_ref,
-// expand_blocks_ref, outlier_tokens_ref) and checks every batch the cache hands it first, so the device cache's
-// bookkeeping is tested on any machine against the same references the GPU kernels are held to.
-// It also writes tokens the way the append kernel does and exposes the pool and basis tables
-// for the decode-attention twin.
+// expand_blocks_ref, recode_blocks_ref, outlier_tokens_ref) and checks every batch the cache hands
+// it first, so the device cache's bookkeeping is tested on any machine against the same references
+// the GPU kernels are held to. It also writes tokens the way the append kernel does and exposes the
+// pool and basis tables for the decode-attention twin.
 #ifndef SUBSPACE_TESTS_KERNELS_TWIN_KV_STORE_REF_H_
 #define SUBSPACE_TESTS_KERNELS_TWIN_KV_STORE_REF_H_
 
@@ -29,6 +29,8 @@ class TwinKvStore final : public CompressedKvStore {
   // INVALID_ARGUMENT for a batch CheckCompressBatch / CheckExpandBatch rejects.
   absl::Status Compress(const CompressBatch& batch) override;
   absl::Status Expand(const ExpandBatch& batch) override;
+  // INVALID_ARGUMENT for a batch CheckRecodeBatch rejects.
+  absl::Status Recode(const RecodeBatch& batch) override;
   // INVALID_ARGUMENT for a batch CheckOutlierBatch rejects.
   absl::Status MoveOutliers(const OutlierBatch& batch) override;
   absl::Status ReadPage(int layer, int32_t page, std::span<uint16_t> out) override;
@@ -47,6 +49,7 @@ class TwinKvStore final : public CompressedKvStore {
   int64_t compress_calls() const { return compress_calls_; }
   int64_t blocks_compressed() const { return blocks_compressed_; }
   int64_t blocks_expanded() const { return blocks_expanded_; }
+  int64_t blocks_recoded() const { return blocks_recoded_; }
   int64_t pages_read_back() const { return pages_read_back_; }
   int64_t outlier_moves() const { return outlier_moves_; }  // blocks, both directions
 
@@ -56,7 +59,8 @@ class TwinKvStore final : public CompressedKvStore {
   int capacity_;
   std::vector<std::vector<uint8_t>> pools_;                 // [n_layers][num_pages * page_bytes]
   std::vector<std::vector<float>> pk_, pq_, pv_, rv_;       // [n_layers][capacity, n_kv, ...]
-  int64_t compress_calls_ = 0, blocks_compressed_ = 0, blocks_expanded_ = 0, outlier_moves_ = 0;
+  int64_t compress_calls_ = 0, blocks_compressed_ = 0, blocks_expanded_ = 0, outlier_moves_ = 0,
+          blocks_recoded_ = 0;
   int64_t readback_capacity_;
   int readback_delay_;
   // The readback in flight: copied when it starts (what a stream-ordered copy would see).
