@@ -102,31 +102,9 @@ __global__ void __launch_bounds__(kThreads)
       coef[idx] = acc;
     }
     __syncthreads();
-    uint8_t* codes = p.pool + slot + (side == 0 ? l.KCodes(h) : l.VCodes(h));  // [B, r]
-    if constexpr (sizeof(CodeT) == 2) {
-      auto* out = reinterpret_cast<__half*>(codes);
-      for (int idx = threadIdx.x; idx < bs * r; idx += kThreads)
-        out[idx] = __float2half_rn(coef[idx]);
-    } else {
-      auto* out = reinterpret_cast<int8_t*>(codes);
-      auto* scales =
-          reinterpret_cast<__half*>(p.pool + slot + (side == 0 ? l.KScales(h) : l.VScales(h)));
-      for (int t = warp; t < bs; t += kWarps) {
-        const float* x = coef + t * r;
-        float amax = 0.0f;
-        for (int j = lane; j < r; j += device::kWarpSize) amax = fmaxf(amax, fabsf(x[j]));
-        amax = device::WarpMax(amax);
-        // IEEE division and reciprocal (nvcc's default -prec-div=true), as the CPU computes them.
-        const __half s16 = __float2half_rn(amax / 127.0f);
-        const float s = __half2float(s16);
-        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-        for (int j = lane; j < r; j += device::kWarpSize) {
-          out[t * r + j] =
-              static_cast<int8_t>(fminf(fmaxf(rintf(__fmul_rn(x[j], inv)), -127.0f), 127.0f));
-        }
-        if (lane == 0) scales[t] = s16;
-      }
-    }
+    device::EncodeCoeffRows<CodeT>(
+        coef, bs, r, p.pool + slot + (side == 0 ? l.KCodes(h) : l.VCodes(h)),
+        reinterpret_cast<__half*>(p.pool + slot + (side == 0 ? l.KScales(h) : l.VScales(h))));
     // Encoding only read rows and coef: no barrier before the residual test reads them too.
     if (side == 0 && p.outlier_masks != nullptr) {
       const float* pq = p.basis_pq + (epoch * l.n_kv_heads + h) * kHeadDim * r;  // [d, r_k]

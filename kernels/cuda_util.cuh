@@ -121,6 +121,39 @@ __device__ __forceinline__ void CopyToShared(void* dst, const void* src, int64_t
 __device__ __forceinline__ float CodeToFloat(__half c) { return __half2float(c); }
 __device__ __forceinline__ float CodeToFloat(int8_t c) { return static_cast<float>(c); }
 
+// Rows [bs, r] of float coefficients into codes [bs, r] (and, for int8, fp16 scales [bs]) as
+// core's EncodeCoeffs encodes them: fp16 rounded to nearest even, or int8 with amax / 127
+// rounded to an fp16 scale s and codes clamp(rint(x / s)), IEEE division and reciprocal
+// (nvcc's default -prec-div=true) as the CPU computes them. All threads of the CTA (blockDim.x
+// a multiple of the warp size), one warp per int8 row. No barrier.
+template <typename CodeT>
+__device__ __forceinline__ void EncodeCoeffRows(const float* coef, int bs, int r, uint8_t* codes,
+                                                __half* scales) {
+  if constexpr (sizeof(CodeT) == 2) {
+    auto* out = reinterpret_cast<__half*>(codes);
+    for (int idx = threadIdx.x; idx < bs * r; idx += blockDim.x)
+      out[idx] = __float2half_rn(coef[idx]);
+  } else {
+    auto* out = reinterpret_cast<int8_t*>(codes);
+    const int warps = blockDim.x / kWarpSize;
+    const int lane = threadIdx.x % kWarpSize;
+    for (int t = threadIdx.x / kWarpSize; t < bs; t += warps) {
+      const float* x = coef + t * r;
+      float amax = 0.0f;
+      for (int j = lane; j < r; j += kWarpSize) amax = fmaxf(amax, fabsf(x[j]));
+      amax = WarpMax(amax);
+      const __half s16 = __float2half_rn(amax / 127.0f);
+      const float s = __half2float(s16);
+      const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+      for (int j = lane; j < r; j += kWarpSize) {
+        out[t * r + j] =
+            static_cast<int8_t>(fminf(fmaxf(rintf(__fmul_rn(x[j], inv)), -127.0f), 127.0f));
+      }
+      if (lane == 0) scales[t] = s16;
+    }
+  }
+}
+
 }  // namespace subspace::kernels::device
 
 #endif  // SUBSPACE_KERNELS_CUDA_UTIL_CUH_

@@ -13,7 +13,6 @@ namespace subspace::kernels {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kWarps = kThreads / device::kWarpSize;
 
 // Shared memory: coefficients [B, max(r_k, r_v)] float, then rebuilt rows [B, head_dim] float.
 // At most 64 x 128 x 4 x 2 = 64 KiB: past the default 48 KiB, hence the opt-in.
@@ -37,7 +36,6 @@ __global__ void __launch_bounds__(kThreads)
   uint8_t* slot = p.pool + l.Slot(p.page[blk], p.slot[blk]);
   const int64_t from = p.from_epoch[static_cast<int64_t>(blk) * l.n_kv_heads + h];
   const int64_t to = p.to_epoch[static_cast<int64_t>(blk) * l.n_kv_heads + h];
-  const int warp = threadIdx.x / device::kWarpSize, lane = threadIdx.x % device::kWarpSize;
 
   for (int side = 0; side < 2; ++side) {
     const int r = side == 0 ? l.rank_k : l.rank_v;
@@ -84,28 +82,7 @@ __global__ void __launch_bounds__(kThreads)
       coef[idx] = acc;
     }
     __syncthreads();
-    // Encode (compress_blocks.cu).
-    if constexpr (sizeof(CodeT) == 2) {
-      auto* out = reinterpret_cast<__half*>(codes);
-      for (int idx = threadIdx.x; idx < bs * r; idx += kThreads)
-        out[idx] = __float2half_rn(coef[idx]);
-    } else {
-      auto* out = reinterpret_cast<int8_t*>(codes);
-      for (int t = warp; t < bs; t += kWarps) {
-        const float* x = coef + t * r;
-        float amax = 0.0f;
-        for (int j = lane; j < r; j += device::kWarpSize) amax = fmaxf(amax, fabsf(x[j]));
-        amax = device::WarpMax(amax);
-        const __half s16 = __float2half_rn(amax / 127.0f);
-        const float s = __half2float(s16);
-        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-        for (int j = lane; j < r; j += device::kWarpSize) {
-          out[t * r + j] =
-              static_cast<int8_t>(fminf(fmaxf(rintf(__fmul_rn(x[j], inv)), -127.0f), 127.0f));
-        }
-        if (lane == 0) scales[t] = s16;
-      }
-    }
+    device::EncodeCoeffRows<CodeT>(coef, bs, r, codes, scales);
     __syncthreads();  // coef and rows are reused by the value side
   }
 }

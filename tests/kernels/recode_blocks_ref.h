@@ -7,9 +7,12 @@
 #define SUBSPACE_TESTS_KERNELS_RECODE_BLOCKS_REF_H_
 
 #include <cstdint>
+#include <random>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "kernels/recode_blocks.h"
+#include "tests/kernels/expand_blocks_ref.h"
 
 namespace subspace::kernels {
 
@@ -20,6 +23,24 @@ absl::Status CheckRecodeBatch(const RecodeBlocksParams& p, int64_t num_pages, in
 
 // Runs the batch on host memory. p: host pointers, a batch CheckRecodeBatch accepts.
 void RecodeBlocksRef(const RecodeBlocksParams& p);
+
+namespace testing {
+
+// A random batch: expand_blocks_ref's coded slots (one pool, every other byte poisoned) with its
+// bases and the epochs that coded them, and a random epoch to re-code each block-head into.
+struct RecodeCase {
+  ExpandCase coded;
+  std::vector<int32_t> to;  // [n_blocks, n_kv]
+
+  // Params over `pool` (a copy of coded.src_pool, or its device mirror's host twin) and this
+  // case's host arrays.
+  RecodeBlocksParams HostParams(std::vector<uint8_t>& pool) const;
+};
+
+RecodeCase RandomRecodeCase(const KvPoolLayout& l, int n_blocks, int n_epochs,
+                            std::mt19937_64& rng);
+
+}  // namespace testing
 
 }  // namespace subspace::kernels
 

@@ -13,41 +13,13 @@
 
 #include "core/coeff_codec.h"
 #include "tests/kernels/compress_blocks_ref.h"
-#include "tests/kernels/expand_blocks_ref.h"
 #include "tests/kernels/kv_test_data.h"
 
 namespace subspace::kernels {
 namespace {
 
-struct RecodeCase {
-  testing::ExpandCase coded;  // one pool: its slots, bases and the epochs that coded them
-  std::vector<int32_t> to;    // [n_blocks, n_kv]
-
-  RecodeBlocksParams HostParams(std::vector<uint8_t>& pool) const {
-    RecodeBlocksParams p;
-    p.layout = coded.layout;
-    p.pool = pool.data();
-    p.basis_pq = coded.bases.p_q.data();
-    p.basis_rv = coded.bases.r_v.data();
-    p.basis_pk = coded.bases.p_k.data();
-    p.basis_pv = coded.bases.p_v.data();
-    p.page = coded.src_page.data();
-    p.slot = coded.src_slot.data();
-    p.from_epoch = coded.epoch.data();
-    p.to_epoch = to.data();
-    p.n_blocks = coded.n_blocks();
-    return p;
-  }
-};
-
-RecodeCase RandomRecodeCase(const KvPoolLayout& l, int n_blocks, int n_epochs,
-                            std::mt19937_64& rng) {
-  RecodeCase c{testing::RandomExpandCase(l, n_blocks, n_epochs, /*one_pool=*/true, rng), {}};
-  std::uniform_int_distribution<int32_t> pick(0, n_epochs - 1);
-  c.to.resize(c.coded.epoch.size());
-  for (int32_t& e : c.to) e = pick(rng);
-  return c;
-}
+using testing::RandomRecodeCase;
+using testing::RecodeCase;
 
 // The compactor's maps, matrix first: m[a, b] = sum_x new(x, a) old(x, b), then m c.
 void MatrixFirst(const RecodeCase& c, std::vector<uint8_t>& pool) {

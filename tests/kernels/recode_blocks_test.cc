@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "tests/kernels/cuda_test_util.h"
-#include "tests/kernels/expand_blocks_ref.h"
 #include "tests/kernels/kv_test_data.h"
 #include "tests/kernels/recode_blocks_ref.h"
 
@@ -27,25 +26,11 @@ using testing::ToDevice;
 void ExpectKernelMatchesTwin(const KvPoolLayout& l, int n_blocks, int n_epochs,
                              std::mt19937_64& rng) {
   ASSERT_EQ(KvPoolLayoutError(l), nullptr);
-  const testing::ExpandCase c =
-      testing::RandomExpandCase(l, n_blocks, n_epochs, /*one_pool=*/true, rng);
-  std::vector<int32_t> to(c.epoch.size());
-  std::uniform_int_distribution<int32_t> pick(0, n_epochs - 1);
-  for (int32_t& e : to) e = pick(rng);
-
+  const testing::RecodeCase rc = testing::RandomRecodeCase(l, n_blocks, n_epochs, rng);
+  const testing::ExpandCase& c = rc.coded;
+  const std::vector<int32_t>& to = rc.to;
   std::vector<uint8_t> want = c.src_pool;
-  RecodeBlocksParams p;
-  p.layout = l;
-  p.pool = want.data();
-  p.basis_pq = c.bases.p_q.data();
-  p.basis_rv = c.bases.r_v.data();
-  p.basis_pk = c.bases.p_k.data();
-  p.basis_pv = c.bases.p_v.data();
-  p.page = c.src_page.data();
-  p.slot = c.src_slot.data();
-  p.from_epoch = c.epoch.data();
-  p.to_epoch = to.data();
-  p.n_blocks = n_blocks;
+  RecodeBlocksParams p = rc.HostParams(want);
   ASSERT_TRUE(CheckRecodeBatch(p, c.num_src_pages, c.bases.n_epochs).ok());
   RecodeBlocksRef(p);
 
