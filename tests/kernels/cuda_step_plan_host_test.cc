@@ -137,7 +137,9 @@ TEST(StepPlannerQueryRowsTest, OnlyKqsvdSequencesRowsAreReadBack) {
   std::vector<SeqId> seqs;  // kqsvd decode, pca decode, kqsvd prefill
   for (int i = 0; i < 3; ++i) {
     seqs.push_back(*p.dev->CreateSequence());
-    if (i != 1) ASSERT_TRUE(p.dev->SetSequenceRefresh(seqs.back(), kqsvd).ok());
+    if (i != 1) {
+      ASSERT_TRUE(p.dev->SetSequenceRefresh(seqs.back(), kqsvd).ok());
+    }
     AppendDevice(*p.dev, *p.store, seqs.back(), d, 0, 64);  // past the window: an epoch
   }
   ASSERT_TRUE(p.dev->WantsQueries(seqs[0]));
