@@ -109,12 +109,16 @@ TEST(PlanQueryRowsTest, RandomDemandsKeepTheInvariants) {
       EXPECT_EQ(s.first, next_first);
       next_first += s.n;
       EXPECT_DOUBLE_EQ(s.weight * static_cast<double>(s.n), static_cast<double>(ch.n));
-      if (s.n < ch.n) EXPECT_GE(s.n, largest - 1) << "chunk " << s.seq << " cut unfairly";
+      if (s.n < ch.n) {
+        EXPECT_GE(s.n, largest - 1) << "chunk " << s.seq << " cut unfairly";
+      }
       for (int64_t j = 0; j < s.n; ++j) {
         const int32_t r = rows[static_cast<size_t>(s.first + j)];
         EXPECT_GE(r, ch.first_row);
         EXPECT_LT(r, ch.first_row + ch.n);
-        if (j > 0) EXPECT_GT(r, rows[static_cast<size_t>(s.first + j - 1)]);
+        if (j > 0) {
+          EXPECT_GT(r, rows[static_cast<size_t>(s.first + j - 1)]);
+        }
       }
     }
   }
