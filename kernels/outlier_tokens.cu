@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t mask = p.mask[blk] & (bs == 64 ? ~uint64_t{0} : (uint64_t{1} << bs) - 1);
   const int n = __popcll(mask);
   if (n == 0) return;  // uniform across the CTA: no barrier is skipped by some threads only
-  if (threadIdx.x < bs && ((mask >> threadIdx.x) & 1u)) {
+  if (static_cast<int>(threadIdx.x) < bs && ((mask >> threadIdx.x) & 1u)) {
     const uint64_t below = mask & ((uint64_t{1} << threadIdx.x) - 1);
     token[__popcll(below)] = static_cast<int8_t>(threadIdx.x);
   }

@@ -29,14 +29,11 @@ if command -v compute-sanitizer >/dev/null; then
     summary+=("$(printf '%-28s rc=%d  %s' "memcheck $1" "$?" "$(grep -E 'ERROR SUMMARY' "$out/memcheck-$1.log" | tail -1)")")
   }
   san cuda_model cuda_model_test '*'
-  san layer_ops layer_ops_test '*/0:*/7:*Bad*'
-  san prefill prefill_attention_test '*/0:*/5:*/100:*Odd*'
-  san decode decode_attention_test '*/0:*/9:*/31'
-  san compress compress_blocks_test '*/0:*/3'
-  san expand expand_blocks_test '*/0:*/3'
-  san outliers outlier_tokens_test '*d64_b16*:*d128_b64*'
-  san recode recode_blocks_test '*/0:*/3:*Largest*'
-  [[ -x $bundle/bin/sampling_test ]] && san sampling sampling_test '*/0:*/3'
+  source scripts/kernel_slices.sh
+  for slice in "${kernel_slices[@]}"; do
+    read -r name binary filter <<<"$slice"
+    [[ -x $bundle/bin/$binary ]] && san "$name" "$binary" "$filter"
+  done
 else
   summary+=("compute-sanitizer not found")
 fi

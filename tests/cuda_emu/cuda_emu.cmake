@@ -1,0 +1,49 @@
+# The kernels on the CPU (tests/cuda_emu/cuda_emu.h says how and what it cannot show): every
+# kernels/*.cu rewritten by rewrite_cu.cmake and built by the host compiler against the emulated
+# runtime, and the GPU kernel tests built again against it as `<name>_emu`, unit tests that run
+# on every machine with the CUDA headers. cuda_model_test needs cuBLAS and the real runtime; it
+# stays GPU-only.
+set(SUBSPACE_EMU_DIR ${CMAKE_CURRENT_SOURCE_DIR}/cuda_emu)
+file(GLOB SUBSPACE_KERNEL_CU_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/kernels/*.cu)
+set(SUBSPACE_EMU_KERNEL_SOURCES)
+foreach(cu ${SUBSPACE_KERNEL_CU_SOURCES})
+  get_filename_component(name ${cu} NAME_WE)
+  set(out ${CMAKE_CURRENT_BINARY_DIR}/cuda_emu/${name}.cc)
+  add_custom_command(OUTPUT ${out}
+    COMMAND ${CMAKE_COMMAND} -DIN=${cu} -DOUT=${out} -P ${SUBSPACE_EMU_DIR}/rewrite_cu.cmake
+    DEPENDS ${cu} ${SUBSPACE_EMU_DIR}/rewrite_cu.cmake
+    COMMENT "Rewriting ${name}.cu for the CUDA emulator" VERBATIM)
+  list(APPEND SUBSPACE_EMU_KERNEL_SOURCES ${out})
+endforeach()
+# The kernels pun types through pointers as device code may (nvcc does not exploit strict
+# aliasing there); the host compiler must not either.
+set_source_files_properties(${SUBSPACE_EMU_KERNEL_SOURCES} PROPERTIES
+  COMPILE_OPTIONS "-include;${SUBSPACE_EMU_DIR}/cuda_emu.h;-Wno-unknown-pragmas;-Wno-attributes;-fno-strict-aliasing")
+
+add_library(subspace_kernels_emu STATIC ${SUBSPACE_EMU_KERNEL_SOURCES}
+                                        ${SUBSPACE_EMU_DIR}/cuda_emu_runtime.cc)
+target_include_directories(subspace_kernels_emu PUBLIC ${PROJECT_SOURCE_DIR})
+target_include_directories(subspace_kernels_emu SYSTEM PUBLIC ${CUDAToolkit_INCLUDE_DIRS})
+target_link_libraries(subspace_kernels_emu PUBLIC subspace_core)
+target_compile_definitions(subspace_kernels_emu PUBLIC SUBSPACE_WITH_CUDA=1)
+
+add_executable(cuda_emu_test ${SUBSPACE_EMU_DIR}/cuda_emu_test.cc)
+set_source_files_properties(${SUBSPACE_EMU_DIR}/cuda_emu_test.cc PROPERTIES
+  COMPILE_OPTIONS "-include;${SUBSPACE_EMU_DIR}/cuda_emu.h")
+target_link_libraries(cuda_emu_test PRIVATE subspace_kernels_emu GTest::gtest_main)
+set_target_properties(cuda_emu_test PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+gtest_discover_tests(cuda_emu_test DISCOVERY_TIMEOUT 60 PROPERTIES LABELS emu)
+
+foreach(src ${SUBSPACE_GPU_TESTS})
+  get_filename_component(name ${src} NAME_WE)
+  if(name STREQUAL "cuda_model_test")
+    continue()
+  endif()
+  add_executable(${name}_emu ${src})
+  target_link_libraries(${name}_emu PRIVATE subspace_kernels_emu subspace_kernel_twins
+                                            subspace_test_util GTest::gtest_main)
+  target_compile_definitions(${name}_emu PRIVATE SUBSPACE_CUDA_EMULATOR=1)
+  set_target_properties(${name}_emu PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+  gtest_discover_tests(${name}_emu DISCOVERY_TIMEOUT 60 TEST_SUFFIX .emu
+                       PROPERTIES LABELS emu)
+endforeach()
