@@ -1,8 +1,7 @@
-# The kernels on the CPU (tests/cuda_emu/cuda_emu.h says how and what it cannot show): every
+# The CUDA code on the CPU (tests/cuda_emu/cuda_emu.h says how and what it cannot show): every
 # kernels/*.cu rewritten by rewrite_cu.cmake and built by the host compiler against the emulated
-# runtime, and the GPU kernel tests built again against it as `<name>_emu`, unit tests that run
-# on every machine with the CUDA headers. cuda_model_test needs cuBLAS and the real runtime; it
-# stays GPU-only.
+# runtime, and every GPU test built again against it as `<name>_emu` (label emu), on every
+# machine with the CUDA headers, nvcc or not.
 set(SUBSPACE_EMU_DIR ${CMAKE_CURRENT_SOURCE_DIR}/cuda_emu)
 file(GLOB SUBSPACE_KERNEL_CU_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/kernels/*.cu)
 set(SUBSPACE_EMU_KERNEL_SOURCES)
@@ -21,7 +20,8 @@ set_source_files_properties(${SUBSPACE_EMU_KERNEL_SOURCES} PROPERTIES
   COMPILE_OPTIONS "-include;${SUBSPACE_EMU_DIR}/cuda_emu.h;-Wno-unknown-pragmas;-Wno-attributes;-fno-strict-aliasing")
 
 add_library(subspace_kernels_emu STATIC ${SUBSPACE_EMU_KERNEL_SOURCES}
-                                        ${SUBSPACE_EMU_DIR}/cuda_emu_runtime.cc)
+                                        ${SUBSPACE_EMU_DIR}/cuda_emu_runtime.cc
+                                        ${SUBSPACE_EMU_DIR}/cuda_emu_api.cc)
 target_include_directories(subspace_kernels_emu PUBLIC ${PROJECT_SOURCE_DIR})
 target_include_directories(subspace_kernels_emu SYSTEM PUBLIC ${CUDAToolkit_INCLUDE_DIRS})
 target_link_libraries(subspace_kernels_emu PUBLIC subspace_core)
@@ -37,7 +37,7 @@ gtest_discover_tests(cuda_emu_test DISCOVERY_TIMEOUT 60 PROPERTIES LABELS emu)
 foreach(src ${SUBSPACE_GPU_TESTS})
   get_filename_component(name ${src} NAME_WE)
   if(name STREQUAL "cuda_model_test")
-    continue()
+    continue()  # below: it also needs the emulated backend and cuBLAS
   endif()
   add_executable(${name}_emu ${src})
   target_link_libraries(${name}_emu PRIVATE subspace_kernels_emu subspace_kernel_twins
@@ -47,3 +47,38 @@ foreach(src ${SUBSPACE_GPU_TESTS})
   gtest_discover_tests(${name}_emu DISCOVERY_TIMEOUT 60 TEST_SUFFIX .emu
                        PROPERTIES LABELS emu)
 endforeach()
+
+# The CUDA backend end to end (cuda_model_test) on the emulated device: its host code as is, the
+# kernels emulated, cuBLAS replaced by tests/cuda_emu/cublas_emu.cc, built as
+# libcublas.so.<major> in a directory the test puts first on the loader's path, so kernels/gemm.cc
+# loads it as it loads cuBLAS.
+add_library(subspace_cuda_backend_emu STATIC
+  ${PROJECT_SOURCE_DIR}/kernels/cuda_kv_store.cc
+  ${PROJECT_SOURCE_DIR}/kernels/cuda_model.cc
+  ${PROJECT_SOURCE_DIR}/kernels/cuda_model_step.cc
+  ${PROJECT_SOURCE_DIR}/kernels/cuda_status.cc
+  ${PROJECT_SOURCE_DIR}/kernels/device_memory.cc
+  ${PROJECT_SOURCE_DIR}/kernels/gemm.cc
+  ${PROJECT_SOURCE_DIR}/kernels/step_graphs.cc)
+target_link_libraries(subspace_cuda_backend_emu
+  PUBLIC subspace_kernels_emu subspace_kernels_host subspace_core ${CMAKE_DL_LIBS})
+
+add_library(cublas_emu SHARED ${SUBSPACE_EMU_DIR}/cublas_emu.cc)
+target_include_directories(cublas_emu PRIVATE ${PROJECT_SOURCE_DIR})
+target_include_directories(cublas_emu SYSTEM PRIVATE ${CUDAToolkit_INCLUDE_DIRS})
+set_target_properties(cublas_emu PROPERTIES
+  OUTPUT_NAME cublas
+  SUFFIX ".so.${CUDAToolkit_VERSION_MAJOR}"
+  LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests/cuda_emu_lib)
+
+add_executable(cuda_model_test_emu ${CMAKE_CURRENT_SOURCE_DIR}/kernels/cuda_model_test.cc)
+add_dependencies(cuda_model_test_emu cublas_emu)
+target_link_libraries(cuda_model_test_emu PRIVATE subspace_cuda_backend_emu subspace_kernel_twins
+                                                  subspace_test_util GTest::gtest_main)
+target_compile_definitions(cuda_model_test_emu PRIVATE SUBSPACE_CUDA_EMULATOR=1)
+# libcublas.so.N resolves subspace::emu::Submit from the executable.
+set_target_properties(cuda_model_test_emu PROPERTIES
+  RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests ENABLE_EXPORTS ON)
+gtest_discover_tests(cuda_model_test_emu DISCOVERY_TIMEOUT 60 TEST_SUFFIX .emu
+                     PROPERTIES LABELS emu
+                                ENVIRONMENT LD_LIBRARY_PATH=${CMAKE_BINARY_DIR}/tests/cuda_emu_lib)

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -52,30 +53,43 @@ T* DynamicShared() {
   return static_cast<T*>(DynamicSharedBytes());
 }
 
-// Runs `body` as every thread of a grid<<<grid, block, smem>>> of `kernel` (its address keys the
-// shared-memory attribute set by cudaFuncSetAttribute). Launch errors land in cudaGetLastError.
+// False, with the error recorded for cudaGetLastError, when the device would refuse to launch
+// `kernel` so (its address keys the shared-memory limit cudaFuncSetAttribute set).
+bool CheckLaunch(const void* kernel, dim3 grid, dim3 block, size_t dynamic_smem);
+
+// Runs `body` as every thread of a grid<<<grid, block, smem>>>. A kernel that fails (a
+// deadlock, a misused intrinsic) records cudaErrorLaunchFailure.
 void Execute(const void* kernel, dim3 grid, dim3 block, size_t dynamic_smem,
              const std::function<void()>& body);
+
+// Runs `op` in `stream`'s order: now (the emulated device completes work as it is issued), or,
+// while the stream is being captured, as the next node of the graph (`key` names the node's
+// kind: cudaGraphExecUpdate accepts a graph whose nodes have the same keys in the same order).
+void Submit(cudaStream_t stream, const void* key, std::function<void()> op);
 
 // What `kernel<<<grid, block, smem, stream>>>(args...)` becomes after rewrite_cu.cmake.
 class Launcher {
  public:
   Launcher(dim3 grid, dim3 block, size_t dynamic_smem = 0, cudaStream_t stream = nullptr)
-      : grid_(grid), block_(block), smem_(dynamic_smem) {
-    (void)stream;  // one in-order emulated device: streams serialise anyway
-  }
+      : grid_(grid), block_(block), smem_(dynamic_smem), stream_(stream) {}
 
   template <typename... Params, typename... Args>
   void Run(void (*kernel)(Params...), Args&&... args) const {
-    // Kernel arguments are copied at launch, as the device copies them into constant memory.
-    std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
-    Execute(reinterpret_cast<const void*>(kernel), grid_, block_, smem_,
-            [&] { std::apply(kernel, params); });
+    const void* key = reinterpret_cast<const void*>(kernel);
+    if (!CheckLaunch(key, grid_, block_, smem_)) return;
+    // Kernel arguments are copied at launch (a captured graph keeps its own copy), as the device
+    // copies them into constant memory.
+    auto params =
+        std::make_shared<std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
+    Submit(stream_, key, [key, kernel, params, grid = grid_, block = block_, smem = smem_] {
+      Execute(key, grid, block, smem, [&] { std::apply(kernel, *params); });
+    });
   }
 
  private:
   dim3 grid_, block_;
   size_t smem_;
+  cudaStream_t stream_;
 };
 
 template <typename T>

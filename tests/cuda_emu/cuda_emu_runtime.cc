@@ -1,7 +1,5 @@
-// The emulated device behind tests/cuda_emu/cuda_emu.h: a CTA's threads as ucontext fibers on the
-// launching thread, scheduled round-robin until each blocks at a barrier or returns, and the
-// slice of the CUDA runtime API the kernels and their tests call (device memory is host memory).
-// Linked instead of libcudart into the emulated kernel tests.
+// The emulated device's kernel execution (tests/cuda_emu/cuda_emu.h): a CTA's threads as fibers
+// on the launching thread, scheduled round-robin until each blocks at a barrier or returns.
 //
 // A fiber is entered the first time through makecontext/swapcontext and switched afterwards with
 // _setjmp/_longjmp, which skip swapcontext's signal-mask system call: a CTA of 1024 threads
@@ -24,6 +22,7 @@
 #include <vector>
 
 #include "tests/cuda_emu/cuda_emu.h"
+#include "tests/cuda_emu/cuda_emu_device.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define SUBSPACE_EMU_ASAN 1
@@ -36,14 +35,7 @@
 namespace subspace::emu {
 namespace {
 
-// The device the emulator reports: an sm_90 part with Hopper's shared-memory limits, so launchers
-// take the paths they take on an H100.
-constexpr int kSharedMemoryPerBlock = 48 * 1024;        // without the opt-in attribute
-constexpr int kSharedMemoryPerBlockOptin = 227 * 1024;  // cudaDevAttrMaxSharedMemoryPerBlockOptin
-constexpr int kMaxThreadsPerBlock = 1024;
 constexpr size_t kFiberStackBytes = 256 * 1024;
-constexpr size_t kEmulatedMemoryBytes = size_t{8} << 30;
-constexpr int kWarpSize = 32;
 
 struct Fiber {
   ucontext_t context;  // the first entry
@@ -97,7 +89,7 @@ class Stack {
   void* base_ = nullptr;
 };
 
-// The state of the CTA being run. One launch at a time per process (launches hold kLaunchMutex).
+// The state of the CTA being run. One launch at a time per process (launches hold g_mutex).
 struct Cta {
   dim3 grid, block;
   uint3 block_idx;
@@ -117,11 +109,11 @@ struct Cta {
 #endif
 };
 
-std::mutex kLaunchMutex;
+// Guards everything below; launches run one at a time.
+std::recursive_mutex g_mutex;
 Cta* g_cta = nullptr;                          // the running launch's CTA
 std::vector<std::unique_ptr<Stack>> g_stacks;  // grown to the largest block seen, then reused
-
-cudaError_t g_last_error = cudaSuccess;  // cleared by cudaGetLastError
+cudaError_t g_last_error = cudaSuccess;
 std::map<const void*, int> g_max_dynamic_smem;
 
 Cta& CurrentCta() {
@@ -271,7 +263,7 @@ bool RunCta(Cta& cta) {
   return true;
 }
 
-cudaError_t CheckConfiguration(const void* kernel, dim3 grid, dim3 block, size_t dynamic_smem,
+cudaError_t ConfigurationError(const void* kernel, dim3 grid, dim3 block, size_t dynamic_smem,
                                std::string* why) {
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (threads == 0 || threads > kMaxThreadsPerBlock || block.z > 64 || grid.x == 0 || grid.y == 0 ||
@@ -290,6 +282,38 @@ cudaError_t CheckConfiguration(const void* kernel, dim3 grid, dim3 block, size_t
 }
 
 }  // namespace
+
+void RecordError(cudaError_t err) {
+  std::lock_guard<std::recursive_mutex> lock(g_mutex);
+  g_last_error = err;
+}
+
+cudaError_t PeekError() {
+  std::lock_guard<std::recursive_mutex> lock(g_mutex);
+  return g_last_error;
+}
+
+cudaError_t TakeError() {
+  std::lock_guard<std::recursive_mutex> lock(g_mutex);
+  const cudaError_t err = g_last_error;
+  g_last_error = cudaSuccess;
+  return err;
+}
+
+void SetMaxDynamicSharedMemory(const void* kernel, int bytes) {
+  std::lock_guard<std::recursive_mutex> lock(g_mutex);
+  g_max_dynamic_smem[kernel] = bytes;
+}
+
+bool CheckLaunch(const void* kernel, dim3 grid, dim3 block, size_t dynamic_smem) {
+  std::lock_guard<std::recursive_mutex> lock(g_mutex);
+  std::string why;
+  const cudaError_t err = ConfigurationError(kernel, grid, block, dynamic_smem, &why);
+  if (err == cudaSuccess) return true;
+  std::fprintf(stderr, "cuda_emu: launch refused: %s\n", why.c_str());
+  g_last_error = err;
+  return false;
+}
 
 const uint3& ThreadIdx() { return CurrentCta().current->thread_idx; }
 const uint3& BlockIdx() { return CurrentCta().block_idx; }
@@ -329,15 +353,12 @@ uint64_t ShuffleBits(unsigned mask, uint64_t bits, int src_lane) {
   return src_lane >= 0 && src_lane < size ? slots[src_lane] : bits;
 }
 
-void Execute(const void* kernel, dim3 grid, dim3 block, size_t dynamic_smem,
+void Execute(const void* /*kernel*/, dim3 grid, dim3 block, size_t dynamic_smem,
              const std::function<void()>& body) {
-  std::lock_guard<std::mutex> lock(kLaunchMutex);
-  std::string why;
-  const cudaError_t config = CheckConfiguration(kernel, grid, block, dynamic_smem, &why);
-  if (config != cudaSuccess) {
-    std::fprintf(stderr, "cuda_emu: launch refused: %s\n", why.c_str());
-    g_last_error = config;
-    return;
+  std::lock_guard<std::recursive_mutex> lock(g_mutex);
+  if (g_cta != nullptr) {
+    std::fprintf(stderr, "cuda_emu: a kernel launched from inside a kernel\n");
+    std::abort();
   }
   const size_t n = size_t{block.x} * block.y * block.z;
   while (g_stacks.size() < n) g_stacks.push_back(std::make_unique<Stack>());
@@ -367,148 +388,3 @@ void Execute(const void* kernel, dim3 grid, dim3 block, size_t dynamic_smem,
 }
 
 }  // namespace subspace::emu
-
-// ---- The CUDA runtime API, as far as the kernels and their tests use it. ----------------------
-namespace {
-
-using subspace::emu::g_last_error;
-
-// Allocations are 256-byte aligned, as cudaMalloc's are; sizes are tracked so frees are checked.
-std::mutex g_memory_mutex;
-std::map<void*, size_t> g_allocations;
-
-}  // namespace
-
-extern "C" {
-
-cudaError_t cudaMalloc(void** ptr, size_t size) {
-  if (ptr == nullptr) return cudaErrorInvalidValue;
-  *ptr = nullptr;
-  if (size == 0) return cudaSuccess;
-  if (size > subspace::emu::kEmulatedMemoryBytes) return cudaErrorMemoryAllocation;
-  void* p = std::aligned_alloc(256, (size + 255) / 256 * 256);
-  if (p == nullptr) return cudaErrorMemoryAllocation;
-  std::lock_guard<std::mutex> lock(g_memory_mutex);
-  g_allocations[p] = size;
-  *ptr = p;
-  return cudaSuccess;
-}
-
-cudaError_t cudaFree(void* ptr) {
-  if (ptr == nullptr) return cudaSuccess;
-  std::lock_guard<std::mutex> lock(g_memory_mutex);
-  if (g_allocations.erase(ptr) != 1) return cudaErrorInvalidValue;
-  std::free(ptr);
-  return cudaSuccess;
-}
-
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind) {
-  if (count > 0 && (dst == nullptr || src == nullptr)) return cudaErrorInvalidValue;
-  if (count > 0) std::memmove(dst, src, count);
-  return cudaSuccess;
-}
-
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
-                            cudaStream_t) {
-  return cudaMemcpy(dst, src, count, kind);
-}
-
-cudaError_t cudaMemset(void* ptr, int value, size_t count) {
-  if (count > 0 && ptr == nullptr) return cudaErrorInvalidValue;
-  if (count > 0) std::memset(ptr, value, count);
-  return cudaSuccess;
-}
-
-cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t) {
-  return cudaMemset(ptr, value, count);
-}
-
-cudaError_t cudaDeviceSynchronize() { return g_last_error; }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return g_last_error; }
-cudaError_t cudaPeekAtLastError() { return g_last_error; }
-
-cudaError_t cudaGetLastError() {
-  const cudaError_t err = g_last_error;
-  g_last_error = cudaSuccess;
-  return err;
-}
-
-const char* cudaGetErrorName(cudaError_t err) {
-  switch (err) {
-    case cudaSuccess:
-      return "cudaSuccess";
-    case cudaErrorInvalidValue:
-      return "cudaErrorInvalidValue";
-    case cudaErrorMemoryAllocation:
-      return "cudaErrorMemoryAllocation";
-    case cudaErrorInvalidConfiguration:
-      return "cudaErrorInvalidConfiguration";
-    case cudaErrorLaunchFailure:
-      return "cudaErrorLaunchFailure";
-    case cudaErrorInvalidDevice:
-      return "cudaErrorInvalidDevice";
-    default:
-      return "cudaErrorUnknown";
-  }
-}
-
-const char* cudaGetErrorString(cudaError_t err) { return cudaGetErrorName(err); }
-
-cudaError_t cudaGetDeviceCount(int* count) {
-  if (count == nullptr) return cudaErrorInvalidValue;
-  *count = 1;
-  return cudaSuccess;
-}
-
-cudaError_t cudaGetDevice(int* device) {
-  if (device == nullptr) return cudaErrorInvalidValue;
-  *device = 0;
-  return cudaSuccess;
-}
-
-cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
-
-cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
-  if (prop == nullptr) return cudaErrorInvalidValue;
-  if (device != 0) return cudaErrorInvalidDevice;
-  *prop = cudaDeviceProp{};
-  std::snprintf(prop->name, sizeof(prop->name), "subspace CUDA emulator (CPU)");
-  prop->major = 9;
-  prop->minor = 0;
-  prop->totalGlobalMem = subspace::emu::kEmulatedMemoryBytes;
-  prop->multiProcessorCount = 1;
-  prop->warpSize = subspace::emu::kWarpSize;
-  prop->maxThreadsPerBlock = subspace::emu::kMaxThreadsPerBlock;
-  prop->sharedMemPerBlock = subspace::emu::kSharedMemoryPerBlock;
-  prop->sharedMemPerBlockOptin = subspace::emu::kSharedMemoryPerBlockOptin;
-  return cudaSuccess;
-}
-
-cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
-  if (value == nullptr) return cudaErrorInvalidValue;
-  if (device != 0) return cudaErrorInvalidDevice;
-  switch (attr) {
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin:
-      *value = subspace::emu::kSharedMemoryPerBlockOptin;
-      return cudaSuccess;
-    case cudaDevAttrMaxSharedMemoryPerBlock:
-      *value = subspace::emu::kSharedMemoryPerBlock;
-      return cudaSuccess;
-    case cudaDevAttrMultiProcessorCount:
-      *value = 1;
-      return cudaSuccess;
-    default:
-      return cudaErrorInvalidValue;
-  }
-}
-
-cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value) {
-  if (func == nullptr) return cudaErrorInvalidValue;
-  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaErrorInvalidValue;
-  if (value < 0 || value > subspace::emu::kSharedMemoryPerBlockOptin) return cudaErrorInvalidValue;
-  std::lock_guard<std::mutex> lock(subspace::emu::kLaunchMutex);
-  subspace::emu::g_max_dynamic_smem[func] = value;
-  return cudaSuccess;
-}
-
-}  // extern "C"
