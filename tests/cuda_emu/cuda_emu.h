@@ -59,8 +59,7 @@ bool CheckLaunch(const void* kernel, dim3 grid, dim3 block, size_t dynamic_smem)
 
 // Runs `body` as every thread of a grid<<<grid, block, smem>>>. A kernel that fails (a
 // deadlock, a misused intrinsic) records cudaErrorLaunchFailure.
-void Execute(const void* kernel, dim3 grid, dim3 block, size_t dynamic_smem,
-             const std::function<void()>& body);
+void Execute(dim3 grid, dim3 block, size_t dynamic_smem, const std::function<void()>& body);
 
 // Runs `op` in `stream`'s order: now (the emulated device completes work as it is issued), or,
 // while the stream is being captured, as the next node of the graph (`key` names the node's
@@ -81,8 +80,8 @@ class Launcher {
     // copies them into constant memory.
     auto params =
         std::make_shared<std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
-    Submit(stream_, key, [key, kernel, params, grid = grid_, block = block_, smem = smem_] {
-      Execute(key, grid, block, smem, [&] { std::apply(kernel, *params); });
+    Submit(stream_, key, [kernel, params, grid = grid_, block = block_, smem = smem_] {
+      Execute(grid, block, smem, [&] { std::apply(kernel, *params); });
     });
   }
 

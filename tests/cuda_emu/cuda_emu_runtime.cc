@@ -353,8 +353,7 @@ uint64_t ShuffleBits(unsigned mask, uint64_t bits, int src_lane) {
   return src_lane >= 0 && src_lane < size ? slots[src_lane] : bits;
 }
 
-void Execute(const void* /*kernel*/, dim3 grid, dim3 block, size_t dynamic_smem,
-             const std::function<void()>& body) {
+void Execute(dim3 grid, dim3 block, size_t dynamic_smem, const std::function<void()>& body) {
   std::lock_guard<std::recursive_mutex> lock(g_mutex);
   if (g_cta != nullptr) {
     std::fprintf(stderr, "cuda_emu: a kernel launched from inside a kernel\n");
