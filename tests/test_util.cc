@@ -7,8 +7,8 @@
 
 namespace subspace::testing {
 
-std::string SharedPath(const std::string& relative) {
-  return std::string(SUBSPACE_SHARED_DIR) + "/" + relative;
+std::string FixturePath(const std::string& relative) {
+  return std::string(SUBSPACE_SOURCE_DIR) + "/tests/data/" + relative;
 }
 std::string SourcePath(const std::string& relative) {
   return std::string(SUBSPACE_SOURCE_DIR) + "/" + relative;

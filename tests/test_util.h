@@ -7,8 +7,9 @@
 
 namespace subspace::testing {
 
-// Absolute path of a file under ../shared (the fixtures shipped beside the checkout).
-std::string SharedPath(const std::string& relative);
+// Absolute path of a fixture under tests/data/ (files from other projects, in the repository
+// with their source and licence: tests/data/README.md).
+std::string FixturePath(const std::string& relative);
 // Absolute path of a file under the repository root.
 std::string SourcePath(const std::string& relative);
 // Absolute path under the build's test_data folder (written by tests/reference/).
@@ -20,7 +21,11 @@ std::string ReadFileOrDie(const std::string& path);
 
 }  // namespace subspace::testing
 
-// Skips the test when `path` is missing locally; fails it under CI.
+// Fails the test when a fixture of tests/data/ is missing (they are in the repository).
+#define SUBSPACE_ASSERT_FIXTURE(path) \
+  ASSERT_TRUE(::subspace::testing::FileExists(path)) << "missing fixture " << (path)
+
+// Skips the test when a generated file (TestDataPath) is missing locally; fails it under CI.
 #define SUBSPACE_REQUIRE_FILE(path)                                          \
   do {                                                                       \
     if (!::subspace::testing::FileExists(path)) {                            \

@@ -1,6 +1,6 @@
 // Tests for the GGUF reader: metadata and tensor round-trips through in-memory files, the
 // corrupt-input paths (each must return a precise error, never crash or over-read), a cheap
-// deterministic mutation fuzz, and the real fixtures under ../shared.
+// deterministic mutation fuzz, and the real fixtures under tests/data/.
 #include "core/gguf.h"
 
 #include <gtest/gtest.h>
@@ -534,8 +534,8 @@ TEST(GgufTest, OpenMapsFileAndReportsMissingFiles) {
 }
 
 TEST(GgufFixtureTest, LlamaTinyRandom) {
-  const std::string path = subspace::testing::SharedPath("fixtures/gguf/llama-2-tiny-random.gguf");
-  SUBSPACE_REQUIRE_FILE(path);
+  const std::string path = subspace::testing::FixturePath("gguf/llama-2-tiny-random.gguf");
+  SUBSPACE_ASSERT_FIXTURE(path);
   absl::StatusOr<std::unique_ptr<GgufFile>> f = GgufFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status();
   const GgufFile& g = **f;
@@ -571,8 +571,8 @@ TEST(GgufFixtureTest, LlamaTinyRandom) {
 }
 
 TEST(GgufFixtureTest, VocabOnlyLlamaSpm) {
-  const std::string path = subspace::testing::SharedPath("fixtures/gguf/ggml-vocab-llama-spm.gguf");
-  SUBSPACE_REQUIRE_FILE(path);
+  const std::string path = subspace::testing::FixturePath("gguf/ggml-vocab-llama-spm.gguf");
+  SUBSPACE_ASSERT_FIXTURE(path);
   absl::StatusOr<std::unique_ptr<GgufFile>> f = GgufFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status();
   const GgufFile& g = **f;

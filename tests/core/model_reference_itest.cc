@@ -314,8 +314,8 @@ TEST_F(ModelReferenceTest, BatchedStepEqualsEachSequenceAlone) {
 // A GGUF written by another project (ollama's test data): loads and yields finite logits.
 TEST(ModelSharedFixtureTest, TinyRandomLlamaRuns) {
   const std::string path =
-      ::subspace::testing::SharedPath("fixtures/gguf/llama-2-tiny-random.gguf");
-  SUBSPACE_REQUIRE_FILE(path);
+      ::subspace::testing::FixturePath("gguf/llama-2-tiny-random.gguf");
+  SUBSPACE_ASSERT_FIXTURE(path);
   absl::StatusOr<std::unique_ptr<LlamaModel>> m = LlamaModel::Open(path);
   ASSERT_TRUE(m.ok()) << m.status();
   const ModelConfig& c = (*m)->config();

@@ -24,7 +24,7 @@ namespace {
 
 using ::subspace::testing::FileExists;
 using ::subspace::testing::ReadFileOrDie;
-using ::subspace::testing::SharedPath;
+using ::subspace::testing::FixturePath;
 
 constexpr int32_t kLlamaBos = 1;
 constexpr int32_t kLlamaEos = 2;
@@ -35,8 +35,8 @@ constexpr int32_t kLlamaWorld = 3186;   // "▁world"
 constexpr int32_t kLlamaNewline = 13;   // <0x0A>
 constexpr int32_t kLlamaFirstByte = 3;  // <0x00>; <0xHH> is 3 + 0xHH
 
-std::string VocabPath() { return SharedPath("fixtures/gguf/ggml-vocab-llama-spm.gguf"); }
-std::string TinyModelPath() { return SharedPath("fixtures/gguf/llama-2-tiny-random.gguf"); }
+std::string VocabPath() { return FixturePath("gguf/ggml-vocab-llama-spm.gguf"); }
+std::string TinyModelPath() { return FixturePath("gguf/llama-2-tiny-random.gguf"); }
 
 struct VocabCase {
   std::string input;
@@ -143,7 +143,7 @@ class LlamaVocabTest : public ::testing::Test {
     tok_ = nullptr;
   }
   void SetUp() override {
-    SUBSPACE_REQUIRE_FILE(VocabPath());
+    SUBSPACE_ASSERT_FIXTURE(VocabPath());
     ASSERT_NE(tok_, nullptr) << error_;
   }
   const Tokenizer& tok() const { return *tok_; }
@@ -401,7 +401,7 @@ TEST_F(LlamaVocabTest, LargeInput) {
 }
 
 TEST_F(LlamaVocabTest, TinyRandomModelHasTheSameVocab) {
-  SUBSPACE_REQUIRE_FILE(TinyModelPath());
+  SUBSPACE_ASSERT_FIXTURE(TinyModelPath());
   std::string error;
   std::unique_ptr<Tokenizer> tiny = LoadTokenizer(TinyModelPath(), &error);
   ASSERT_NE(tiny, nullptr) << error;
