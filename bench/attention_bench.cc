@@ -140,9 +140,9 @@ void Table(const Geo& geo, const std::vector<int>& contexts, const std::vector<i
         CompressedKvCacheConfig c;
         c.geometry = g;
         c.block_size = 16;
-        c.sink_tokens = 4;
-        c.window_tokens = 64;
-        c.coeff_dtype = i == 0 ? CoeffDtype::kFp16 : CoeffDtype::kInt8;  // fp16 full blocks
+        c.policy.sink_tokens = 4;
+        c.policy.window_tokens = 64;
+        c.policy.coeff_dtype = i == 0 ? CoeffDtype::kFp16 : CoeffDtype::kInt8;  // fp16 full blocks
         // Room for one sequence's full prefill chunk (1024) plus everyone compressed.
         c.capacity_bytes = (static_cast<int64_t>(batch) * (ctx / 16 / 3 + 8) + 72) *
                            CompressedKvCache::PageBytes(g, 16, c.full_dtype);

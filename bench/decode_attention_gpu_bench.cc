@@ -31,6 +31,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "core/ggml_types.h"
+#include "core/int_math.h"
 #include "kernels/decode_attention.h"
 #include "kernels/decode_plan_builder.h"
 
@@ -71,8 +72,6 @@ void CheckCuda(cudaError_t err, const char* what, const char* file, int line) {
   std::fprintf(stderr, "subspace-bench-decode-attention: %s\n", why.c_str());
   std::exit(1);
 }
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 std::vector<int> ParseList(const std::string& flag, const std::string& s) {
   std::vector<int> out;

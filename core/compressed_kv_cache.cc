@@ -24,7 +24,7 @@
 //
 // Epoch 0 (self-calibration). Until the calibration tool's basis file exists, the first
 // sequence that compresses with no default epoch set builds one by PCA of its own keys and
-// values (Gram matrices by dsyrk over at most kPcaMaxTokens tokens, then LAPACK per layer x
+// values (Gram matrices by dsyrk over at most ~kPcaMaxTokens tokens, then LAPACK per layer x
 // KV head, in parallel) and installs it as the default: every later sequence, and any created
 // earlier that has not compressed yet, uses it without an eigendecomposition. That one build
 // runs on the engine thread (~7 ms for 6 layers x 2 heads x d=64, ~0.4 s for 32 x 8 x 128;
@@ -41,17 +41,15 @@
 
 #include "absl/strings/str_format.h"
 #include "core/cpu/attention_kernels.h"
+#include "core/int_math.h"
 #include "core/pca.h"
 
 namespace subspace {
 
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t kMaxTokens = int64_t{1} << 48;
 constexpr size_t kInitialTableCapacity = 64;
-// Tokens a self-calibrated PCA epoch is built from, at most.
-constexpr int64_t kPcaMaxTokens = 1024;
 // Compactor work per Commit of a sequence, in block-heads (O(B r^2) each: ~4k flops at B = 16,
 // r = 16), so that catching up after a refresh is spread over steps.
 constexpr int64_t kCompactBlockHeadsPerCommit = 64;
@@ -99,26 +97,10 @@ absl::StatusOr<std::unique_ptr<CompressedKvCache>> CompressedKvCache::Create(
     return absl::InvalidArgumentError(
         absl::StrFormat("block_size must be in [1, 64], got %d", config.block_size));
   }
-  if (config.sink_tokens < 0 || config.window_tokens < 0) {
-    return absl::InvalidArgumentError("sink_tokens and window_tokens must be >= 0");
-  }
-  const auto ranks = [&](const std::vector<int>& given,
-                         const char* name) -> absl::StatusOr<std::vector<int>> {
-    if (given.empty()) return std::vector<int>(static_cast<size_t>(g.n_layers), std::max(1, g.head_dim / 4));
-    if (given.size() != static_cast<size_t>(g.n_layers)) {
-      return absl::InvalidArgumentError(absl::StrFormat("%s needs one rank per layer", name));
-    }
-    for (int r : given) {
-      if (r < 1 || r > g.head_dim) {
-        return absl::InvalidArgumentError(absl::StrFormat("%s rank %d outside [1, %d]", name, r, g.head_dim));
-      }
-    }
-    return given;
-  };
-  absl::StatusOr<std::vector<int>> r_k = ranks(config.r_k, "r_k");
-  if (!r_k.ok()) return r_k.status();
-  absl::StatusOr<std::vector<int>> r_v = ranks(config.r_v, "r_v");
-  if (!r_v.ok()) return r_v.status();
+  absl::StatusOr<CompressionPolicy> policy = ResolvePolicy(config.policy, g);
+  if (!policy.ok()) return policy.status();
+  const std::vector<int>* r_k = &policy->r_k;
+  const std::vector<int>* r_v = &policy->r_v;
   if (absl::Status st = ValidateRefreshConfig(config.refresh); !st.ok()) return st;
   if (config.n_query_heads < 0 || config.n_query_heads % g.n_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -135,13 +117,13 @@ absl::StatusOr<std::unique_ptr<CompressedKvCache>> CompressedKvCache::Create(
   for (int l = 0; l < g.n_layers; ++l) {
     // The slab allocator rounds slots up to 16 bytes and needs one to fit in a page.
     const int64_t slot = CeilDiv(CompressedBlockBytes(g, config.block_size, (*r_k)[l], (*r_v)[l],
-                                                      config.coeff_dtype),
+                                                      config.policy.coeff_dtype),
                                  16) * 16;
     if (slot > page_bytes) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "layer %d: a %s compressed block at ranks (%d, %d) takes %d bytes, more than a %s full "
           "block (%d); lower the ranks or use fp32 full blocks",
-          l, CoeffDtypeName(config.coeff_dtype), (*r_k)[l], (*r_v)[l], slot,
+          l, CoeffDtypeName(config.policy.coeff_dtype), (*r_k)[l], (*r_v)[l], slot,
           CoeffDtypeName(config.full_dtype), page_bytes));
     }
   }
@@ -154,25 +136,31 @@ absl::StatusOr<std::unique_ptr<CompressedKvCache>> CompressedKvCache::Create(
   absl::StatusOr<std::unique_ptr<BlockPool>> pool =
       BlockPool::Create(page_bytes / static_cast<int64_t>(sizeof(float)), num_pages);
   if (!pool.ok()) return pool.status();
-  return std::unique_ptr<CompressedKvCache>(
-      new CompressedKvCache(config, *std::move(r_k), *std::move(r_v), *std::move(pool)));
+  CompressedKvCacheConfig resolved = config;
+  resolved.policy = *std::move(policy);
+  return std::unique_ptr<CompressedKvCache>(new CompressedKvCache(resolved, *std::move(pool)));
 }
 
-CompressedKvCache::CompressedKvCache(const CompressedKvCacheConfig& config, std::vector<int> r_k,
-                                     std::vector<int> r_v, std::unique_ptr<BlockPool> pool)
+CompressedKvCache::CompressedKvCache(const CompressedKvCacheConfig& config,
+                                     std::unique_ptr<BlockPool> pool)
     : config_(config),
-      r_k_(std::move(r_k)),
-      r_v_(std::move(r_v)),
+      r_k_(config.policy.r_k),
+      r_v_(config.policy.r_v),
       v_half_(static_cast<int64_t>(config.geometry.n_kv_heads) * config.block_size *
               config.geometry.head_dim),
       full_bytes_(CoeffBytes(config.full_dtype)),
       pool_(std::move(pool)),
       slabs_(pool_.get(), BlockKind::kCompressed),
+      epochs_({.geometry = config.geometry,
+               .policy = config.policy,
+               .n_query_heads = config.n_query_heads,
+               .refresher = {.inline_mode = config.refresh_inline,
+                             .max_queued_bytes = config.refresh_queue_bytes}}),
       page_scratch_(static_cast<size_t>(2 * v_half_)) {
   std::vector<std::pair<int64_t, int>> classes;  // slot bytes -> class
   for (int l = 0; l < config_.geometry.n_layers; ++l) {
     const int64_t bytes = CompressedBlockBytes(config_.geometry, config_.block_size, r_k_[l],
-                                               r_v_[l], config_.coeff_dtype);
+                                               r_v_[l], config_.policy.coeff_dtype);
     int cls = -1;
     for (const auto& [b, c] : classes) {
       if (b == bytes) cls = c;
@@ -184,7 +172,7 @@ CompressedKvCache::CompressedKvCache(const CompressedKvCacheConfig& config, std:
     }
     slab_class_.push_back(cls);
   }
-  if (config_.refresh.method != RefreshMethod::kNone) EnsureRefresher();
+  if (config_.refresh.method != RefreshMethod::kNone) epochs_.EnsureRefresher();
 }
 
 absl::StatusOr<SeqId> CompressedKvCache::CreateSequence() {
@@ -197,13 +185,7 @@ absl::StatusOr<SeqId> CompressedKvCache::CreateSequence() {
     }
   });
   if (!id.ok()) return id;
-  Sequence& s = seqs_[*id];
-  s.length = 0;
-  s.next_compress = 0;
-  s.epoch = default_epoch_;
-  if (s.epoch != kNoEpoch) (void)registry_.Acquire(s.epoch);
-  s.refresh = config_.refresh;
-  s.stream = 0;
+  epochs_.StartSequence(seqs_[*id], config_.refresh);
   return id;
 }
 
@@ -214,7 +196,7 @@ void CompressedKvCache::AddEpochUse(LayerState& ls, int layer, EpochId id) {
       return;
     }
   }
-  ls.live.push_back({id, &registry_.Get(id)->layers[static_cast<size_t>(layer)], 1});
+  ls.live.push_back({id, &epochs_.Get(id)->layers[static_cast<size_t>(layer)], 1});
 }
 
 void CompressedKvCache::DropEpochUse(LayerState& ls, EpochId id) {
@@ -236,7 +218,7 @@ void CompressedKvCache::FreeEntry(LayerState& ls, int /*layer*/, int64_t b) {
     for (int h = 0; h < n_kv; ++h) {
       EpochId& id = ls.block_epochs[static_cast<size_t>(b * n_kv + h)];
       DropEpochUse(ls, id);
-      registry_.Release(id);
+      epochs_.Release(id);
       id = kNoEpoch;
     }
   }
@@ -246,7 +228,6 @@ void CompressedKvCache::FreeEntry(LayerState& ls, int /*layer*/, int64_t b) {
 absl::Status CompressedKvCache::FreeSequence(SeqId seq) {
   Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
-  CloseStream(*s);
   for (int l = 0; l < config_.geometry.n_layers; ++l) {
     LayerState& ls = s->layers[static_cast<size_t>(l)];
     for (int64_t b = 0; b < static_cast<int64_t>(ls.table.size()); ++b) FreeEntry(ls, l, b);
@@ -257,10 +238,8 @@ absl::Status CompressedKvCache::FreeSequence(SeqId seq) {
     ls.outlier_pos.clear();
     ls.outlier_pages.clear();
   }
-  if (s->epoch != kNoEpoch) registry_.Release(s->epoch);
-  s->epoch = kNoEpoch;
   tokens_cached_ -= s->length;
-  s->length = 0;
+  epochs_.EndSequence(*s);
   seqs_.Release(seq);
   return absl::OkStatus();
 }
@@ -341,33 +320,15 @@ void CompressedKvCache::LoadFull(const uint8_t* src, int64_t n, float* dst) cons
   }
 }
 
-absl::Status CompressedKvCache::EnsureEpoch(Sequence& s) {
-  if (s.epoch != kNoEpoch) return absl::OkStatus();
-  if (default_epoch_ != kNoEpoch && !config_.per_sequence_pca) {
-    // Created before the default existed (or before it was self-calibrated).
-    if (absl::Status st = registry_.Acquire(default_epoch_); !st.ok()) return st;
-    s.epoch = default_epoch_;
-    return absl::OkStatus();
-  }
-  const EpochId id = registry_.Register(PcaOfSequence(s));  // the sequence's reference
-  ++pca_epochs_built_;
-  s.epoch = id;
-  if (!config_.per_sequence_pca) {
-    if (absl::Status st = registry_.Acquire(id); !st.ok()) return st;  // the default's
-    default_epoch_ = id;
-    default_self_calibrated_ = true;
-  }
-  return absl::OkStatus();
-}
-
 std::shared_ptr<const Basis> CompressedKvCache::PcaOfSequence(const Sequence& s) const {
-  // Grams of the committed full-rank keys and values (all of them: nothing is compressed
-  // before the first epoch exists), at most kPcaMaxTokens evenly spaced ones: well above d,
-  // and it bounds the dsyrk work of a long first prompt.
+  // Grams of the committed full-rank keys and values of the blocks CompressionPolicy samples
+  // (every block up to ~kPcaMaxTokens tokens, then evenly spaced ones: well above d, and it
+  // bounds the dsyrk work of a long first prompt); the device cache samples the same blocks.
   const KvCacheGeometry& g = config_.geometry;
   const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = config_.block_size;
   const size_t dd = static_cast<size_t>(hd) * hd;
-  const int64_t stride = std::max<int64_t>(1, CeilDiv(s.length, kPcaMaxTokens));
+  const int64_t stride = CompressionPolicy::PcaBlockStride(s.length, bs);
+  const int64_t blocks = CeilDiv(s.length, bs);
   std::vector<std::vector<double>> gk(static_cast<size_t>(g.n_layers)), gv(gk.size());
   for (int l = 0; l < g.n_layers; ++l) {
     gk[static_cast<size_t>(l)].assign(static_cast<size_t>(n_kv) * dd, 0.0);
@@ -385,11 +346,13 @@ std::shared_ptr<const Basis> CompressedKvCache::PcaOfSequence(const Sequence& s)
     thread_local std::vector<float> x;      // [hd] one row widened from full_dtype
     rows.clear();
     x.resize(static_cast<size_t>(hd));
-    for (int64_t t = 0; t < s.length; t += stride) {
-      const BlockEntry& e = ls.table[static_cast<size_t>(t / bs)];
+    for (int64_t b = 0; b < blocks; b += stride) {
+      const BlockEntry& e = ls.table[static_cast<size_t>(b)];
       if (e.slot >= 0) continue;
-      LoadFull(FullAt(e.page, keys ? KOffset(h, t % bs) : VOffset(h, t % bs)), hd, x.data());
-      rows.insert(rows.end(), x.begin(), x.end());
+      for (int64_t t = 0; t < std::min<int64_t>(bs, s.length - b * bs); ++t) {
+        LoadFull(FullAt(e.page, keys ? KOffset(h, t) : VOffset(h, t)), hd, x.data());
+        rows.insert(rows.end(), x.begin(), x.end());
+      }
     }
     double* gram = (keys ? gk : gv)[static_cast<size_t>(l)].data() + static_cast<size_t>(h) * dd;
     GramOfRows(rows.data(), static_cast<int64_t>(rows.size()) / hd, hd, gram);
@@ -401,11 +364,11 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
   const KvCacheGeometry& g = config_.geometry;
   const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = config_.block_size;
   const int rk = r_k_[static_cast<size_t>(layer)], rv = r_v_[static_cast<size_t>(layer)];
-  const CoeffDtype dt = config_.coeff_dtype;
+  const CoeffDtype dt = config_.policy.coeff_dtype;
   LayerState& ls = s.layers[static_cast<size_t>(layer)];
   BlockEntry& e = ls.table[static_cast<size_t>(b)];
   assert(e.slot < 0);
-  const LayerBasis& basis = registry_.Get(s.epoch)->layers[static_cast<size_t>(layer)];
+  const LayerBasis& basis = epochs_.Get(s.epoch)->layers[static_cast<size_t>(layer)];
 
   float* full = page_scratch_.data();  // [2, n_kv, B, hd] widened to fp32
   LoadFull(FullAt(e.page, 0), 2 * v_half_, full);
@@ -419,7 +382,6 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
   auto* k_scales = reinterpret_cast<uint16_t*>(v_codes + rows * rv * CoeffBytes(dt));  // [n_kv, B]
   uint16_t* v_scales = k_scales + rows;                                                // [n_kv, B]
 
-  const bool detect = config_.outlier_threshold < 1.0f;
   // The key residual (B r d flops per head, as much as the coding itself) feeds outlier
   // detection, the refresher's residual trigger and the residual-energy ratio in Detail.
   double residual = 0.0, energy = 0.0;
@@ -452,8 +414,7 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
       }
       residual += err;
       energy += norm;
-      if (detect &&
-          err > static_cast<double>(config_.outlier_threshold) * config_.outlier_threshold * norm) {
+      if (config_.policy.IsOutlier(err, norm)) {
         outliers |= uint64_t{1} << t;
       }
       EncodeCoeffs(dt, ck + static_cast<size_t>(t) * rk, rk, k_codes + row * rk * CoeffBytes(dt),
@@ -486,7 +447,7 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
   e = BlockEntry{slot.page, slot.index, outliers};
   for (int h = 0; h < n_kv; ++h) {
     ls.block_epochs[static_cast<size_t>(b * n_kv + h)] = s.epoch;
-    (void)registry_.Acquire(s.epoch);
+    (void)epochs_.Acquire(s.epoch);
     AddEpochUse(ls, layer, s.epoch);
   }
   key_residual_sum_ += residual;
@@ -506,19 +467,20 @@ absl::Status CompressedKvCache::Commit(SeqId seq, int64_t length) {
   }
   tokens_cached_ += length - s->length;
   s->length = length;
-  if (refresher_ != nullptr && refresher_->has_published()) InstallPublishedEpochs();
-  const int64_t first = std::max<int64_t>(s->next_compress, CeilDiv(config_.sink_tokens, bs));
-  const int64_t limit = length - config_.window_tokens;  // blocks ending at or before it go
-  if ((first + 1) * bs <= limit) {
-    if (absl::Status st = EnsureEpoch(*s); !st.ok()) return st;
-    if (s->stream == 0) OpenStream(*s, seq);
-    int64_t b = first;
-    for (; (b + 1) * bs <= limit; ++b) {
+  const Refresher* refresher = epochs_.refresher();
+  if (refresher != nullptr && refresher->has_published()) InstallPublishedEpochs();
+  const BlockRange range = config_.policy.CompressibleBlocks(s->next_compress, length, bs);
+  if (!range.empty()) {
+    if (absl::Status st = epochs_.EnsureEpoch(*s, [&] { return PcaOfSequence(*s); }); !st.ok()) {
+      return st;
+    }
+    epochs_.OpenStream(*s, seq);
+    for (int64_t b = range.begin; b < range.end; ++b) {
       for (int l = 0; l < config_.geometry.n_layers; ++l) {
         if (s->layers[static_cast<size_t>(l)].table[static_cast<size_t>(b)].slot < 0) CompressBlock(*s, l, b);
       }
     }
-    s->next_compress = b;
+    s->next_compress = range.end;
   }
   // After compressing, so that blocks just coded with a newly installed epoch count.
   if (s->refresh.method != RefreshMethod::kNone) Compact(*s, kCompactBlockHeadsPerCommit);
@@ -529,7 +491,7 @@ absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
   const KvCacheGeometry& g = config_.geometry;
   const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = config_.block_size;
   const int rk = r_k_[static_cast<size_t>(layer)], rv = r_v_[static_cast<size_t>(layer)];
-  const CoeffDtype dt = config_.coeff_dtype;
+  const CoeffDtype dt = config_.policy.coeff_dtype;
   LayerState& ls = s.layers[static_cast<size_t>(layer)];
   BlockEntry& e = ls.table[static_cast<size_t>(b)];
   float* full = page_scratch_.data();
@@ -542,7 +504,7 @@ absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
   std::vector<float> c(static_cast<size_t>(std::max(rk, rv)));
   for (int h = 0; h < n_kv; ++h) {
     const LayerBasis& basis =
-        registry_.Get(ls.block_epochs[static_cast<size_t>(b * n_kv + h)])->layers[static_cast<size_t>(layer)];
+        epochs_.Get(ls.block_epochs[static_cast<size_t>(b * n_kv + h)])->layers[static_cast<size_t>(layer)];
     const float* pq = basis.p_q.data() + static_cast<size_t>(h) * hd * rk;  // [d, r_k]
     const float* rvm = basis.r_v.data() + static_cast<size_t>(h) * rv * hd;  // [r_v, d]
     for (int t = 0; t < bs; ++t) {
@@ -628,8 +590,8 @@ KvCacheStats CompressedKvCache::Stats() const {
   const KvCacheGeometry& g = config_.geometry;
   st.bytes_full_fp16_equivalent =
       tokens_cached_ * g.n_layers * 2 * static_cast<int64_t>(g.n_kv_heads) * g.head_dim * 2;
-  st.epochs_live = registry_.live();
-  if (refresher_ != nullptr) st.refresh = refresher_->Stats();
+  st.epochs_live = epochs_.registry().live();
+  if (epochs_.refresher() != nullptr) st.refresh = epochs_.refresher()->Stats();
   st.refresh.installed = refreshes_installed_;
   st.refresh.blocks_reprojected = blocks_reprojected_;
   return st;
@@ -652,42 +614,25 @@ CompressedKvCacheDetail CompressedKvCache::Detail() const {
   d.outliers_dropped = outliers_dropped_;
   d.key_residual_energy = key_residual_sum_;
   d.key_energy = key_energy_sum_;
-  d.epochs_live = registry_.live();
-  d.pca_epochs_built = pca_epochs_built_;
-  d.default_self_calibrated = default_self_calibrated_;
+  d.epochs_live = epochs_.registry().live();
+  d.pca_epochs_built = epochs_.pca_epochs_built();
+  d.default_self_calibrated = epochs_.default_self_calibrated();
   return d;
 }
 
 absl::StatusOr<EpochId> CompressedKvCache::InstallBasis(std::shared_ptr<const Basis> basis) {
-  if (basis == nullptr) return absl::InvalidArgumentError("null basis");
-  if (absl::Status st = ValidateBasis(*basis, config_.geometry, r_k_, r_v_); !st.ok()) return st;
-  return registry_.Register(std::move(basis));
+  return epochs_.Install(std::move(basis));
 }
 
-absl::Status CompressedKvCache::ReleaseEpoch(EpochId id) {
-  if (registry_.Get(id) == nullptr) return absl::NotFoundError(absl::StrFormat("unknown basis epoch %d", id));
-  registry_.Release(id);
-  return absl::OkStatus();
-}
+absl::Status CompressedKvCache::ReleaseEpoch(EpochId id) { return epochs_.ReleaseChecked(id); }
 
 absl::Status CompressedKvCache::SetSequenceEpoch(SeqId seq, EpochId id) {
   Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
-  if (absl::Status st = registry_.Acquire(id); !st.ok()) return st;
-  if (s->epoch != kNoEpoch) registry_.Release(s->epoch);
-  s->epoch = id;
-  return absl::OkStatus();
+  return epochs_.SetSequenceEpoch(*s, id);
 }
 
-absl::Status CompressedKvCache::SetDefaultEpoch(EpochId id) {
-  if (id != kNoEpoch) {
-    if (absl::Status st = registry_.Acquire(id); !st.ok()) return st;
-  }
-  if (default_epoch_ != kNoEpoch) registry_.Release(default_epoch_);
-  default_epoch_ = id;
-  default_self_calibrated_ = false;
-  return absl::OkStatus();
-}
+absl::Status CompressedKvCache::SetDefaultEpoch(EpochId id) { return epochs_.SetDefault(id); }
 
 EpochId CompressedKvCache::SequenceEpoch(SeqId seq) const {
   const Sequence* s = seqs_.Find(seq);

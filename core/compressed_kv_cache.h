@@ -1,7 +1,7 @@
 // Compressed paged KV cache (CPU reference): full-rank fp16 (or fp32) blocks for the attention
 // sinks and the recent window, low-rank coefficient blocks (fp32/fp16/int8) for everything
 // older, and full-rank outlier tokens whose keys the basis represents badly. Attention runs on the
-// coefficients with one streaming softmax across all parts (DESIGN.md, "The compressed KV
+// coefficients with one streaming softmax across all parts (docs/design.md, "The compressed KV
 // cache"). See compressed_kv_cache.cc for the pool layout and the policy.
 #ifndef SUBSPACE_CORE_COMPRESSED_KV_CACHE_H_
 #define SUBSPACE_CORE_COMPRESSED_KV_CACHE_H_
@@ -18,6 +18,8 @@
 #include "core/basis.h"
 #include "core/block_pool.h"
 #include "core/coeff_codec.h"
+#include "core/compression_epochs.h"
+#include "core/compression_policy.h"
 #include "core/kv_cache.h"
 #include "core/refresh_config.h"
 #include "core/refresher.h"
@@ -27,24 +29,14 @@ namespace subspace {
 
 struct CompressedKvCacheConfig {
   KvCacheGeometry geometry;
-  int block_size = 16;     // B tokens per block, 1..64 (outlier masks are one uint64)
-  int sink_tokens = 4;     // S: blocks overlapping [0, S) stay full-rank forever
-  int window_tokens = 64;  // W: a block is compressed once it lies entirely before length - W
-  // Relative key residual ||k - P_q P_k^T k|| / ||k|| above which a token stays full-rank
-  // (all its KV heads). >= 1 disables outliers.
-  float outlier_threshold = 1.0f;
-  std::vector<int> r_k;  // [n_layers]; empty: head_dim / 4 (at least 1) in every layer
-  std::vector<int> r_v;  // [n_layers]; empty: head_dim / 4
-  CoeffDtype coeff_dtype = CoeffDtype::kFp16;
+  int block_size = 16;  // B tokens per block, 1..64 (outlier masks are one uint64)
+  // Sinks, window, ranks, coefficient dtype, outliers, self-calibration: shared with the device
+  // cache. Any coefficient dtype (fp32, fp16, int8).
+  CompressionPolicy policy;
   // Full-rank blocks (sinks, window, outliers): kFp16 (as the GPU layout stores them) or kFp32
   // (exactness tests: attention then equals PagedKvCache's at rank = head_dim). Sets the page.
   CoeffDtype full_dtype = CoeffDtype::kFp16;
   int64_t capacity_bytes = 0;  // pool budget; pages = capacity_bytes / PageBytes
-  // Without an installed default epoch, the first sequence to compress builds one by PCA of
-  // its own keys/values and it becomes the default for everyone (self-calibration). true: every
-  // sequence builds its own instead, as before the sharing (experiments, tests); each then
-  // costs an eigendecomposition on the engine thread.
-  bool per_sequence_pca = false;
 
   // Online refresh every new sequence starts with (SetSequenceRefresh changes one sequence's).
   RefreshConfig refresh;
@@ -120,7 +112,7 @@ class CompressedKvCache final : public KvCache {
   CompressedKvCacheDetail Detail() const;
   // Exists from Create when config.refresh enables a method, else from the first sequence that
   // starts refreshing (tests install hooks on it).
-  Refresher* refresher() { return refresher_.get(); }
+  Refresher* refresher() { return epochs_.refresher(); }
   // Installs the epochs the refresher has published (Commit does this too). Tests and tools
   // call it after Refresher::Flush to see every refresh at once.
   void InstallPublishedEpochs();
@@ -135,12 +127,12 @@ class CompressedKvCache final : public KvCache {
   // Epoch new sequences start with, and that sequences still without one pick up when they
   // first compress. While it is kNoEpoch, the first sequence to compress builds epoch 0 by PCA
   // of its own full-rank keys/values and installs it here (self-calibration: the stopgap until
-  // the calibration tool's basis file exists; config.per_sequence_pca keeps one per sequence).
+  // the calibration tool's basis file exists; policy.per_sequence_pca keeps one per sequence).
   // An epoch set here explicitly replaces a self-calibrated one and is never replaced by one.
   absl::Status SetDefaultEpoch(EpochId id);
-  EpochId default_epoch() const { return default_epoch_; }
+  EpochId default_epoch() const { return epochs_.default_epoch(); }
   EpochId SequenceEpoch(SeqId seq) const;
-  const BasisRegistry& registry() const { return registry_; }
+  const BasisRegistry& registry() const { return epochs_.registry(); }
   const std::vector<int>& r_k() const { return r_k_; }
   const std::vector<int>& r_v() const { return r_v_; }
 
@@ -169,18 +161,13 @@ class CompressedKvCache final : public KvCache {
     std::vector<int64_t> outlier_pos;    // [outliers] ascending
     std::vector<int32_t> outlier_pages;  // [ceil(outliers / B)] pages of [2][n_kv][B][hd]
   };
-  struct Sequence {
-    bool live = false;
-    int64_t length = 0;
-    int64_t next_compress = 0;  // first block index not yet considered for compression
-    EpochId epoch = kNoEpoch;   // holds one reference
+  // length, next_compress, epoch, refresh stream: CompressedSequence.
+  struct Sequence : CompressedSequence {
     std::vector<LayerState> layers;
-    RefreshConfig refresh;
-    Refresher::StreamId stream = 0;  // 0: not tracked (yet)
   };
 
-  CompressedKvCache(const CompressedKvCacheConfig& config, std::vector<int> r_k,
-                    std::vector<int> r_v, std::unique_ptr<BlockPool> pool);
+  // `config` with its policy resolved.
+  CompressedKvCache(const CompressedKvCacheConfig& config, std::unique_ptr<BlockPool> pool);
 
   int64_t BlocksHeld(const Sequence& s) const {
     return s.layers.empty() ? 0 : static_cast<int64_t>(s.layers[0].table.size());
@@ -201,8 +188,7 @@ class CompressedKvCache final : public KvCache {
   void StoreFull(const float* src, int64_t n, uint8_t* dst) const;
   void LoadFull(const uint8_t* src, int64_t n, float* dst) const;
 
-  // Gives `s` an epoch before its first compression: the default, else a PCA of its keys.
-  absl::Status EnsureEpoch(Sequence& s);
+  // A basis by PCA of the sequence's full-rank keys and values (self-calibration).
   std::shared_ptr<const Basis> PcaOfSequence(const Sequence& s) const;
   void CompressBlock(Sequence& s, int layer, int64_t b);
   void FreeEntry(LayerState& ls, int layer, int64_t b);
@@ -212,10 +198,6 @@ class CompressedKvCache final : public KvCache {
   absl::Status Decompress(Sequence& s, int layer, int64_t b);
 
   // --- Online refresh (compressed_kv_cache_refresh.cc) ---
-  // Starts tracking `s` with the refresher once it has an epoch; no-op without refresh.
-  void OpenStream(Sequence& s, SeqId seq);
-  void EnsureRefresher();
-  void CloseStream(Sequence& s);
   // Hands a block just compressed to the refresher. full: [2, n_kv, B, hd] fp32
   void ObserveBlock(const Sequence& s, int layer, const float* full, double residual,
                     double energy);
@@ -233,17 +215,12 @@ class CompressedKvCache final : public KvCache {
   int64_t full_bytes_;  // bytes of one full-rank element: 4 (fp32) or 2 (fp16)
   std::unique_ptr<BlockPool> pool_;
   SlabAllocator slabs_;
-  BasisRegistry registry_;
-  EpochId default_epoch_ = kNoEpoch;
-  bool default_self_calibrated_ = false;
-  int64_t pca_epochs_built_ = 0;
+  CompressionEpochs epochs_;  // registry, default epoch, refresh streams
   SequenceSlots<Sequence> seqs_;
   int64_t tokens_cached_ = 0;
   int64_t outliers_dropped_ = 0;
   std::vector<float> page_scratch_;  // [2 * v_half_] fp32 full block: compression / expansion
 
-  std::unique_ptr<Refresher> refresher_;                  // created with the first stream
-  absl::flat_hash_map<Refresher::StreamId, SeqId> streams_;  // live streams
   int64_t refreshes_installed_ = 0;
   double key_residual_sum_ = 0.0, key_energy_sum_ = 0.0;
   int64_t blocks_reprojected_ = 0;

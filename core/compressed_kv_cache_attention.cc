@@ -29,7 +29,7 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
   const int group = n_heads / n_kv;
   const int bs = config_.block_size;
   const int rk = r_k_[static_cast<size_t>(layer)], rv = r_v_[static_cast<size_t>(layer)];
-  const CoeffDtype dt = config_.coeff_dtype;
+  const CoeffDtype dt = config_.policy.coeff_dtype;
   const CoeffDtype full_dt = config_.full_dtype;
   const int64_t rows = static_cast<int64_t>(n_kv) * bs;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));

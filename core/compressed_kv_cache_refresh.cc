@@ -1,4 +1,4 @@
-// CompressedKvCache: online refresh and the compactor (DESIGN.md, "Online refresh" and
+// CompressedKvCache: online refresh and the compactor (docs/design.md, "Online refresh" and
 // "Exactness across basis changes"). The cache hands each block it compresses to the
 // Refresher and installs what the refresher publishes as the sequence's new epoch at a later
 // Commit; blocks keep the epoch that made them. The compactor bounds the epochs a sequence
@@ -48,35 +48,10 @@ absl::Status CompressedKvCache::SetSequenceRefresh(SeqId seq, const RefreshConfi
   }
   Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
-  CloseStream(*s);
+  epochs_.CloseStream(*s);
   s->refresh = config;
-  OpenStream(*s, seq);  // now if it has an epoch, else at its first compression
+  epochs_.OpenStream(*s, seq);  // now if it has an epoch, else at its first compression
   return absl::OkStatus();
-}
-
-void CompressedKvCache::EnsureRefresher() {
-  if (refresher_ != nullptr) return;
-  refresher_ = std::make_unique<Refresher>(Refresher::Options{
-      .inline_mode = config_.refresh_inline, .max_queued_bytes = config_.refresh_queue_bytes});
-}
-
-void CompressedKvCache::OpenStream(Sequence& s, SeqId seq) {
-  if (s.refresh.method == RefreshMethod::kNone || s.epoch == kNoEpoch || s.stream != 0) return;
-  EnsureRefresher();
-  const int n_heads =
-      config_.n_query_heads > 0 ? config_.n_query_heads : config_.geometry.n_kv_heads;
-  s.stream = refresher_->Open([g = config_.geometry, n_heads, r_k = r_k_, r_v = r_v_,
-                               refresh = s.refresh, initial = registry_.GetShared(s.epoch)] {
-    return std::make_unique<OnlineStatistics>(g, n_heads, r_k, r_v, refresh, *initial);
-  });
-  streams_[s.stream] = seq;
-}
-
-void CompressedKvCache::CloseStream(Sequence& s) {
-  if (s.stream == 0) return;
-  refresher_->Close(s.stream);
-  streams_.erase(s.stream);
-  s.stream = 0;
 }
 
 void CompressedKvCache::ObserveBlock(const Sequence& s, int layer, const float* full,
@@ -88,12 +63,12 @@ void CompressedKvCache::ObserveBlock(const Sequence& s, int layer, const float* 
   o.values.assign(full + v_half_, full + 2 * v_half_);
   o.residual = residual;
   o.energy = energy;
-  refresher_->Observe(s.stream, std::move(o));  // dropped (and counted) when it is behind
+  epochs_.refresher()->Observe(s.stream, std::move(o));  // dropped (and counted) when it is behind
 }
 
 void CompressedKvCache::ObserveQueries(int layer, std::span<const AttentionRequest> requests,
                                        int n_heads) {
-  if (streams_.empty()) return;
+  if (!epochs_.has_streams()) return;
   const size_t row = static_cast<size_t>(n_heads) * config_.geometry.head_dim;
   for (const AttentionRequest& req : requests) {
     const Sequence* s = seqs_.Find(req.seq);
@@ -104,19 +79,19 @@ void CompressedKvCache::ObserveQueries(int layer, std::span<const AttentionReque
     o.layer = layer;
     o.n = req.n;
     o.q.assign(req.q, req.q + static_cast<size_t>(req.n) * row);
-    refresher_->Observe(s->stream, std::move(o));
+    epochs_.refresher()->Observe(s->stream, std::move(o));
   }
 }
 
 void CompressedKvCache::InstallPublishedEpochs() {
-  if (refresher_ == nullptr) return;
-  for (Refresher::Published& p : refresher_->TakePublished()) {
-    const auto it = streams_.find(p.stream);
-    if (it == streams_.end()) continue;  // the sequence went away or restarted its refresh
+  if (epochs_.refresher() == nullptr) return;
+  for (Refresher::Published& p : epochs_.refresher()->TakePublished()) {
+    const SeqId seq = epochs_.StreamSequence(p.stream);
+    if (seq < 0) continue;  // the sequence went away or restarted its refresh
     absl::StatusOr<EpochId> id = InstallBasis(std::move(p.basis));
     if (!id.ok()) continue;  // shapes are the cache's own; cannot fail
-    (void)SetSequenceEpoch(it->second, *id);
-    registry_.Release(*id);  // the sequence holds it now
+    (void)SetSequenceEpoch(seq, *id);
+    epochs_.Release(*id);  // the sequence holds it now
     ++refreshes_installed_;
   }
 }
@@ -151,12 +126,12 @@ void CompressedKvCache::ReprojectBlockHead(Sequence& s, int layer, int64_t b, in
   const int hd = config_.geometry.head_dim, n_kv = config_.geometry.n_kv_heads;
   const int bs = config_.block_size;
   const int rk = r_k_[static_cast<size_t>(layer)], rv = r_v_[static_cast<size_t>(layer)];
-  const CoeffDtype dt = config_.coeff_dtype;
+  const CoeffDtype dt = config_.policy.coeff_dtype;
   LayerState& ls = s.layers[static_cast<size_t>(layer)];
   EpochId& epoch = ls.block_epochs[static_cast<size_t>(b * n_kv + h)];
   const EpochId from = epoch;
-  const LayerBasis& old_b = registry_.Get(from)->layers[static_cast<size_t>(layer)];
-  const LayerBasis& new_b = registry_.Get(to)->layers[static_cast<size_t>(layer)];
+  const LayerBasis& old_b = epochs_.Get(from)->layers[static_cast<size_t>(layer)];
+  const LayerBasis& new_b = epochs_.Get(to)->layers[static_cast<size_t>(layer)];
 
   thread_local std::vector<float> work;
   work.resize(static_cast<size_t>(rk) * rk + static_cast<size_t>(rv) * rv + 2 * std::max(rk, rv) +
@@ -192,10 +167,10 @@ void CompressedKvCache::ReprojectBlockHead(Sequence& s, int layer, int64_t b, in
     EncodeCoeffs(dt, c2, rv, v_codes + row * rv * CoeffBytes(dt), v_scales + row);
   }
   epoch = to;
-  (void)registry_.Acquire(to);
+  (void)epochs_.Acquire(to);
   AddEpochUse(ls, layer, to);
   DropEpochUse(ls, from);
-  registry_.Release(from);  // last: it may delete the old epoch
+  epochs_.Release(from);  // last: it may delete the old epoch
 }
 
 }  // namespace subspace

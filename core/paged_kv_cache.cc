@@ -13,12 +13,11 @@
 #include "absl/strings/str_format.h"
 #include "core/cpu/attention_kernels.h"
 #include "core/cpu/matmul_internal.h"
+#include "core/int_math.h"
 
 namespace subspace {
 
 namespace {
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Blocks every sequence table starts with room for, so early decode steps never regrow it.
 constexpr size_t kInitialTableCapacity = 64;

@@ -59,7 +59,7 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   s.options = options;
   s.device_name = absl::StrFormat("cuda:%d (%s)", dev.index, dev.name);
   s.target_ctas = 2 * dev.multiprocessors;
-  s.max_blocks_per_seq = CudaLlamaModel::Impl::CeilDiv(m.context_length, options.block_size);
+  s.max_blocks_per_seq = CeilDiv(m.context_length, options.block_size);
   if (options.compressed) {
     if (absl::Status st = s.LayoutCompressedLayers(); !st.ok()) return st;
     s.query_readback_rows = s.QueryReadbackRows();
@@ -152,17 +152,16 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   DeviceCompressedKvCacheConfig cc;
   cc.geometry = m.cache_geometry();
   cc.block_size = options.block_size;
-  cc.sink_tokens = co.sink_tokens;
-  cc.window_tokens = co.window_tokens;
+  cc.policy = co.policy;
+  cc.policy.r_k.clear();  // the layouts' ranks: the basis's when one is given
+  cc.policy.r_v.clear();
   for (const KvPoolLayout& l : r.layouts) {
-    cc.r_k.push_back(l.rank_k);
-    cc.r_v.push_back(l.rank_v);
+    cc.policy.r_k.push_back(l.rank_k);
+    cc.policy.r_v.push_back(l.rank_v);
   }
-  cc.coeff_dtype = co.coeff_dtype;
   cc.num_pages = r.num_pages;
   cc.refresh = co.refresh;
   cc.refresh_inline = co.refresh_inline;
-  cc.outlier_threshold = co.outlier_threshold;
   cc.n_query_heads = r.query_readback_rows > 0 ? m.n_heads : 0;
   // The store's buffers are the runner's: the cache keeps the runner alive through it.
   absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> cache = DeviceCompressedKvCache::Create(

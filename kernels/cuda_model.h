@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "core/basis.h"
 #include "core/coeff_codec.h"
+#include "core/compression_policy.h"
 #include "core/model.h"
 #include "core/model_runner.h"
 #include "core/refresh_config.h"
@@ -29,11 +30,9 @@ namespace subspace::kernels {
 
 // --kv-cache=compressed on the GPU (DeviceCompressedKvCache): its policy, as the CPU cache's.
 struct CudaCompressedCacheOptions {
-  int sink_tokens = 4;
-  int window_tokens = 64;
-  std::vector<int> r_k;  // [n_layers]; empty: head_dim / 4
-  std::vector<int> r_v;
-  CoeffDtype coeff_dtype = CoeffDtype::kFp16;  // fp16 or int8
+  // Sinks, window, ranks, coefficient dtype (fp16 or int8), outliers (the device cache decides
+  // them once for every layer), self-calibration.
+  CompressionPolicy policy;
   // Installed as the default epoch (--bases); null: the first sequence to compress builds one.
   std::shared_ptr<const Basis> basis;
   int basis_capacity = 8;  // epochs the device basis tables hold
@@ -43,9 +42,6 @@ struct CudaCompressedCacheOptions {
   RefreshConfig refresh;
   bool refresh_inline = false;  // refresh on the engine thread: deterministic (tests)
   int64_t readback_pages = 16;
-  // Tokens whose key residual exceeds this fraction stay full-rank, in every layer (see
-  // DeviceCompressedKvCache); >= 1: none.
-  float outlier_threshold = 1.0f;
   // kqsvd refresh reads back the query rows of its sequences, every layer's, as fp16: a device
   // buffer and a pinned one of up to this many bytes each (n_layers x n_heads x head_dim x 2
   // bytes a row; at least max_sequences rows, so every decode's query fits, at most

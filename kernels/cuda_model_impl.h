@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/ggml_types.h"
+#include "core/int_math.h"
 #include "kernels/append_kv.h"
 #include "kernels/cuda_kv_store.h"
 #include "kernels/cuda_model.h"
@@ -41,7 +42,6 @@ namespace subspace::kernels {
 struct CudaLlamaModel::Impl {
   static constexpr int64_t kCublasWorkspaceBytes = int64_t{32} << 20;
   static constexpr float kFp16Max = 65504.0f;
-  static int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
   struct DeviceLayer {
     float* attn_norm = nullptr;     // [dim]
@@ -193,10 +193,11 @@ struct CudaLlamaModel::Impl {
           return key ? lb.rank_k : lb.rank_v;
         }
         if (given.size() == static_cast<size_t>(n_layers)) return given[static_cast<size_t>(l)];
-        return std::max(1, config.head_dim / 4);
+        return CompressionPolicy::DefaultRank(config.head_dim);
       };
       layouts.push_back(MakeKvPoolLayout(config.n_kv_heads, config.head_dim, options.block_size,
-                                         rank(co.r_k, true), rank(co.r_v, false), co.coeff_dtype));
+                                         rank(co.policy.r_k, true), rank(co.policy.r_v, false),
+                                         co.policy.coeff_dtype));
       if (const char* error = KvPoolLayoutError(layouts.back()); error != nullptr) {
         return absl::InvalidArgumentError(
             absl::StrFormat("CUDA backend, compressed KV cache, layer %d: %s", l, error));
@@ -229,7 +230,7 @@ struct CudaLlamaModel::Impl {
          .n_kv_heads = config.n_kv_heads,
          .target_ctas = target_ctas,
          .compressed = options.compressed.has_value(),
-         .outliers = options.compressed.has_value() && options.compressed->outlier_threshold < 1.0f,
+         .outliers = options.compressed.has_value() && options.compressed->policy.outliers_enabled(),
          .query_rows = query_readback_rows});
   }
 

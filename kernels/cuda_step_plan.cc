@@ -11,13 +11,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "core/block_pool.h"
+#include "core/int_math.h"
 #include "kernels/decode_plan.h"
 #include "kernels/device_memory.h"
 
 namespace subspace::kernels {
 namespace {
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 template <typename T>
 T* MetaHost(const StepPlanInputs& in, int64_t offset) {

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/int_math.h"
 
 namespace subspace::kernels {
 namespace {
@@ -16,7 +17,6 @@ namespace {
 // projection per epoch and a partial row, worth it only over a few blocks.
 constexpr int64_t kMinBlocksPerSplit = 4;
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 absl::Status CheckSequence(const KvPoolLayout& kv, int64_t num_pages, int num_basis_epochs,
                            const DecodeSeqDesc& d, size_t s) {

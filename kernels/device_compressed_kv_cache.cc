@@ -7,16 +7,14 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "core/int_math.h"
 #include "core/pca.h"
 
 namespace subspace::kernels {
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Caps hostile token counts before any arithmetic (no pool holds this many tokens).
 constexpr int64_t kMaxTokens = int64_t{1} << 48;
-// Tokens a self-calibrated epoch is built from, at most (as the CPU cache).
-constexpr int64_t kPcaMaxTokens = 1024;
 
 }  // namespace
 
@@ -32,19 +30,16 @@ absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache
     return absl::InvalidArgumentError(
         absl::StrFormat("block_size must be in [1, %d], got %d", kMaxBlockSize, config.block_size));
   }
-  if (config.sink_tokens < 0 || config.window_tokens < 0) {
-    return absl::InvalidArgumentError("sink_tokens and window_tokens must be >= 0");
-  }
-  if (config.coeff_dtype != CoeffDtype::kFp16 && config.coeff_dtype != CoeffDtype::kInt8) {
+  if (config.policy.coeff_dtype != CoeffDtype::kFp16 &&
+      config.policy.coeff_dtype != CoeffDtype::kInt8) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "the CUDA backend codes coefficients in fp16 or int8, got %s",
-        CoeffDtypeName(config.coeff_dtype)));
+        CoeffDtypeName(config.policy.coeff_dtype)));
   }
-  if (!(config.outlier_threshold > 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("outlier_threshold must be > 0 (>= 1 disables outliers), got %g",
-                        config.outlier_threshold));
-  }
+  absl::StatusOr<CompressionPolicy> policy = ResolvePolicy(config.policy, g);
+  if (!policy.ok()) return policy.status();
+  const std::vector<int>* r_k = &policy->r_k;
+  const std::vector<int>* r_v = &policy->r_v;
   if (absl::Status st = ValidateRefreshConfig(config.refresh); !st.ok()) return st;
   if (config.n_query_heads < 0 || config.n_query_heads % g.n_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -58,24 +53,10 @@ absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache
   if (store == nullptr || store->basis_capacity() < 1) {
     return absl::InvalidArgumentError("device compressed KV cache needs a store with basis tables");
   }
-  const auto ranks = [&](const std::vector<int>& given,
-                         const char* name) -> absl::StatusOr<std::vector<int>> {
-    if (given.empty()) {
-      return std::vector<int>(static_cast<size_t>(g.n_layers), std::max(1, g.head_dim / 4));
-    }
-    if (given.size() != static_cast<size_t>(g.n_layers)) {
-      return absl::InvalidArgumentError(absl::StrFormat("%s needs one rank per layer", name));
-    }
-    return given;
-  };
-  absl::StatusOr<std::vector<int>> r_k = ranks(config.r_k, "r_k");
-  if (!r_k.ok()) return r_k.status();
-  absl::StatusOr<std::vector<int>> r_v = ranks(config.r_v, "r_v");
-  if (!r_v.ok()) return r_v.status();
   for (int l = 0; l < g.n_layers; ++l) {
     const KvPoolLayout layout =
         MakeKvPoolLayout(g.n_kv_heads, g.head_dim, config.block_size, (*r_k)[static_cast<size_t>(l)],
-                         (*r_v)[static_cast<size_t>(l)], config.coeff_dtype);
+                         (*r_v)[static_cast<size_t>(l)], config.policy.coeff_dtype);
     if (const char* error = KvPoolLayoutError(layout); error != nullptr) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "layer %d at ranks (%d, %d): %s", l, layout.rank_k, layout.rank_v, error));
@@ -91,25 +72,33 @@ absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache
       BlockPool::CreateBookkeeping(page_bytes / static_cast<int64_t>(sizeof(float)),
                                    config.num_pages);
   if (!pool.ok()) return pool.status();
-  return std::unique_ptr<DeviceCompressedKvCache>(new DeviceCompressedKvCache(
-      config, *std::move(r_k), *std::move(r_v), *std::move(pool), std::move(store)));
+  DeviceCompressedKvCacheConfig resolved = config;
+  resolved.policy = *std::move(policy);
+  return std::unique_ptr<DeviceCompressedKvCache>(
+      new DeviceCompressedKvCache(resolved, *std::move(pool), std::move(store)));
 }
 
 DeviceCompressedKvCache::DeviceCompressedKvCache(const DeviceCompressedKvCacheConfig& config,
-                                                 std::vector<int> r_k, std::vector<int> r_v,
                                                  std::unique_ptr<BlockPool> pool,
                                                  std::shared_ptr<CompressedKvStore> store)
     : config_(config),
-      r_k_(std::move(r_k)),
-      r_v_(std::move(r_v)),
+      r_k_(config.policy.r_k),
+      r_v_(config.policy.r_v),
       pool_(std::move(pool)),
       slabs_(pool_.get(), BlockKind::kCompressed),
-      store_(std::move(store)) {
+      store_(std::move(store)),
+      epochs_({.geometry = config.geometry,
+               .policy = config.policy,
+               .n_query_heads = config.n_query_heads,
+               .refresher = {.inline_mode = config.refresh_inline,
+                             .max_queued_bytes = config.refresh_queue_bytes},
+               .on_register = [this](EpochId id, const Basis& b) { return LoadEpoch(id, b); },
+               .on_retire = [this](EpochId id) { RetireEpoch(id); }}) {
   const KvCacheGeometry& g = config_.geometry;
   for (int l = 0; l < g.n_layers; ++l) {
     layouts_.push_back(MakeKvPoolLayout(g.n_kv_heads, g.head_dim, config_.block_size,
                                         r_k_[static_cast<size_t>(l)], r_v_[static_cast<size_t>(l)],
-                                        config_.coeff_dtype));
+                                        config_.policy.coeff_dtype));
     if (layouts_.back().slot_bytes > layouts_[static_cast<size_t>(widest_layer_)].slot_bytes) {
       widest_layer_ = l;
     }
@@ -128,17 +117,12 @@ absl::StatusOr<SeqId> DeviceCompressedKvCache::CreateSequence() {
   });
   if (!id.ok()) return id;
   Sequence& s = seqs_[*id];
-  s.length = 0;
-  s.next_compress = 0;
   s.table.clear();
   s.block_epochs.clear();
   s.coded_blocks.clear();
   s.outlier_pos.clear();
   s.outlier_pages.clear();
-  s.refresh = config_.refresh;
-  s.stream = 0;
-  s.epoch = default_epoch_;
-  if (s.epoch != kNoEpoch) (void)registry_.Acquire(s.epoch);
+  epochs_.StartSequence(s, config_.refresh);
   return id;
 }
 
@@ -150,7 +134,7 @@ void DeviceCompressedKvCache::FreeBlock(Sequence& s, int64_t b) {
     slabs_.Free({e.page, e.slot});
     const EpochId epoch = s.block_epochs[static_cast<size_t>(b)];
     if (--s.coded_blocks[epoch] == 0) s.coded_blocks.erase(epoch);
-    Release(epoch);
+    epochs_.Release(epoch);
     --blocks_compressed_;
   }
   e = Block{};
@@ -167,11 +151,8 @@ absl::Status DeviceCompressedKvCache::FreeSequence(SeqId seq) {
   s->table.clear();
   s->block_epochs.clear();
   DropOutliers(*s, 0);
-  CloseStream(*s);
-  if (s->epoch != kNoEpoch) Release(s->epoch);
-  s->epoch = kNoEpoch;
   tokens_cached_ -= s->length;
-  s->length = 0;
+  epochs_.EndSequence(*s);
   seqs_.Release(seq);
   return absl::OkStatus();
 }
@@ -245,14 +226,16 @@ absl::Status DeviceCompressedKvCache::Commit(SeqId seq, int64_t length) {
   }
   tokens_cached_ += length - s->length;
   s->length = length;
-  if (refresher_ != nullptr && refresher_->has_published()) InstallPublishedEpochs();
-  const int64_t first = std::max<int64_t>(s->next_compress, CeilDiv(config_.sink_tokens, bs));
-  const int64_t limit = length - config_.window_tokens;  // blocks ending at or before it go
-  if ((first + 1) * bs > limit) return absl::OkStatus();
-  if (absl::Status st = EnsureEpoch(*s); !st.ok()) return st;
-  if (s->stream == 0) OpenStream(*s, seq);
-  int64_t b = first;
-  for (; (b + 1) * bs <= limit; ++b) {
+  const Refresher* refresher = epochs_.refresher();
+  if (refresher != nullptr && refresher->has_published()) InstallPublishedEpochs();
+  const BlockRange range = config_.policy.CompressibleBlocks(s->next_compress, length, bs);
+  if (range.empty()) return absl::OkStatus();
+  if (absl::Status st = epochs_.EnsureEpoch(*s, [&] { return PcaOfSequence(*s); }); !st.ok()) {
+    return st;
+  }
+  epochs_.OpenStream(*s, seq);
+  int64_t b = range.begin;
+  for (; b < range.end; ++b) {
     if (s->table[static_cast<size_t>(b)].slot != kFullBlock) continue;
     absl::StatusOr<bool> queued = QueueCompression(*s, seq, b);
     if (!queued.ok()) return queued.status();
@@ -273,7 +256,7 @@ absl::StatusOr<bool> DeviceCompressedKvCache::QueueCompression(Sequence& s, SeqI
     ++compressions_deferred_;
     return false;
   }
-  if (absl::Status st = registry_.Acquire(s.epoch); !st.ok()) return st;
+  if (absl::Status st = epochs_.Acquire(s.epoch); !st.ok()) return st;
   Block& e = s.table[static_cast<size_t>(b)];
   const int32_t entry = entries_.at(s.epoch);
   pending_src_.push_back(e.page);
@@ -293,11 +276,11 @@ absl::StatusOr<bool> DeviceCompressedKvCache::QueueCompression(Sequence& s, SeqI
 }
 
 absl::Status DeviceCompressedKvCache::Flush() {
-  if (refresher_ == nullptr && pending_src_.empty()) return absl::OkStatus();
+  if (epochs_.refresher() == nullptr && pending_src_.empty()) return absl::OkStatus();
   // A readback that landed since the last Flush frees the way for this one's.
   if (absl::Status st = PollObservations(); !st.ok()) return st;
   if (!pending_src_.empty()) {
-    const bool detect = config_.outlier_threshold < 1.0f;
+    const bool detect = config_.policy.outliers_enabled();
     pending_outliers_.assign(detect ? pending_src_.size() : 0, 0);
     absl::Status st = StartObservations();
     if (st.ok()) {
@@ -306,7 +289,7 @@ absl::Status DeviceCompressedKvCache::Flush() {
                              .dst_slot = pending_dst_slot_,
                              .epoch = pending_epoch_,
                              .outlier_masks = pending_outliers_,
-                             .outlier_threshold = config_.outlier_threshold});
+                             .outlier_threshold = config_.policy.outlier_threshold});
     }
     if (st.ok() && detect) st = PlaceOutliers();
     // The pages go back even after a failure: the blocks' table entries already name their
@@ -484,22 +467,19 @@ absl::Status DeviceCompressedKvCache::Truncate(SeqId seq, int64_t length) {
 
 // --- Epochs --------------------------------------------------------------------------------
 
-absl::StatusOr<EpochId> DeviceCompressedKvCache::Register(std::shared_ptr<const Basis> basis) {
+absl::Status DeviceCompressedKvCache::LoadEpoch(EpochId id, const Basis& basis) {
   if (free_entries_.empty()) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "the device basis tables hold %d epochs, all in use", store_->basis_capacity()));
   }
   const int32_t entry = free_entries_.back();
-  if (absl::Status st = store_->LoadBasis(entry, *basis); !st.ok()) return st;
+  if (absl::Status st = store_->LoadBasis(entry, basis); !st.ok()) return st;
   free_entries_.pop_back();
-  const EpochId id = registry_.Register(std::move(basis));
   entries_[id] = entry;
-  return id;
+  return absl::OkStatus();
 }
 
-void DeviceCompressedKvCache::Release(EpochId id) {
-  registry_.Release(id);
-  if (registry_.Get(id) != nullptr) return;
+void DeviceCompressedKvCache::RetireEpoch(EpochId id) {
   // No block, sequence or default refers to it: no queued compression either (a queued block
   // holds a reference until it is freed, and freeing flushes first).
   const auto it = entries_.find(id);
@@ -509,28 +489,14 @@ void DeviceCompressedKvCache::Release(EpochId id) {
 }
 
 absl::StatusOr<EpochId> DeviceCompressedKvCache::InstallBasis(std::shared_ptr<const Basis> basis) {
-  if (basis == nullptr) return absl::InvalidArgumentError("null basis");
-  if (absl::Status st = ValidateBasis(*basis, config_.geometry, r_k_, r_v_); !st.ok()) return st;
-  return Register(std::move(basis));
+  return epochs_.Install(std::move(basis));
 }
 
 absl::Status DeviceCompressedKvCache::ReleaseEpoch(EpochId id) {
-  if (registry_.Get(id) == nullptr) {
-    return absl::NotFoundError(absl::StrFormat("unknown basis epoch %d", id));
-  }
-  Release(id);
-  return absl::OkStatus();
+  return epochs_.ReleaseChecked(id);
 }
 
-absl::Status DeviceCompressedKvCache::SetDefaultEpoch(EpochId id) {
-  if (id != kNoEpoch) {
-    if (absl::Status st = registry_.Acquire(id); !st.ok()) return st;
-  }
-  if (default_epoch_ != kNoEpoch) Release(default_epoch_);
-  default_epoch_ = id;
-  default_self_calibrated_ = false;
-  return absl::OkStatus();
-}
+absl::Status DeviceCompressedKvCache::SetDefaultEpoch(EpochId id) { return epochs_.SetDefault(id); }
 
 EpochId DeviceCompressedKvCache::SequenceEpoch(SeqId seq) const {
   const Sequence* s = seqs_.Find(seq);
@@ -542,35 +508,16 @@ int32_t DeviceCompressedKvCache::EpochEntry(EpochId id) const {
   return it == entries_.end() ? -1 : it->second;
 }
 
-absl::Status DeviceCompressedKvCache::EnsureEpoch(Sequence& s) {
-  if (s.epoch != kNoEpoch) return absl::OkStatus();
-  if (default_epoch_ != kNoEpoch) {
-    if (absl::Status st = registry_.Acquire(default_epoch_); !st.ok()) return st;
-    s.epoch = default_epoch_;
-    return absl::OkStatus();
-  }
-  absl::StatusOr<std::shared_ptr<const Basis>> basis = PcaOfSequence(s);
-  if (!basis.ok()) return basis.status();
-  absl::StatusOr<EpochId> id = Register(*std::move(basis));  // the sequence's reference
-  if (!id.ok()) return id.status();
-  ++pca_epochs_built_;
-  s.epoch = *id;
-  if (absl::Status st = registry_.Acquire(*id); !st.ok()) return st;  // the default's
-  default_epoch_ = *id;
-  default_self_calibrated_ = true;
-  return absl::OkStatus();
-}
-
-// Grams of the committed keys and values of whole blocks spread evenly over the sequence, at most
-// kPcaMaxTokens tokens, read back from the store (once per server: the epoch becomes the
-// default). For sequences up to kPcaMaxTokens this is every token, as the CPU cache's.
+// Grams of the committed keys and values of the blocks CompressionPolicy samples (the CPU cache's
+// blocks), read back from the store (once per server: the epoch becomes the default, unless
+// per_sequence_pca).
 absl::StatusOr<std::shared_ptr<const Basis>> DeviceCompressedKvCache::PcaOfSequence(
     const Sequence& s) {
   const KvCacheGeometry& g = config_.geometry;
   const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = config_.block_size;
   const size_t dd = static_cast<size_t>(hd) * hd;
   const int64_t blocks = CeilDiv(s.length, bs);
-  const int64_t stride = std::max<int64_t>(1, CeilDiv(blocks, CeilDiv(kPcaMaxTokens, bs)));
+  const int64_t stride = CompressionPolicy::PcaBlockStride(s.length, bs);
   const KvPoolLayout& layout = layouts_[0];
   std::vector<uint16_t> page(static_cast<size_t>(layout.page_bytes / 2));
   std::vector<std::vector<double>> gk(static_cast<size_t>(g.n_layers)), gv(gk.size());
@@ -659,8 +606,8 @@ KvCacheStats DeviceCompressedKvCache::Stats() const {
   st.blocks_free = std::max<int64_t>(pool_->num_free() - kCompressionHeadroom, 0) * g.n_layers;
   st.tokens_cached = tokens_cached_;
   st.sequences = seqs_.live();
-  st.epochs_live = registry_.live();
-  if (refresher_ != nullptr) st.refresh = refresher_->Stats();
+  st.epochs_live = epochs_.registry().live();
+  if (epochs_.refresher() != nullptr) st.refresh = epochs_.refresher()->Stats();
   // What the metrics count alike: blocks never read back are observations the refresher never
   // saw (per layer, as it counts them); an epoch with no basis-table entry is a refresh lost.
   st.refresh.observations_dropped += blocks_unobserved_ * g.n_layers;
@@ -677,9 +624,9 @@ DeviceCompressedKvCacheDetail DeviceCompressedKvCache::Detail() const {
   d.pages_compressed = pool_->num_used(BlockKind::kCompressed);
   d.blocks_compressed = blocks_compressed_;
   d.compressions_deferred = compressions_deferred_;
-  d.pca_epochs_built = pca_epochs_built_;
+  d.pca_epochs_built = epochs_.pca_epochs_built();
   d.basis_entries_used = static_cast<int64_t>(entries_.size());
-  d.default_self_calibrated = default_self_calibrated_;
+  d.default_self_calibrated = epochs_.default_self_calibrated();
   d.refreshes_unplaced = refreshes_unplaced_;
   d.blocks_unobserved = blocks_unobserved_;
   d.blocks_recoded = blocks_recoded_;

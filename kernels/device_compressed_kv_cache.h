@@ -49,6 +49,8 @@
 #include "core/basis.h"
 #include "core/block_pool.h"
 #include "core/coeff_codec.h"
+#include "core/compression_epochs.h"
+#include "core/compression_policy.h"
 #include "core/kv_cache.h"
 #include "core/refresher.h"
 #include "core/sequence_slots.h"
@@ -60,20 +62,15 @@ namespace subspace::kernels {
 
 struct DeviceCompressedKvCacheConfig {
   KvCacheGeometry geometry;
-  int block_size = 16;     // B, 1..64
-  int sink_tokens = 4;     // S: blocks overlapping [0, S) stay full-rank
-  int window_tokens = 64;  // W: a block is compressed once it lies entirely before length - W
-  std::vector<int> r_k;    // [n_layers]; empty: head_dim / 4 (at least 1) in every layer
-  std::vector<int> r_v;    // [n_layers]; empty: head_dim / 4
-  CoeffDtype coeff_dtype = CoeffDtype::kFp16;  // fp16 or int8 (the kernels' codes)
+  int block_size = 16;  // B, 1..64
+  // The CPU cache's policy (core/compression_policy.h), coefficients in fp16 or int8 (the
+  // kernels' codes). Outliers: see above (one decision for every layer).
+  CompressionPolicy policy;
   int64_t num_pages = 0;  // pages in each layer's slice of the store's pool
   // Online refresh every new sequence starts with (SetSequenceRefresh changes one sequence's).
   RefreshConfig refresh;
   bool refresh_inline = false;  // refresh on the caller's thread: deterministic (tests)
   int64_t refresh_queue_bytes = int64_t{64} << 20;  // Refresher::Options::max_queued_bytes
-  // A token whose key residual |k - P P^T k| exceeds this fraction of |k| in some KV head of some
-  // layer stays full-rank; >= 1 disables outliers (as CompressedKvCacheConfig's).
-  float outlier_threshold = 1.0f;
   // The model's query heads, when the backend reads queries back for kqsvd refresh; 0 refuses
   // kqsvd. A multiple of n_kv_heads.
   int n_query_heads = 0;
@@ -149,7 +146,8 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   absl::StatusOr<EpochId> InstallBasis(std::shared_ptr<const Basis> basis);
   absl::Status ReleaseEpoch(EpochId id);
   absl::Status SetDefaultEpoch(EpochId id);
-  EpochId default_epoch() const { return default_epoch_; }
+  EpochId default_epoch() const { return epochs_.default_epoch(); }
+  const BasisRegistry& registry() const { return epochs_.registry(); }
   // The basis-table entry of a live epoch; -1 for an unknown one.
   int32_t EpochEntry(EpochId id) const;
 
@@ -172,7 +170,7 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   std::span<const int32_t> OutlierPages(SeqId seq) const;
   // Block b's outliers (mask 0: none, or not a compressed block of `seq`).
   BlockOutliers OutliersOf(SeqId seq, int64_t b) const;
-  Refresher* refresher() { return refresher_.get(); }  // null until a sequence refreshes
+  Refresher* refresher() { return epochs_.refresher(); }  // null until a sequence refreshes
   // Whether `seq` refreshes by kqsvd now and wants its queries (from its first compression on).
   bool WantsQueries(SeqId seq) const;
   // Queries of `seq` for its refresher: every layer's rows of one step, still fp16
@@ -181,33 +179,29 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   absl::Status ObserveQueries(SeqId seq, HalfQueryObservation queries);
 
  private:
-  struct Sequence {
-    bool live = false;
-    int64_t length = 0;
-    int64_t next_compress = 0;  // first block not yet considered for compression
-    EpochId epoch = kNoEpoch;   // holds one reference
+  // length, next_compress, epoch, refresh stream: CompressedSequence.
+  struct Sequence : CompressedSequence {
     std::vector<Block> table;
     std::vector<EpochId> block_epochs;  // [blocks] kNoEpoch for full blocks; one ref each
     absl::flat_hash_map<EpochId, int64_t> coded_blocks;  // epoch -> blocks coded with it
-    RefreshConfig refresh;
-    Refresher::StreamId stream = 0;  // 0: not observed
     std::vector<int64_t> outlier_pos;    // [outliers] ascending
     std::vector<int32_t> outlier_pages;  // [ceil(outliers / B)]
   };
+
 
   // Pages Reserve leaves free so that Commit can open a slab page before it frees the queued
   // blocks' full pages at Flush.
   static constexpr int64_t kCompressionHeadroom = 1;
 
-  DeviceCompressedKvCache(const DeviceCompressedKvCacheConfig& config, std::vector<int> r_k,
-                          std::vector<int> r_v, std::unique_ptr<BlockPool> pool,
-                          std::shared_ptr<CompressedKvStore> store);
+  // `config` with its policy resolved.
+  DeviceCompressedKvCache(const DeviceCompressedKvCacheConfig& config,
+                          std::unique_ptr<BlockPool> pool, std::shared_ptr<CompressedKvStore> store);
 
-  absl::Status EnsureEpoch(Sequence& s);
   absl::StatusOr<std::shared_ptr<const Basis>> PcaOfSequence(const Sequence& s);
-  // Registers `basis` with one reference for the caller and loads it into a free table entry.
-  absl::StatusOr<EpochId> Register(std::shared_ptr<const Basis> basis);
-  void Release(EpochId id);
+  // epochs_'s hooks: a registered epoch is loaded into a free basis-table entry
+  // (RESOURCE_EXHAUSTED when none is free); a retired one gives its entry back.
+  absl::Status LoadEpoch(EpochId id, const Basis& basis);
+  void RetireEpoch(EpochId id);
   // false: no slab slot to be had (the block stays full for now).
   absl::StatusOr<bool> QueueCompression(Sequence& s, SeqId seq, int64_t b);
   void FreeBlock(Sequence& s, int64_t b);
@@ -220,8 +214,6 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   void DropOutliers(Sequence& s, int64_t from);
 
   // Refresh (device_compressed_kv_cache_refresh.cc).
-  void OpenStream(Sequence& s, SeqId seq);
-  void CloseStream(Sequence& s);
   void InstallPublishedEpochs();
   // Starts reading back the queued blocks of refreshing sequences (before they are issued).
   absl::Status StartObservations();
@@ -241,12 +233,9 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   int slab_class_ = 0;
   std::shared_ptr<CompressedKvStore> store_;
 
-  BasisRegistry registry_;
   absl::flat_hash_map<EpochId, int32_t> entries_;  // live epoch -> basis-table entry
   std::vector<int32_t> free_entries_;
-  EpochId default_epoch_ = kNoEpoch;
-  bool default_self_calibrated_ = false;
-  int64_t pca_epochs_built_ = 0;
+  CompressionEpochs epochs_;  // registry, default epoch, refresh streams; after the entries
 
   SequenceSlots<Sequence> seqs_;
   int64_t tokens_cached_ = 0;
@@ -264,8 +253,6 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   int64_t outlier_tokens_ = 0;
   int64_t outliers_dropped_ = 0;
 
-  std::unique_ptr<Refresher> refresher_;
-  absl::flat_hash_map<Refresher::StreamId, SeqId> streams_;
   std::vector<HalfBlockBatch::Block> readback_blocks_;  // the readback in flight; empty: none
   std::vector<SeqId> compact_;                          // sequences with too many epochs
   int64_t refreshes_installed_ = 0;

@@ -29,27 +29,11 @@ absl::Status DeviceCompressedKvCache::SetSequenceRefresh(SeqId seq, const Refres
         "kqsvd refresh needs the queries, which this backend does not read back (no room for "
         "them): use pca, oja or fd (or the CPU backend)");
   }
-  CloseStream(*s);
+  epochs_.CloseStream(*s);
   s->refresh = config;
-  OpenStream(*s, seq);       // now if it has an epoch, else at its first compression
+  epochs_.OpenStream(*s, seq);       // now if it has an epoch, else at its first compression
   QueueCompaction(*s, seq);  // a smaller max_epochs
   return absl::OkStatus();
-}
-
-void DeviceCompressedKvCache::OpenStream(Sequence& s, SeqId seq) {
-  if (s.refresh.method == RefreshMethod::kNone || s.epoch == kNoEpoch || s.stream != 0) return;
-  if (refresher_ == nullptr) {
-    refresher_ = std::make_unique<Refresher>(Refresher::Options{
-        .inline_mode = config_.refresh_inline, .max_queued_bytes = config_.refresh_queue_bytes});
-  }
-  // Without query heads kqsvd, the one method that reads queries, is refused.
-  const int n_heads =
-      config_.n_query_heads > 0 ? config_.n_query_heads : config_.geometry.n_kv_heads;
-  s.stream = refresher_->Open([g = config_.geometry, n_heads, r_k = r_k_, r_v = r_v_,
-                               refresh = s.refresh, initial = registry_.GetShared(s.epoch)] {
-    return std::make_unique<OnlineStatistics>(g, n_heads, r_k, r_v, refresh, *initial);
-  });
-  streams_[s.stream] = seq;
 }
 
 bool DeviceCompressedKvCache::WantsQueries(SeqId seq) const {
@@ -71,14 +55,7 @@ absl::Status DeviceCompressedKvCache::ObserveQueries(SeqId seq, HalfQueryObserva
                         queries.n_layers, queries.width, config_.geometry.n_layers, width));
   }
   // False: the refresher is behind and dropped them (counted there).
-  return refresher_->Observe(s->stream, std::move(queries)).status();
-}
-
-void DeviceCompressedKvCache::CloseStream(Sequence& s) {
-  if (s.stream == 0) return;
-  refresher_->Close(s.stream);
-  streams_.erase(s.stream);
-  s.stream = 0;
+  return epochs_.refresher()->Observe(s->stream, std::move(queries)).status();
 }
 
 // Live epochs are those of coded blocks, as in the CPU cache: a new epoch counts once a block is
@@ -89,18 +66,18 @@ bool DeviceCompressedKvCache::NeedsCompaction(const Sequence& s) const {
 }
 
 void DeviceCompressedKvCache::InstallPublishedEpochs() {
-  for (Refresher::Published& p : refresher_->TakePublished()) {
-    const auto it = streams_.find(p.stream);
-    if (it == streams_.end()) continue;  // the sequence went away or restarted its refresh
+  for (Refresher::Published& p : epochs_.refresher()->TakePublished()) {
+    const SeqId seq = epochs_.StreamSequence(p.stream);
+    if (seq < 0) continue;  // the sequence went away or restarted its refresh
     // Its shapes are the cache's own; the one failure is a full basis table. The refresher
     // publishes again after its next T tokens.
-    absl::StatusOr<EpochId> id = Register(std::move(p.basis));
+    absl::StatusOr<EpochId> id = epochs_.Register(std::move(p.basis));
     if (!id.ok()) {
       ++refreshes_unplaced_;
       continue;
     }
-    Sequence& s = seqs_[it->second];
-    Release(s.epoch);
+    Sequence& s = seqs_[seq];
+    epochs_.Release(s.epoch);
     s.epoch = *id;  // Register's reference is the sequence's now
     ++refreshes_installed_;
   }
@@ -123,7 +100,7 @@ absl::Status DeviceCompressedKvCache::StartObservations() {
       continue;
     }
     pages.push_back(pending_src_[i]);
-    blocks.push_back({pending_stream_[i], registry_.GetShared(pending_epoch_id_[i])});
+    blocks.push_back({pending_stream_[i], epochs_.registry().GetShared(pending_epoch_id_[i])});
   }
   if (pages.empty()) return absl::OkStatus();
   if (absl::Status st = store_->StartReadback(pages); !st.ok()) return st;
@@ -141,7 +118,7 @@ absl::Status DeviceCompressedKvCache::PollObservations() {
   batch.blocks = std::move(readback_blocks_);
   readback_blocks_.clear();
   // False: the refresher is behind and dropped it (counted there).
-  absl::StatusOr<bool> observed = refresher_->Observe(std::move(batch));
+  absl::StatusOr<bool> observed = epochs_.refresher()->Observe(std::move(batch));
   return observed.status();
 }
 
@@ -180,12 +157,12 @@ absl::Status DeviceCompressedKvCache::Compact() {
         return st;
       }
       for (const int64_t b : moved) {
-        if (absl::Status acquired = registry_.Acquire(s->epoch); !acquired.ok()) return acquired;
+        if (absl::Status acquired = epochs_.Acquire(s->epoch); !acquired.ok()) return acquired;
         s->table[static_cast<size_t>(b)].entry = entries_.at(s->epoch);
         s->block_epochs[static_cast<size_t>(b)] = s->epoch;
         ++s->coded_blocks[s->epoch];
         if (--s->coded_blocks[oldest] == 0) s->coded_blocks.erase(oldest);
-        Release(oldest);  // may free its table entry: the store reads it first, in order
+        epochs_.Release(oldest);  // may free its table entry: the store reads it first, in order
       }
       budget -= static_cast<int64_t>(moved.size());
       blocks_recoded_ += static_cast<int64_t>(moved.size());

@@ -7,11 +7,11 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "core/int_math.h"
 
 namespace subspace::kernels {
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Caps hostile token counts before any arithmetic (no pool holds this many tokens).
 constexpr int64_t kMaxTokens = int64_t{1} << 48;
 

@@ -112,17 +112,15 @@ absl::StatusOr<Backend> CudaBackend(const kernels::CudaPluginApi& plugin,
                                     std::shared_ptr<const Basis> bases) {
   std::optional<kernels::CudaCompressedCacheOptions> compressed;
   if (cache_options.kind == KvCacheKind::kCompressed) {
-    const KvCacheOptions o =
-        ResolveKvCacheOptions(cache_options, cpu_model.config().cache_geometry(), bases.get());
+    const KvCacheGeometry g = cpu_model.config().cache_geometry();
+    const KvCacheOptions o = ResolveKvCacheOptions(cache_options, g, bases.get());
+    // The CPU cache's policy, per-layer ranks of --bases included.
+    absl::StatusOr<CompressionPolicy> policy = CompressionPolicyFor(o, g, bases.get());
+    if (!policy.ok()) return policy.status();
     kernels::CudaCompressedCacheOptions c;
-    c.sink_tokens = o.sink_tokens;
-    c.window_tokens = o.window_tokens;
-    c.r_k.assign(static_cast<size_t>(cpu_model.config().n_layers), o.rank_k);
-    c.r_v.assign(static_cast<size_t>(cpu_model.config().n_layers), o.rank_v);
-    c.coeff_dtype = o.coeff_dtype;
+    c.policy = *std::move(policy);
     c.basis = std::move(bases);
     c.refresh = o.refresh;
-    c.outlier_threshold = o.outlier_threshold;
     compressed = std::move(c);
   }
   absl::StatusOr<kernels::CudaPluginBackend> cuda = plugin.create_backend(

@@ -140,10 +140,36 @@ KvCacheOptions ResolveKvCacheOptions(KvCacheOptions o, const KvCacheGeometry& g,
       o.rank_v = std::max(o.rank_v, lb.rank_v);
     }
   }
-  const int default_rank = std::max(1, g.head_dim / 4);  // CompressedKvCache's default
+  const int default_rank = CompressionPolicy::DefaultRank(g.head_dim);
   if (o.rank_k == 0) o.rank_k = default_rank;
   if (o.rank_v == 0) o.rank_v = default_rank;
   return o;
+}
+
+absl::StatusOr<CompressionPolicy> CompressionPolicyFor(const KvCacheOptions& o,
+                                                       const KvCacheGeometry& g,
+                                                       const Basis* bases) {
+  const int rank_k = o.rank_k == 0 ? CompressionPolicy::DefaultRank(g.head_dim) : o.rank_k;
+  const int rank_v = o.rank_v == 0 ? CompressionPolicy::DefaultRank(g.head_dim) : o.rank_v;
+  if (absl::Status s = CheckRank(rank_k, g.head_dim, "--kv-rank-k"); !s.ok()) return s;
+  if (absl::Status s = CheckRank(rank_v, g.head_dim, "--kv-rank-v"); !s.ok()) return s;
+  CompressionPolicy p;
+  p.sink_tokens = o.sink_tokens;
+  p.window_tokens = o.window_tokens;
+  p.coeff_dtype = o.coeff_dtype;
+  p.outlier_threshold = o.outlier_threshold;
+  p.r_k.assign(static_cast<size_t>(g.n_layers), rank_k);
+  p.r_v.assign(static_cast<size_t>(g.n_layers), rank_v);
+  if (bases != nullptr) {
+    if (bases->layers.size() != static_cast<size_t>(g.n_layers)) {
+      return absl::InvalidArgumentError("--bases: the basis does not match the model's layers");
+    }
+    for (size_t l = 0; l < bases->layers.size(); ++l) {
+      p.r_k[l] = bases->layers[l].rank_k;
+      p.r_v[l] = bases->layers[l].rank_v;
+    }
+  }
+  return p;
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
@@ -160,26 +186,12 @@ absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
     if (!cache.ok()) return cache.status();
     return std::unique_ptr<KvCache>(*std::move(cache));
   }
-  if (absl::Status s = CheckRank(o.rank_k, g.head_dim, "--kv-rank-k"); !s.ok()) return s;
-  if (absl::Status s = CheckRank(o.rank_v, g.head_dim, "--kv-rank-v"); !s.ok()) return s;
+  absl::StatusOr<CompressionPolicy> policy = CompressionPolicyFor(o, g, bases.get());
+  if (!policy.ok()) return policy.status();
   CompressedKvCacheConfig c;
   c.geometry = g;
   c.block_size = block_size;
-  c.sink_tokens = o.sink_tokens;
-  c.window_tokens = o.window_tokens;
-  c.outlier_threshold = o.outlier_threshold;
-  c.r_k.assign(static_cast<size_t>(g.n_layers), o.rank_k);
-  c.r_v.assign(static_cast<size_t>(g.n_layers), o.rank_v);
-  if (bases != nullptr) {
-    if (bases->layers.size() != static_cast<size_t>(g.n_layers)) {
-      return absl::InvalidArgumentError("--bases: the basis does not match the model's layers");
-    }
-    for (size_t l = 0; l < bases->layers.size(); ++l) {
-      c.r_k[l] = bases->layers[l].rank_k;
-      c.r_v[l] = bases->layers[l].rank_v;
-    }
-  }
-  c.coeff_dtype = o.coeff_dtype;
+  c.policy = *std::move(policy);
   c.full_dtype = o.full_dtype;
   c.capacity_bytes = capacity_bytes;
   c.refresh = o.refresh;

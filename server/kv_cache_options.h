@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "core/basis.h"
 #include "core/coeff_codec.h"
+#include "core/compression_policy.h"
 #include "core/gguf.h"
 #include "core/kv_cache.h"
 #include "core/refresh_config.h"
@@ -25,10 +26,11 @@ enum class KvCacheKind : uint8_t { kFull, kCompressed };
 // two live in ServerAppConfig. The rest applies to the compressed cache only.
 struct KvCacheOptions {
   KvCacheKind kind = KvCacheKind::kCompressed;
-  int sink_tokens = 4;     // S: the blocks overlapping [0, S) stay full-rank
-  int window_tokens = 64;  // W: the last W tokens stay full-rank
-  int rank_k = 0;          // key coefficients per token and KV head; 0: head_dim / 4
-  int rank_v = 0;          // value coefficients; 0: head_dim / 4
+  // The flags of CompressionPolicy (core/compression_policy.h), whose defaults these are.
+  int sink_tokens = CompressionPolicy::kDefaultSinkTokens;  // S: blocks overlapping [0, S)
+  int window_tokens = CompressionPolicy::kDefaultWindowTokens;  // W: the last W tokens
+  int rank_k = 0;  // key coefficients per token and KV head; 0: DefaultRank (head_dim / 4)
+  int rank_v = 0;  // value coefficients; 0: DefaultRank
   CoeffDtype coeff_dtype = CoeffDtype::kFp16;
   // Full-rank blocks (sinks, window, outliers): fp16, or fp32 for exactness checks.
   CoeffDtype full_dtype = CoeffDtype::kFp16;
@@ -65,6 +67,13 @@ absl::StatusOr<std::shared_ptr<const Basis>> LoadBases(const std::string& path,
 // per layer from the basis). The full cache's options are returned unchanged.
 KvCacheOptions ResolveKvCacheOptions(KvCacheOptions options, const KvCacheGeometry& geometry,
                                      const Basis* bases = nullptr);
+
+// The policy both backends' compressed caches get from resolved options: `bases`'s ranks per
+// layer when given, else rank_k / rank_v in every layer. INVALID_ARGUMENT naming the flag when
+// a rank exceeds the model's head_dim, or when `bases` has another number of layers.
+absl::StatusOr<CompressionPolicy> CompressionPolicyFor(const KvCacheOptions& resolved,
+                                                       const KvCacheGeometry& geometry,
+                                                       const Basis* bases = nullptr);
 
 // Builds the cache from resolved options. INVALID_ARGUMENT naming the flag when a rank exceeds
 // the model's head_dim; otherwise whatever the cache's Create returns (a pool too small). With

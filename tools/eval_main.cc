@@ -42,8 +42,10 @@ ABSL_FLAG(std::string, methods, "ksvd,eigen,kqsvd",
 ABSL_FLAG(std::string, ranks, "8,16,32", "fixed ranks (keys and values), comma-separated");
 ABSL_FLAG(std::string, energies, "", "energy thresholds for per-layer ranks, e.g. 0.9,0.99");
 ABSL_FLAG(std::string, dtypes, "fp16,int8", "coefficient dtypes: fp16,int8,fp32");
-ABSL_FLAG(int32_t, sink_tokens, 4, "S: attention sinks kept full-rank");
-ABSL_FLAG(int32_t, window_tokens, 64, "W: recent window kept full-rank");
+ABSL_FLAG(int32_t, sink_tokens, subspace::CompressionPolicy::kDefaultSinkTokens,
+          "S: attention sinks kept full-rank");
+ABSL_FLAG(int32_t, window_tokens, subspace::CompressionPolicy::kDefaultWindowTokens,
+          "W: recent window kept full-rank");
 ABSL_FLAG(int32_t, window, 512, "perplexity window (capped by the context)");
 ABSL_FLAG(int32_t, chunk, 16, "tokens per forward step inside a perplexity window");
 ABSL_FLAG(int32_t, error_tokens, 256, "tokens of the captured window for the error metrics");
@@ -317,10 +319,13 @@ absl::Status Run() {
       last_key = key;
     }
     row.errors = last_errors;
-    CompressedKvCacheConfig cc{.geometry = geom, .block_size = 16,
-                               .sink_tokens = absl::GetFlag(FLAGS_sink_tokens),
-                               .window_tokens = absl::GetFlag(FLAGS_window_tokens),
-                               .r_k = row.rk, .r_v = row.rv, .coeff_dtype = c.dtype,
+    CompressedKvCacheConfig cc{.geometry = geom,
+                               .block_size = 16,
+                               .policy = {.sink_tokens = absl::GetFlag(FLAGS_sink_tokens),
+                                          .window_tokens = absl::GetFlag(FLAGS_window_tokens),
+                                          .r_k = row.rk,
+                                          .r_v = row.rv,
+                                          .coeff_dtype = c.dtype},
                                .full_dtype = CoeffDtype::kFp16};
     cc.refresh = refresh_base;
     cc.refresh.method = c.refresh;

@@ -263,8 +263,8 @@ TEST(CompressedKvCacheRefreshTest, AStalledRefresherDoesNotStallDecoding) {
   CompressedKvCacheConfig c;
   c.geometry = g;
   c.block_size = 4;
-  c.sink_tokens = 1;
-  c.window_tokens = 8;
+  c.policy.sink_tokens = 1;
+  c.policy.window_tokens = 8;
   c.n_query_heads = tm->model->config().n_heads;
   c.refresh.method = RefreshMethod::kKqsvd;
   c.refresh.every_tokens = 8;

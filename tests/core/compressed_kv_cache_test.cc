@@ -135,7 +135,7 @@ TEST(CompressedKvCacheTest, SelfCalibratedEpochIsSharedAndYieldsToAnExplicitOne)
 TEST(CompressedKvCacheTest, PerSequencePcaOption) {
   const KvCacheGeometry g{2, 2, 16};
   CompressedKvCacheConfig c = SmallConfig(g, 4, CoeffDtype::kFp16);
-  c.per_sequence_pca = true;
+  c.policy.per_sequence_pca = true;
   auto cache = Make(c);
   Data d = RandomKv(g, 64, 9), d2 = RandomKv(g, 64, 10);
   SeqId a = *cache->CreateSequence(), b = *cache->CreateSequence();
@@ -238,7 +238,7 @@ TEST(CompressedKvCacheTest, QuantizedCloseToFp32Coefficients) {
 TEST(CompressedKvCacheTest, OutliersKeptExactly) {
   const KvCacheGeometry g{1, 2, 16};
   CompressedKvCacheConfig c = SmallConfig(g, 4, CoeffDtype::kFp16);
-  c.outlier_threshold = 0.85f;
+  c.policy.outlier_threshold = 0.85f;
   auto cache = Make(c);
   SeqId s = *cache->CreateSequence();
   EpochId e = *cache->InstallBasis(OrthoBasis(g, 4, 4, 2));
@@ -312,7 +312,7 @@ TEST(CompressedKvCacheTest, Fp16FullBlocksCloseToFp32) {
   std::vector<float> ref[2];
   for (CoeffDtype full : {CoeffDtype::kFp32, CoeffDtype::kFp16}) {
     CompressedKvCacheConfig c = SmallConfig(g, 8, CoeffDtype::kFp16, full);
-    c.outlier_threshold = 0.9f;
+    c.policy.outlier_threshold = 0.9f;
     auto cache = Make(c);
     SeqId s = *cache->CreateSequence();
     EpochId e = *cache->InstallBasis(OrthoBasis(g, 8, 8, 4));
@@ -374,9 +374,9 @@ TEST(CompressedKvCacheTest, MemoryPerTokenAt4k) {
       CompressedKvCacheConfig c;
       c.geometry = g;
       c.block_size = 16;
-      c.sink_tokens = 4;
-      c.window_tokens = 64;
-      c.coeff_dtype = dt;
+      c.policy.sink_tokens = 4;
+      c.policy.window_tokens = 64;
+      c.policy.coeff_dtype = dt;
       c.full_dtype = full;
       c.capacity_bytes = 300 * CompressedKvCache::PageBytes(g, 16, full);
       auto cache = Make(c);
@@ -422,10 +422,10 @@ TEST(CompressedKvCacheTest, TinyModelForwardMatchesPaged) {
   CompressedKvCacheConfig c;
   c.geometry = g;
   c.block_size = 4;
-  c.sink_tokens = 1;
-  c.window_tokens = 6;
-  c.r_k = c.r_v = std::vector<int>(g.n_layers, g.head_dim);
-  c.coeff_dtype = CoeffDtype::kFp32;
+  c.policy.sink_tokens = 1;
+  c.policy.window_tokens = 6;
+  c.policy.r_k = c.policy.r_v = std::vector<int>(g.n_layers, g.head_dim);
+  c.policy.coeff_dtype = CoeffDtype::kFp32;
   c.full_dtype = CoeffDtype::kFp32;  // exactness against the paged cache
   c.capacity_bytes = 256 * CompressedKvCache::PageBytes(g, 4, c.full_dtype);
   auto cache = Make(c);
@@ -496,10 +496,10 @@ TEST(CompressedKvCacheTest, EngineSessionContinuationIsExact) {
   CompressedKvCacheConfig c;
   c.geometry = g;
   c.block_size = 4;
-  c.sink_tokens = 1;
-  c.window_tokens = 4;
-  c.r_k = c.r_v = std::vector<int>(g.n_layers, g.head_dim);
-  c.coeff_dtype = CoeffDtype::kFp32;
+  c.policy.sink_tokens = 1;
+  c.policy.window_tokens = 4;
+  c.policy.r_k = c.policy.r_v = std::vector<int>(g.n_layers, g.head_dim);
+  c.policy.coeff_dtype = CoeffDtype::kFp32;
   c.full_dtype = CoeffDtype::kFp32;  // exactness against the paged cache
   c.capacity_bytes = 256 * CompressedKvCache::PageBytes(g, 4, c.full_dtype);
   auto engine = *Engine::Create({}, tm->model, tm->tokenizer, Make(c));

@@ -224,11 +224,11 @@ inline CompressedKvCacheConfig SmallConfig(KvCacheGeometry g, int r, CoeffDtype 
   CompressedKvCacheConfig c;
   c.geometry = g;
   c.block_size = 4;
-  c.sink_tokens = 2;
-  c.window_tokens = 8;
-  c.r_k = std::vector<int>(g.n_layers, r);
-  c.r_v = std::vector<int>(g.n_layers, r);
-  c.coeff_dtype = dt;
+  c.policy.sink_tokens = 2;
+  c.policy.window_tokens = 8;
+  c.policy.r_k = std::vector<int>(g.n_layers, r);
+  c.policy.r_v = std::vector<int>(g.n_layers, r);
+  c.policy.coeff_dtype = dt;
   c.full_dtype = full;
   c.capacity_bytes = 256 * CompressedKvCache::PageBytes(g, c.block_size, full);
   return c;

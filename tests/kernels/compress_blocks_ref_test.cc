@@ -114,12 +114,12 @@ void FillCache(SameTokens& s, float outlier_threshold) {
   CompressedKvCacheConfig cfg;
   cfg.geometry = s.geometry;
   cfg.block_size = s.layout.block_size;
-  cfg.sink_tokens = 0;
-  cfg.window_tokens = 0;
-  cfg.outlier_threshold = outlier_threshold;
-  cfg.r_k.assign(static_cast<size_t>(n_layers), s.layout.rank_k);
-  cfg.r_v.assign(static_cast<size_t>(n_layers), s.layout.rank_v);
-  cfg.coeff_dtype = s.layout.coeff_dtype;
+  cfg.policy.sink_tokens = 0;
+  cfg.policy.window_tokens = 0;
+  cfg.policy.outlier_threshold = outlier_threshold;
+  cfg.policy.r_k.assign(static_cast<size_t>(n_layers), s.layout.rank_k);
+  cfg.policy.r_v.assign(static_cast<size_t>(n_layers), s.layout.rank_v);
+  cfg.policy.coeff_dtype = s.layout.coeff_dtype;
   cfg.full_dtype = CoeffDtype::kFp16;
   cfg.capacity_bytes = s.layout.page_bytes * 4 * s.nb * n_layers;
   auto cache = CompressedKvCache::Create(cfg);

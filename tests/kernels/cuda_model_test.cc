@@ -66,13 +66,13 @@ Pair OpenCompressed(
   CompressedKvCacheConfig c;
   c.geometry = g;
   c.block_size = 16;
-  c.sink_tokens = 4;
-  c.window_tokens = 32;
-  c.coeff_dtype = coeff_dtype;
+  c.policy.sink_tokens = 4;
+  c.policy.window_tokens = 32;
+  c.policy.coeff_dtype = coeff_dtype;
   c.capacity_bytes = int64_t{64} << 20;
   c.refresh = refresh;
   c.refresh_inline = true;
-  c.outlier_threshold = outlier_threshold;
+  c.policy.outlier_threshold = outlier_threshold;
   c.n_query_heads = p.cpu->config().n_heads;
   absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache = CompressedKvCache::Create(c);
   EXPECT_TRUE(cache.ok()) << cache.status();
@@ -81,14 +81,14 @@ Pair OpenCompressed(
   EXPECT_TRUE(epoch.ok() && (*cache)->SetDefaultEpoch(*epoch).ok());
   p.cpu_cache = *std::move(cache);
   CudaCompressedCacheOptions co;
-  co.sink_tokens = 4;
-  co.window_tokens = 32;
-  co.coeff_dtype = coeff_dtype;
+  co.policy.sink_tokens = 4;
+  co.policy.window_tokens = 32;
+  co.policy.coeff_dtype = coeff_dtype;
   co.basis = basis;
   co.refresh = refresh;
   co.refresh_inline = true;
   co.basis_capacity = 32;  // every epoch of the refresh test stays live
-  co.outlier_threshold = outlier_threshold;
+  co.policy.outlier_threshold = outlier_threshold;
   co.query_readback_bytes = query_readback_bytes;
   absl::StatusOr<CudaBackend> cuda = CreateCudaBackend(*p.cpu, {.max_batch_tokens = 256,
                                                                  .max_sequences = 8,
@@ -376,7 +376,7 @@ TEST(CudaModelTest, DecodeStepsReplayedAsGraphsGiveTheEagerLogits) {
                                 .kv_cache_bytes = int64_t{32} << 20};
     if (compressed) {
       CudaCompressedCacheOptions co;
-      co.window_tokens = 32;
+      co.policy.window_tokens = 32;
       co.basis = cache_test::OrthoBasis(g, g.head_dim / 4, g.head_dim / 4, 17);
       options.compressed = co;
     }

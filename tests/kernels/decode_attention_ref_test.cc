@@ -100,12 +100,12 @@ TEST_P(DecodeAttentionRefVsCacheTest, MatchesCompressedKvCacheAttend) {
   CompressedKvCacheConfig cfg;
   cfg.geometry = g;
   cfg.block_size = bs;
-  cfg.sink_tokens = 4;
-  cfg.window_tokens = 2 * bs;
-  cfg.outlier_threshold = 0.5f;
-  cfg.r_k = {rk};
-  cfg.r_v = {rv};
-  cfg.coeff_dtype = dt;
+  cfg.policy.sink_tokens = 4;
+  cfg.policy.window_tokens = 2 * bs;
+  cfg.policy.outlier_threshold = 0.5f;
+  cfg.policy.r_k = {rk};
+  cfg.policy.r_v = {rv};
+  cfg.policy.coeff_dtype = dt;
   cfg.full_dtype = CoeffDtype::kFp16;
   cfg.capacity_bytes = CompressedKvCache::PageBytes(g, bs, CoeffDtype::kFp16) * 256;
   auto cache = CompressedKvCache::Create(cfg);

@@ -47,8 +47,8 @@ TEST_P(DeviceCompressedKvCacheVsCpuTest, InstalledBasisMatchesCpuCacheStepByStep
   // Per-layer ranks: build the basis layer by layer.
   for (int l = 0; l < 2; ++l) {
     basis->layers[static_cast<size_t>(l)] =
-        cache_test::OrthoBasis({1, 2, hd}, c.r_k[static_cast<size_t>(l)],
-                               c.r_v[static_cast<size_t>(l)], static_cast<uint32_t>(rng()))
+        cache_test::OrthoBasis({1, 2, hd}, c.policy.r_k[static_cast<size_t>(l)],
+                               c.policy.r_v[static_cast<size_t>(l)], static_cast<uint32_t>(rng()))
             ->layers[0];
   }
   absl::StatusOr<EpochId> cpu_id = p.cpu->InstallBasis(basis);
@@ -167,7 +167,7 @@ TEST(DeviceCompressedKvCacheTest, CreateRejectsWhatTheKernelsCannotRun) {
   std::shared_ptr<TwinKvStore> store = MakeStore(d);
   EXPECT_TRUE(DeviceCompressedKvCache::Create(d, store).ok());
   DeviceCompressedKvCacheConfig bad = d;
-  bad.coeff_dtype = CoeffDtype::kFp32;
+  bad.policy.coeff_dtype = CoeffDtype::kFp32;
   EXPECT_TRUE(absl::IsInvalidArgument(DeviceCompressedKvCache::Create(bad, store).status()));
   bad = d;
   bad.num_pages = 1;  // nothing left beside the compression headroom
@@ -176,10 +176,10 @@ TEST(DeviceCompressedKvCacheTest, CreateRejectsWhatTheKernelsCannotRun) {
   bad.block_size = 65;
   EXPECT_TRUE(absl::IsInvalidArgument(DeviceCompressedKvCache::Create(bad, store).status()));
   bad = d;
-  bad.r_k = {65, 16};
+  bad.policy.r_k = {65, 16};
   EXPECT_TRUE(absl::IsInvalidArgument(DeviceCompressedKvCache::Create(bad, store).status()));
   bad = d;
-  bad.r_k = {16};
+  bad.policy.r_k = {16};
   EXPECT_TRUE(absl::IsInvalidArgument(DeviceCompressedKvCache::Create(bad, store).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(DeviceCompressedKvCache::Create(d, nullptr).status()));
 }
@@ -189,7 +189,7 @@ TEST(DeviceCompressedKvCacheTest, BasisTableEntriesAreRecycled) {
   const DeviceCompressedKvCacheConfig d = DeviceConfig(c, 16);
   auto cache = DeviceCompressedKvCache::Create(d, MakeStore(d));
   ASSERT_TRUE(cache.ok());
-  std::shared_ptr<Basis> basis = std::make_shared<Basis>(Basis::Zeros(c.geometry, c.r_k, c.r_v));
+  std::shared_ptr<Basis> basis = std::make_shared<Basis>(Basis::Zeros(c.geometry, c.policy.r_k, c.policy.r_v));
   std::vector<EpochId> ids;
   for (int i = 0; i < kBasisCapacity; ++i) {
     absl::StatusOr<EpochId> id = (*cache)->InstallBasis(basis);
@@ -239,8 +239,8 @@ TEST(DeviceCompressedKvCacheTest, RefreshMethodsTheDeviceCanRunAreAccepted) {
 
 TEST(DeviceCompressedKvCacheTest, ReserveKeepsOnePageForCompression) {
   CompressedKvCacheConfig c = CpuConfig(64, CoeffDtype::kFp16);
-  c.window_tokens = 16;
-  c.sink_tokens = 0;
+  c.policy.window_tokens = 16;
+  c.policy.sink_tokens = 0;
   const int64_t pages = 10;
   const DeviceCompressedKvCacheConfig d = DeviceConfig(c, pages);
   std::shared_ptr<TwinKvStore> store = MakeStore(d);
@@ -248,7 +248,7 @@ TEST(DeviceCompressedKvCacheTest, ReserveKeepsOnePageForCompression) {
   ASSERT_TRUE(made.ok());
   DeviceCompressedKvCache& cache = **made;
   absl::StatusOr<EpochId> id = cache.InstallBasis(
-      std::make_shared<Basis>(Basis::Zeros(c.geometry, c.r_k, c.r_v)));
+      std::make_shared<Basis>(Basis::Zeros(c.geometry, c.policy.r_k, c.policy.r_v)));
   ASSERT_TRUE(id.ok());
   ASSERT_TRUE(cache.SetDefaultEpoch(*id).ok());
   absl::StatusOr<SeqId> a = cache.CreateSequence();
@@ -283,8 +283,8 @@ TEST_P(RandomTrafficTest, OnATightPoolEveryPageIsAccountedFor) {
   std::mt19937_64 rng(seed);
   CompressedKvCacheConfig c = CpuConfig(64, CoeffDtype::kInt8);
   c.block_size = 8;
-  c.window_tokens = 8;
-  c.sink_tokens = 3;
+  c.policy.window_tokens = 8;
+  c.policy.sink_tokens = 3;
   if (refresh) {
     c.refresh.method = RefreshMethod::kPca;
     c.refresh.every_tokens = 16;
@@ -293,7 +293,7 @@ TEST_P(RandomTrafficTest, OnATightPoolEveryPageIsAccountedFor) {
   }
   const int64_t pages = 24;
   DeviceCompressedKvCacheConfig d = DeviceConfig(c, pages);
-  if (outliers) d.outlier_threshold = 0.85f;
+  if (outliers) d.policy.outlier_threshold = 0.85f;
   std::shared_ptr<TwinKvStore> store =
       MakeStore(d, /*basis_capacity=*/8, /*readback_delay=*/refresh ? 1 : 0);
   auto made = DeviceCompressedKvCache::Create(d, store);

@@ -35,9 +35,9 @@ constexpr float kThreshold = 0.9f;
 CompressedKvCacheConfig OutlierConfig(int n_layers, int hd, CoeffDtype dt) {
   CompressedKvCacheConfig c = CpuConfig(hd, dt);
   c.geometry.n_layers = n_layers;
-  c.r_k.resize(static_cast<size_t>(n_layers));
-  c.r_v.resize(static_cast<size_t>(n_layers));
-  c.outlier_threshold = kThreshold;
+  c.policy.r_k.resize(static_cast<size_t>(n_layers));
+  c.policy.r_v.resize(static_cast<size_t>(n_layers));
+  c.policy.outlier_threshold = kThreshold;
   return c;
 }
 
@@ -47,7 +47,7 @@ Pair MakeOutlierPair(const CompressedKvCacheConfig& c, int64_t num_pages = 256,
   Pair p;
   p.cpu = cache_test::Make(c);
   DeviceCompressedKvCacheConfig d = DeviceConfig(c, num_pages);
-  d.outlier_threshold = device_threshold;
+  d.policy.outlier_threshold = device_threshold;
   p.store = MakeStore(d);
   absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> dev =
       DeviceCompressedKvCache::Create(d, p.store);
@@ -62,7 +62,7 @@ void InstallBasis(Pair& p, const CompressedKvCacheConfig& c, std::mt19937_64& rn
   for (int l = 0; l < c.geometry.n_layers; ++l) {
     basis->layers[static_cast<size_t>(l)] =
         cache_test::OrthoBasis({1, c.geometry.n_kv_heads, c.geometry.head_dim},
-                               c.r_k[static_cast<size_t>(l)], c.r_v[static_cast<size_t>(l)],
+                               c.policy.r_k[static_cast<size_t>(l)], c.policy.r_v[static_cast<size_t>(l)],
                                static_cast<uint32_t>(rng()))
             ->layers[0];
   }
@@ -295,7 +295,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DeviceCacheOutliersTest,
 TEST_F(OutlierCachesTest, NoPageForAnOutlierDropsTheOutlierNotTheStep) {
   // The CPU cache (a roomy pool) keeps no outliers: it is the reference for the coded tokens.
   CompressedKvCacheConfig c = OutlierConfig(1, 64, CoeffDtype::kFp16);
-  c.outlier_threshold = 1.0f;
+  c.policy.outlier_threshold = 1.0f;
   ASSERT_NO_FATAL_FAILURE(Open(c, 160, /*num_pages=*/12, /*device_threshold=*/0.1f));
   ASSERT_EQ(p.dev->plan_layout().SlotsPerPage(), 4);
   ASSERT_NO_FATAL_FAILURE(Append(d, 0, 160));
@@ -311,7 +311,7 @@ TEST_F(OutlierCachesTest, NoPageForAnOutlierDropsTheOutlierNotTheStep) {
 TEST(DeviceCacheOutlierPolicyTest, CreateRejectsANonPositiveThreshold) {
   DeviceCompressedKvCacheConfig d = DeviceConfig(OutlierConfig(1, 64, CoeffDtype::kFp16), 16);
   for (float bad : {0.0f, -1.0f, std::nanf("")}) {
-    d.outlier_threshold = bad;
+    d.policy.outlier_threshold = bad;
     EXPECT_EQ(DeviceCompressedKvCache::Create(d, MakeStore(d)).status().code(),
               absl::StatusCode::kInvalidArgument)
         << bad;

@@ -43,7 +43,7 @@ void InstallDefault(Pair& p, const CompressedKvCacheConfig& c, uint32_t seed) {
   for (int l = 0; l < c.geometry.n_layers; ++l) {
     basis->layers[static_cast<size_t>(l)] =
         cache_test::OrthoBasis({1, c.geometry.n_kv_heads, c.geometry.head_dim},
-                               c.r_k[static_cast<size_t>(l)], c.r_v[static_cast<size_t>(l)],
+                               c.policy.r_k[static_cast<size_t>(l)], c.policy.r_v[static_cast<size_t>(l)],
                                seed + static_cast<uint32_t>(l))
             ->layers[0];
   }

@@ -40,11 +40,7 @@ inline DeviceCompressedKvCacheConfig DeviceConfig(const CompressedKvCacheConfig&
   DeviceCompressedKvCacheConfig d;
   d.geometry = c.geometry;
   d.block_size = c.block_size;
-  d.sink_tokens = c.sink_tokens;
-  d.window_tokens = c.window_tokens;
-  d.r_k = c.r_k;
-  d.r_v = c.r_v;
-  d.coeff_dtype = c.coeff_dtype;
+  d.policy = c.policy;
   d.num_pages = num_pages;
   d.refresh = c.refresh;
   d.refresh_inline = c.refresh_inline;
@@ -58,8 +54,8 @@ inline std::shared_ptr<TwinKvStore> MakeStore(const DeviceCompressedKvCacheConfi
   std::vector<KvPoolLayout> layouts;
   for (int l = 0; l < d.geometry.n_layers; ++l) {
     layouts.push_back(MakeKvPoolLayout(d.geometry.n_kv_heads, d.geometry.head_dim, d.block_size,
-                                       d.r_k[static_cast<size_t>(l)], d.r_v[static_cast<size_t>(l)],
-                                       d.coeff_dtype));
+                                       d.policy.r_k[static_cast<size_t>(l)], d.policy.r_v[static_cast<size_t>(l)],
+                                       d.policy.coeff_dtype));
   }
   return std::make_shared<TwinKvStore>(std::move(layouts), d.num_pages, basis_capacity,
                                        /*readback_capacity=*/16, readback_delay);
@@ -157,11 +153,11 @@ inline CompressedKvCacheConfig CpuConfig(int hd, CoeffDtype dt) {
   CompressedKvCacheConfig c;
   c.geometry = {2, 2, hd};
   c.block_size = 16;
-  c.sink_tokens = 4;
-  c.window_tokens = 32;
-  c.r_k = {hd / 4, hd / 8};
-  c.r_v = {hd / 4 - 4, hd / 8};
-  c.coeff_dtype = dt;
+  c.policy.sink_tokens = 4;
+  c.policy.window_tokens = 32;
+  c.policy.r_k = {hd / 4, hd / 8};
+  c.policy.r_v = {hd / 4 - 4, hd / 8};
+  c.policy.coeff_dtype = dt;
   c.full_dtype = CoeffDtype::kFp16;
   c.capacity_bytes = 256 * CompressedKvCache::PageBytes(c.geometry, c.block_size, c.full_dtype);
   return c;

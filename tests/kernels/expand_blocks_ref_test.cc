@@ -228,11 +228,11 @@ TEST_P(ExpandBlocksRefVsCacheTest, MatchesTruncateDecompress) {
   CompressedKvCacheConfig cfg;
   cfg.geometry = g;
   cfg.block_size = bs;
-  cfg.sink_tokens = 0;
-  cfg.window_tokens = 0;
-  cfg.r_k = {rk};
-  cfg.r_v = {rv};
-  cfg.coeff_dtype = dt;
+  cfg.policy.sink_tokens = 0;
+  cfg.policy.window_tokens = 0;
+  cfg.policy.r_k = {rk};
+  cfg.policy.r_v = {rv};
+  cfg.policy.coeff_dtype = dt;
   cfg.full_dtype = CoeffDtype::kFp16;
   cfg.capacity_bytes = l.page_bytes * 4 * nb;
   auto cache = CompressedKvCache::Create(cfg);
