@@ -13,10 +13,10 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "core/compressed_kv_cache.h"
 #include "core/paged_kv_cache.h"
 #include "core/pca.h"
+#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, contexts, "1024,4096,16384", "context lengths");
 ABSL_FLAG(std::string, batches, "1,8", "batch sizes");
@@ -267,7 +267,7 @@ void EpochTable() {
 }  // namespace subspace
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  subspace::cli::ParseFlags(argc, argv, "subspace-bench-attention [flags]");
   const auto contexts = subspace::ParseList(absl::GetFlag(FLAGS_contexts));
   const auto batches = subspace::ParseList(absl::GetFlag(FLAGS_batches));
   const int iters = absl::GetFlag(FLAGS_iters);

@@ -15,14 +15,13 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/compressed_kv_cache.h"
 #include "core/model.h"
 #include "core/paged_kv_cache.h"
-#include "tools/cli/dash_flags.h"
+#include "tools/cli/flags.h"
 
 #if defined(SUBSPACE_WITH_CUDA)
 #include "kernels/cuda_model.h"
@@ -282,8 +281,7 @@ absl::Status Run() {
 }  // namespace subspace
 
 int main(int argc, char** argv) {
-  std::vector<std::string> args = subspace::cli::NormalizeDashFlags(argc, argv);
-  absl::ParseCommandLine(argc, argv);
+  subspace::cli::ParseFlags(argc, argv, "subspace-bench-cpu [flags]");
   if (absl::Status s = subspace::Run(); !s.ok()) {
     std::fprintf(stderr, "subspace-bench-cpu: %s\n", s.ToString().c_str());
     return 1;

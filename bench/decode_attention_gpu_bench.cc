@@ -27,13 +27,13 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "core/ggml_types.h"
 #include "core/int_math.h"
 #include "kernels/decode_attention.h"
 #include "kernels/decode_plan_builder.h"
+#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, contexts, "1024,4096,16384,32768", "tokens each sequence attends");
 ABSL_FLAG(std::string, batches, "1,8,16,64", "sequences per decode step");
@@ -72,6 +72,7 @@ void CheckCuda(cudaError_t err, const char* what, const char* file, int line) {
   std::fprintf(stderr, "subspace-bench-decode-attention: %s\n", why.c_str());
   std::exit(1);
 }
+
 
 std::vector<int> ParseList(const std::string& flag, const std::string& s) {
   std::vector<int> out;
@@ -412,7 +413,7 @@ int Main(int argc, char** argv) {
     if (i > 0) command += ' ';
     command += argv[i];
   }
-  absl::ParseCommandLine(argc, argv);
+  subspace::cli::ParseFlags(argc, argv, "subspace-bench-decode-attention [flags]");
 
   BenchConfig c;
   const std::string coeff = absl::GetFlag(FLAGS_coeff);

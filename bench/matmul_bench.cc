@@ -19,7 +19,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "core/cpu/matmul_internal.h"
@@ -27,6 +26,7 @@
 #include "core/cpu/simd.h"
 #include "core/ggml_types.h"
 #include "core/weight.h"
+#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, types, "f32,f16,bf16,q8_0", "weight types to time");
 ABSL_FLAG(std::string, shapes, "256x256,768x256,4096x4096,4096x11008",
@@ -308,6 +308,6 @@ int Main() {
 }  // namespace subspace::cpu
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  subspace::cli::ParseFlags(argc, argv, "subspace-bench-matmul [flags]");
   return subspace::cpu::Main();
 }

@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "core/basis.h"
 #include "core/online_statistics.h"
 #include "core/pca.h"
+#include "tools/cli/flags.h"
 
 ABSL_FLAG(int, iters, 5, "timed repetitions per point (median)");
 
@@ -83,7 +83,7 @@ void Run(const Geometry& geo, RefreshMethod method, int iters) {
 }  // namespace subspace
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  subspace::cli::ParseFlags(argc, argv, "subspace-bench-refresh [flags]");
   subspace::UseSingleThreadedBlas();  // the refresher is one thread
   const int iters = absl::GetFlag(FLAGS_iters);
   const subspace::Geometry geos[] = {

@@ -26,7 +26,7 @@
 #include "client/subspace_client.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
-#include "tools/cli/dash_flags.h"
+#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "server address, host:port");
 ABSL_FLAG(double, timeout_seconds, 0, "deadline of each call in seconds; 0 = none");
@@ -524,6 +524,7 @@ absl::Status Run(const std::vector<char*>& positional, const std::vector<std::st
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(subspace::client::kUsage);
   std::vector<std::string> args = subspace::cli::NormalizeDashFlags(argc, argv);
+  subspace::cli::ExitOnHelp(args, subspace::client::kUsage);
   subspace::client::RenameBenchJsonFlag(args);
   const std::vector<std::string> stops = subspace::client::CollectStops(args);
   std::vector<char*> argv_fixed;

@@ -6,14 +6,12 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/load_generator.h"
 #include "client/soak.h"
 #include "client/subspace_client.h"
-#include "tools/cli/dash_flags.h"
+#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "server address, host:port");
 ABSL_FLAG(int32_t, concurrency, 8, "workers, each with one call in flight");
@@ -59,9 +57,7 @@ int Fail(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(kUsage);
-  std::vector<std::string> args = subspace::cli::NormalizeDashFlags(argc, argv);
-  absl::ParseCommandLine(argc, argv);
+  subspace::cli::ParseFlags(argc, argv,kUsage);
   using namespace subspace::client;
 
   SoakConfig config;

@@ -15,8 +15,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -25,7 +23,7 @@
 #include "spdlog/async.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
-#include "tools/cli/dash_flags.h"
+#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "path of the GGUF model");
 ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on (gRPC and metrics)");
@@ -175,11 +173,9 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  subspace::cli::ParseFlags(argc, argv,
       "subspace-server --model M.gguf [--port 50051] [--metrics-port 9090] "
       "[--kv-cache compressed|full] ...");
-  std::vector<std::string> args = subspace::cli::NormalizeDashFlags(argc, argv);
-  absl::ParseCommandLine(argc, argv);
 
   // Block the shutdown signals before any thread starts, so every thread inherits the mask and
   // only the sigwait below sees them: no work in a signal handler.

@@ -11,8 +11,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -20,7 +18,7 @@
 #include "core/calibration.h"
 #include "core/model.h"
 #include "core/tokenizer.h"
-#include "tools/cli/dash_flags.h"
+#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, model, "", "path of the GGUF model");
 ABSL_FLAG(std::string, text, "", "calibration text: a file, or a directory of files (sorted)");
@@ -153,12 +151,10 @@ absl::Status Run() {
 }  // namespace subspace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  subspace::cli::ParseFlags(argc, argv,
       "subspace-calibrate --model M.gguf --text FILE_OR_DIR --out bases.gguf "
       "[--method-k kqsvd|ksvd|eigen] [--method-v kqsvd|ksvd] (--rank R | --energy E) "
       "[--max-tokens N] [--window 512]");
-  std::vector<std::string> args = subspace::cli::NormalizeDashFlags(argc, argv);
-  absl::ParseCommandLine(argc, argv);
   absl::Status status = subspace::Run();
   if (!status.ok()) {
     std::fprintf(stderr, "subspace-calibrate: %s\n", status.ToString().c_str());

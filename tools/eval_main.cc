@@ -16,8 +16,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -28,7 +26,7 @@
 #include "core/paged_kv_cache.h"
 #include "core/refresh_config.h"
 #include "core/tokenizer.h"
-#include "tools/cli/dash_flags.h"
+#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "path of the GGUF model");
 ABSL_FLAG(std::string, text, "models/data/test.txt", "evaluation text file");
@@ -484,12 +482,10 @@ absl::Status Run() {
 }  // namespace subspace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  subspace::cli::ParseFlags(argc, argv,
       "subspace-eval --model M.gguf --text FILE [--calib FILE] [--max-tokens N] "
       "[--calib-tokens N] [--methods ksvd,eigen,kqsvd] [--ranks 8,16,32] [--energies 0.9,0.99] "
       "[--dtypes fp16,int8] [--csv OUT]");
-  std::vector<std::string> args = subspace::cli::NormalizeDashFlags(argc, argv);
-  absl::ParseCommandLine(argc, argv);
   absl::Status status = subspace::Run();
   if (!status.ok()) {
     std::fprintf(stderr, "subspace-eval: %s\n", status.ToString().c_str());

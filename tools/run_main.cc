@@ -9,8 +9,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "core/gguf.h"
@@ -19,7 +17,7 @@
 #include "core/perplexity.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
-#include "tools/cli/dash_flags.h"
+#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, model, "", "path of the GGUF model");
 ABSL_FLAG(std::string, prompt, "", "prompt text");
@@ -182,11 +180,9 @@ absl::Status Run() {
 }  // namespace subspace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  subspace::cli::ParseFlags(argc, argv,
       "subspace-run --model M.gguf --prompt TEXT -n N [--temperature T --seed S ...]\n"
       "  or: subspace-run --model M.gguf --ppl FILE");
-  std::vector<std::string> args = subspace::cli::NormalizeDashFlags(argc, argv);
-  absl::ParseCommandLine(argc, argv);
   absl::Status status = subspace::Run();
   if (!status.ok()) {
     std::fprintf(stderr, "subspace-run: %s\n", status.ToString().c_str());
