@@ -1,6 +1,6 @@
 // Basis epochs: the projections that give compressed coefficients their meaning, per layer and
 // KV head, in a refcounted registry with global ids. A compressed block names the epoch that
-// made it; attention projects each query once per live epoch (DESIGN.md, "Exactness across
+// made it; attention projects each query once per live epoch (docs/design.md, "Exactness across
 // basis changes").
 #ifndef SUBSPACE_CORE_BASIS_H_
 #define SUBSPACE_CORE_BASIS_H_

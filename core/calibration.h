@@ -1,4 +1,4 @@
-// Offline calibration of the compressed cache's bases (DESIGN.md, "The compressed KV cache"):
+// Offline calibration of the compressed cache's bases (docs/design.md, "The compressed KV cache"):
 // a KvCache decorator that accumulates per layer and KV head the d x d Gram matrices of
 // post-RoPE keys, of the GQA group's queries and of values while the model runs, and the basis
 // methods (K-SVD, Eigen, KQ-SVD) that turn those Gram matrices into an epoch. Only d x d

@@ -1,4 +1,4 @@
-// How a compressed cache's bases follow a session online (DESIGN.md, "Online refresh"): which
+// How a compressed cache's bases follow a session online (docs/design.md, "Online refresh"): which
 // statistic tracks the keys and values, what triggers a new epoch, and how many epochs a
 // sequence may keep live. Plain data, shared by the cache, the refresher and the engine.
 #ifndef SUBSPACE_CORE_REFRESH_CONFIG_H_

@@ -11,7 +11,7 @@
 // common max, sums them, and expands each epoch's coefficients once with R_v[e]^T.
 //
 // Correct first: no cp.async pipelining, no tensor cores, fp32 bases. The numbers to beat
-// are in DESIGN.md ("Performance model"); tuning needs a GPU.
+// are in docs/design.md ("Performance model"); tuning needs a GPU.
 #include <cmath>
 
 #include "kernels/cuda_util.cuh"

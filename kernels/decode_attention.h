@@ -2,7 +2,7 @@
 // blocks of one layer (full-rank fp16 sinks, window and outlier pages; fp16 or int8 coefficient
 // blocks of several basis epochs), in one streaming softmax. The query is projected once per
 // live epoch (q~_e = P_q[e]^T q); values accumulate per epoch in coefficient space and are
-// expanded once with R_v[e]^T (DESIGN.md, "Exactness across basis changes"). Split-K as in
+// expanded once with R_v[e]^T (docs/design.md, "Exactness across basis changes"). Split-K as in
 // flash-decoding: CTAs write partial (max, sum, acc, u) per work item; a merge kernel combines
 // them. The Params struct is plain C++ so the CPU twin (tests/kernels/decode_attention_ref.h) takes
 // it too.

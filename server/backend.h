@@ -1,6 +1,6 @@
 // Which backend serves (--device cpu|cuda|auto) and building it: the model runner and the KV
-// cache it runs on. The CPU backend runs either cache kind; the CUDA backend runs the full-rank
-// cache in device memory (the compressed cache has kernels but no device cache yet).
+// cache it runs on. Both backends run both cache kinds; the CUDA backend's compressed cache takes
+// fp16 full blocks and fp16 or int8 codes (--kv-full-dtype fp32 and fp32 codes stay on the CPU).
 #ifndef SUBSPACE_SERVER_BACKEND_H_
 #define SUBSPACE_SERVER_BACKEND_H_
 
@@ -41,8 +41,9 @@ struct Backend {
 bool CudaBackendBuilt();
 
 // kCpu: `cpu_model` with the cache CreateKvCache builds. kCuda: UNAVAILABLE when the CUDA plugin
-// is missing or the machine has no device, INVALID_ARGUMENT for a compressed cache. kAuto: CUDA
-// when it is built, a device is present and the cache kind runs there; otherwise the CPU.
+// is missing or the machine has no device, INVALID_ARGUMENT for a compressed cache with a
+// CPU-only feature. kAuto: CUDA when it is built, a device is present and the cache configuration
+// runs there; otherwise the CPU.
 // `cpu_model` must outlive nothing: the CUDA backend copies the weights it needs.
 absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
                                       std::shared_ptr<LlamaModel> cpu_model,

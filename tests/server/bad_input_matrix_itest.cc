@@ -3,7 +3,7 @@
 // row names the exact status code and a piece of its message; after every row the server must
 // show it kept nothing: health SERVING, nothing running or queued, the KV pool at its idle level
 // (the cache holds exactly what live sessions hold, and every block is free once they are
-// deleted), and a normal Generate and GenerateStream still work. README's "bad input -> status"
+// deleted), and a normal Generate and GenerateStream still work. docs/api.md's "bad input -> status"
 // table lists the same rows.
 #include <grpcpp/grpcpp.h>
 

@@ -213,7 +213,7 @@ TEST(DrainTest, SigtermUnderLoadLosesNoAcceptedRequest) {
       // gRPC core's answer (RST_STREAM CANCEL; our handlers never say just "CANCELLED") to a
       // call that reaches the listener in the instant after the drained server begins
       // grpc::Server::Shutdown: it is zombied before any handler runs (grpc/grpc#41785). Never
-      // accepted, so nothing was lost; README's drain section says to retry it like UNAVAILABLE.
+      // accepted, so nothing was lost; docs/api.md (drain) says to retry it like UNAVAILABLE.
       ++cancelled_by_grpc_shutdown;
     } else {
       ADD_FAILURE() << "unexpected status " << code << ": " << r.status.error_message();
