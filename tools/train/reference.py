@@ -43,7 +43,8 @@ TOKENIZER_CASES = [
 ]
 
 
-def model_from_gguf(path):
+def model_from_gguf(path, context_length=0):
+    """(model, config, metadata) with the GGUF's weights; context_length overrides the file's."""
     r = GgufReader(path)
     md = r.metadata
     cfg = Config(vocab_size=int(md["llama.vocab_size"]), dim=int(md["llama.embedding_length"]),
@@ -51,7 +52,7 @@ def model_from_gguf(path):
                  n_heads=int(md["llama.attention.head_count"]),
                  n_kv_heads=int(md["llama.attention.head_count_kv"]),
                  ffn_dim=int(md["llama.feed_forward_length"]),
-                 context_length=int(md["llama.context_length"]),
+                 context_length=context_length or int(md["llama.context_length"]),
                  rope_theta=float(md["llama.rope.freq_base"]),
                  norm_eps=float(md["llama.attention.layer_norm_rms_epsilon"]),
                  tied_output="output.weight" not in r.tensors)

@@ -4,6 +4,13 @@
 Each training sequence is BOS followed by (context_length - 1) consecutive tokens of the
 tokenized train split, at a seeded random offset: the same framing the perplexity evaluation
 uses (see eval_lib.py), so train and eval losses are comparable.
+
+With --data longctx the sequences come from longctx.Mixer instead: pass keys, key-value lists
+and recurring passages packed with natural text, so the model learns to retrieve and copy from
+far back (the long-context model, models/subspace-long.gguf). --init-gguf starts from a GGUF's
+weights (the long model continues subspace-tiny); --resume continues the checkpoint at --out
+(model, optimizer, step, RNG states), which is saved every --save-every-min minutes and at each
+evaluation, so a run can span several sessions.
 """
 import argparse
 import json
@@ -19,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import eval_lib  # noqa: E402
+import longctx  # noqa: E402
 from model import Config, Llama  # noqa: E402
 
 
@@ -45,6 +53,15 @@ def main():
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-chunks", type=int, default=24)
+    ap.add_argument("--data", choices=("natural", "longctx"), default="natural")
+    ap.add_argument("--context", type=int, default=0,
+                    help="model context length (default: max(512, --seq))")
+    ap.add_argument("--init-gguf", default="", help="start from this GGUF's weights")
+    ap.add_argument("--init-ckpt", default="", help="start from this checkpoint's weights")
+    ap.add_argument("--resume", action="store_true", help="continue the checkpoint at --out")
+    ap.add_argument("--save-every-min", type=float, default=10.0)
+    ap.add_argument("--eval-retrieval", type=int, default=24,
+                    help="longctx: held-out pass-key / key-value prompts scored at each eval")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -53,7 +70,7 @@ def main():
 
     sp = spm.SentencePieceProcessor(model_file=args.tokenizer)
     cfg = Config(vocab_size=sp.vocab_size(), n_layers=args.layers, ffn_dim=args.ffn,
-                 context_length=max(512, args.seq))
+                 context_length=args.context or max(512, args.seq))
     t0 = time.time()
     train_ids = np.array(eval_lib.encode_file(sp, os.path.join(args.data_dir, "train.txt")),
                          dtype=np.int64)
@@ -62,7 +79,26 @@ def main():
     log("tokenized train=%d val=%d tokens in %.1fs" % (len(train_ids), len(val_ids),
                                                        time.time() - t0))
 
-    model = Llama(cfg)
+    if args.init_gguf:
+        import reference
+        model = reference.model_from_gguf(args.init_gguf, context_length=cfg.context_length)[0]
+        model = model.float()
+        assert model.cfg.vocab_size == cfg.vocab_size, "GGUF vocabulary differs from --tokenizer"
+        cfg = model.cfg
+        model.train()
+        log("initialised from %s" % args.init_gguf)
+    elif args.init_ckpt:
+        ck = torch.load(args.init_ckpt, map_location="cpu")
+        cfg = Config.from_dict(dict(ck["config"], context_length=cfg.context_length))
+        model = Llama(cfg)
+        model.load_state_dict(ck["model"])
+        log("initialised from %s (step %d)" % (args.init_ckpt, ck["step"]))
+    else:
+        model = Llama(cfg)
+    retrieval = []
+    if args.data == "longctx":
+        mixer = longctx.Mixer(sp, longctx.Texts(sp, train_ids), rng, args.seq)
+        retrieval = retrieval_set(sp, longctx.Texts(sp, val_ids), args.seq, args.eval_retrieval)
     n_params = sum(p.numel() for p in model.parameters())
     log("config %s" % json.dumps(cfg.__dict__))
     log("params %d (%.2f M)" % (n_params, n_params / 1e6))
@@ -81,12 +117,24 @@ def main():
                           (1 + math.cos(math.pi * p)))
 
     history = []
+    start = 0
+    if args.resume and os.path.exists(args.out):
+        ck = torch.load(args.out, map_location="cpu")
+        assert ck["config"] == cfg.__dict__, "checkpoint config differs from this run's"
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        rng.bit_generator.state = ck["numpy_rng"]
+        torch.set_rng_state(ck["torch_rng"])
+        start, history = ck["step"], ck["history"]
+        log("resumed %s at step %d" % (args.out, start))
 
     def save(step):
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         tmp = args.out + ".tmp"
         torch.save({"config": cfg.__dict__, "model": model.state_dict(), "step": step,
-                    "args": vars(args), "history": history}, tmp)
+                    "args": vars(args), "history": history, "optimizer": opt.state_dict(),
+                    "numpy_rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()},
+                   tmp)
         os.replace(tmp, args.out)
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump({"config": cfg.__dict__, "step": step, "params": n_params,
@@ -95,13 +143,17 @@ def main():
     n_body = args.seq - 1
     tokens_per_step = args.batch * args.seq
     t_start = time.time()
+    t_saved = t_start
     run_loss = None
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        offs = rng.integers(0, len(train_ids) - n_body - 1, size=args.batch)
-        seqs = np.stack([np.concatenate(([eval_lib.BOS], train_ids[o:o + n_body]))
-                         for o in offs])
+        if args.data == "longctx":
+            seqs = np.array([mixer.sequence() for _ in range(args.batch)], dtype=np.int64)
+        else:
+            offs = rng.integers(0, len(train_ids) - n_body - 1, size=args.batch)
+            seqs = np.stack([np.concatenate(([eval_lib.BOS], train_ids[o:o + n_body]))
+                             for o in offs])
         x = torch.from_numpy(seqs)
         logits = model(x[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
@@ -112,23 +164,60 @@ def main():
         lv = loss.item()
         run_loss = lv if run_loss is None else 0.9 * run_loss + 0.1 * lv
         done = step + 1
-        if done % args.log_every == 0 or done == 1:
+        if done % args.log_every == 0 or done == start + 1:
             el = time.time() - t_start
-            eta = el / done * (args.steps - done)
+            eta = el / (done - start) * (args.steps - done)
             log("step %5d/%d loss %.4f (ema %.4f) lr %.2e gnorm %.2f | %.2f s/step "
                 "%.0f tok/s | elapsed %s eta %s" % (
-                    done, args.steps, lv, run_loss, lr_at(step), gnorm, el / done,
-                    done * tokens_per_step / el, fmt(el), fmt(eta)))
+                    done, args.steps, lv, run_loss, lr_at(step), gnorm, el / (done - start),
+                    (done - start) * tokens_per_step / el, fmt(el), fmt(eta)))
         if done % args.eval_every == 0 or done == args.steps:
             model.eval()
             vl = eval_lib.mean_nll(model, val_windows)
+            acc = retrieval_accuracy(model, retrieval)
             model.train()
-            history.append({"step": done, "train_loss_ema": round(run_loss, 4),
-                            "val_loss": round(vl, 4), "elapsed_s": round(time.time() - t_start)})
-            log("eval step %d train_loss_ema %.4f val_loss %.4f (val ppl %.2f, %d chunks)" % (
-                done, run_loss, vl, math.exp(vl), len(val_windows)))
+            entry = {"step": done, "train_loss_ema": round(run_loss, 4),
+                     "val_loss": round(vl, 4), "elapsed_s": round(time.time() - t_start)}
+            entry.update({k: round(v, 4) for k, v in acc.items()})
+            history.append(entry)
+            log("eval step %d train_loss_ema %.4f val_loss %.4f (val ppl %.2f, %d chunks)%s" % (
+                done, run_loss, vl, math.exp(vl), len(val_windows),
+                "".join(" %s %.3f" % kv for kv in sorted(acc.items()))))
             save(done)
+            t_saved = time.time()
+        elif time.time() - t_saved > 60 * args.save_every_min:
+            save(done)
+            t_saved = time.time()
     log("done in %s; checkpoint %s" % (fmt(time.time() - t_start), args.out))
+
+
+def retrieval_set(sp, texts, seq, n):
+    """Held-out (validation split, fixed seed) pass-key and key-value prompts that fill the
+    training window, as token ids with the answer span, for retrieval_accuracy()."""
+    rng = np.random.default_rng(20261125)
+    out = []
+    for i in range(n):
+        depth = (i // 3) / max(1, (n - 1) // 3)
+        kind = ("passkey_filler", "passkey_natural", "kv")[i % 3]
+        if kind == "kv":
+            d = longctx.kv_recall(sp, rng, seq - 16)
+        else:
+            d = longctx.passkey(sp, texts, rng, seq - 16, depth, haystack=kind.split("_")[1])
+        p = [eval_lib.BOS] + sp.encode(d["prompt"])
+        a = sp.encode(d["prompt"] + d["answer"])[len(p) - 1:]
+        out.append((kind, p + a, len(p), len(a)))
+    return out
+
+
+@torch.no_grad()
+def retrieval_accuracy(model, items):
+    """Exact match of every answer token under teacher forcing (= greedy exact match)."""
+    hits = {}
+    for kind, ids, n_prompt, n_ans in items:
+        x = torch.tensor([ids[:-1]], dtype=torch.long)
+        pred = model(x)[0, n_prompt - 1:n_prompt - 1 + n_ans].argmax(-1).tolist()
+        hits.setdefault(kind, []).append(pred == ids[n_prompt:n_prompt + n_ans])
+    return {"acc_" + k: sum(v) / len(v) for k, v in hits.items()}
 
 
 def fmt(s):

@@ -1,0 +1,207 @@
+"""Seeded long-range documents: what the long-context model trains on and is evaluated with.
+
+Three kinds of document need context from far back to predict their last tokens:
+  * pass key -- a number buried in filler at a chosen depth, asked for at the end. The filler and
+    wording are those of Mohtashami & Jaggi's landmark-attention pass-key test; a second
+    variant hides the key in natural text instead of the repeated filler.
+  * key-value recall -- a list of N "key K: V" lines, then questions about some of the keys.
+  * recurrence -- natural text in which earlier passages recur verbatim later on (copying from
+    far back: what induction heads do).
+  * random repeat -- a run of random tokens that recurs, with natural text between: nothing but
+    copying predicts it, so the copying circuit forms fast (training only).
+Training mixes them with plain natural text (`Mixer`); the evaluation suite draws them from the
+held-out test split with its own seed (`tools/train/longctx_suite.py`). Every generator takes a
+numpy Generator, so the same seed gives the same documents.
+"""
+import numpy as np
+
+PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
+                 "memorize them. I will quiz you about the important information there.")
+PASSKEY_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and "
+                  "back again.")
+PASSKEY_QUESTION = "What is the pass key? The pass key is"
+KV_INTRO = "Here is a list of keys and their values. Remember them."
+
+
+def passkey_line(key):
+    return "The pass key is %s. Remember it. %s is the pass key." % (key, key)
+
+
+def random_digits(rng, n):
+    first = str(int(rng.integers(1, 10)))
+    return first + "".join(str(int(d)) for d in rng.integers(0, 10, size=n - 1))
+
+
+class Texts:
+    """Natural text of one split as token ids, with a way to cut a span of it as text."""
+
+    def __init__(self, sp, ids):
+        self.sp = sp
+        self.ids = np.asarray(ids, dtype=np.int64)
+
+    def span_ids(self, rng, n):
+        o = int(rng.integers(0, len(self.ids) - n - 1))
+        return self.ids[o:o + n]
+
+    def span_text(self, rng, n):
+        return self.sp.decode(self.span_ids(rng, n).tolist())
+
+
+def _fit(sp, build, n_tokens, units):
+    """Largest `units` <= the estimate for which build(units) encodes to <= n_tokens tokens."""
+    while units > 0:
+        text = build(units)
+        ids = sp.encode(text)
+        if len(ids) <= n_tokens:
+            return text, ids, units
+        units = max(0, int(units * n_tokens / len(ids)) - 1) if len(ids) > n_tokens * 1.05 \
+            else units - 1
+    text = build(0)
+    return text, sp.encode(text), 0
+
+
+def passkey(sp, texts, rng, n_tokens, depth, haystack="filler", key_digits=5):
+    """A pass-key prompt of at most n_tokens tokens (answer excluded) with the key line at
+    `depth` (0 = right after the intro, 1 = right before the question).
+    Returns dict(prompt, answer, ...) where answer is " <key>." 's digits: " 71432"."""
+    key = random_digits(rng, key_digits)
+    line = passkey_line(key)
+    if haystack == "filler":
+        per = len(sp.encode(PASSKEY_FILLER)) + 1
+
+        def build(units):
+            a = int(round(depth * units))
+            before = " ".join([PASSKEY_FILLER] * a)
+            after = " ".join([PASSKEY_FILLER] * (units - a))
+            parts = [PASSKEY_INTRO, before, line, after, PASSKEY_QUESTION]
+            return " ".join(p for p in parts if p)
+        fixed = len(sp.encode(build(0)))
+        text, ids, _ = _fit(sp, build, n_tokens, max(0, (n_tokens - fixed) // per + 1))
+    else:
+        fixed = len(sp.encode(" ".join([PASSKEY_INTRO, line, PASSKEY_QUESTION])))
+        hay = texts.span_text(rng, max(1, n_tokens - fixed + 16)).replace("\n", " ")
+        words = hay.split(" ")
+
+        def build(units):
+            w = words[:units]
+            a = int(round(depth * len(w)))
+            parts = [PASSKEY_INTRO, " ".join(w[:a]), line, " ".join(w[a:]), PASSKEY_QUESTION]
+            return " ".join(p for p in parts if p)
+        text, ids, _ = _fit(sp, build, n_tokens, len(words))
+    return {"kind": "passkey_" + haystack, "prompt": text, "answer": " " + key,
+            "depth": depth, "n_tokens": len(ids)}
+
+
+def kv_recall(sp, rng, n_tokens, n_queries=1, pairs=None):
+    """Key-value lines, then n_queries questions; the prompt ends inside the last question.
+    With `pairs` the list has that many lines, else as many as fit in n_tokens.
+    Returns dict(prompt, answer) with answer " <value>"."""
+    def line(k, v):
+        return "key %s: %s" % (k, v)
+
+    per = len(sp.encode(line("1234", "12345"))) + 1
+    fixed_q = len(sp.encode("What is the value of key 1234? The value of key 1234 is 12345.")) + 1
+    est = pairs or max(1, (n_tokens - 16 - n_queries * fixed_q) // per)
+    keys, vals, seen = [], [], set()
+    while len(keys) < est + 64:
+        k = random_digits(rng, 4)
+        if k not in seen:
+            seen.add(k)
+            keys.append(k)
+            vals.append(random_digits(rng, 5))
+    q_seed = int(rng.integers(0, 2**31))
+    asked = {}
+
+    def build(units):
+        units = max(1, units)
+        q = np.random.default_rng(q_seed).choice(units, size=min(n_queries, units), replace=False)
+        body = "\n".join(line(keys[i], vals[i]) for i in range(units))
+        qs = ["What is the value of key %s? The value of key %s is %s." % (keys[i], keys[i],
+                                                                            vals[i])
+              for i in q[:-1]]
+        qs.append("What is the value of key %s? The value of key %s is" % (keys[q[-1]],
+                                                                           keys[q[-1]]))
+        asked["last"], asked["units"] = int(q[-1]), units
+        return KV_INTRO + "\n" + body + "\n" + "\n".join(qs)
+
+    if pairs:
+        text = build(pairs)
+        ids = sp.encode(text)
+    else:
+        text, ids, _ = _fit(sp, build, n_tokens, est)
+        text = build(asked["units"])  # _fit may stop at 0; build() clamps to one pair
+        ids = sp.encode(text)
+    last, units = asked["last"], asked["units"]
+    return {"kind": "kv", "prompt": text, "answer": " " + vals[last], "pairs": units,
+            "depth": last / max(1, units - 1), "n_tokens": len(ids)}
+
+
+def recurrence_ids(texts, rng, n_tokens, min_len=16, max_len=128):
+    """Token ids of natural text in which earlier spans recur verbatim. Returns (ids, mask)
+    where mask marks the tokens that are copies of something earlier (the 2nd occurrence)."""
+    out, mask = [], []
+    while len(out) < n_tokens:
+        if len(out) >= 2 * min_len and rng.random() < 0.5:
+            m = int(rng.integers(min_len, max_len + 1))
+            m = min(m, len(out) // 2)
+            s = int(rng.integers(0, len(out) - m + 1))
+            out.extend(out[s:s + m])
+            mask.extend([1] * m)
+        else:
+            m = int(rng.integers(32, 384))
+            out.extend(texts.span_ids(rng, m).tolist())
+            mask.extend([0] * m)
+    return out[:n_tokens], mask[:n_tokens]
+
+
+def random_repeat_ids(texts, rng, n_tokens, vocab_size, first_id=3):
+    """A run of 16..256 random token ids (ids >= first_id: no control tokens) that recurs 2-4
+    times, natural text between the copies, cut to n_tokens."""
+    out = []
+    while len(out) < n_tokens:
+        m = int(rng.integers(16, 257))
+        run = rng.integers(first_id, vocab_size, size=m).tolist()
+        for _ in range(int(rng.integers(2, 5))):
+            out.extend(run)
+            gap = int(rng.integers(0, 256))
+            if gap:
+                out.extend(texts.span_ids(rng, gap).tolist())
+    return out[:n_tokens]
+
+
+class Mixer:
+    """Training sequences of `seq` tokens (BOS + body): long-range documents packed with
+    natural text. Fractions are of documents; lengths favour the whole remaining window."""
+
+    KINDS = ("natural", "recurrence", "random_repeat", "passkey_filler", "passkey_natural", "kv")
+    WEIGHTS = (0.15, 0.20, 0.20, 0.15, 0.10, 0.20)
+
+    def __init__(self, sp, texts, rng, seq, bos=1):
+        self.sp, self.texts, self.rng, self.seq, self.bos = sp, texts, rng, seq, bos
+        self.sep = sp.encode("\n\n")[-1:] or []
+
+    def doc(self, n):
+        rng = self.rng
+        kind = self.KINDS[int(rng.choice(len(self.KINDS), p=self.WEIGHTS))]
+        if kind == "natural":
+            return self.texts.span_ids(rng, n).tolist()
+        if kind == "recurrence":
+            return recurrence_ids(self.texts, rng, n)[0]
+        if kind == "random_repeat":
+            return random_repeat_ids(self.texts, rng, n, self.sp.vocab_size())
+        if kind.startswith("passkey"):
+            d = passkey(self.sp, self.texts, rng, max(64, n - 8), float(rng.random()),
+                        haystack=kind.split("_")[1])
+        else:
+            d = kv_recall(self.sp, rng, max(48, n - 8), n_queries=int(rng.integers(1, 6)))
+        return self.sp.encode(d["prompt"] + d["answer"] + ".")
+
+    def sequence(self):
+        body = []
+        n = self.seq - 1
+        while len(body) < n:
+            left = n - len(body)
+            want = left if self.rng.random() < 0.5 else int(self.rng.integers(64, max(65, left)))
+            body.extend(self.doc(max(64, want)))
+            body.extend(self.sep)
+        return [self.bos] + body[:n]

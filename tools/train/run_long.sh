@@ -1,0 +1,28 @@
+#!/bin/sh
+# Recipe for models/subspace-long.gguf: subspace-tiny continued on long-range documents
+# (tools/train/longctx.py), first at 512 tokens (cheap: the retrieval and copying circuits form),
+# then at 2048 (the positions the model serves). Each phase resumes its checkpoint when rerun, so
+# the recipe can be stopped and restarted at any point. Same packages as run.sh; run from the
+# repository root after run.sh has made models/data (or with models/data from build_corpus.py).
+# THREADS=1 leaves a core free on a 2-core machine; P1_STEPS / P2_STEPS size the phases.
+set -eu
+PY=${PYTHON:-/usr/bin/python3}
+THREADS=${THREADS:-1}
+P1_STEPS=${P1_STEPS:-500}
+P2_STEPS=${P2_STEPS:-200}
+export OMP_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$THREADS
+export MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456
+cd "$(dirname "$0")/../.."
+mkdir -p models/work
+[ -f models/data/train.txt ] || $PY tools/train/build_corpus.py --out-dir models/data
+TOK=models/subspace-tiny.tokenizer.model
+$PY tools/train/train.py --data longctx --tokenizer $TOK --init-gguf models/subspace-tiny.gguf \
+  --seq 512 --context 2048 --batch 16 --steps "$P1_STEPS" --lr 1e-3 --warmup 40 \
+  --threads "$THREADS" --eval-every 50 --out models/work/long-p1.pt --resume \
+  2>&1 | tee -a models/work/long-p1.log
+$PY tools/train/train.py --data longctx --tokenizer $TOK --init-ckpt models/work/long-p1.pt \
+  --seq 2048 --context 2048 --batch 4 --steps "$P2_STEPS" --lr 5e-4 --warmup 20 \
+  --threads "$THREADS" --eval-every 50 --eval-chunks 8 --out models/work/long-p2.pt --resume \
+  2>&1 | tee -a models/work/long-p2.log
+$PY tools/train/export_gguf.py --ckpt models/work/long-p2.pt --tokenizer $TOK \
+  --out models/subspace-long.gguf
