@@ -271,8 +271,10 @@ int main(int argc, char** argv) {
   const auto contexts = subspace::ParseList(absl::GetFlag(FLAGS_contexts));
   const auto batches = subspace::ParseList(absl::GetFlag(FLAGS_batches));
   const int iters = absl::GetFlag(FLAGS_iters);
-  std::printf("decode attention, median of %d steps; B ratio = bytes held (compressed / full "
-              "fp32 paged)\n", iters);
+  std::printf(
+      "decode attention, median of %d steps; B ratio = bytes held (compressed / full "
+      "fp32 paged)\n",
+      iters);
   if (absl::GetFlag(FLAGS_epoch_table)) subspace::EpochTable();
   if (!absl::GetFlag(FLAGS_attention_table)) return 0;
   subspace::Table({32, 8, 128}, contexts, batches, iters);

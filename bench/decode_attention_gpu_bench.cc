@@ -73,7 +73,6 @@ void CheckCuda(cudaError_t err, const char* what, const char* file, int line) {
   std::exit(1);
 }
 
-
 std::vector<int> ParseList(const std::string& flag, const std::string& s) {
   std::vector<int> out;
   for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipEmpty())) {

@@ -317,8 +317,8 @@ absl::Status RunSession(SubspaceClient& client, const std::vector<char*>& args) 
       refresh->set_method(absl::GetFlag(FLAGS_refresh));
       refresh->set_every_tokens(absl::GetFlag(FLAGS_refresh_every_tokens));
     }
-    absl::StatusOr<v1::Session> session = client.CreateSession(
-        absl::GetFlag(FLAGS_ttl_seconds), absl::GetFlag(FLAGS_id), refresh);
+    absl::StatusOr<v1::Session> session =
+        client.CreateSession(absl::GetFlag(FLAGS_ttl_seconds), absl::GetFlag(FLAGS_id), refresh);
     if (!session.ok()) return session.status();
     if (json) {
       std::fputs(ToJson(*session, true).c_str(), stdout);

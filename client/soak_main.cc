@@ -57,7 +57,7 @@ int Fail(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  subspace::cli::ParseFlags(argc, argv,kUsage);
+  subspace::cli::ParseFlags(argc, argv, kUsage);
   using namespace subspace::client;
 
   SoakConfig config;

@@ -105,8 +105,8 @@ absl::Status ReadMatrix(const GgufFile& file, const std::string& name, int64_t r
   if (t->dims.size() != 2 || t->dims[0] != cols || t->dims[1] != rows) {
     std::string dims;
     for (int64_t d : t->dims) absl::StrAppend(&dims, dims.empty() ? "" : ", ", d);
-    return Invalid(absl::StrCat("tensor ", name, " has dims {", dims, "}, expected {", cols, ", ",
-                                rows, "}"));
+    return Invalid(
+        absl::StrCat("tensor ", name, " has dims {", dims, "}, expected {", cols, ", ", rows, "}"));
   }
   if (t->num_bytes != static_cast<uint64_t>(rows * cols) * 4) {
     return Invalid(absl::StrCat("tensor ", name, " has the wrong byte size"));
@@ -186,8 +186,8 @@ absl::Status WriteBasisFile(const std::string& path, const BasisFileInfo& info,
 absl::StatusOr<BasisFile> ParseBasisFile(const GgufFile& file) {
   BasisFile out;
   BasisFileInfo& info = out.info;
-  for (auto [field, name] : {std::pair{&info.method_k, "method_k"},
-                             std::pair{&info.method_v, "method_v"}}) {
+  for (auto [field, name] :
+       {std::pair{&info.method_k, "method_k"}, std::pair{&info.method_v, "method_v"}}) {
     absl::StatusOr<std::string> s = file.GetString(Key(name));
     if (!s.ok()) return Invalid(std::string(s.status().message()));
     *field = *s;
@@ -202,9 +202,9 @@ absl::StatusOr<BasisFile> ParseBasisFile(const GgufFile& file) {
     *field = *v;
   }
   KvCacheGeometry g;
-  for (auto [field, name] : {std::pair{&g.n_layers, "n_layers"},
-                             std::pair{&g.n_kv_heads, "n_kv_heads"},
-                             std::pair{&g.head_dim, "head_dim"}}) {
+  for (auto [field, name] :
+       {std::pair{&g.n_layers, "n_layers"}, std::pair{&g.n_kv_heads, "n_kv_heads"},
+        std::pair{&g.head_dim, "head_dim"}}) {
     absl::StatusOr<int> v = ReadDim(file, name);
     if (!v.ok()) return v.status();
     *field = *v;
@@ -274,9 +274,9 @@ absl::Status CheckBasisMatchesModel(const BasisFile& bases, const KvCacheGeometr
         b.n_layers, b.n_kv_heads, b.head_dim, g.n_layers, g.n_kv_heads, g.head_dim));
   }
   if (bases.info.model_checksum != model_checksum) {
-    return Invalid(absl::StrFormat(
-        "calibrated on a different model file (checksum %016x, this model %016x)",
-        bases.info.model_checksum, model_checksum));
+    return Invalid(
+        absl::StrFormat("calibrated on a different model file (checksum %016x, this model %016x)",
+                        bases.info.model_checksum, model_checksum));
   }
   return absl::OkStatus();
 }

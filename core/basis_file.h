@@ -41,8 +41,7 @@ uint64_t ModelChecksum(const GgufFile& model);
 
 // The GGUF bytes of `info` and `basis`. INVALID_ARGUMENT when the basis is inconsistent.
 absl::StatusOr<std::string> SerializeBasisFile(const BasisFileInfo& info, const Basis& basis);
-absl::Status WriteBasisFile(const std::string& path, const BasisFileInfo& info,
-                            const Basis& basis);
+absl::Status WriteBasisFile(const std::string& path, const BasisFileInfo& info, const Basis& basis);
 
 // Parses and checks the file's own consistency (keys present with the right types, ranks in
 // [1, head_dim], every tensor present, F32 and of the stated shape). INVALID_ARGUMENT naming

@@ -107,7 +107,8 @@ int SlabAllocator::AddClass(int64_t slot_bytes) {
   if (slot_bytes <= 0 || slot_bytes > pool_->block_bytes()) return -1;
   Class c;
   c.slot_bytes = slot_bytes;
-  c.per_page = static_cast<int>(std::min<int64_t>(pool_->block_bytes() / slot_bytes, kMaxSlotsPerPage));
+  c.per_page =
+      static_cast<int>(std::min<int64_t>(pool_->block_bytes() / slot_bytes, kMaxSlotsPerPage));
   classes_.push_back(c);
   return static_cast<int>(classes_.size()) - 1;
 }

@@ -129,8 +129,8 @@ class SlabAllocator {
   BlockPool* pool_;
   BlockKind kind_;
   std::vector<Class> classes_;
-  std::vector<int16_t> page_class_;  // [num_blocks] class of a held page
-  std::vector<uint64_t> used_mask_;  // [num_blocks] occupied slots of a held page
+  std::vector<int16_t> page_class_;   // [num_blocks] class of a held page
+  std::vector<uint64_t> used_mask_;   // [num_blocks] occupied slots of a held page
   std::vector<int32_t> prev_, next_;  // [num_blocks] partial-page list links
   int64_t pages_held_ = 0;
   int64_t slot_bytes_used_ = 0;

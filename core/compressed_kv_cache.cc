@@ -110,15 +110,16 @@ absl::StatusOr<std::unique_ptr<CompressedKvCache>> CompressedKvCache::Create(
     return absl::InvalidArgumentError("kqsvd refresh needs n_query_heads");
   }
   if (config.full_dtype != CoeffDtype::kFp32 && config.full_dtype != CoeffDtype::kFp16) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "full_dtype must be fp32 or fp16, got %s", CoeffDtypeName(config.full_dtype)));
+    return absl::InvalidArgumentError(absl::StrFormat("full_dtype must be fp32 or fp16, got %s",
+                                                      CoeffDtypeName(config.full_dtype)));
   }
   const int64_t page_bytes = PageBytes(g, config.block_size, config.full_dtype);
   for (int l = 0; l < g.n_layers; ++l) {
     // The slab allocator rounds slots up to 16 bytes and needs one to fit in a page.
     const int64_t slot = CeilDiv(CompressedBlockBytes(g, config.block_size, (*r_k)[l], (*r_v)[l],
                                                       config.policy.coeff_dtype),
-                                 16) * 16;
+                                 16) *
+                         16;
     if (slot > page_bytes) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "layer %d: a %s compressed block at ranks (%d, %d) takes %d bytes, more than a %s full "
@@ -254,7 +255,8 @@ int64_t CompressedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
   const int64_t length = s == nullptr ? 0 : s->length;
   const int64_t held = s == nullptr ? 0 : BlocksHeld(*s);
   const int64_t wanted = length + std::clamp<int64_t>(n, 0, kMaxTokens);
-  return std::max<int64_t>(CeilDiv(wanted, config_.block_size) - held, 0) * config_.geometry.n_layers;
+  return std::max<int64_t>(CeilDiv(wanted, config_.block_size) - held, 0) *
+         config_.geometry.n_layers;
 }
 
 absl::Status CompressedKvCache::Reserve(SeqId seq, int64_t n) {
@@ -264,9 +266,9 @@ absl::Status CompressedKvCache::Reserve(SeqId seq, int64_t n) {
   const int64_t needed = BlocksNeeded(seq, n);
   if (needed == 0) return absl::OkStatus();
   if (needed > pool_->num_free()) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "KV cache full: sequence %d needs %d more pages, %d of %d free", seq, needed,
-        pool_->num_free(), pool_->num_blocks()));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("KV cache full: sequence %d needs %d more pages, %d of %d free", seq,
+                        needed, pool_->num_free(), pool_->num_blocks()));
   }
   const int64_t per_layer = needed / config_.geometry.n_layers;
   const int n_kv = config_.geometry.n_kv_heads;
@@ -283,7 +285,8 @@ void CompressedKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, cons
                               const float* v) {
   Sequence* s = seqs_.Find(seq);
   assert(s != nullptr && layer >= 0 && layer < config_.geometry.n_layers);
-  assert(pos >= 0 && pos + n <= BlocksHeld(*s) * config_.block_size && "write past the reservation");
+  assert(pos >= 0 && pos + n <= BlocksHeld(*s) * config_.block_size &&
+         "write past the reservation");
   const std::vector<BlockEntry>& table = s->layers[static_cast<size_t>(layer)].table;
   const int hd = config_.geometry.head_dim;
   const int n_kv = config_.geometry.n_kv_heads;
@@ -461,9 +464,9 @@ absl::Status CompressedKvCache::Commit(SeqId seq, int64_t length) {
   const int bs = config_.block_size;
   const int64_t reserved = BlocksHeld(*s) * bs;
   if (length < s->length || length > reserved) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "commit of sequence %d to length %d outside [%d, %d] (committed, reserved)", seq, length,
-        s->length, reserved));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("commit of sequence %d to length %d outside [%d, %d] (committed, reserved)",
+                        seq, length, s->length, reserved));
   }
   tokens_cached_ += length - s->length;
   s->length = length;
@@ -477,7 +480,8 @@ absl::Status CompressedKvCache::Commit(SeqId seq, int64_t length) {
     epochs_.OpenStream(*s, seq);
     for (int64_t b = range.begin; b < range.end; ++b) {
       for (int l = 0; l < config_.geometry.n_layers; ++l) {
-        if (s->layers[static_cast<size_t>(l)].table[static_cast<size_t>(b)].slot < 0) CompressBlock(*s, l, b);
+        if (s->layers[static_cast<size_t>(l)].table[static_cast<size_t>(b)].slot < 0)
+          CompressBlock(*s, l, b);
       }
     }
     s->next_compress = range.end;
@@ -503,9 +507,9 @@ absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
   const uint16_t* v_scales = k_scales + rows;
   std::vector<float> c(static_cast<size_t>(std::max(rk, rv)));
   for (int h = 0; h < n_kv; ++h) {
-    const LayerBasis& basis =
-        epochs_.Get(ls.block_epochs[static_cast<size_t>(b * n_kv + h)])->layers[static_cast<size_t>(layer)];
-    const float* pq = basis.p_q.data() + static_cast<size_t>(h) * hd * rk;  // [d, r_k]
+    const LayerBasis& basis = epochs_.Get(ls.block_epochs[static_cast<size_t>(b * n_kv + h)])
+                                  ->layers[static_cast<size_t>(layer)];
+    const float* pq = basis.p_q.data() + static_cast<size_t>(h) * hd * rk;   // [d, r_k]
     const float* rvm = basis.r_v.data() + static_cast<size_t>(h) * rv * hd;  // [r_v, d]
     for (int t = 0; t < bs; ++t) {
       const int64_t row = static_cast<int64_t>(h) * bs + t;
@@ -533,7 +537,8 @@ absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
   }
   FreeEntry(ls, layer, b);
   const int32_t page = pool_->Allocate(BlockKind::kFull);
-  if (page < 0) return absl::ResourceExhaustedError("no page to expand a truncated compressed block");
+  if (page < 0)
+    return absl::ResourceExhaustedError("no page to expand a truncated compressed block");
   StoreFull(full, 2 * v_half_, FullAt(page, 0));  // k^, v^ rounded to full_dtype
   ls.table[static_cast<size_t>(b)] = {page, -1, 0};
   return absl::OkStatus();
@@ -607,7 +612,8 @@ CompressedKvCacheDetail CompressedKvCache::Detail() const {
     if (!s.live) continue;
     for (const LayerState& ls : s.layers) {
       for (const BlockEntry& e : ls.table) d.blocks_compressed += e.slot >= 0 ? 1 : 0;
-      d.max_sequence_epochs = std::max<int64_t>(d.max_sequence_epochs, static_cast<int64_t>(ls.live.size()));
+      d.max_sequence_epochs =
+          std::max<int64_t>(d.max_sequence_epochs, static_cast<int64_t>(ls.live.size()));
       d.outlier_tokens += static_cast<int64_t>(ls.outlier_pos.size());
     }
   }
@@ -649,7 +655,8 @@ bool CompressedKvCache::IsCompressed(SeqId seq, int layer, int64_t block) const 
 
 EpochId CompressedKvCache::BlockEpoch(SeqId seq, int layer, int64_t block, int kv_head) const {
   if (!IsCompressed(seq, layer, block)) return kNoEpoch;
-  return seqs_.Find(seq)->layers[static_cast<size_t>(layer)]
+  return seqs_.Find(seq)
+      ->layers[static_cast<size_t>(layer)]
       .block_epochs[static_cast<size_t>(block * config_.geometry.n_kv_heads + kv_head)];
 }
 

@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/basis.h"
@@ -40,8 +39,8 @@ struct CompressedKvCacheConfig {
 
   // Online refresh every new sequence starts with (SetSequenceRefresh changes one sequence's).
   RefreshConfig refresh;
-  int n_query_heads = 0;           // the model's query heads: KQ-SVD refresh observes queries
-  bool refresh_inline = false;     // refresh in the engine thread: deterministic (tools, tests)
+  int n_query_heads = 0;        // the model's query heads: KQ-SVD refresh observes queries
+  bool refresh_inline = false;  // refresh in the engine thread: deterministic (tools, tests)
   int64_t refresh_queue_bytes = int64_t{64} << 20;  // Refresher::Options::max_queued_bytes
 };
 
@@ -55,8 +54,8 @@ struct CompressedKvCacheDetail {
   int64_t outlier_tokens = 0;         // summed over layers
   int64_t outliers_dropped = 0;       // outliers compressed anyway: the pool had no page
   int64_t epochs_live = 0;
-  int64_t pca_epochs_built = 0;          // PCA bases computed by this cache (self-calibration)
-  int64_t max_sequence_epochs = 0;       // most epochs live in one layer of one sequence
+  int64_t pca_epochs_built = 0;     // PCA bases computed by this cache (self-calibration)
+  int64_t max_sequence_epochs = 0;  // most epochs live in one layer of one sequence
   // Over every block compressed so far: sum ||k - k^||^2 and sum ||k||^2 of its keys (k^ = P_q c,
   // the key a query sees, under the epoch that compressed it). Their ratio is the residual-energy
   // ratio (RER) the cache has actually incurred.
@@ -145,8 +144,8 @@ class CompressedKvCache final : public KvCache {
 
  private:
   struct BlockEntry {
-    int32_t page = -1;  // full block: its page; compressed: the slab page
-    int32_t slot = -1;  // -1: full block; else the slot index in the slab page
+    int32_t page = -1;      // full block: its page; compressed: the slab page
+    int32_t slot = -1;      // -1: full block; else the slot index in the slab page
     uint64_t outliers = 0;  // compressed: bit t set = token t is kept in the outlier store
   };
   struct LiveEpoch {
@@ -209,10 +208,10 @@ class CompressedKvCache final : public KvCache {
   void ReprojectBlockHead(Sequence& s, int layer, int64_t b, int h, EpochId to);
 
   CompressedKvCacheConfig config_;
-  std::vector<int> r_k_, r_v_;  // [n_layers]
+  std::vector<int> r_k_, r_v_;   // [n_layers]
   std::vector<int> slab_class_;  // [n_layers] slab class of the layer's compressed blocks
-  int64_t v_half_;      // elements of the K half of a full block: n_kv * B * head_dim
-  int64_t full_bytes_;  // bytes of one full-rank element: 4 (fp32) or 2 (fp16)
+  int64_t v_half_;               // elements of the K half of a full block: n_kv * B * head_dim
+  int64_t full_bytes_;           // bytes of one full-rank element: 4 (fp32) or 2 (fp16)
   std::unique_ptr<BlockPool> pool_;
   SlabAllocator slabs_;
   CompressionEpochs epochs_;  // registry, default epoch, refresh streams

@@ -38,7 +38,8 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
   ObserveQueries(layer, requests, n_heads);  // KQ-SVD refresh: before anything reads them
 
   std::vector<int64_t> first_item(requests.size() + 1, 0);
-  for (size_t r = 0; r < requests.size(); ++r) first_item[r + 1] = first_item[r] + requests[r].n * n_kv;
+  for (size_t r = 0; r < requests.size(); ++r)
+    first_item[r + 1] = first_item[r] + requests[r].n * n_kv;
   const int64_t total = first_item.back();
 
 #pragma omp parallel for schedule(dynamic, 1) if (total > 1)
@@ -59,10 +60,10 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
     const size_t need =
         static_cast<size_t>(group) * (hd + 2 + bs) + static_cast<size_t>(group) * n_ep * (rk + rv);
     if (scratch.size() < need) scratch.resize(need);
-    float* acc = scratch.data();                             // [group, hd]
-    float* run_max = acc + static_cast<size_t>(group) * hd;  // [group]
-    float* run_sum = run_max + group;                        // [group]
-    float* scores = run_sum + group;                         // [group, B]
+    float* acc = scratch.data();                                     // [group, hd]
+    float* run_max = acc + static_cast<size_t>(group) * hd;          // [group]
+    float* run_sum = run_max + group;                                // [group]
+    float* scores = run_sum + group;                                 // [group, B]
     float* q_coef = scores + static_cast<size_t>(group) * bs;        // [group, n_ep, r_k]
     float* u_acc = q_coef + static_cast<size_t>(group) * n_ep * rk;  // [group, n_ep, r_v]
     std::fill(acc, acc + static_cast<size_t>(group) * hd, 0.0f);
@@ -102,8 +103,7 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
     };
     // A full-rank run of nb tokens, rows read in full_dtype. k_blk, v_blk: [nb, hd]
     const auto full_run = [&](const uint8_t* k_blk, const uint8_t* v_blk, int nb) {
-      kernels.scores(q_tok, hd, group, cpu::KvRows{k_blk, nullptr, full_dt}, nb, hd, scale,
-                     scores);
+      kernels.scores(q_tok, hd, group, cpu::KvRows{k_blk, nullptr, full_dt}, nb, hd, scale, scores);
       softmax_block(nb);
       kernels.accumulate(scores, group, cpu::KvRows{v_blk, nullptr, full_dt}, nb, hd, acc, hd);
     };
@@ -132,7 +132,8 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
       const uint8_t* base = slabs_.data({e.page, e.slot});
       const uint8_t* k_codes = base;
       const uint8_t* v_codes = k_codes + rows * rk * CoeffBytes(dt);
-      const auto* k_scales = reinterpret_cast<const uint16_t*>(v_codes + rows * rv * CoeffBytes(dt));
+      const auto* k_scales =
+          reinterpret_cast<const uint16_t*>(v_codes + rows * rv * CoeffBytes(dt));
       const uint16_t* v_scales = k_scales + rows;
       const int64_t row0 = static_cast<int64_t>(kvh) * bs;
       // Coefficients are read in their stored type; int8 row scales fold into the products.
@@ -150,8 +151,9 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
                          static_cast<int64_t>(n_ep) * rv);
     }
     // Outliers: full-rank tokens in position order, B to a page.
-    const int64_t n_out = static_cast<int64_t>(
-        std::lower_bound(ls.outlier_pos.begin(), ls.outlier_pos.end(), n_ctx) - ls.outlier_pos.begin());
+    const int64_t n_out =
+        static_cast<int64_t>(std::lower_bound(ls.outlier_pos.begin(), ls.outlier_pos.end(), n_ctx) -
+                             ls.outlier_pos.begin());
     for (int64_t j0 = 0; j0 < n_out; j0 += bs) {
       const int32_t page = ls.outlier_pages[static_cast<size_t>(j0 / bs)];
       full_run(FullAt(page, KOffset(kvh, 0)), FullAt(page, VOffset(kvh, 0)),
@@ -164,7 +166,8 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
       std::copy(acc + static_cast<int64_t>(g) * hd, acc + static_cast<int64_t>(g + 1) * hd, o);
       // Expand each epoch's value coefficients once: o += R_v[e]^T (sum alpha u).
       for (int e = 0; e < n_ep; ++e) {
-        const float* rvm = ls.live[static_cast<size_t>(e)].basis->r_v.data() + static_cast<size_t>(kvh) * rv * hd;
+        const float* rvm =
+            ls.live[static_cast<size_t>(e)].basis->r_v.data() + static_cast<size_t>(kvh) * rv * hd;
         const float* u_g = u_acc + (static_cast<size_t>(g) * n_ep + e) * rv;
         kernels.accumulate(u_g, 1, cpu::KvRows{rvm}, rv, hd, o, hd);
       }

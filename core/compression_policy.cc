@@ -23,9 +23,8 @@ absl::StatusOr<CompressionPolicy> ResolvePolicy(const CompressionPolicy& policy,
       continue;
     }
     if (ranks->size() != static_cast<size_t>(g.n_layers)) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s needs one rank per layer (%d), got %d", name, g.n_layers,
-                          ranks->size()));
+      return absl::InvalidArgumentError(absl::StrFormat("%s needs one rank per layer (%d), got %d",
+                                                        name, g.n_layers, ranks->size()));
     }
     for (int r : *ranks) {
       if (r < 1 || r > g.head_dim) {

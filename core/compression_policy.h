@@ -65,8 +65,8 @@ struct CompressionPolicy {
   // length). Whole blocks because the device cache reads pages back; the CPU cache samples the
   // same ones so that both calibrate the same basis.
   static int64_t PcaBlockStride(int64_t length, int block_size) {
-    return std::max<int64_t>(1, CeilDiv(CeilDiv(length, block_size),
-                                        CeilDiv(kPcaMaxTokens, block_size)));
+    return std::max<int64_t>(
+        1, CeilDiv(CeilDiv(length, block_size), CeilDiv(kPcaMaxTokens, block_size)));
   }
 };
 

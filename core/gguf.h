@@ -52,7 +52,7 @@ struct GgufTensorInfo {
   std::string name;
   std::vector<int64_t> dims;  // GGUF order: dims[0] varies fastest (a row's length)
   GgmlType type = GgmlType::kF32;
-  uint64_t offset = 0;          // relative to the start of the data section
+  uint64_t offset = 0;  // relative to the start of the data section
   int64_t num_elements = 0;
   uint64_t num_bytes = 0;
   const uint8_t* data = nullptr;  // inside the mapping; valid while the GgufFile lives

@@ -38,7 +38,7 @@ class LlamaModel final : public ModelRunner {
   };
   const WeightMatrix& token_embd() const { return token_embd_; }
   const float* output_norm() const { return output_norm_; }  // [dim]
-  const WeightMatrix& output() const { return output_; }      // token_embd when tied
+  const WeightMatrix& output() const { return output_; }     // token_embd when tied
   const std::vector<Layer>& layers() const { return layers_; }
 
   // ModelRunner::Forward on the CPU. INVALID_ARGUMENT for a cache that is not a host KvCache.

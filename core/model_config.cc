@@ -1,8 +1,6 @@
 // ModelConfig::FromGguf: the llama.* hyper-parameters of a GGUF file, with the defaults
 // llama.cpp applies and the consistency checks the forward pass relies on (so a bad file is
 // an INVALID_ARGUMENT naming the key, never an out-of-bounds read later).
-#include "core/model.h"
-
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -14,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/gguf.h"
+#include "core/model.h"
 
 namespace subspace {
 

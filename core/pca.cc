@@ -86,7 +86,8 @@ void SymmetricEigen(int n, std::vector<double>& a, std::vector<double>* values,
         const double apq = at(a, p, q);
         if (std::fabs(apq) < 1e-300) continue;
         const double theta = (at(a, q, q) - at(a, p, p)) / (2.0 * apq);
-        const double t = (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1.0));
+        const double t =
+            (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1.0));
         const double c = 1.0 / std::sqrt(t * t + 1.0);
         const double s = t * c;
         for (int k = 0; k < n; ++k) {  // columns p, q
@@ -114,7 +115,8 @@ void SymmetricEigen(int n, std::vector<double>& a, std::vector<double>* values,
   values->assign(static_cast<size_t>(n), 0.0);
   vecs->assign(static_cast<size_t>(n) * n, 0.0);
   for (int j = 0; j < n; ++j) {
-    (*values)[static_cast<size_t>(j)] = at(a, order[static_cast<size_t>(j)], order[static_cast<size_t>(j)]);
+    (*values)[static_cast<size_t>(j)] =
+        at(a, order[static_cast<size_t>(j)], order[static_cast<size_t>(j)]);
     for (int i = 0; i < n; ++i) at(*vecs, i, j) = at(v, i, order[static_cast<size_t>(j)]);
   }
 }

@@ -112,8 +112,8 @@ CudaKvStore::~CudaKvStore() {
 
 absl::Status CudaKvStore::LoadBasis(int entry, const Basis& basis) {
   if (entry < 0 || entry >= capacity_ || basis.layers.size() != layouts_.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat("basis entry %d outside [0, %d)", entry,
-                                                      capacity_));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("basis entry %d outside [0, %d)", entry, capacity_));
   }
   for (size_t l = 0; l < layouts_.size(); ++l) {
     const LayerBasis& lb = basis.layers[l];
@@ -129,9 +129,9 @@ absl::Status CudaKvStore::LoadBasis(int entry, const Basis& basis) {
         {device_.pv[l] + entry * v, &lb.p_v},
         {device_.rv[l] + entry * v, &lb.r_v}};
     for (const auto& [dst, src] : copies) {
-      if (absl::Status st = CudaStatus(cudaMemcpyAsync(dst, src->data(), src->size() * 4,
-                                                       cudaMemcpyHostToDevice, stream_),
-                                       "basis upload");
+      if (absl::Status st = CudaStatus(
+              cudaMemcpyAsync(dst, src->data(), src->size() * 4, cudaMemcpyHostToDevice, stream_),
+              "basis upload");
           !st.ok()) {
         return st;
       }

@@ -30,7 +30,7 @@ class CudaKvStore final : public CompressedKvStore {
 
   // Device buffers, carved by the backend (CarveDevice with a counting Carver sizes them).
   struct Device {
-    uint8_t* pool = nullptr;  // [n_layers, num_pages, page_bytes]
+    uint8_t* pool = nullptr;             // [n_layers, num_pages, page_bytes]
     std::vector<float*> pk, pq, pv, rv;  // [n_layers] each [capacity, n_kv, d, r] / [.., r_v, d]
     uint8_t* staging = nullptr;          // [StagingBytes]
     uint64_t* outlier_masks = nullptr;   // [kStagedBlocks] one chunk's detected outliers

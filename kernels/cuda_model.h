@@ -1,11 +1,11 @@
 // The CUDA backend's forward pass (--device cuda): the Llama decoder of core/model.h on a GPU.
 // Weights live on the device as fp16 (GEMMs through cuBLAS with fp32 accumulation); the residual
 // stream is fp32; keys/values go to a DevicePagedKvCache or a DeviceCompressedKvCache (whose
-// compressed history a prefill chunk attends through expand_blocks into scratch pages). Each step's metadata (tokens,
-// positions, slot mapping, block tables, the decode plan) is built on the host into a pinned
-// buffer and copied to the device once; decodes run the split-K decode attention kernel and
-// prefill chunks the tiled prefill kernel. Everything is carved from one device allocation at
-// start-up: nothing is allocated per request.
+// compressed history a prefill chunk attends through expand_blocks into scratch pages). Each step's
+// metadata (tokens, positions, slot mapping, block tables, the decode plan) is built on the host
+// into a pinned buffer and copied to the device once; decodes run the split-K decode attention
+// kernel and prefill chunks the tiled prefill kernel. Everything is carved from one device
+// allocation at start-up: nothing is allocated per request.
 #ifndef SUBSPACE_KERNELS_CUDA_MODEL_H_
 #define SUBSPACE_KERNELS_CUDA_MODEL_H_
 

@@ -222,16 +222,16 @@ struct CudaLlamaModel::Impl {
   }
 
   void LayoutMeta(int64_t pool_blocks) {
-    meta = LayoutStepMeta(
-        {.max_tokens = options.max_batch_tokens,
-         .max_sequences = options.max_sequences,
-         .max_blocks_per_seq = max_blocks_per_seq,
-         .pool_blocks = pool_blocks,
-         .n_kv_heads = config.n_kv_heads,
-         .target_ctas = target_ctas,
-         .compressed = options.compressed.has_value(),
-         .outliers = options.compressed.has_value() && options.compressed->policy.outliers_enabled(),
-         .query_rows = query_readback_rows});
+    meta = LayoutStepMeta({.max_tokens = options.max_batch_tokens,
+                           .max_sequences = options.max_sequences,
+                           .max_blocks_per_seq = max_blocks_per_seq,
+                           .pool_blocks = pool_blocks,
+                           .n_kv_heads = config.n_kv_heads,
+                           .target_ctas = target_ctas,
+                           .compressed = options.compressed.has_value(),
+                           .outliers = options.compressed.has_value() &&
+                                       options.compressed->policy.outliers_enabled(),
+                           .query_rows = query_readback_rows});
   }
 
   template <typename T>

@@ -17,7 +17,6 @@ namespace {
 // projection per epoch and a partial row, worth it only over a few blocks.
 constexpr int64_t kMinBlocksPerSplit = 4;
 
-
 absl::Status CheckSequence(const KvPoolLayout& kv, int64_t num_pages, int num_basis_epochs,
                            const DecodeSeqDesc& d, size_t s) {
   const int bs = kv.block_size, n_kv = kv.n_kv_heads;

@@ -32,9 +32,9 @@ absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache
   }
   if (config.policy.coeff_dtype != CoeffDtype::kFp16 &&
       config.policy.coeff_dtype != CoeffDtype::kInt8) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "the CUDA backend codes coefficients in fp16 or int8, got %s",
-        CoeffDtypeName(config.policy.coeff_dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("the CUDA backend codes coefficients in fp16 or int8, got %s",
+                        CoeffDtypeName(config.policy.coeff_dtype)));
   }
   absl::StatusOr<CompressionPolicy> policy = ResolvePolicy(config.policy, g);
   if (!policy.ok()) return policy.status();
@@ -54,23 +54,22 @@ absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache
     return absl::InvalidArgumentError("device compressed KV cache needs a store with basis tables");
   }
   for (int l = 0; l < g.n_layers; ++l) {
-    const KvPoolLayout layout =
-        MakeKvPoolLayout(g.n_kv_heads, g.head_dim, config.block_size, (*r_k)[static_cast<size_t>(l)],
-                         (*r_v)[static_cast<size_t>(l)], config.policy.coeff_dtype);
+    const KvPoolLayout layout = MakeKvPoolLayout(
+        g.n_kv_heads, g.head_dim, config.block_size, (*r_k)[static_cast<size_t>(l)],
+        (*r_v)[static_cast<size_t>(l)], config.policy.coeff_dtype);
     if (const char* error = KvPoolLayoutError(layout); error != nullptr) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "layer %d at ranks (%d, %d): %s", l, layout.rank_k, layout.rank_v, error));
+      return absl::InvalidArgumentError(absl::StrFormat("layer %d at ranks (%d, %d): %s", l,
+                                                        layout.rank_k, layout.rank_v, error));
     }
   }
   if (config.num_pages < 1 + kCompressionHeadroom) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "device KV pool of %d pages per layer: it needs at least %d", config.num_pages,
-        1 + kCompressionHeadroom));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("device KV pool of %d pages per layer: it needs at least %d",
+                        config.num_pages, 1 + kCompressionHeadroom));
   }
   const int64_t page_bytes = 2 * int64_t{g.n_kv_heads} * config.block_size * g.head_dim * 2;
-  absl::StatusOr<std::unique_ptr<BlockPool>> pool =
-      BlockPool::CreateBookkeeping(page_bytes / static_cast<int64_t>(sizeof(float)),
-                                   config.num_pages);
+  absl::StatusOr<std::unique_ptr<BlockPool>> pool = BlockPool::CreateBookkeeping(
+      page_bytes / static_cast<int64_t>(sizeof(float)), config.num_pages);
   if (!pool.ok()) return pool.status();
   DeviceCompressedKvCacheConfig resolved = config;
   resolved.policy = *std::move(policy);
@@ -220,9 +219,9 @@ absl::Status DeviceCompressedKvCache::Commit(SeqId seq, int64_t length) {
   const int bs = config_.block_size;
   const int64_t reserved = static_cast<int64_t>(s->table.size()) * bs;
   if (length < s->length || length > reserved) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "commit of sequence %d to length %d outside [%d, %d] (committed, reserved)", seq, length,
-        s->length, reserved));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("commit of sequence %d to length %d outside [%d, %d] (committed, reserved)",
+                        seq, length, s->length, reserved));
   }
   tokens_cached_ += length - s->length;
   s->length = length;
@@ -457,8 +456,7 @@ absl::Status DeviceCompressedKvCache::Truncate(SeqId seq, int64_t length) {
   s->next_compress = std::min(s->next_compress, cut ? keep - 1 : keep);
   if (cut && s->table.back().slot != kFullBlock) {
     // Without a free page now, the next Reserve expands it (and counts the page).
-    if (absl::Status st = ExpandBlock(*s, keep - 1);
-        !st.ok() && !absl::IsResourceExhausted(st)) {
+    if (absl::Status st = ExpandBlock(*s, keep - 1); !st.ok() && !absl::IsResourceExhausted(st)) {
       return st;
     }
   }
@@ -556,12 +554,11 @@ absl::StatusOr<std::shared_ptr<const Basis>> DeviceCompressedKvCache::PcaOfSeque
 
 // --- Views ---------------------------------------------------------------------------------
 
-void DeviceCompressedKvCache::DescribeDecode(SeqId seq, int64_t length,
-                                             DecodeSeqDesc* desc) const {
+void DeviceCompressedKvCache::DescribeDecode(SeqId seq, int64_t length, DecodeSeqDesc* desc) const {
   const std::span<const Block> table = BlockTable(seq);
   const int n_kv = config_.geometry.n_kv_heads;
-  const int64_t nb = std::min<int64_t>(CeilDiv(length, config_.block_size),
-                                       static_cast<int64_t>(table.size()));
+  const int64_t nb =
+      std::min<int64_t>(CeilDiv(length, config_.block_size), static_cast<int64_t>(table.size()));
   desc->length = length;
   desc->pages.resize(static_cast<size_t>(nb));
   desc->slots.resize(static_cast<size_t>(nb));

@@ -78,9 +78,9 @@ struct DeviceCompressedKvCacheConfig {
 
 // Beyond KvCacheStats (tests, benchmarks, the start-up log).
 struct DeviceCompressedKvCacheDetail {
-  int64_t pages_full = 0;        // per layer
-  int64_t pages_compressed = 0;  // slab pages, per layer
-  int64_t blocks_compressed = 0;  // per layer
+  int64_t pages_full = 0;             // per layer
+  int64_t pages_compressed = 0;       // slab pages, per layer
+  int64_t blocks_compressed = 0;      // per layer
   int64_t compressions_deferred = 0;  // blocks left full for a while: no page for a slab
   int64_t pca_epochs_built = 0;
   int64_t basis_entries_used = 0;
@@ -184,10 +184,9 @@ class DeviceCompressedKvCache final : public KvCacheBase {
     std::vector<Block> table;
     std::vector<EpochId> block_epochs;  // [blocks] kNoEpoch for full blocks; one ref each
     absl::flat_hash_map<EpochId, int64_t> coded_blocks;  // epoch -> blocks coded with it
-    std::vector<int64_t> outlier_pos;    // [outliers] ascending
-    std::vector<int32_t> outlier_pages;  // [ceil(outliers / B)]
+    std::vector<int64_t> outlier_pos;                    // [outliers] ascending
+    std::vector<int32_t> outlier_pages;                  // [ceil(outliers / B)]
   };
-
 
   // Pages Reserve leaves free so that Commit can open a slab page before it frees the queued
   // blocks' full pages at Flush.
@@ -195,7 +194,8 @@ class DeviceCompressedKvCache final : public KvCacheBase {
 
   // `config` with its policy resolved.
   DeviceCompressedKvCache(const DeviceCompressedKvCacheConfig& config,
-                          std::unique_ptr<BlockPool> pool, std::shared_ptr<CompressedKvStore> store);
+                          std::unique_ptr<BlockPool> pool,
+                          std::shared_ptr<CompressedKvStore> store);
 
   absl::StatusOr<std::shared_ptr<const Basis>> PcaOfSequence(const Sequence& s);
   // epochs_'s hooks: a registered epoch is loaded into a free basis-table entry

@@ -31,8 +31,8 @@ absl::Status DeviceCompressedKvCache::SetSequenceRefresh(SeqId seq, const Refres
   }
   epochs_.CloseStream(*s);
   s->refresh = config;
-  epochs_.OpenStream(*s, seq);       // now if it has an epoch, else at its first compression
-  QueueCompaction(*s, seq);  // a smaller max_epochs
+  epochs_.OpenStream(*s, seq);  // now if it has an epoch, else at its first compression
+  QueueCompaction(*s, seq);     // a smaller max_epochs
   return absl::OkStatus();
 }
 

@@ -1,7 +1,7 @@
 // Device enumeration through the CUDA runtime.
-#include "kernels/device_info.h"
-
 #include <cuda_runtime.h>
+
+#include "kernels/device_info.h"
 
 namespace subspace::kernels {
 

@@ -3,16 +3,21 @@
 # Idempotent: installs only what is missing and stays quiet when all is present.
 set -euo pipefail
 
-PACKAGES=(
+#   scripts/setup.sh         everything: build, tests, tools, the model recipe
+#   scripts/setup.sh build   what building the server and the client needs (the Docker image)
+BUILD_PACKAGES=(
   cmake ninja-build g++ pkg-config git
   libabsl-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libssl-dev
   libspdlog-dev libfmt-dev prometheus-cpp-dev libgtest-dev libgmock-dev
   libopenblas-dev libopenblas0-pthread
+)
+PACKAGES=("${BUILD_PACKAGES[@]}"
   python3 python3-numpy python3-torch python3-sentencepiece python3-grpcio
   prometheus curl openssl
   nginx python3-yaml
-  clang libclang-rt-14-dev libomp-dev
+  clang libclang-rt-14-dev libomp-dev clang-format
 )
+if [ "${1:-}" = "build" ]; then PACKAGES=("${BUILD_PACKAGES[@]}"); fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

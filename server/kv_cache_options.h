@@ -27,7 +27,7 @@ enum class KvCacheKind : uint8_t { kFull, kCompressed };
 struct KvCacheOptions {
   KvCacheKind kind = KvCacheKind::kCompressed;
   // The flags of CompressionPolicy (core/compression_policy.h), whose defaults these are.
-  int sink_tokens = CompressionPolicy::kDefaultSinkTokens;  // S: blocks overlapping [0, S)
+  int sink_tokens = CompressionPolicy::kDefaultSinkTokens;      // S: blocks overlapping [0, S)
   int window_tokens = CompressionPolicy::kDefaultWindowTokens;  // W: the last W tokens
   int rank_k = 0;  // key coefficients per token and KV head; 0: DefaultRank (head_dim / 4)
   int rank_v = 0;  // value coefficients; 0: DefaultRank

@@ -174,8 +174,8 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
 
 int main(int argc, char** argv) {
   subspace::cli::ParseFlags(argc, argv,
-      "subspace-server --model M.gguf [--port 50051] [--metrics-port 9090] "
-      "[--kv-cache compressed|full] ...");
+                            "subspace-server --model M.gguf [--port 50051] [--metrics-port 9090] "
+                            "[--kv-cache compressed|full] ...");
 
   // Block the shutdown signals before any thread starts, so every thread inherits the mask and
   // only the sigwait below sees them: no work in a signal handler.

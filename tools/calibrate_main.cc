@@ -57,10 +57,13 @@ absl::Status Run() {
   if (!method_k.ok()) return method_k.status();
   absl::StatusOr<ValueBasisMethod> method_v = ParseValueBasisMethod(absl::GetFlag(FLAGS_method_v));
   if (!method_v.ok()) return method_v.status();
-  BasisMethodOptions bo{.method_k = *method_k, .method_v = *method_v,
-                        .rank = absl::GetFlag(FLAGS_rank), .energy = absl::GetFlag(FLAGS_energy)};
+  BasisMethodOptions bo{.method_k = *method_k,
+                        .method_v = *method_v,
+                        .rank = absl::GetFlag(FLAGS_rank),
+                        .energy = absl::GetFlag(FLAGS_energy)};
   if ((bo.rank > 0) == (bo.energy > 0.0) || bo.rank < 0 || bo.energy < 0.0 || bo.energy > 1.0) {
-    return absl::InvalidArgumentError("set exactly one of --rank R (>= 1) and --energy E in (0, 1]");
+    return absl::InvalidArgumentError(
+        "set exactly one of --rank R (>= 1) and --energy E in (0, 1]");
   }
 
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(model_path);
@@ -101,8 +104,10 @@ absl::Status Run() {
   auto seconds_since = [](std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
   };
-  CalibrationRunOptions ro{.window = absl::GetFlag(FLAGS_window), .max_tokens = max_tokens,
-                           .bos = (*tokenizer)->bos_id(), .progress = {}};
+  CalibrationRunOptions ro{.window = absl::GetFlag(FLAGS_window),
+                           .max_tokens = max_tokens,
+                           .bos = (*tokenizer)->bos_id(),
+                           .progress = {}};
   ro.progress = [&](int64_t done, int64_t total) {
     const double s = seconds_since(start);
     const double eta = done > 0 ? s * static_cast<double>(total - done) / done : 0.0;
@@ -151,7 +156,8 @@ absl::Status Run() {
 }  // namespace subspace
 
 int main(int argc, char** argv) {
-  subspace::cli::ParseFlags(argc, argv,
+  subspace::cli::ParseFlags(
+      argc, argv,
       "subspace-calibrate --model M.gguf --text FILE_OR_DIR --out bases.gguf "
       "[--method-k kqsvd|ksvd|eigen] [--method-v kqsvd|ksvd] (--rank R | --energy E) "
       "[--max-tokens N] [--window 512]");

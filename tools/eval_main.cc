@@ -104,8 +104,7 @@ struct LayerErrors {
 };
 
 // Per-layer errors of `basis` on the captured window (all heads pooled per layer).
-std::vector<LayerErrors> BasisErrors(const Basis& basis, const CapturingKvCache& cap,
-                                     int64_t n) {
+std::vector<LayerErrors> BasisErrors(const Basis& basis, const CapturingKvCache& cap, int64_t n) {
   const KvCacheGeometry& g = basis.geometry;
   const int d = g.head_dim, n_kv = g.n_kv_heads, n_heads = cap.n_heads();
   const int group = n_heads / n_kv;
@@ -208,10 +207,14 @@ absl::Status Run() {
   }
   std::vector<CoeffDtype> dtypes;
   for (const std::string& d : SplitList(absl::GetFlag(FLAGS_dtypes))) {
-    if (d == "fp16") dtypes.push_back(CoeffDtype::kFp16);
-    else if (d == "int8") dtypes.push_back(CoeffDtype::kInt8);
-    else if (d == "fp32") dtypes.push_back(CoeffDtype::kFp32);
-    else return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", d));
+    if (d == "fp16")
+      dtypes.push_back(CoeffDtype::kFp16);
+    else if (d == "int8")
+      dtypes.push_back(CoeffDtype::kInt8);
+    else if (d == "fp32")
+      dtypes.push_back(CoeffDtype::kFp32);
+    else
+      return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", d));
   }
   std::vector<RefreshMethod> refreshes;
   for (const std::string& m : SplitList(absl::GetFlag(FLAGS_refresh))) {
@@ -245,19 +248,19 @@ absl::Status Run() {
       if (done == total) std::fprintf(stderr, "\n");
     };
   };
-  CalibrationRunOptions ro{.window = window, .max_tokens = 0, .bos = bos,
-                           .progress = progress("calibrating (tokens)")};
+  CalibrationRunOptions ro{
+      .window = window, .max_tokens = 0, .bos = bos, .progress = progress("calibrating (tokens)")};
   absl::StatusOr<CalibrationStats> stats = CollectCalibrationStats(model, calib, ro);
   if (!stats.ok()) return stats.status();
 
   // --- Captured window for the error metrics: the first error_tokens of the evaluation ---
-  const int64_t n_err = std::min<int64_t>(
-      {static_cast<int64_t>(absl::GetFlag(FLAGS_error_tokens)), window - 1,
-       static_cast<int64_t>(eval.size())});
+  const int64_t n_err = std::min<int64_t>({static_cast<int64_t>(absl::GetFlag(FLAGS_error_tokens)),
+                                           window - 1, static_cast<int64_t>(eval.size())});
   const int64_t page_fp32 = PagedKvCache::BlockBytes(geom, 16);
   const int64_t blocks_per_window = (window + 15) / 16 + 2;
   auto make_full = [&]() {
-    return PagedKvCache::Create({.geometry = geom, .block_size = 16,
+    return PagedKvCache::Create({.geometry = geom,
+                                 .block_size = 16,
                                  .capacity_bytes = page_fp32 * geom.n_layers * blocks_per_window});
   };
   absl::StatusOr<std::unique_ptr<PagedKvCache>> cap_inner = make_full();
@@ -277,8 +280,8 @@ absl::Status Run() {
   const int64_t n_cap = capture.tokens();
 
   // --- Full-rank baseline ---
-  ChunkedPerplexityOptions po{.window = window, .chunk = absl::GetFlag(FLAGS_chunk), .bos = bos,
-                              .progress = {}};
+  ChunkedPerplexityOptions po{
+      .window = window, .chunk = absl::GetFlag(FLAGS_chunk), .bos = bos, .progress = {}};
   absl::StatusOr<std::unique_ptr<PagedKvCache>> full = make_full();
   if (!full.ok()) return full.status();
   po.progress = progress("full cache perplexity (windows)");
@@ -301,8 +304,7 @@ absl::Status Run() {
   std::string last_key;
   for (size_t i = 0; i < configs.size(); ++i) {
     const Config& c = configs[i];
-    BasisMethodOptions bo{.method_k = c.mk, .method_v = c.mv, .rank = c.rank,
-                          .energy = c.energy};
+    BasisMethodOptions bo{.method_k = c.mk, .method_v = c.mv, .rank = c.rank, .energy = c.energy};
     absl::StatusOr<CalibratedBasis> cb = ComputeCalibratedBasis(*stats, bo);
     if (!cb.ok()) return cb.status();
     Row row{.c = c};
@@ -337,17 +339,17 @@ absl::Status Run() {
         (*cache)->InstallBasis(std::make_shared<const Basis>(cb->basis));
     if (!epoch.ok()) return epoch.status();
     if (absl::Status s = (*cache)->SetDefaultEpoch(*epoch); !s.ok()) return s;
-    const std::string what =
-        absl::StrCat("[", i + 1, "/", configs.size(), "] ", KeyBasisMethodName(c.mk),
-                     c.rank > 0 ? absl::StrCat(" r", c.rank) : absl::StrCat(" e", c.energy), " ",
-                     DtypeName(c.dtype), " refresh ", RefreshMethodName(c.refresh),
-                     " perplexity (windows)");
+    const std::string what = absl::StrCat(
+        "[", i + 1, "/", configs.size(), "] ", KeyBasisMethodName(c.mk),
+        c.rank > 0 ? absl::StrCat(" r", c.rank) : absl::StrCat(" e", c.energy), " ",
+        DtypeName(c.dtype), " refresh ", RefreshMethodName(c.refresh), " perplexity (windows)");
     po.progress = progress(what.c_str());
     absl::StatusOr<ChunkedPerplexityResult> r = ComputeChunkedPerplexity(model, **cache, eval, po);
     if (!r.ok()) return r.status();
     if (r->bytes_compressed == 0) {
-      return absl::InternalError("no compressed blocks were used: the evaluation is not exercising "
-                                 "the compressed cache (window too short?)");
+      return absl::InternalError(
+          "no compressed blocks were used: the evaluation is not exercising "
+          "the compressed cache (window too short?)");
     }
     row.ppl = *r;
     const CompressedKvCacheDetail detail = (*cache)->Detail();
@@ -374,38 +376,43 @@ absl::Status Run() {
     for (int x : r) lo = std::min(lo, x), hi = std::max(hi, x);
     return lo == hi ? absl::StrCat(lo) : absl::StrCat(lo, "-", hi);
   };
-  std::printf("calibration: %zu tokens of %s; evaluation: %zu tokens of %s; error metrics on the "
-              "first %lld evaluation tokens\n",
-              calib.size(), calib_desc.c_str(), eval.size(), eval_desc.c_str(),
-              static_cast<long long>(n_cap));
-  std::printf("compressed cache: S=%d, W=%d, block 16, fp16 full blocks; perplexity window %d in "
-              "chunks of %d\n\n",
-              absl::GetFlag(FLAGS_sink_tokens), absl::GetFlag(FLAGS_window_tokens), window,
-              absl::GetFlag(FLAGS_chunk));
-  std::printf("| keys | values | refresh | r_k | r_v | coeff | ppl | dppl %% | bytes/tok vs fp16 "
-              "(window) | compressed blocks vs fp16 | K err | logit err | attn-out err | RER | "
-              "RER as compressed | epochs installed |\n");
+  std::printf(
+      "calibration: %zu tokens of %s; evaluation: %zu tokens of %s; error metrics on the "
+      "first %lld evaluation tokens\n",
+      calib.size(), calib_desc.c_str(), eval.size(), eval_desc.c_str(),
+      static_cast<long long>(n_cap));
+  std::printf(
+      "compressed cache: S=%d, W=%d, block 16, fp16 full blocks; perplexity window %d in "
+      "chunks of %d\n\n",
+      absl::GetFlag(FLAGS_sink_tokens), absl::GetFlag(FLAGS_window_tokens), window,
+      absl::GetFlag(FLAGS_chunk));
+  std::printf(
+      "| keys | values | refresh | r_k | r_v | coeff | ppl | dppl %% | bytes/tok vs fp16 "
+      "(window) | compressed blocks vs fp16 | K err | logit err | attn-out err | RER | "
+      "RER as compressed | epochs installed |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  std::printf("| full | full | - | %d | %d | fp32 | %.3f | 0.00 | %.3f | - | 0 | 0 | 0 | 0 | 0 | 0 |\n",
-              mc.head_dim, mc.head_dim, base_ppl, base->Ratio());
+  std::printf(
+      "| full | full | - | %d | %d | fp32 | %.3f | 0.00 | %.3f | - | 0 | 0 | 0 | 0 | 0 | 0 |\n",
+      mc.head_dim, mc.head_dim, base_ppl, base->Ratio());
   for (const Row& r : rows) {
-    std::printf("| %s | %s | %s | %s | %s | %s | %.3f | %+.2f | %.3f | %.3f | %.4f | %.4f | %.4f | "
-                "%.4f | %.4f | %lld |\n",
-                KeyBasisMethodName(r.c.mk), ValueBasisMethodName(r.c.mv),
-                RefreshMethodName(r.c.refresh),
-                (r.c.energy > 0 ? absl::StrCat(rank_str(r.rk), " (e", r.c.energy, ")")
-                                : rank_str(r.rk)).c_str(),
-                rank_str(r.rv).c_str(), DtypeName(r.c.dtype), r.ppl.ppl.perplexity,
-                100.0 * (r.ppl.ppl.perplexity / base_ppl - 1.0), r.ppl.Ratio(), r.block_ratio,
-                mean(r.errors, [](const LayerErrors& x) { return x.key; }).Relative(),
-                mean(r.errors, [](const LayerErrors& x) { return x.logit; }).Relative(),
-                mean(r.errors, [](const LayerErrors& x) { return x.attn; }).Relative(),
-                mean(r.errors, [](const LayerErrors& x) { return x.rer; }).EnergyRatio(),
-                r.rer_compressed, static_cast<long long>(r.refreshes));
+    std::printf(
+        "| %s | %s | %s | %s | %s | %s | %.3f | %+.2f | %.3f | %.3f | %.4f | %.4f | %.4f | "
+        "%.4f | %.4f | %lld |\n",
+        KeyBasisMethodName(r.c.mk), ValueBasisMethodName(r.c.mv), RefreshMethodName(r.c.refresh),
+        (r.c.energy > 0 ? absl::StrCat(rank_str(r.rk), " (e", r.c.energy, ")") : rank_str(r.rk))
+            .c_str(),
+        rank_str(r.rv).c_str(), DtypeName(r.c.dtype), r.ppl.ppl.perplexity,
+        100.0 * (r.ppl.ppl.perplexity / base_ppl - 1.0), r.ppl.Ratio(), r.block_ratio,
+        mean(r.errors, [](const LayerErrors& x) { return x.key; }).Relative(),
+        mean(r.errors, [](const LayerErrors& x) { return x.logit; }).Relative(),
+        mean(r.errors, [](const LayerErrors& x) { return x.attn; }).Relative(),
+        mean(r.errors, [](const LayerErrors& x) { return x.rer; }).EnergyRatio(), r.rer_compressed,
+        static_cast<long long>(r.refreshes));
   }
   // Per-layer attention-output error.
-  std::printf("\nPer-layer attention-output relative error (fp32 coefficients, all keys "
-              "compressed):\n\n| keys | r_k |");
+  std::printf(
+      "\nPer-layer attention-output relative error (fp32 coefficients, all keys "
+      "compressed):\n\n| keys | r_k |");
   for (int l = 0; l < geom.n_layers; ++l) std::printf(" L%d |", l);
   std::printf("\n|---|---|");
   for (int l = 0; l < geom.n_layers; ++l) std::printf("---|");
@@ -424,13 +431,14 @@ absl::Status Run() {
     }
   }
   if (best) {
-    std::printf("\nsmallest footprint at <= 1%% perplexity increase: %s/%s r_k %s r_v %s %s: "
-                "%.3f of full fp16 per token (window %d; compressed blocks alone %.3f), ppl %.3f "
-                "(%+.2f%%)\n",
-                KeyBasisMethodName(best->c.mk), ValueBasisMethodName(best->c.mv),
-                rank_str(best->rk).c_str(), rank_str(best->rv).c_str(), DtypeName(best->c.dtype),
-                best->ppl.Ratio(), window, best->block_ratio, best->ppl.ppl.perplexity,
-                100.0 * (best->ppl.ppl.perplexity / base_ppl - 1.0));
+    std::printf(
+        "\nsmallest footprint at <= 1%% perplexity increase: %s/%s r_k %s r_v %s %s: "
+        "%.3f of full fp16 per token (window %d; compressed blocks alone %.3f), ppl %.3f "
+        "(%+.2f%%)\n",
+        KeyBasisMethodName(best->c.mk), ValueBasisMethodName(best->c.mv),
+        rank_str(best->rk).c_str(), rank_str(best->rv).c_str(), DtypeName(best->c.dtype),
+        best->ppl.Ratio(), window, best->block_ratio, best->ppl.ppl.perplexity,
+        100.0 * (best->ppl.ppl.perplexity / base_ppl - 1.0));
   } else {
     std::printf("\nno configuration within 1%% of the full-cache perplexity\n");
   }
@@ -446,9 +454,9 @@ absl::Status Run() {
     csv << label << ",full,full,0,0,fp32,all," << mc.head_dim << "," << mc.head_dim << ","
         << base_ppl << "," << base_ppl << "," << base->Ratio() << ",,0,0,0,0,none,0\n";
     for (const Row& r : rows) {
-      const std::string head = absl::StrCat(label, ",", KeyBasisMethodName(r.c.mk), ",",
-                                            ValueBasisMethodName(r.c.mv), ",", r.c.rank, ",",
-                                            r.c.energy, ",", DtypeName(r.c.dtype), ",");
+      const std::string head =
+          absl::StrCat(label, ",", KeyBasisMethodName(r.c.mk), ",", ValueBasisMethodName(r.c.mv),
+                       ",", r.c.rank, ",", r.c.energy, ",", DtypeName(r.c.dtype), ",");
       for (int l = -1; l < geom.n_layers; ++l) {
         const ErrorSums k = l < 0 ? mean(r.errors, [](const LayerErrors& x) { return x.key; })
                                   : r.errors[static_cast<size_t>(l)].key;
@@ -482,7 +490,8 @@ absl::Status Run() {
 }  // namespace subspace
 
 int main(int argc, char** argv) {
-  subspace::cli::ParseFlags(argc, argv,
+  subspace::cli::ParseFlags(
+      argc, argv,
       "subspace-eval --model M.gguf --text FILE [--calib FILE] [--max-tokens N] "
       "[--calib-tokens N] [--methods ksvd,eigen,kqsvd] [--ranks 8,16,32] [--energies 0.9,0.99] "
       "[--dtypes fp16,int8] [--csv OUT]");

@@ -180,7 +180,8 @@ absl::Status Run() {
 }  // namespace subspace
 
 int main(int argc, char** argv) {
-  subspace::cli::ParseFlags(argc, argv,
+  subspace::cli::ParseFlags(
+      argc, argv,
       "subspace-run --model M.gguf --prompt TEXT -n N [--temperature T --seed S ...]\n"
       "  or: subspace-run --model M.gguf --ppl FILE");
   absl::Status status = subspace::Run();

@@ -40,7 +40,10 @@ absl::StatusOr<BasisFile> Parse(std::string bytes) {
 }
 
 BasisFileInfo Info() {
-  return {.method_k = "kqsvd", .method_v = "ksvd", .energy = 0.9, .calibration_tokens = 1234,
+  return {.method_k = "kqsvd",
+          .method_v = "ksvd",
+          .energy = 0.9,
+          .calibration_tokens = 1234,
           .model_checksum = 0xfeedfacecafebeefull};
 }
 
@@ -77,8 +80,8 @@ TEST(BasisFileTest, RejectsModelMismatch) {
   const KvCacheGeometry g{2, 2, 8};
   absl::StatusOr<BasisFile> f = Parse(*SerializeBasisFile(Info(), RandomBasis(g, 2)));
   ASSERT_TRUE(f.ok()) << f.status();
-  for (const KvCacheGeometry& other : {KvCacheGeometry{3, 2, 8}, KvCacheGeometry{2, 1, 8},
-                                       KvCacheGeometry{2, 2, 16}}) {
+  for (const KvCacheGeometry& other :
+       {KvCacheGeometry{3, 2, 8}, KvCacheGeometry{2, 1, 8}, KvCacheGeometry{2, 2, 16}}) {
     const absl::Status s = CheckBasisMatchesModel(*f, other, Info().model_checksum);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(s.message().find("geometry"), std::string::npos) << s;
@@ -96,8 +99,7 @@ TEST(BasisFileTest, RejectsCorruptFiles) {
   for (size_t len : {size_t{0}, size_t{3}, size_t{40}, good.size() / 2, good.size() - 1}) {
     EXPECT_FALSE(Parse(good.substr(0, len)).ok()) << len;
   }
-  EXPECT_EQ(ReadBasisFile("/nonexistent/bases.gguf").status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(ReadBasisFile("/nonexistent/bases.gguf").status().code(), absl::StatusCode::kNotFound);
 }
 
 // Hand-built files, each broken in one way. d = 4, one layer, one head, ranks (2, 3).

@@ -60,8 +60,8 @@ double LogitError(const std::vector<double>& k, int n, const std::vector<double>
   std::vector<double> kp(static_cast<size_t>(n) * d), e(static_cast<size_t>(n) * m);
   cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0, k.data(), d, proj.data(), d,
               0.0, kp.data(), d);
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, d, 1.0, kp.data(), d, q.data(), d,
-              0.0, e.data(), m);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, d, 1.0, kp.data(), d, q.data(), d, 0.0,
+              e.data(), m);
   double s = 0.0;
   for (double x : e) s += x * x;
   return std::sqrt(s);
@@ -188,7 +188,10 @@ TEST(CalibrationTest, CalibratingCacheSumsGqaGroupAndForwardsAttention) {
     ASSERT_TRUE(seq.ok());
     ASSERT_TRUE(c->Reserve(*seq, n).ok());
     c->Write(0, *seq, 0, n, k.data(), v.data());
-    const AttentionRequest req{.seq = *seq, .pos = 0, .n = n, .q = q.data(),
+    const AttentionRequest req{.seq = *seq,
+                               .pos = 0,
+                               .n = n,
+                               .q = q.data(),
                                .out = c == &cache ? out.data() : out_plain.data()};
     c->Attend(0, std::span<const AttentionRequest>(&req, 1), n_heads);
     ASSERT_TRUE(c->Commit(*seq, n).ok());

@@ -29,7 +29,6 @@ namespace {
 
 using namespace cache_test;  // NOLINT(build/namespaces): the helpers of this test family
 
-
 TEST(CompressedKvCacheTest, RejectsBadConfig) {
   CompressedKvCacheConfig c = SmallConfig({2, 2, 16}, 4, CoeffDtype::kFp16);
   c.block_size = 65;
@@ -174,8 +173,8 @@ void CheckLowRankAcrossEpochs(CoeffDtype dt, CoeffDtype full, const char* isa) {
   Append(*cache, s, d, T, T + 1);
   for (int l = 0; l < g.n_layers; ++l) {
     std::vector<float> q = RandomQ(1, n_heads, 16, 31 + l);
-    const double err = RelErr(RunAttend(*cache, l, s, T, 1, q, n_heads),
-                              DenseAttend(g, eff, l, T, 1, q, n_heads));
+    const double err =
+        RelErr(RunAttend(*cache, l, s, T, 1, q, n_heads), DenseAttend(g, eff, l, T, 1, q, n_heads));
     EXPECT_LE(err, 1e-5) << CoeffDtypeName(dt) << " full " << CoeffDtypeName(full) << " layer "
                          << l;
     std::printf(
@@ -257,7 +256,8 @@ TEST(CompressedKvCacheTest, OutliersKeptExactly) {
   }
   Append(*cache, s, d, 80, 81);
   std::vector<float> q = RandomQ(1, 2, 16, 3);
-  EXPECT_LE(RelErr(RunAttend(*cache, 0, s, 80, 1, q, 2), DenseAttend(g, eff, 0, 80, 1, q, 2)), 1e-5);
+  EXPECT_LE(RelErr(RunAttend(*cache, 0, s, 80, 1, q, 2), DenseAttend(g, eff, 0, 80, 1, q, 2)),
+            1e-5);
 }
 
 TEST(CompressedKvCacheTest, ReserveTruncateAccounting) {

@@ -13,9 +13,9 @@ namespace {
 
 // d = 3, r = 1, basis e0 (orthogonal: P_q = P_k).
 TEST(EvalMetricsTest, KeyErrorAndResidualEnergyOfAxisBasis) {
-  const std::vector<float> p = {1, 0, 0};     // [3, 1]
-  const std::vector<float> k = {3, 4, 0,      // residual (0,4,0): 16 of 25
-                                1, 0, 0};     // exact
+  const std::vector<float> p = {1, 0, 0};  // [3, 1]
+  const std::vector<float> k = {3, 4, 0,   // residual (0,4,0): 16 of 25
+                                1, 0, 0};  // exact
   const ErrorSums e = KeyReconstructionError(3, 1, p.data(), p.data(), k.data(), 2, 3);
   EXPECT_DOUBLE_EQ(e.err2, 16.0);
   EXPECT_DOUBLE_EQ(e.ref2, 26.0);
@@ -93,8 +93,8 @@ TEST(EvalMetricsTest, ErrorSumsPoolAndHandleZero) {
 
 TEST(EvalMetricsTest, CapturingCacheRecordsByPosition) {
   const KvCacheGeometry g{1, 1, 2};
-  auto inner = PagedKvCache::Create({.geometry = g, .block_size = 4,
-                                     .capacity_bytes = PagedKvCache::BlockBytes(g, 4) * 4});
+  auto inner = PagedKvCache::Create(
+      {.geometry = g, .block_size = 4, .capacity_bytes = PagedKvCache::BlockBytes(g, 4) * 4});
   ASSERT_TRUE(inner.ok());
   CapturingKvCache cap(*std::move(inner), /*n_heads=*/1);
   auto seq = cap.CreateSequence();

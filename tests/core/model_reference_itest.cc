@@ -313,8 +313,7 @@ TEST_F(ModelReferenceTest, BatchedStepEqualsEachSequenceAlone) {
 
 // A GGUF written by another project (ollama's test data): loads and yields finite logits.
 TEST(ModelSharedFixtureTest, TinyRandomLlamaRuns) {
-  const std::string path =
-      ::subspace::testing::FixturePath("gguf/llama-2-tiny-random.gguf");
+  const std::string path = ::subspace::testing::FixturePath("gguf/llama-2-tiny-random.gguf");
   SUBSPACE_ASSERT_FIXTURE(path);
   absl::StatusOr<std::unique_ptr<LlamaModel>> m = LlamaModel::Open(path);
   ASSERT_TRUE(m.ok()) << m.status();

@@ -23,8 +23,8 @@ namespace subspace {
 namespace {
 
 using ::subspace::testing::FileExists;
-using ::subspace::testing::ReadFileOrDie;
 using ::subspace::testing::FixturePath;
+using ::subspace::testing::ReadFileOrDie;
 
 constexpr int32_t kLlamaBos = 1;
 constexpr int32_t kLlamaEos = 2;

@@ -23,7 +23,7 @@ using namespace device_cache_test;  // NOLINT(build/namespaces): this test famil
 
 struct Case {
   const char* name;
-  int64_t tokens;            // > kPcaMaxTokens samples blocks with a stride
+  int64_t tokens;              // > kPcaMaxTokens samples blocks with a stride
   std::vector<int64_t> steps;  // commit points (prefill chunks, then decodes)
   float outlier_threshold;
   bool per_sequence_pca;
@@ -62,8 +62,10 @@ void ExpectSameBasis(const Basis& a, const Basis& b) {
     ASSERT_EQ(x.p_q.size(), y.p_q.size());
     ASSERT_EQ(x.r_v.size(), y.r_v.size());
     // The same fp16 rows in the same order, the same double-precision Grams and eigensolver.
-    for (size_t i = 0; i < x.p_q.size(); ++i) ASSERT_NEAR(x.p_q[i], y.p_q[i], 1e-5) << l << " " << i;
-    for (size_t i = 0; i < x.r_v.size(); ++i) ASSERT_NEAR(x.r_v[i], y.r_v[i], 1e-5) << l << " " << i;
+    for (size_t i = 0; i < x.p_q.size(); ++i)
+      ASSERT_NEAR(x.p_q[i], y.p_q[i], 1e-5) << l << " " << i;
+    for (size_t i = 0; i < x.r_v.size(); ++i)
+      ASSERT_NEAR(x.r_v[i], y.r_v[i], 1e-5) << l << " " << i;
   }
 }
 

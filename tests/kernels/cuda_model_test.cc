@@ -91,10 +91,10 @@ Pair OpenCompressed(
   co.policy.outlier_threshold = outlier_threshold;
   co.query_readback_bytes = query_readback_bytes;
   absl::StatusOr<CudaBackend> cuda = CreateCudaBackend(*p.cpu, {.max_batch_tokens = 256,
-                                                                 .max_sequences = 8,
-                                                                 .block_size = 16,
-                                                                 .kv_cache_bytes = int64_t{32} << 20,
-                                                                 .compressed = co});
+                                                                .max_sequences = 8,
+                                                                .block_size = 16,
+                                                                .kv_cache_bytes = int64_t{32} << 20,
+                                                                .compressed = co});
   EXPECT_TRUE(cuda.ok()) << cuda.status();
   if (cuda.ok()) p.cuda = *std::move(cuda);
   return p;
@@ -211,8 +211,7 @@ void CompareMixedSteps(Pair& p) {
   };
   StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(100, 0)}, {1, tokens(70, 1)}}, "prefill");
   EXPECT_GT(device_cache->Detail().blocks_compressed, 0);
-  StepBoth(p, cpu_seqs, gpu_seqs, {{0, {42}}, {1, tokens(60, 2)}, {2, tokens(90, 3)}},
-           "history");
+  StepBoth(p, cpu_seqs, gpu_seqs, {{0, {42}}, {1, tokens(60, 2)}, {2, tokens(90, 3)}}, "history");
   for (int step = 0; step < 40; ++step) {
     StepBoth(p, cpu_seqs, gpu_seqs,
              {{0, {static_cast<int32_t>(3 + step)}},

@@ -16,9 +16,9 @@
 
 #include "core/compressed_kv_cache.h"
 #include "core/ggml_types.h"
-#include "tests/kernels/compress_blocks_ref.h"
 #include "kernels/decode_plan_builder.h"
 #include "tests/core/compressed_kv_cache_test_util.h"
+#include "tests/kernels/compress_blocks_ref.h"
 #include "tests/kernels/kv_test_data.h"
 
 namespace subspace::kernels {

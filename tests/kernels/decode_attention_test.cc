@@ -19,9 +19,9 @@
 #include <tuple>
 #include <vector>
 
-#include "tests/kernels/decode_attention_ref.h"
 #include "kernels/decode_plan_builder.h"
 #include "tests/kernels/cuda_test_util.h"
+#include "tests/kernels/decode_attention_ref.h"
 #include "tests/kernels/kv_test_data.h"
 
 namespace subspace::kernels {

@@ -110,12 +110,12 @@ TEST(DecodePlanTest, PlansFitTheBoundsTheBackendSizesBuffersWith) {
       const int64_t max_work = MaxDecodeWork(batch, o);
       EXPECT_LE(plan->layout.num_work, max_work) << "batch " << batch << " target " << target;
       epochs = plan->layout.num_epochs;
-      const DecodePlanLayout bound = LayoutDecodePlan(batch, blocks, batch * kMaxSeqEpochs,
-                                                      max_work, kLayout.n_kv_heads);
+      const DecodePlanLayout bound =
+          LayoutDecodePlan(batch, blocks, batch * kMaxSeqEpochs, max_work, kLayout.n_kv_heads);
       EXPECT_LE(plan->bytes(), bound.total_bytes);
-      EXPECT_EQ(plan->bytes(), LayoutDecodePlan(batch, blocks, epochs, plan->layout.num_work,
-                                                kLayout.n_kv_heads)
-                                   .total_bytes);
+      EXPECT_EQ(plan->bytes(),
+                LayoutDecodePlan(batch, blocks, epochs, plan->layout.num_work, kLayout.n_kv_heads)
+                    .total_bytes);
     }
   }
   EXPECT_EQ(MaxDecodeWork(4, {.blocks_per_split = 2}), -1);

@@ -189,7 +189,8 @@ TEST(DeviceCompressedKvCacheTest, BasisTableEntriesAreRecycled) {
   const DeviceCompressedKvCacheConfig d = DeviceConfig(c, 16);
   auto cache = DeviceCompressedKvCache::Create(d, MakeStore(d));
   ASSERT_TRUE(cache.ok());
-  std::shared_ptr<Basis> basis = std::make_shared<Basis>(Basis::Zeros(c.geometry, c.policy.r_k, c.policy.r_v));
+  std::shared_ptr<Basis> basis =
+      std::make_shared<Basis>(Basis::Zeros(c.geometry, c.policy.r_k, c.policy.r_v));
   std::vector<EpochId> ids;
   for (int i = 0; i < kBasisCapacity; ++i) {
     absl::StatusOr<EpochId> id = (*cache)->InstallBasis(basis);
@@ -205,8 +206,7 @@ TEST(DeviceCompressedKvCacheTest, BasisTableEntriesAreRecycled) {
   EXPECT_EQ((*cache)->EpochEntry(*again), entry);
   EXPECT_TRUE(absl::IsNotFound((*cache)->ReleaseEpoch(ids[1])));
   // A basis of other ranks does not fit the tables.
-  std::shared_ptr<Basis> wrong = std::make_shared<Basis>(
-      Basis::Zeros(c.geometry, {8, 8}, {8, 8}));
+  std::shared_ptr<Basis> wrong = std::make_shared<Basis>(Basis::Zeros(c.geometry, {8, 8}, {8, 8}));
   ASSERT_TRUE((*cache)->ReleaseEpoch(ids[0]).ok());
   EXPECT_TRUE(absl::IsInvalidArgument((*cache)->InstallBasis(wrong).status()));
 }
@@ -368,8 +368,8 @@ TEST_P(RandomTrafficTest, OnATightPoolEveryPageIsAccountedFor) {
           ASSERT_TRUE(store->ReadPage(1, e.page, page).ok());
           const int64_t t = std::min<int64_t>(n, first + bs) - 1;
           const float want = data[static_cast<size_t>(k)].k[1][static_cast<size_t>(t * row)];
-          const uint16_t got = page[static_cast<size_t>(cache.layout(1).FullK(0, 0) / 2 +
-                                                        (t - first) * g.head_dim)];
+          const uint16_t got =
+              page[static_cast<size_t>(cache.layout(1).FullK(0, 0) / 2 + (t - first) * g.head_dim)];
           ASSERT_EQ(got, Fp32ToFp16(want)) << "sequence " << k << " token " << t;
         } else {
           ++compressed;

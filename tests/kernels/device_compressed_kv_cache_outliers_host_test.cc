@@ -62,8 +62,8 @@ void InstallBasis(Pair& p, const CompressedKvCacheConfig& c, std::mt19937_64& rn
   for (int l = 0; l < c.geometry.n_layers; ++l) {
     basis->layers[static_cast<size_t>(l)] =
         cache_test::OrthoBasis({1, c.geometry.n_kv_heads, c.geometry.head_dim},
-                               c.policy.r_k[static_cast<size_t>(l)], c.policy.r_v[static_cast<size_t>(l)],
-                               static_cast<uint32_t>(rng()))
+                               c.policy.r_k[static_cast<size_t>(l)],
+                               c.policy.r_v[static_cast<size_t>(l)], static_cast<uint32_t>(rng()))
             ->layers[0];
   }
   absl::StatusOr<EpochId> cpu_id = p.cpu->InstallBasis(basis);

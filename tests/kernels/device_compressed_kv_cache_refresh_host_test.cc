@@ -42,9 +42,9 @@ void InstallDefault(Pair& p, const CompressedKvCacheConfig& c, uint32_t seed) {
   std::shared_ptr<Basis> basis = cache_test::OrthoBasis(c.geometry, 1, 1, 0);
   for (int l = 0; l < c.geometry.n_layers; ++l) {
     basis->layers[static_cast<size_t>(l)] =
-        cache_test::OrthoBasis({1, c.geometry.n_kv_heads, c.geometry.head_dim},
-                               c.policy.r_k[static_cast<size_t>(l)], c.policy.r_v[static_cast<size_t>(l)],
-                               seed + static_cast<uint32_t>(l))
+        cache_test::OrthoBasis(
+            {1, c.geometry.n_kv_heads, c.geometry.head_dim}, c.policy.r_k[static_cast<size_t>(l)],
+            c.policy.r_v[static_cast<size_t>(l)], seed + static_cast<uint32_t>(l))
             ->layers[0];
   }
   absl::StatusOr<EpochId> cpu_id = p.cpu->InstallBasis(basis);

@@ -54,8 +54,8 @@ inline std::shared_ptr<TwinKvStore> MakeStore(const DeviceCompressedKvCacheConfi
   std::vector<KvPoolLayout> layouts;
   for (int l = 0; l < d.geometry.n_layers; ++l) {
     layouts.push_back(MakeKvPoolLayout(d.geometry.n_kv_heads, d.geometry.head_dim, d.block_size,
-                                       d.policy.r_k[static_cast<size_t>(l)], d.policy.r_v[static_cast<size_t>(l)],
-                                       d.policy.coeff_dtype));
+                                       d.policy.r_k[static_cast<size_t>(l)],
+                                       d.policy.r_v[static_cast<size_t>(l)], d.policy.coeff_dtype));
   }
   return std::make_shared<TwinKvStore>(std::move(layouts), d.num_pages, basis_capacity,
                                        /*readback_capacity=*/16, readback_delay);

@@ -382,13 +382,14 @@ inline std::string SlotMismatch(const KvPoolLayout& l, const uint8_t* want, cons
         const double step = int8 ? 1.5 * HalfToFloat(ws) : 2e-3 * amax;
         for (int j = 0; j < r; ++j) {
           if (!std::isfinite(g[j]) || std::fabs(static_cast<double>(g[j]) - w[j]) > step) {
-            return "coefficient " + std::to_string(j) + " of head " + std::to_string(h) +
-                   " side " + std::to_string(side) + " token " + std::to_string(t) + ": " +
+            return "coefficient " + std::to_string(j) + " of head " + std::to_string(h) + " side " +
+                   std::to_string(side) + " token " + std::to_string(t) + ": " +
                    std::to_string(g[j]) + " vs " + std::to_string(w[j]);
           }
           ++*codes;
-          *differ += std::memcmp(want + code_at + j * l.code_bytes, got + code_at + j * l.code_bytes,
-                                 static_cast<size_t>(l.code_bytes)) != 0;
+          *differ +=
+              std::memcmp(want + code_at + j * l.code_bytes, got + code_at + j * l.code_bytes,
+                          static_cast<size_t>(l.code_bytes)) != 0;
         }
       }
     }

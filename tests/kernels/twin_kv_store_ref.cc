@@ -35,8 +35,8 @@ TwinKvStore::TwinKvStore(std::vector<KvPoolLayout> layouts, int64_t num_pages, i
 
 absl::Status TwinKvStore::LoadBasis(int entry, const Basis& basis) {
   if (entry < 0 || entry >= capacity_ || basis.layers.size() != layouts_.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat("basis entry %d / %d layers out of range",
-                                                      entry, basis.layers.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("basis entry %d / %d layers out of range", entry, basis.layers.size()));
   }
   for (size_t l = 0; l < layouts_.size(); ++l) {
     const LayerBasis& lb = basis.layers[l];

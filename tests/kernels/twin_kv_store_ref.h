@@ -57,8 +57,8 @@ class TwinKvStore final : public CompressedKvStore {
   std::vector<KvPoolLayout> layouts_;
   int64_t num_pages_;
   int capacity_;
-  std::vector<std::vector<uint8_t>> pools_;                 // [n_layers][num_pages * page_bytes]
-  std::vector<std::vector<float>> pk_, pq_, pv_, rv_;       // [n_layers][capacity, n_kv, ...]
+  std::vector<std::vector<uint8_t>> pools_;            // [n_layers][num_pages * page_bytes]
+  std::vector<std::vector<float>> pk_, pq_, pv_, rv_;  // [n_layers][capacity, n_kv, ...]
   int64_t compress_calls_ = 0, blocks_compressed_ = 0, blocks_expanded_ = 0, outlier_moves_ = 0,
           blocks_recoded_ = 0;
   int64_t readback_capacity_;

@@ -52,15 +52,15 @@ TEST(BackendTest, CpuServesBothCacheKinds) {
 TEST(BackendTest, GpuMemoryFractionNeedsCuda) {
   absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
   ASSERT_TRUE(tiny.ok());
-  EXPECT_EQ(CreateBackend({.device = Device::kCpu, .kv_cache_bytes = 1 << 20,
-                           .gpu_memory_fraction = 0.5},
-                          tiny->model, Full(), nullptr)
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(CreateBackend({.device = Device::kAuto, .kv_cache_bytes = 1 << 20,
-                           .gpu_memory_fraction = 1.5},
-                          tiny->model, Full(), nullptr)
+  EXPECT_EQ(
+      CreateBackend({.device = Device::kCpu, .kv_cache_bytes = 1 << 20, .gpu_memory_fraction = 0.5},
+                    tiny->model, Full(), nullptr)
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateBackend(
+                {.device = Device::kAuto, .kv_cache_bytes = 1 << 20, .gpu_memory_fraction = 1.5},
+                tiny->model, Full(), nullptr)
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
@@ -73,10 +73,9 @@ TEST(BackendTest, CudaRefusesCompressedFeaturesThatRunOnTheCpuOnly) {
   absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
   ASSERT_TRUE(tiny.ok());
   const auto refused = [&](const KvCacheOptions& cache, const char* flag) {
-    const absl::Status st =
-        CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, cache,
-                      nullptr)
-            .status();
+    const absl::Status st = CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20},
+                                          tiny->model, cache, nullptr)
+                                .status();
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
     EXPECT_NE(st.message().find(flag), std::string::npos) << st;
   };
@@ -109,13 +108,12 @@ TEST(BackendTest, WithoutAGpuCudaIsUnavailableAndAutoFallsBackToCpu) {
   if (HasCudaDevice()) GTEST_SKIP() << "a CUDA device is present";
   absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
   ASSERT_TRUE(tiny.ok());
-  const absl::Status st =
-      CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, Full(),
-                    nullptr)
-          .status();
+  const absl::Status st = CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20},
+                                        tiny->model, Full(), nullptr)
+                              .status();
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
-  absl::StatusOr<Backend> b = CreateBackend(
-      {.device = Device::kAuto, .kv_cache_bytes = 1 << 20}, tiny->model, Full(), nullptr);
+  absl::StatusOr<Backend> b = CreateBackend({.device = Device::kAuto, .kv_cache_bytes = 1 << 20},
+                                            tiny->model, Full(), nullptr);
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(b->model->device_name(), "cpu");
 }

@@ -3,8 +3,8 @@
 // row names the exact status code and a piece of its message; after every row the server must
 // show it kept nothing: health SERVING, nothing running or queued, the KV pool at its idle level
 // (the cache holds exactly what live sessions hold, and every block is free once they are
-// deleted), and a normal Generate and GenerateStream still work. docs/api.md's "bad input -> status"
-// table lists the same rows.
+// deleted), and a normal Generate and GenerateStream still work. docs/api.md's "bad input ->
+// status" table lists the same rows.
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>

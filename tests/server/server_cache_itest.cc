@@ -445,7 +445,9 @@ TEST(CompressedCacheServerTest, BasesFileIsInstalledAndMismatchesAreRejected) {
     ASSERT_TRUE(stats.ok()) << stats.status();
     absl::StatusOr<CalibratedBasis> basis = ComputeCalibratedBasis(*stats, {.energy = 0.9});
     ASSERT_TRUE(basis.ok()) << basis.status();
-    const BasisFileInfo info{.method_k = "kqsvd", .method_v = "kqsvd", .energy = 0.9,
+    const BasisFileInfo info{.method_k = "kqsvd",
+                             .method_v = "kqsvd",
+                             .energy = 0.9,
                              .calibration_tokens = static_cast<uint64_t>(stats->key_tokens),
                              .model_checksum = ModelChecksum(*gguf)};
     ASSERT_TRUE(WriteBasisFile(path, info, basis->basis).ok());

@@ -1,13 +1,12 @@
 // The command-line layer every binary shares: dashed names parse, --help lists our flags with
 // dashes and defaults and leaves absl's own out.
-#include "tools/cli/flags.h"
-
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "tools/cli/flags.h"
 
 ABSL_FLAG(int32_t, kv_test_window, 64, "W: a test flag\nwith two lines");
 ABSL_FLAG(std::string, test_model_path, "", "a flag without a default");
@@ -29,8 +28,9 @@ TEST(CliFlagsTest, HelpListsOurFlagsWithDashesAndDefaults) {
 }
 
 TEST(CliFlagsTest, DashedAndUnderscoredNamesParseAlike) {
-  std::vector<std::string> raw = {"prog", "--kv-test-window=7", "--test_model_path", "a-b.gguf",
-                                  "pos-arg", "--", "--not-a-flag"};
+  std::vector<std::string> raw = {
+      "prog", "--kv-test-window=7", "--test_model_path", "a-b.gguf", "pos-arg",
+      "--",   "--not-a-flag"};
   std::vector<char*> argv;
   for (std::string& s : raw) argv.push_back(s.data());
   const std::vector<std::string> rest =

@@ -47,7 +47,8 @@ std::string FlagsHelp(const std::string& usage) {
     absl::StrAppend(&out, "  --", name, def.empty() ? "" : absl::StrCat("=", def), "\n      ",
                     absl::StrReplaceAll(f->Help(), {{"\n", "\n      "}}), "\n");
   }
-  absl::StrAppend(&out, "\nFlags take dashes or underscores: --kv-cache-bytes = --kv_cache_bytes.\n");
+  absl::StrAppend(&out,
+                  "\nFlags take dashes or underscores: --kv-cache-bytes = --kv_cache_bytes.\n");
   return out;
 }
 

@@ -13,8 +13,8 @@
 #include <iterator>
 #include <limits>
 #include <ostream>
-#include <sstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
