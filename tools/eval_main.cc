@@ -21,12 +21,12 @@
 #include "absl/strings/str_cat.h"
 #include "core/calibration.h"
 #include "core/compressed_kv_cache.h"
-#include "core/eval_metrics.h"
 #include "core/model.h"
 #include "core/paged_kv_cache.h"
 #include "core/refresh_config.h"
 #include "core/tokenizer.h"
 #include "tools/cli/flags.h"
+#include "tools/eval/eval_metrics.h"
 
 ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "path of the GGUF model");
 ABSL_FLAG(std::string, text, "models/data/test.txt", "evaluation text file");
@@ -100,11 +100,12 @@ const char* DtypeName(CoeffDtype d) {
 }
 
 struct LayerErrors {
-  ErrorSums key, logit, attn, rer;
+  eval::ErrorSums key, logit, attn, rer;
 };
 
 // Per-layer errors of `basis` on the captured window (all heads pooled per layer).
-std::vector<LayerErrors> BasisErrors(const Basis& basis, const CapturingKvCache& cap, int64_t n) {
+std::vector<LayerErrors> BasisErrors(const Basis& basis, const eval::CapturingKvCache& cap,
+                                     int64_t n) {
   const KvCacheGeometry& g = basis.geometry;
   const int d = g.head_dim, n_kv = g.n_kv_heads, n_heads = cap.n_heads();
   const int group = n_heads / n_kv;
@@ -112,7 +113,7 @@ std::vector<LayerErrors> BasisErrors(const Basis& basis, const CapturingKvCache&
 #pragma omp parallel for schedule(dynamic)
   for (int l = 0; l < g.n_layers; ++l) {
     const LayerBasis& lb = basis.layers[static_cast<size_t>(l)];
-    const CapturingKvCache::Layer& cl = cap.layers()[static_cast<size_t>(l)];
+    const eval::CapturingKvCache::Layer& cl = cap.layers()[static_cast<size_t>(l)];
     const int rk = lb.rank_k, rv = lb.rank_v;
     LayerErrors e;
     for (int h = 0; h < n_kv; ++h) {
@@ -123,14 +124,14 @@ std::vector<LayerErrors> BasisErrors(const Basis& basis, const CapturingKvCache&
       const float* k = cl.k.data() + static_cast<int64_t>(h) * d;
       const float* v = cl.v.data() + static_cast<int64_t>(h) * d;
       const int64_t kv_stride = static_cast<int64_t>(n_kv) * d;
-      e.key += KeyReconstructionError(d, rk, pq, pk, k, n, kv_stride);
-      e.rer += ResidualEnergy(d, rk, pq, k, n, kv_stride);
+      e.key += eval::KeyReconstructionError(d, rk, pq, pk, k, n, kv_stride);
+      e.rer += eval::ResidualEnergy(d, rk, pq, k, n, kv_stride);
       for (int j = h * group; j < (h + 1) * group; ++j) {
         const float* q = cl.q.data() + static_cast<int64_t>(j) * d;
         const int64_t q_stride = static_cast<int64_t>(n_heads) * d;
-        e.logit += LogitError(d, rk, pq, pk, q, q_stride, k, kv_stride, n);
-        e.attn += AttentionOutputError(d, rk, rv, pq, pk, pv, rvm, q, q_stride, k, kv_stride, v,
-                                       kv_stride, n);
+        e.logit += eval::LogitError(d, rk, pq, pk, q, q_stride, k, kv_stride, n);
+        e.attn += eval::AttentionOutputError(d, rk, rv, pq, pk, pv, rvm, q, q_stride, k, kv_stride,
+                                             v, kv_stride, n);
       }
     }
     out[static_cast<size_t>(l)] = e;
@@ -265,7 +266,7 @@ absl::Status Run() {
   };
   absl::StatusOr<std::unique_ptr<PagedKvCache>> cap_inner = make_full();
   if (!cap_inner.ok()) return cap_inner.status();
-  CapturingKvCache capture(*std::move(cap_inner), mc.n_heads);
+  eval::CapturingKvCache capture(*std::move(cap_inner), mc.n_heads);
   {
     std::vector<int32_t> wt(1, bos);
     wt.insert(wt.end(), eval.begin(), eval.begin() + n_err);
@@ -280,12 +281,13 @@ absl::Status Run() {
   const int64_t n_cap = capture.tokens();
 
   // --- Full-rank baseline ---
-  ChunkedPerplexityOptions po{
+  eval::ChunkedPerplexityOptions po{
       .window = window, .chunk = absl::GetFlag(FLAGS_chunk), .bos = bos, .progress = {}};
   absl::StatusOr<std::unique_ptr<PagedKvCache>> full = make_full();
   if (!full.ok()) return full.status();
   po.progress = progress("full cache perplexity (windows)");
-  absl::StatusOr<ChunkedPerplexityResult> base = ComputeChunkedPerplexity(model, **full, eval, po);
+  absl::StatusOr<eval::ChunkedPerplexityResult> base =
+      eval::ComputeChunkedPerplexity(model, **full, eval, po);
   if (!base.ok()) return base.status();
   const double base_ppl = base->ppl.perplexity;
 
@@ -293,7 +295,7 @@ absl::Status Run() {
   struct Row {
     Config c;
     std::vector<int> rk, rv;
-    ChunkedPerplexityResult ppl;
+    eval::ChunkedPerplexityResult ppl;
     double block_ratio = 0.0;  // compressed-block bytes per token / full fp16 (asymptotic)
     std::vector<LayerErrors> errors;
     double rer_compressed = 0.0;  // RER of the keys as the cache compressed them (all windows)
@@ -344,7 +346,8 @@ absl::Status Run() {
         c.rank > 0 ? absl::StrCat(" r", c.rank) : absl::StrCat(" e", c.energy), " ",
         DtypeName(c.dtype), " refresh ", RefreshMethodName(c.refresh), " perplexity (windows)");
     po.progress = progress(what.c_str());
-    absl::StatusOr<ChunkedPerplexityResult> r = ComputeChunkedPerplexity(model, **cache, eval, po);
+    absl::StatusOr<eval::ChunkedPerplexityResult> r =
+        eval::ComputeChunkedPerplexity(model, **cache, eval, po);
     if (!r.ok()) return r.status();
     if (r->bytes_compressed == 0) {
       return absl::InternalError(
@@ -367,7 +370,7 @@ absl::Status Run() {
 
   // --- Output ---
   auto mean = [](const std::vector<LayerErrors>& e, auto f) {
-    ErrorSums s;
+    eval::ErrorSums s;
     for (const LayerErrors& x : e) s += f(x);
     return s;
   };
@@ -458,14 +461,17 @@ absl::Status Run() {
           absl::StrCat(label, ",", KeyBasisMethodName(r.c.mk), ",", ValueBasisMethodName(r.c.mv),
                        ",", r.c.rank, ",", r.c.energy, ",", DtypeName(r.c.dtype), ",");
       for (int l = -1; l < geom.n_layers; ++l) {
-        const ErrorSums k = l < 0 ? mean(r.errors, [](const LayerErrors& x) { return x.key; })
-                                  : r.errors[static_cast<size_t>(l)].key;
-        const ErrorSums lg = l < 0 ? mean(r.errors, [](const LayerErrors& x) { return x.logit; })
-                                   : r.errors[static_cast<size_t>(l)].logit;
-        const ErrorSums at = l < 0 ? mean(r.errors, [](const LayerErrors& x) { return x.attn; })
-                                   : r.errors[static_cast<size_t>(l)].attn;
-        const ErrorSums re = l < 0 ? mean(r.errors, [](const LayerErrors& x) { return x.rer; })
-                                   : r.errors[static_cast<size_t>(l)].rer;
+        const eval::ErrorSums k = l < 0 ? mean(r.errors, [](const LayerErrors& x) { return x.key; })
+                                        : r.errors[static_cast<size_t>(l)].key;
+        const eval::ErrorSums lg =
+            l < 0 ? mean(r.errors, [](const LayerErrors& x) { return x.logit; })
+                  : r.errors[static_cast<size_t>(l)].logit;
+        const eval::ErrorSums at = l < 0
+                                       ? mean(r.errors, [](const LayerErrors& x) { return x.attn; })
+                                       : r.errors[static_cast<size_t>(l)].attn;
+        const eval::ErrorSums re = l < 0
+                                       ? mean(r.errors, [](const LayerErrors& x) { return x.rer; })
+                                       : r.errors[static_cast<size_t>(l)].rer;
         csv << head << (l < 0 ? std::string("all") : std::to_string(l)) << ","
             << (l < 0 ? rank_str(r.rk) : std::to_string(r.rk[static_cast<size_t>(l)])) << ","
             << (l < 0 ? rank_str(r.rv) : std::to_string(r.rv[static_cast<size_t>(l)])) << ",";

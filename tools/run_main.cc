@@ -14,10 +14,10 @@
 #include "core/gguf.h"
 #include "core/model.h"
 #include "core/paged_kv_cache.h"
-#include "core/perplexity.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
 #include "tools/cli/flags.h"
+#include "tools/eval/perplexity.h"
 
 ABSL_FLAG(std::string, model, "", "path of the GGUF model");
 ABSL_FLAG(std::string, prompt, "", "prompt text");
@@ -59,7 +59,7 @@ absl::Status RunPerplexity(LlamaModel& model, KvCache& cache, const Tokenizer& t
   int window = absl::GetFlag(FLAGS_ppl_window);
   if (window <= 0) window = model.config().context_length;
   const auto start = Clock::now();
-  absl::StatusOr<PerplexityResult> result = ComputePerplexity(
+  absl::StatusOr<eval::PerplexityResult> result = eval::ComputePerplexity(
       model, cache, tokens, tokenizer.bos_id(), window, [&](int64_t done, int64_t total) {
         std::fprintf(stderr, "\rperplexity: window %lld/%lld", static_cast<long long>(done),
                      static_cast<long long>(total));

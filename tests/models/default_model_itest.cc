@@ -15,9 +15,9 @@
 #include "core/gguf.h"
 #include "core/model.h"
 #include "core/paged_kv_cache.h"
-#include "core/perplexity.h"
 #include "core/tokenizer.h"
 #include "tests/test_util.h"
+#include "tools/eval/perplexity.h"
 
 namespace subspace {
 namespace {
@@ -125,8 +125,8 @@ TEST_F(DefaultModelTest, TestSplitPerplexityMatchesPyTorch) {
   const std::vector<int32_t> tokens = tokenizer_->Encode(text, {.add_bos = false});
   ASSERT_EQ(static_cast<double>(tokens.size()), Field(test, "num_file_tokens").number_value());
   const int context = static_cast<int>(Field(expected_, "context_length").number_value());
-  absl::StatusOr<PerplexityResult> got =
-      ComputePerplexity(*model_, *cache_, tokens, tokenizer_->bos_id(), context);
+  absl::StatusOr<eval::PerplexityResult> got =
+      eval::ComputePerplexity(*model_, *cache_, tokens, tokenizer_->bos_id(), context);
   ASSERT_TRUE(got.ok()) << got.status();
   const double want = Field(test, "perplexity").number_value();
   std::printf("test-split perplexity: engine %.4f, PyTorch %.4f (%lld tokens, %lld windows)\n",

@@ -1,5 +1,5 @@
 // Windowed perplexity: each window is a fresh sequence in the cache, scored with all logits.
-#include "core/perplexity.h"
+#include "tools/eval/perplexity.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
-namespace subspace {
+namespace subspace::eval {
 
 double NegLogLikelihood(const float* row, int n_vocab, int32_t target) {
   float max_logit = row[0];
@@ -68,4 +68,4 @@ absl::StatusOr<PerplexityResult> ComputePerplexity(
   return result;
 }
 
-}  // namespace subspace
+}  // namespace subspace::eval

@@ -1,6 +1,6 @@
 // ComputePerplexity against a direct computation: one all-logits forward per window built by
 // hand from the documented rule ([BOS] + chunks of window - 1 tokens).
-#include "core/perplexity.h"
+#include "tools/eval/perplexity.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 
 #include "tests/core/tiny_model_util.h"
 
-namespace subspace {
+namespace subspace::eval {
 namespace {
 
 using testing::kTinyBos;
@@ -84,4 +84,4 @@ TEST(PerplexityTest, RejectsBadArguments) {
 }
 
 }  // namespace
-}  // namespace subspace
+}  // namespace subspace::eval

@@ -1,6 +1,6 @@
 // Basis quality metrics and chunked perplexity (see eval_metrics.h). Plain loops in double:
 // the evaluation runs them on one window per layer and head, a few hundred tokens.
-#include "core/eval_metrics.h"
+#include "tools/eval/eval_metrics.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,9 +8,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "core/perplexity.h"
+#include "tools/eval/perplexity.h"
 
-namespace subspace {
+namespace subspace::eval {
 namespace {
 
 // y[r] = P^T x for P [d, r] row-major.
@@ -278,4 +278,4 @@ absl::StatusOr<ChunkedPerplexityResult> ComputeChunkedPerplexity(
   return result;
 }
 
-}  // namespace subspace
+}  // namespace subspace::eval

@@ -4,8 +4,8 @@
 // per-head error metrics of a basis on captured tensors (key reconstruction, logits, attention
 // output, residual energy). Errors are returned as sums so heads and layers can be pooled:
 // relative error = sqrt(err2 / ref2), residual-energy ratio = err2 / ref2.
-#ifndef SUBSPACE_CORE_EVAL_METRICS_H_
-#define SUBSPACE_CORE_EVAL_METRICS_H_
+#ifndef SUBSPACE_TOOLS_EVAL_EVAL_METRICS_H_
+#define SUBSPACE_TOOLS_EVAL_EVAL_METRICS_H_
 
 #include <cstdint>
 #include <functional>
@@ -18,9 +18,9 @@
 #include "core/forwarding_kv_cache.h"
 #include "core/kv_cache.h"
 #include "core/model.h"
-#include "core/perplexity.h"
+#include "tools/eval/perplexity.h"
 
-namespace subspace {
+namespace subspace::eval {
 
 // Squared-error and reference sums of one metric, additive over heads, layers and tokens.
 struct ErrorSums {
@@ -112,6 +112,6 @@ absl::StatusOr<ChunkedPerplexityResult> ComputeChunkedPerplexity(
     LlamaModel& model, KvCache& cache, std::span<const int32_t> tokens,
     const ChunkedPerplexityOptions& options);
 
-}  // namespace subspace
+}  // namespace subspace::eval
 
-#endif  // SUBSPACE_CORE_EVAL_METRICS_H_
+#endif  // SUBSPACE_TOOLS_EVAL_EVAL_METRICS_H_

@@ -1,6 +1,6 @@
 // Basis error metrics on small known matrices: key reconstruction, residual energy (oblique
 // bases included), causal logit error, attention-output error, and the capturing cache.
-#include "core/eval_metrics.h"
+#include "tools/eval/eval_metrics.h"
 
 #include <cmath>
 #include <vector>
@@ -8,7 +8,7 @@
 #include "core/paged_kv_cache.h"
 #include "gtest/gtest.h"
 
-namespace subspace {
+namespace subspace::eval {
 namespace {
 
 // d = 3, r = 1, basis e0 (orthogonal: P_q = P_k).
@@ -114,4 +114,4 @@ TEST(EvalMetricsTest, CapturingCacheRecordsByPosition) {
 }
 
 }  // namespace
-}  // namespace subspace
+}  // namespace subspace::eval

@@ -3,8 +3,8 @@
 // the text's tokens (no BOS) are cut into consecutive chunks of `window - 1`; each window is
 // [BOS] + chunk, scored from scratch, so every token is predicted exactly once (the first of a
 // chunk from BOS alone).
-#ifndef SUBSPACE_CORE_PERPLEXITY_H_
-#define SUBSPACE_CORE_PERPLEXITY_H_
+#ifndef SUBSPACE_TOOLS_EVAL_PERPLEXITY_H_
+#define SUBSPACE_TOOLS_EVAL_PERPLEXITY_H_
 
 #include <cstdint>
 #include <functional>
@@ -14,7 +14,7 @@
 #include "core/kv_cache.h"
 #include "core/model.h"
 
-namespace subspace {
+namespace subspace::eval {
 
 struct PerplexityResult {
   double perplexity = 0.0;
@@ -32,6 +32,6 @@ absl::StatusOr<PerplexityResult> ComputePerplexity(
     LlamaModel& model, KvCache& cache, std::span<const int32_t> tokens, int32_t bos_id, int window,
     const std::function<void(int64_t, int64_t)>& progress = nullptr);
 
-}  // namespace subspace
+}  // namespace subspace::eval
 
-#endif  // SUBSPACE_CORE_PERPLEXITY_H_
+#endif  // SUBSPACE_TOOLS_EVAL_PERPLEXITY_H_
