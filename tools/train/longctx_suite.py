@@ -1,0 +1,94 @@
+#!/usr/bin/python3
+"""Writes the long-context evaluation suite: seeded prompts from the held-out test split.
+
+One JSON object per line:
+  {"kind": "passkey_filler" | "passkey_natural" | "kv", "length": L, "depth": D,
+   "prompt": TEXT, "answer": TEXT}
+      retrieval: greedy continuation of PROMPT must start with ANSWER (exact match)
+  {"kind": "recurrence", "length": L, "distance": N, "text": TEXT, "scored_from": C}
+      long-range perplexity: the tokens of TEXT[C:] (a passage that appeared N tokens earlier)
+  {"kind": "plain", "length": L, "text": TEXT}
+      plain perplexity of natural text, for comparison
+
+Lengths are in tokens of the tokenizer given here (the long model's); another model's tokenizer
+makes them somewhat longer or shorter. The documents are those of longctx.py (the training
+data's kinds) but drawn from models/data/test.txt with their own seed, so no prompt was seen in
+training.
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import sentencepiece as spm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import eval_lib  # noqa: E402
+import longctx  # noqa: E402
+
+
+def recurrence_doc(sp, texts, rng, length, distance, passage=48):
+    """Natural text with a `passage`-token span that recurs `distance` tokens after it started:
+    [lead][P][filler ... distance tokens from P's start][P]. Returns (text, scored_from)."""
+    lead = max(0, length - distance - passage)
+    ids = texts.span_ids(rng, lead + passage + max(0, distance - passage)).tolist()
+    p = ids[lead:lead + passage]
+    prefix = sp.decode(ids)
+    return prefix + " " + sp.decode(p), len(prefix) + 1
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokenizer", default="models/subspace-tiny.tokenizer.model")
+    ap.add_argument("--text", default="models/data/test.txt")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=19)
+    ap.add_argument("--lengths", default="256,512,1024,2000")
+    ap.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    ap.add_argument("--per-cell", type=int, default=2, help="prompts per (kind, length, depth)")
+    ap.add_argument("--kv-pairs", default="8,32,64,110")
+    ap.add_argument("--distances", default="128,512,1024,1900")
+    ap.add_argument("--small", action="store_true",
+                    help="the CI slice: short pass keys only (lengths <= 256)")
+    args = ap.parse_args()
+
+    sp = spm.SentencePieceProcessor(model_file=args.tokenizer)
+    texts = longctx.Texts(sp, eval_lib.encode_file(sp, args.text))
+    rng = np.random.default_rng(args.seed)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    rows = []
+    for kind in ("passkey_filler", "passkey_natural"):
+        for length in lengths:
+            for depth in depths:
+                for _ in range(args.per_cell):
+                    d = longctx.passkey(sp, texts, rng, length, depth, haystack=kind.split("_")[1])
+                    rows.append({"kind": kind, "length": d["n_tokens"], "depth": depth,
+                                 "prompt": d["prompt"], "answer": d["answer"]})
+    if not args.small:
+        for pairs in (int(x) for x in args.kv_pairs.split(",")):
+            for _ in range(2 * args.per_cell):
+                d = longctx.kv_recall(sp, rng, 0, pairs=pairs)
+                rows.append({"kind": "kv", "length": d["n_tokens"], "depth": d["depth"],
+                             "pairs": pairs, "prompt": d["prompt"], "answer": d["answer"]})
+        for distance in (int(x) for x in args.distances.split(",")):
+            for _ in range(2 * args.per_cell):
+                text, start = recurrence_doc(sp, texts, rng, max(lengths), distance)
+                rows.append({"kind": "recurrence", "length": len(sp.encode(text)),
+                             "distance": distance, "text": text, "scored_from": start})
+        for _ in range(2 * args.per_cell):
+            text = texts.span_text(rng, max(lengths))
+            rows.append({"kind": "plain", "length": len(sp.encode(text)), "text": text})
+    with open(args.out, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    kinds = {}
+    for r in rows:
+        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+    print("%s: %d rows %s" % (args.out, len(rows), kinds))
+
+
+if __name__ == "__main__":
+    main()
