@@ -1,52 +1,67 @@
-# Subspace server image: build on the CUDA 13.0 devel image, run on the matching runtime image
-# with only the binaries, the shared libraries they load and the default model.
+# Subspace server image: build the server and the client on a builder image, run them on a slim
+# one with only the binaries, the shared libraries they load and the default model.
 #
-#   docker build -t subspace:dev .
-#   docker run --gpus all -p 50051:50051 -p 9090:9090 subspace:dev
-#   docker run --gpus all subspace:dev --kv-cache=full --drain-seconds=20   # extra flags
+# CPU image (the default; Debian 12, what CI builds and runs: scripts/docker_test.sh):
+#   docker build -t subspace:cpu .
+#   docker run -p 50051:50051 -p 9090:9090 subspace:cpu
+#   docker run subspace:cpu --kv-cache=full --drain-seconds=20        # extra server flags
 #
-# Build deps come from scripts/setup.sh, the same script the README's quick start uses; every
-# package it names exists under the same name in Ubuntu 24.04 (universe, which these images
-# enable). It also installs the test and training tools (python3-torch, prometheus), which
-# only cost builder-stage time: nothing of them reaches the runtime image.
-ARG CUDA_VERSION=13.0.0
-ARG UBUNTU=ubuntu24.04
+# CUDA image: the same file on NVIDIA's images (only where they can be pulled):
+#   docker build -t subspace:cuda \
+#     --build-arg BUILD_BASE=nvidia/cuda:13.0.0-devel-ubuntu24.04 \
+#     --build-arg RUN_BASE=nvidia/cuda:13.0.0-runtime-ubuntu24.04 \
+#     --build-arg SUBSPACE_CUDA=ON [--build-arg CUDA_ARCHS="90"] .
+#   docker run --gpus all subspace:cuda --device=cuda
+#
+# Where no registry can be reached, scripts/docker_test.sh makes a Debian 12 base image with
+# debootstrap + docker import and passes it as BUILD_BASE and RUN_BASE.
+ARG BUILD_BASE=debian:12
+ARG RUN_BASE=debian:12-slim
 
-FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS build
+FROM ${BUILD_BASE} AS build
 ENV DEBIAN_FRONTEND=noninteractive
 WORKDIR /src
+# The build packages only (scripts/setup.sh build): every name exists in Debian 12 and Ubuntu
+# 24.04 (universe, which NVIDIA's images enable).
 COPY scripts/setup.sh scripts/setup.sh
-RUN scripts/setup.sh && rm -rf /var/lib/apt/lists/*
+RUN scripts/setup.sh build && rm -rf /var/lib/apt/lists/*
 COPY . .
-# sm_80 (A100) and sm_90 (H100/H200) by default; override with
-#   --build-arg CUDA_ARCHS="90"
+ARG SUBSPACE_CUDA=OFF
+# sm_80 (A100) and sm_90 (H100/H200) when SUBSPACE_CUDA=ON.
 ARG CUDA_ARCHS="80;90"
-RUN scripts/build.sh -DSUBSPACE_CUDA=ON -DSUBSPACE_BUILD_TESTS=OFF \
-      -DSUBSPACE_CUDA_ARCHITECTURES="${CUDA_ARCHS}"
-# Collect the shared libraries the two binaries and the CUDA plugin (libsubspace_cuda.so, opened
-# by --device cuda|auto from beside the server) load (transitively, as ldd resolves them),
-# except glibc, which the runtime image has in the same version, and the NVIDIA driver
-# libraries, which the container toolkit mounts from the host. Copying by soname from the
-# builder instead of naming runtime packages keeps the image right whatever sonames Ubuntu
-# ships (libgrpc++1.51t64, libprotobuf32t64, ... change with every release).
+RUN cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DSUBSPACE_BUILD_TESTS=OFF \
+      -DSUBSPACE_CUDA="${SUBSPACE_CUDA}" -DSUBSPACE_CUDA_EMULATOR=OFF \
+      -DSUBSPACE_CUDA_ARCHITECTURES="${CUDA_ARCHS}" >/dev/null \
+ && targets="subspace-server subspace" \
+ && if [ "${SUBSPACE_CUDA}" = "ON" ]; then targets="$targets subspace_cuda"; fi \
+ && cmake --build build -j "$(nproc)" --target $targets
+# Collect the binaries (and the CUDA plugin, libsubspace_cuda.so, which --device cuda|auto opens
+# from beside the server) and the shared libraries they load, transitively as ldd resolves them,
+# except glibc (the runtime image has the same one) and the NVIDIA driver libraries (the
+# container toolkit mounts them). Copying by soname keeps the image right whatever sonames the
+# distribution ships.
 RUN mkdir -p /out/lib /out/bin \
- && cp build/bin/subspace-server build/bin/subspace build/bin/libsubspace_cuda.so /out/bin/ \
- && ldd /out/bin/subspace-server /out/bin/subspace /out/bin/libsubspace_cuda.so \
+ && cp build/bin/subspace-server build/bin/subspace /out/bin/ \
+ && if [ -f build/bin/libsubspace_cuda.so ]; then cp build/bin/libsubspace_cuda.so /out/bin/; fi \
+ && ldd /out/bin/* \
     | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u \
     | grep -Ev '/(ld-linux[^/]*|libc|libm|libdl|libpthread|librt|libresolv|libcuda|libnvidia[^/]*)\.so' \
     | xargs -r -I{} cp -L {} /out/lib/ \
  && ls /out/lib
 
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU}
+FROM ${RUN_BASE}
+# Imported bases (debootstrap + docker import) carry no PATH of their own.
+ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 LABEL org.opencontainers.image.title="subspace-server" \
       org.opencontainers.image.description="gRPC LLM inference with a low-rank compressed KV cache"
 COPY --from=build /out/lib/ /opt/subspace/lib/
 COPY --from=build /out/bin/ /usr/local/bin/
 COPY models/subspace-tiny.gguf /opt/subspace/models/subspace-tiny.gguf
+# A system user by hand: minimal bases (debootstrap's minbase) have no useradd.
 RUN echo /opt/subspace/lib > /etc/ld.so.conf.d/subspace.conf && ldconfig \
- && useradd --system --uid 10001 --home-dir /opt/subspace --shell /usr/sbin/nologin subspace \
- && ! ldd /usr/local/bin/subspace-server /usr/local/bin/subspace /usr/local/bin/libsubspace_cuda.so \
-      | grep -v 'libcuda\.' | grep 'not found'
+ && echo 'subspace:x:10001:10001:subspace:/opt/subspace:/usr/sbin/nologin' >> /etc/passwd \
+ && echo 'subspace:x:10001:' >> /etc/group \
+ && ! ldd /usr/local/bin/* | grep -v 'libcuda\.' | grep 'not found'
 USER 10001:10001
 WORKDIR /opt/subspace
 EXPOSE 50051 9090
