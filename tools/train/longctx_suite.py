@@ -6,7 +6,8 @@ One JSON object per line:
    "prompt": TEXT, "answer": TEXT}
       retrieval: greedy continuation of PROMPT must start with ANSWER (exact match)
   {"kind": "recurrence", "length": L, "distance": N, "text": TEXT, "scored_from": C}
-      long-range perplexity: the tokens of TEXT[C:] (a passage that appeared N tokens earlier)
+      long-range perplexity: the tokens of TEXT[C:] (a passage that appeared N tokens earlier;
+      TEXT[C] is the space that starts it)
   {"kind": "plain", "length": L, "text": TEXT}
       plain perplexity of natural text, for comparison
 
@@ -36,7 +37,7 @@ def recurrence_doc(sp, texts, rng, length, distance, passage=48):
     ids = texts.span_ids(rng, lead + passage + max(0, distance - passage)).tolist()
     p = ids[lead:lead + passage]
     prefix = sp.decode(ids)
-    return prefix + " " + sp.decode(p), len(prefix) + 1
+    return prefix + " " + sp.decode(p), len(prefix)
 
 
 def main():

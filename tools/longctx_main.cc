@@ -1,0 +1,320 @@
+// subspace-longctx: the long-context evaluation. Runs a suite (tools/train/longctx_suite.py)
+// through the full cache and through each cache a user could pick instead -- eviction,
+// quantized full-rank K/V, low-rank compression at several ranks and dtypes -- and prints, per
+// cache, bytes per token against fp16, retrieval accuracy, long-range and plain perplexity, and
+// the KL divergence and top-1 agreement of its next-token distributions with the full cache's.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "core/calibration.h"
+#include "core/compressed_kv_cache.h"
+#include "core/model.h"
+#include "core/paged_kv_cache.h"
+#include "core/tokenizer.h"
+#include "tools/cli/flags.h"
+#include "tools/eval/baseline_kv_caches.h"
+#include "tools/eval/long_context.h"
+
+ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "GGUF model");
+ABSL_FLAG(std::string, suite, "", "suite file (JSON lines) from tools/train/longctx_suite.py");
+ABSL_FLAG(std::string, caches, "evict,q8_0,q4_0,kivi4,kqsvd:16:fp16,kqsvd:16:int8,kqsvd:8:fp16",
+          "caches compared with the full one: evict, q8_0, q4_0, kivi4, full, "
+          "METHOD:RANK:DTYPE (METHOD ksvd|eigen|kqsvd calibrated on --calib; DTYPE fp16|int8) "
+          "or self:RANK:DTYPE (self-calibrated, as the server without --bases)");
+ABSL_FLAG(std::string, calib, "models/data/test.txt", "text the low-rank bases are calibrated on");
+ABSL_FLAG(int64_t, calib_tokens, 20000, "calibration tokens (0: all)");
+ABSL_FLAG(int32_t, sink_tokens, subspace::CompressionPolicy::kDefaultSinkTokens,
+          "S: sinks kept full-rank (evict and low-rank)");
+ABSL_FLAG(int32_t, window_tokens, subspace::CompressionPolicy::kDefaultWindowTokens,
+          "W: recent tokens kept full-rank (evict and low-rank)");
+ABSL_FLAG(int32_t, chunk, 64, "prefill chunk: caches compress between chunks");
+ABSL_FLAG(int32_t, max_items, 0, "first N items of the suite only (0: all)");
+
+namespace subspace {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct CacheSpec {
+  std::string name;
+  bool full = false;
+  eval::BaselineKind baseline = eval::BaselineKind::kFull;
+  bool lowrank = false, self = false;
+  KeyBasisMethod method = KeyBasisMethod::kKqsvd;
+  int rank = 0;
+  CoeffDtype dtype = CoeffDtype::kFp16;
+};
+
+absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
+  CacheSpec c;
+  c.name = s;
+  const std::vector<std::string> parts = absl::StrSplit(s, ':');
+  if (parts.size() == 1) {
+    if (s == "full") {
+      c.full = true;
+      return c;
+    }
+    absl::StatusOr<eval::BaselineKind> k = eval::ParseBaselineKind(s);
+    if (!k.ok()) return k.status();
+    c.baseline = *k;
+    return c;
+  }
+  if (parts.size() != 3) return absl::InvalidArgumentError(absl::StrCat("bad cache spec ", s));
+  c.lowrank = true;
+  if (parts[0] == "self") {
+    c.self = true;
+  } else {
+    absl::StatusOr<KeyBasisMethod> m = ParseKeyBasisMethod(parts[0]);
+    if (!m.ok()) return m.status();
+    c.method = *m;
+  }
+  c.rank = std::atoi(parts[1].c_str());
+  if (c.rank < 1 || c.rank > head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("rank in ", s, " not in [1, head_dim]"));
+  }
+  if (parts[2] == "fp16") {
+    c.dtype = CoeffDtype::kFp16;
+  } else if (parts[2] == "int8") {
+    c.dtype = CoeffDtype::kInt8;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("dtype in ", s, " must be fp16 or int8"));
+  }
+  return c;
+}
+
+struct Tally {
+  int64_t retrieval = 0, retrieved = 0;  // pass keys and key-value items
+  double nll_long = 0, nll_plain = 0;    // recurrence / plain
+  int64_t n_long = 0, n_plain = 0;
+  double kld = 0;
+  int64_t positions = 0, top1 = 0;
+  double bytes_ratio_sum = 0;  // bytes per token / fp16's, summed over items
+  int64_t items = 0;
+  std::map<std::string, std::pair<int64_t, int64_t>> by_kind;  // retrieved, total
+};
+
+absl::Status Run() {
+  const std::string model_path = absl::GetFlag(FLAGS_model);
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(model_path);
+  if (!file.ok()) return file.status();
+  std::shared_ptr<const GgufFile> gguf = *std::move(file);
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromGguf(*gguf);
+  if (!tokenizer.ok()) return tokenizer.status();
+  absl::StatusOr<std::unique_ptr<LlamaModel>> model_or = LlamaModel::Load(gguf);
+  if (!model_or.ok()) return model_or.status();
+  LlamaModel& model = **model_or;
+  const ModelConfig& mc = model.config();
+  const KvCacheGeometry geom = mc.cache_geometry();
+  const int S = absl::GetFlag(FLAGS_sink_tokens), W = absl::GetFlag(FLAGS_window_tokens);
+  const int chunk = absl::GetFlag(FLAGS_chunk);
+
+  // --- The suite ---
+  std::ifstream in(absl::GetFlag(FLAGS_suite));
+  if (!in)
+    return absl::NotFoundError(absl::StrCat("cannot read --suite ", absl::GetFlag(FLAGS_suite)));
+  std::vector<eval::LongContextItem> items;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    absl::StatusOr<eval::LongContextItem> item =
+        eval::ParseSuiteLine(line, **tokenizer, mc.context_length);
+    if (!item.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--suite line ", items.size() + 1, ": ", item.status().message()));
+    }
+    items.push_back(*std::move(item));
+    if (absl::GetFlag(FLAGS_max_items) > 0 &&
+        static_cast<int64_t>(items.size()) >= absl::GetFlag(FLAGS_max_items)) {
+      break;
+    }
+  }
+  if (items.empty()) return absl::InvalidArgumentError("empty suite");
+  int64_t max_len = 0;
+  for (const auto& it : items) max_len = std::max<int64_t>(max_len, it.tokens.size());
+
+  std::vector<CacheSpec> specs;
+  specs.push_back({.name = "full", .full = true});
+  const std::vector<std::string> names =
+      absl::StrSplit(absl::GetFlag(FLAGS_caches), ',', absl::SkipEmpty());
+  for (const std::string& s : names) {
+    absl::StatusOr<CacheSpec> c = ParseSpec(s, mc.head_dim);
+    if (!c.ok()) return c.status();
+    if (!c->full) specs.push_back(*c);
+  }
+
+  // --- Calibration statistics, once, if a calibrated low-rank cache is asked for ---
+  std::unique_ptr<CalibrationStats> stats;
+  if (std::any_of(specs.begin(), specs.end(),
+                  [](const CacheSpec& c) { return c.lowrank && !c.self; })) {
+    std::ifstream cf(absl::GetFlag(FLAGS_calib));
+    if (!cf)
+      return absl::NotFoundError(absl::StrCat("cannot read --calib ", absl::GetFlag(FLAGS_calib)));
+    const std::string text((std::istreambuf_iterator<char>(cf)), std::istreambuf_iterator<char>());
+    std::vector<int32_t> calib = (*tokenizer)->Encode(text, {.add_bos = false});
+    const int64_t limit = absl::GetFlag(FLAGS_calib_tokens);
+    if (limit > 0 && static_cast<int64_t>(calib.size()) > limit) calib.resize(limit);
+    absl::StatusOr<CalibrationStats> s =
+        CollectCalibrationStats(model, calib,
+                                {.window = std::min(mc.context_length, 1024),
+                                 .max_tokens = 0,
+                                 .bos = (*tokenizer)->bos_id(),
+                                 .progress = {}});
+    if (!s.ok()) return s.status();
+    if (absl::Status st = AccumulateOutputGrams(model, &*s); !st.ok()) return st;
+    stats = std::make_unique<CalibrationStats>(*std::move(s));
+  }
+
+  const int64_t pages_per_item = (max_len + 15) / 16 + 4;
+  const double fp16_per_token = 2.0 * 2 * geom.n_layers * geom.n_kv_heads * geom.head_dim;
+  std::vector<eval::ItemRun> reference(items.size());
+  std::printf(
+      "model %s (%d layers, %d/%d heads, head_dim %d, context %d); %zu items; S %d, W %d, "
+      "prefill chunk %d\n\n",
+      model_path.c_str(), mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.head_dim, mc.context_length,
+      items.size(), S, W, chunk);
+  std::printf(
+      "| cache | bytes/token vs fp16 | pass key | kv recall | long-range ppl | plain ppl | "
+      "KLD (nats) | top-1 agree | s |\n|---|--:|--:|--:|--:|--:|--:|--:|--:|\n");
+  for (const CacheSpec& spec : specs) {
+    const auto t0 = Clock::now();
+    std::unique_ptr<KvCache> cache;
+    bool measured_bytes = false;
+    if (spec.full) {
+      absl::StatusOr<std::unique_ptr<PagedKvCache>> c = PagedKvCache::Create(
+          {.geometry = geom,
+           .block_size = 16,
+           .capacity_bytes = PagedKvCache::BlockBytes(geom, 16) * geom.n_layers * pages_per_item});
+      if (!c.ok()) return c.status();
+      cache = *std::move(c);
+    } else if (!spec.lowrank) {
+      absl::StatusOr<std::unique_ptr<eval::BaselineKvCache>> c = eval::BaselineKvCache::Create(
+          {.geometry = geom,
+           .kind = spec.baseline,
+           .sink_tokens = S,
+           .window_tokens = W,
+           .capacity_bytes = PagedKvCache::BlockBytes(geom, 16) * geom.n_layers * pages_per_item});
+      if (!c.ok()) return c.status();
+      cache = *std::move(c);
+    } else {
+      CompressedKvCacheConfig cc;
+      cc.geometry = geom;
+      cc.block_size = 16;
+      cc.policy.sink_tokens = S;
+      cc.policy.window_tokens = W;
+      cc.policy.r_k.assign(geom.n_layers, spec.rank);
+      cc.policy.r_v.assign(geom.n_layers, spec.rank);
+      cc.policy.coeff_dtype = spec.dtype;
+      cc.capacity_bytes = CompressedKvCache::PageBytes(geom, 16, CoeffDtype::kFp16) *
+                          geom.n_layers * pages_per_item;
+      absl::StatusOr<std::unique_ptr<CompressedKvCache>> c = CompressedKvCache::Create(cc);
+      if (!c.ok()) return c.status();
+      if (!spec.self) {
+        absl::StatusOr<CalibratedBasis> b = ComputeCalibratedBasis(
+            *stats, {.method_k = spec.method,
+                     .method_v = spec.method == KeyBasisMethod::kKqsvd ? ValueBasisMethod::kKqsvd
+                                                                       : ValueBasisMethod::kKsvd,
+                     .rank = spec.rank});
+        if (!b.ok()) return b.status();
+        absl::StatusOr<EpochId> e =
+            (*c)->InstallBasis(std::make_shared<const Basis>(std::move(b->basis)));
+        if (!e.ok()) return e.status();
+        if (absl::Status st = (*c)->SetDefaultEpoch(*e); !st.ok()) return st;
+        if (absl::Status st = (*c)->ReleaseEpoch(*e); !st.ok()) return st;
+      }
+      cache = *std::move(c);
+      measured_bytes = true;
+    }
+    Tally t;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const eval::LongContextItem& item = items[i];
+      absl::StatusOr<eval::ItemRun> run = eval::RunItem(model, *cache, item, chunk);
+      if (!run.ok()) return run.status();
+      const eval::ItemScore sc =
+          eval::ScoreItem(item, *run, spec.full ? nullptr : &reference[i], mc.n_vocab);
+      const int64_t len = static_cast<int64_t>(item.tokens.size()) - 1;  // tokens cached
+      double bytes = 0;
+      if (spec.full) {
+        bytes = fp16_per_token;
+      } else if (measured_bytes) {
+        bytes = static_cast<double>(run->bytes_used) / static_cast<double>(len);
+      } else {
+        eval::BaselineKvCacheConfig bc{
+            .geometry = geom, .kind = spec.baseline, .sink_tokens = S, .window_tokens = W};
+        bytes = eval::BaselineBytesPerToken(bc, len);
+      }
+      t.bytes_ratio_sum += bytes / fp16_per_token;
+      ++t.items;
+      if (item.retrieval()) {
+        ++t.retrieval;
+        t.retrieved += sc.exact;
+        auto& k = t.by_kind[item.kind];
+        k.first += sc.exact;
+        ++k.second;
+      } else if (item.kind == "recurrence") {
+        t.nll_long += sc.nll;
+        t.n_long += sc.scored;
+      } else {
+        t.nll_plain += sc.nll;
+        t.n_plain += sc.scored;
+      }
+      t.kld += sc.kld;
+      t.top1 += sc.top1_agree;
+      t.positions += sc.scored;
+      if (spec.full) reference[i] = *std::move(run);
+    }
+    auto acc = [&](const char* a, const char* b) {
+      int64_t hit = 0, n = 0;
+      for (const char* k : {a, b}) {
+        if (k == nullptr) continue;
+        const auto it = t.by_kind.find(k);
+        if (it != t.by_kind.end()) {
+          hit += it->second.first;
+          n += it->second.second;
+        }
+      }
+      return n > 0 ? absl::StrFormat("%.3f (%d)", static_cast<double>(hit) / n, n)
+                   : std::string("—");
+    };
+    auto ppl = [](double nll, int64_t n) {
+      return n > 0 ? absl::StrFormat("%.3f", std::exp(nll / static_cast<double>(n)))
+                   : std::string("—");
+    };
+    std::printf(
+        "| %s | %.3f | %s | %s | %s | %s | %.4f | %.4f | %.0f |\n", spec.name.c_str(),
+        t.bytes_ratio_sum / static_cast<double>(t.items),
+        acc("passkey_filler", "passkey_natural").c_str(), acc("kv", nullptr).c_str(),
+        ppl(t.nll_long, t.n_long).c_str(), ppl(t.nll_plain, t.n_plain).c_str(),
+        t.positions > 0 ? t.kld / static_cast<double>(t.positions) : 0.0,
+        t.positions > 0 ? static_cast<double>(t.top1) / static_cast<double>(t.positions) : 0.0,
+        std::chrono::duration<double>(Clock::now() - t0).count());
+    std::fflush(stdout);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace subspace
+
+int main(int argc, char** argv) {
+  subspace::cli::ParseFlags(argc, argv,
+                            "subspace-longctx --model M.gguf --suite SUITE.jsonl "
+                            "[--caches evict,q8_0,q4_0,kivi4,kqsvd:16:fp16,...]");
+  const absl::Status status = subspace::Run();
+  if (!status.ok()) {
+    std::fprintf(stderr, "subspace-longctx: %s\n", status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
