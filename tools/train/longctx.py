@@ -154,46 +154,79 @@ def recurrence_ids(texts, rng, n_tokens, min_len=16, max_len=128):
     return out[:n_tokens], mask[:n_tokens]
 
 
-def random_repeat_ids(texts, rng, n_tokens, vocab_size, first_id=3):
-    """A run of 16..256 random token ids (ids >= first_id: no control tokens) that recurs 2-4
-    times, natural text between the copies, cut to n_tokens."""
+def random_repeat_ids(texts, rng, n_tokens, vocab_size, first_id=3, run_len=(16, 256),
+                      max_gap=256, alphabets=None):
+    """A run of random token ids (ids >= first_id: no control tokens; drawn from a random
+    subset of `alphabets` sizes when given) that recurs 2-4 times, natural text between the
+    copies, cut to n_tokens."""
     out = []
     while len(out) < n_tokens:
-        m = int(rng.integers(16, 257))
-        run = rng.integers(first_id, vocab_size, size=m).tolist()
+        m = int(rng.integers(run_len[0], run_len[1] + 1))
+        if alphabets:
+            size = int(alphabets[int(rng.integers(0, len(alphabets)))])
+            symbols = rng.choice(np.arange(first_id, vocab_size), size=size, replace=False)
+            run = rng.choice(symbols, size=m).tolist()
+        else:
+            run = rng.integers(first_id, vocab_size, size=m).tolist()
         for _ in range(int(rng.integers(2, 5))):
             out.extend(run)
-            gap = int(rng.integers(0, 256))
+            gap = int(rng.integers(0, max_gap + 1))
             if gap:
                 out.extend(texts.span_ids(rng, gap).tolist())
     return out[:n_tokens]
+
+
+def copy_gain(model_fn, rng, vocab_size, n_seqs=4, run=32, seq=128):
+    """Mean NLL of a random run's first occurrence minus its repeats' (nats): 0 without
+    copying, up to ~ln(vocab) with it. model_fn(ids) -> per-token NLL of ids[1:]."""
+    first, again = [], []
+    for _ in range(n_seqs):
+        r = rng.integers(3, vocab_size, size=run).tolist()
+        ids = [1] + (r * (seq // run + 1))[:seq - 1]
+        nll = model_fn(ids)
+        first.extend(nll[:run - 1])
+        again.extend(nll[run - 1:])
+    return float(np.mean(first) - np.mean(again))
 
 
 class Mixer:
     """Training sequences of `seq` tokens (BOS + body): long-range documents packed with
     natural text. Fractions are of documents; lengths favour the whole remaining window."""
 
-    KINDS = ("natural", "recurrence", "random_repeat", "passkey_filler", "passkey_natural", "kv")
-    WEIGHTS = (0.15, 0.20, 0.20, 0.15, 0.10, 0.20)
+    PROFILES = {
+        # The long mix: every kind of long-range document, lengths up to the window.
+        "long": (("natural", "recurrence", "random_repeat", "passkey_filler", "passkey_natural",
+                  "kv"), (0.15, 0.20, 0.20, 0.15, 0.10, 0.20)),
+        # The copy curriculum, for short windows: mostly short runs that recur (over alphabets
+        # of 10, 100 or all tokens) and short key-value lists, so the copying circuit forms
+        # before the long documents need it.
+        "copy": (("natural", "random_repeat_short", "kv"), (0.2, 0.5, 0.3)),
+    }
 
-    def __init__(self, sp, texts, rng, seq, bos=1):
+    def __init__(self, sp, texts, rng, seq, bos=1, profile="long"):
         self.sp, self.texts, self.rng, self.seq, self.bos = sp, texts, rng, seq, bos
+        self.kinds, self.weights = self.PROFILES[profile]
         self.sep = sp.encode("\n\n")[-1:] or []
 
     def doc(self, n):
         rng = self.rng
-        kind = self.KINDS[int(rng.choice(len(self.KINDS), p=self.WEIGHTS))]
+        kind = self.kinds[int(rng.choice(len(self.kinds), p=self.weights))]
         if kind == "natural":
             return self.texts.span_ids(rng, n).tolist()
         if kind == "recurrence":
             return recurrence_ids(self.texts, rng, n)[0]
         if kind == "random_repeat":
             return random_repeat_ids(self.texts, rng, n, self.sp.vocab_size())
+        if kind == "random_repeat_short":
+            return random_repeat_ids(self.texts, rng, n, self.sp.vocab_size(), run_len=(6, 40),
+                                     max_gap=24, alphabets=(10, 100, self.sp.vocab_size() - 3))
         if kind.startswith("passkey"):
             d = passkey(self.sp, self.texts, rng, max(64, n - 8), float(rng.random()),
                         haystack=kind.split("_")[1])
         else:
             d = kv_recall(self.sp, rng, max(48, n - 8), n_queries=int(rng.integers(1, 6)))
+            if len(self.sp.encode(d["prompt"])) > n:  # a short window: fewer pairs
+                d = kv_recall(self.sp, rng, 0, n_queries=1, pairs=max(1, (n - 40) // 11))
         return self.sp.encode(d["prompt"] + d["answer"] + ".")
 
     def sequence(self):
@@ -201,7 +234,8 @@ class Mixer:
         n = self.seq - 1
         while len(body) < n:
             left = n - len(body)
-            want = left if self.rng.random() < 0.5 else int(self.rng.integers(64, max(65, left)))
-            body.extend(self.doc(max(64, want)))
+            lo = min(64, left)
+            want = left if self.rng.random() < 0.5 else int(self.rng.integers(lo, max(lo + 1, left)))
+            body.extend(self.doc(max(lo, want)))
             body.extend(self.sep)
         return [self.bos] + body[:n]

@@ -1,13 +1,16 @@
 #!/bin/sh
 # Recipe for models/subspace-long.gguf: subspace-tiny continued on long-range documents
-# (tools/train/longctx.py), first at 512 tokens (cheap: the retrieval and copying circuits form),
-# then at 2048 (the positions the model serves). Each phase resumes its checkpoint when rerun, so
-# the recipe can be stopped and restarted at any point. Same packages as run.sh; run from the
-# repository root after run.sh has made models/data (or with models/data from build_corpus.py).
-# THREADS=1 leaves a core free on a 2-core machine; P1_STEPS / P2_STEPS size the phases.
+# (tools/train/longctx.py) in three phases: 0, the copy curriculum at 128 tokens (short runs
+# that recur, short key-value lists: cheap steps, so the copying circuit can form -- it did not
+# within 250 steps of the long mix at 512); 1, the long mix at 512; 2, the long mix at 2048 (the
+# positions the model serves). Each phase resumes its checkpoint when rerun, so the recipe can
+# be stopped and restarted at any point. Same packages as run.sh; run from the repository root
+# after run.sh has made models/data (or with models/data from build_corpus.py).
+# THREADS=1 leaves a core free on a 2-core machine; P0_STEPS, P1_STEPS, P2_STEPS size the phases.
 set -eu
 PY=${PYTHON:-/usr/bin/python3}
 THREADS=${THREADS:-1}
+P0_STEPS=${P0_STEPS:-3000}
 P1_STEPS=${P1_STEPS:-500}
 P2_STEPS=${P2_STEPS:-200}
 export OMP_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$THREADS
@@ -16,7 +19,11 @@ cd "$(dirname "$0")/../.."
 mkdir -p models/work
 [ -f models/data/train.txt ] || $PY tools/train/build_corpus.py --out-dir models/data
 TOK=models/subspace-tiny.tokenizer.model
-$PY tools/train/train.py --data longctx --tokenizer $TOK --init-gguf models/subspace-tiny.gguf \
+$PY tools/train/train.py --data longctx --mix copy --tokenizer $TOK \
+  --init-gguf models/subspace-tiny.gguf --seq 128 --context 2048 --batch 32 --steps "$P0_STEPS" \
+  --lr 1e-3 --warmup 50 --threads "$THREADS" --eval-every 100 --eval-retrieval 12 \
+  --out models/work/long-p0.pt --resume 2>&1 | tee -a models/work/long-p0.log
+$PY tools/train/train.py --data longctx --tokenizer $TOK --init-ckpt models/work/long-p0.pt \
   --seq 512 --context 2048 --batch 16 --steps "$P1_STEPS" --lr 1e-3 --warmup 40 \
   --threads "$THREADS" --eval-every 50 --out models/work/long-p1.pt --resume \
   2>&1 | tee -a models/work/long-p1.log

@@ -54,6 +54,8 @@ def main():
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-chunks", type=int, default=24)
     ap.add_argument("--data", choices=("natural", "longctx"), default="natural")
+    ap.add_argument("--mix", choices=("long", "copy"), default="long",
+                    help="longctx: the long mix, or the copy curriculum for short windows")
     ap.add_argument("--context", type=int, default=0,
                     help="model context length (default: max(512, --seq))")
     ap.add_argument("--init-gguf", default="", help="start from this GGUF's weights")
@@ -97,7 +99,7 @@ def main():
         model = Llama(cfg)
     retrieval = []
     if args.data == "longctx":
-        mixer = longctx.Mixer(sp, longctx.Texts(sp, train_ids), rng, args.seq)
+        mixer = longctx.Mixer(sp, longctx.Texts(sp, train_ids), rng, args.seq, profile=args.mix)
         retrieval = retrieval_set(sp, longctx.Texts(sp, val_ids), args.seq, args.eval_retrieval)
     n_params = sum(p.numel() for p in model.parameters())
     log("config %s" % json.dumps(cfg.__dict__))
@@ -175,6 +177,10 @@ def main():
             model.eval()
             vl = eval_lib.mean_nll(model, val_windows)
             acc = retrieval_accuracy(model, retrieval)
+            if args.data == "longctx":
+                acc["copy_gain"] = longctx.copy_gain(
+                    lambda ids: token_nll(model, ids), np.random.default_rng(7), cfg.vocab_size,
+                    seq=min(args.seq, 256))
             model.train()
             entry = {"step": done, "train_loss_ema": round(run_loss, 4),
                      "val_loss": round(vl, 4), "elapsed_s": round(time.time() - t_start)}
@@ -207,6 +213,12 @@ def retrieval_set(sp, texts, seq, n):
         a = sp.encode(d["prompt"] + d["answer"])[len(p) - 1:]
         out.append((kind, p + a, len(p), len(a)))
     return out
+
+
+@torch.no_grad()
+def token_nll(model, ids):
+    x = torch.tensor([ids], dtype=torch.long)
+    return F.cross_entropy(model(x[:, :-1])[0], x[0, 1:], reduction="none").tolist()
 
 
 @torch.no_grad()
