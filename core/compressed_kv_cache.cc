@@ -228,7 +228,7 @@ void CompressedKvCache::FreeEntry(LayerState& ls, int /*layer*/, int64_t b) {
 
 absl::Status CompressedKvCache::FreeSequence(SeqId seq) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   for (int l = 0; l < config_.geometry.n_layers; ++l) {
     LayerState& ls = s->layers[static_cast<size_t>(l)];
     for (int64_t b = 0; b < static_cast<int64_t>(ls.table.size()); ++b) FreeEntry(ls, l, b);
@@ -261,7 +261,7 @@ int64_t CompressedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
 
 absl::Status CompressedKvCache::Reserve(SeqId seq, int64_t n) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   if (n < 0) return absl::InvalidArgumentError(absl::StrFormat("cannot reserve %d tokens", n));
   const int64_t needed = BlocksNeeded(seq, n);
   if (needed == 0) return absl::OkStatus();
@@ -460,14 +460,10 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
 
 absl::Status CompressedKvCache::Commit(SeqId seq, int64_t length) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   const int bs = config_.block_size;
   const int64_t reserved = BlocksHeld(*s) * bs;
-  if (length < s->length || length > reserved) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("commit of sequence %d to length %d outside [%d, %d] (committed, reserved)",
-                        seq, length, s->length, reserved));
-  }
+  if (absl::Status st = CheckCommit(seq, length, s->length, reserved); !st.ok()) return st;
   tokens_cached_ += length - s->length;
   s->length = length;
   const Refresher* refresher = epochs_.refresher();
@@ -546,11 +542,8 @@ absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
 
 absl::Status CompressedKvCache::Truncate(SeqId seq, int64_t length) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
-  if (length < 0 || length > s->length) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("truncate of sequence %d to %d outside [0, %d]", seq, length, s->length));
-  }
+  if (s == nullptr) return UnknownSequence(seq);
+  if (absl::Status st = CheckTruncate(seq, length, s->length); !st.ok()) return st;
   const int bs = config_.block_size;
   const int n_kv = config_.geometry.n_kv_heads;
   const int64_t keep = CeilDiv(length, bs);
@@ -593,8 +586,7 @@ KvCacheStats CompressedKvCache::Stats() const {
   st.tokens_cached = tokens_cached_;
   st.sequences = seqs_.live();
   const KvCacheGeometry& g = config_.geometry;
-  st.bytes_full_fp16_equivalent =
-      tokens_cached_ * g.n_layers * 2 * static_cast<int64_t>(g.n_kv_heads) * g.head_dim * 2;
+  st.bytes_full_fp16_equivalent = Fp16Bytes(g, tokens_cached_);
   st.epochs_live = epochs_.registry().live();
   if (epochs_.refresher() != nullptr) st.refresh = epochs_.refresher()->Stats();
   st.refresh.installed = refreshes_installed_;
@@ -634,7 +626,7 @@ absl::Status CompressedKvCache::ReleaseEpoch(EpochId id) { return epochs_.Releas
 
 absl::Status CompressedKvCache::SetSequenceEpoch(SeqId seq, EpochId id) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   return epochs_.SetSequenceEpoch(*s, id);
 }
 

@@ -47,7 +47,7 @@ absl::Status CompressedKvCache::SetSequenceRefresh(SeqId seq, const RefreshConfi
     return absl::InvalidArgumentError("kqsvd refresh needs the cache's n_query_heads");
   }
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   epochs_.CloseStream(*s);
   s->refresh = config;
   epochs_.OpenStream(*s, seq);  // now if it has an epoch, else at its first compression

@@ -82,7 +82,7 @@ void PagedKvCache::ReleaseBlocksPast(Sequence& s, int64_t keep) {
 
 absl::Status PagedKvCache::FreeSequence(SeqId seq) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   ReleaseBlocksPast(*s, 0);
   tokens_cached_ -= s->length;
   s->length = 0;
@@ -117,7 +117,7 @@ int64_t PagedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
 
 absl::Status PagedKvCache::Reserve(SeqId seq, int64_t n) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   if (n < 0) return absl::InvalidArgumentError(absl::StrFormat("cannot reserve %d tokens", n));
   const int64_t needed = BlocksNeeded(seq, n);
   if (needed == 0) return absl::OkStatus();
@@ -318,14 +318,9 @@ void PagedKvCache::Attend(int layer, std::span<const AttentionRequest> requests,
 
 absl::Status PagedKvCache::Commit(SeqId seq, int64_t length) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   const int64_t reserved = BlocksHeld(*s) * block_size_;
-  if (length < s->length || length > reserved) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "commit of sequence %d to length %d outside [%d, %d] (committed, reserved); shrink "
-        "with Truncate",
-        seq, length, s->length, reserved));
-  }
+  if (absl::Status st = CheckCommit(seq, length, s->length, reserved); !st.ok()) return st;
   tokens_cached_ += length - s->length;
   s->length = length;
   return absl::OkStatus();
@@ -333,11 +328,8 @@ absl::Status PagedKvCache::Commit(SeqId seq, int64_t length) {
 
 absl::Status PagedKvCache::Truncate(SeqId seq, int64_t length) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
-  if (length < 0 || length > s->length) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("truncate of sequence %d to %d outside [0, %d]", seq, length, s->length));
-  }
+  if (s == nullptr) return UnknownSequence(seq);
+  if (absl::Status st = CheckTruncate(seq, length, s->length); !st.ok()) return st;
   // Blocks reserved past the committed length go too: Truncate undoes a failed step.
   ReleaseBlocksPast(*s, CeilDiv(length, block_size_));
   tokens_cached_ -= s->length - length;
@@ -352,8 +344,7 @@ KvCacheStats PagedKvCache::Stats() const {
   st.blocks_total = pool_->num_blocks();
   st.blocks_free = pool_->num_free();
   st.tokens_cached = tokens_cached_;
-  st.bytes_full_fp16_equivalent =
-      tokens_cached_ * geometry_.n_layers * 2 * geometry_.n_kv_heads * geometry_.head_dim * 2;
+  st.bytes_full_fp16_equivalent = Fp16Bytes(geometry_, tokens_cached_);
   st.sequences = seqs_.live();
   return st;
 }

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
 #include "core/kv_cache.h"
 
 namespace subspace {
@@ -68,6 +69,33 @@ class SequenceSlots {
   std::vector<SeqId> free_;  // LIFO of dead slots
   int32_t live_ = 0;
 };
+
+// What every cache answers alike, full-rank or compressed, in host or device memory.
+inline absl::Status UnknownSequence(SeqId seq) {
+  return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+}
+// Commit of `seq` to `length` with `committed` tokens committed and `reserved` reserved.
+inline absl::Status CheckCommit(SeqId seq, int64_t length, int64_t committed, int64_t reserved) {
+  if (length < committed || length > reserved) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "commit of sequence %d to length %d outside [%d, %d] (committed, reserved); shrink "
+        "with Truncate",
+        seq, length, committed, reserved));
+  }
+  return absl::OkStatus();
+}
+// Truncate of `seq` to `length` with `committed` tokens committed.
+inline absl::Status CheckTruncate(SeqId seq, int64_t length, int64_t committed) {
+  if (length < 0 || length > committed) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("truncate of sequence %d to %d outside [0, %d]", seq, length, committed));
+  }
+  return absl::OkStatus();
+}
+// KvCacheStats::bytes_full_fp16_equivalent: `tokens` full-rank at fp16 in every layer.
+inline int64_t Fp16Bytes(const KvCacheGeometry& g, int64_t tokens) {
+  return tokens * g.n_layers * 2 * static_cast<int64_t>(g.n_kv_heads) * g.head_dim * 2;
+}
 
 }  // namespace subspace
 

@@ -142,7 +142,7 @@ void DeviceCompressedKvCache::FreeBlock(Sequence& s, int64_t b) {
 
 absl::Status DeviceCompressedKvCache::FreeSequence(SeqId seq) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   // Queued compressions first: a slot freed here could otherwise be queued again, for another
   // block, in the same batch.
   if (absl::Status st = Flush(); !st.ok()) return st;
@@ -187,7 +187,7 @@ int64_t DeviceCompressedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
 
 absl::Status DeviceCompressedKvCache::Reserve(SeqId seq, int64_t n) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   if (n < 0) return absl::InvalidArgumentError(absl::StrFormat("cannot reserve %d tokens", n));
   const int64_t pages = BlocksNeeded(seq, n) / config_.geometry.n_layers;
   if (pages == 0) return absl::OkStatus();
@@ -215,14 +215,10 @@ absl::Status DeviceCompressedKvCache::Reserve(SeqId seq, int64_t n) {
 
 absl::Status DeviceCompressedKvCache::Commit(SeqId seq, int64_t length) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   const int bs = config_.block_size;
   const int64_t reserved = static_cast<int64_t>(s->table.size()) * bs;
-  if (length < s->length || length > reserved) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("commit of sequence %d to length %d outside [%d, %d] (committed, reserved)",
-                        seq, length, s->length, reserved));
-  }
+  if (absl::Status st = CheckCommit(seq, length, s->length, reserved); !st.ok()) return st;
   tokens_cached_ += length - s->length;
   s->length = length;
   const Refresher* refresher = epochs_.refresher();
@@ -437,11 +433,8 @@ absl::Status DeviceCompressedKvCache::ExpandBlock(Sequence& s, int64_t b) {
 
 absl::Status DeviceCompressedKvCache::Truncate(SeqId seq, int64_t length) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
-  if (length < 0 || length > s->length) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("truncate of sequence %d to %d outside [0, %d]", seq, length, s->length));
-  }
+  if (s == nullptr) return UnknownSequence(seq);
+  if (absl::Status st = CheckTruncate(seq, length, s->length); !st.ok()) return st;
   if (absl::Status st = Flush(); !st.ok()) return st;
   const int bs = config_.block_size;
   const int64_t keep = CeilDiv(length, bs);
@@ -597,8 +590,7 @@ KvCacheStats DeviceCompressedKvCache::Stats() const {
   // Whole slab pages: what the pool cannot give to anyone else (includes slab waste).
   st.bytes_used_compressed = pool_->num_used(BlockKind::kCompressed) * page;
   st.bytes_used_outlier = pool_->num_used(BlockKind::kOutlier) * page;
-  st.bytes_full_fp16_equivalent =
-      tokens_cached_ * g.n_layers * 2 * int64_t{g.n_kv_heads} * g.head_dim * 2;
+  st.bytes_full_fp16_equivalent = Fp16Bytes(g, tokens_cached_);
   st.blocks_total = pool_->num_blocks() * g.n_layers;
   st.blocks_free = std::max<int64_t>(pool_->num_free() - kCompressionHeadroom, 0) * g.n_layers;
   st.tokens_cached = tokens_cached_;

@@ -23,7 +23,7 @@ constexpr int64_t kCompactBlocksPerFlush = 16;
 absl::Status DeviceCompressedKvCache::SetSequenceRefresh(SeqId seq, const RefreshConfig& config) {
   if (absl::Status st = ValidateRefreshConfig(config); !st.ok()) return st;
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   if (config.method == RefreshMethod::kKqsvd && config_.n_query_heads == 0) {
     return absl::FailedPreconditionError(
         "kqsvd refresh needs the queries, which this backend does not read back (no room for "
@@ -43,7 +43,7 @@ bool DeviceCompressedKvCache::WantsQueries(SeqId seq) const {
 
 absl::Status DeviceCompressedKvCache::ObserveQueries(SeqId seq, HalfQueryObservation queries) {
   const Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   if (!WantsQueries(seq)) {
     return absl::FailedPreconditionError(
         absl::StrFormat("sequence %d does not refresh by kqsvd (or has no epoch yet)", seq));

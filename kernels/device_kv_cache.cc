@@ -78,7 +78,7 @@ void DevicePagedKvCache::ReleaseBlocksPast(Sequence& s, int64_t keep) {
 
 absl::Status DevicePagedKvCache::FreeSequence(SeqId seq) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   ReleaseBlocksPast(*s, 0);
   tokens_cached_ -= s->length;
   s->length = 0;
@@ -109,7 +109,7 @@ int64_t DevicePagedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
 
 absl::Status DevicePagedKvCache::Reserve(SeqId seq, int64_t n) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
+  if (s == nullptr) return UnknownSequence(seq);
   if (n < 0) return absl::InvalidArgumentError(absl::StrFormat("cannot reserve %d tokens", n));
   const int64_t ids = BlocksNeeded(seq, n) / geometry_.n_layers;
   if (ids == 0) return absl::OkStatus();
@@ -129,13 +129,9 @@ absl::Status DevicePagedKvCache::Reserve(SeqId seq, int64_t n) {
 
 absl::Status DevicePagedKvCache::Commit(SeqId seq, int64_t length) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
-  if (length < s->length || length > static_cast<int64_t>(s->table.size()) * block_size_) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "commit of sequence %d to length %d outside [%d, %d] (committed, reserved); shrink "
-        "with Truncate",
-        seq, length, s->length, static_cast<int64_t>(s->table.size()) * block_size_));
-  }
+  if (s == nullptr) return UnknownSequence(seq);
+  const int64_t reserved = static_cast<int64_t>(s->table.size()) * block_size_;
+  if (absl::Status st = CheckCommit(seq, length, s->length, reserved); !st.ok()) return st;
   tokens_cached_ += length - s->length;
   s->length = length;
   return absl::OkStatus();
@@ -143,11 +139,8 @@ absl::Status DevicePagedKvCache::Commit(SeqId seq, int64_t length) {
 
 absl::Status DevicePagedKvCache::Truncate(SeqId seq, int64_t length) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrFormat("unknown sequence %d", seq));
-  if (length < 0 || length > s->length) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("truncate of sequence %d to %d outside [0, %d]", seq, length, s->length));
-  }
+  if (s == nullptr) return UnknownSequence(seq);
+  if (absl::Status st = CheckTruncate(seq, length, s->length); !st.ok()) return st;
   // Blocks reserved past the committed length go too: Truncate undoes a failed step.
   ReleaseBlocksPast(*s, CeilDiv(length, block_size_));
   tokens_cached_ -= s->length - length;
@@ -161,8 +154,7 @@ KvCacheStats DevicePagedKvCache::Stats() const {
   const int64_t block_bytes = BlockBytes(geometry_, block_size_);
   st.bytes_total = num_blocks_ * block_bytes;
   st.bytes_used_full = used * block_bytes;
-  st.bytes_full_fp16_equivalent =
-      tokens_cached_ * geometry_.n_layers * 2 * geometry_.n_kv_heads * geometry_.head_dim * 2;
+  st.bytes_full_fp16_equivalent = Fp16Bytes(geometry_, tokens_cached_);
   st.blocks_total = num_blocks_ * geometry_.n_layers;
   st.blocks_free = static_cast<int64_t>(free_.size()) * geometry_.n_layers;
   st.tokens_cached = tokens_cached_;
