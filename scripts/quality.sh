@@ -114,6 +114,13 @@ Grams), `oja` (learning rate 1), `fd` (frequent directions) — and the compacto
 epochs live. Each 512-token perplexity window is a fresh sequence, so statistics start empty in
 every window.
 
+> **Read these numbers with care.** This model uses little context beyond ~100 tokens: evicting
+> everything but 4 sinks and the last 64 tokens moves its perplexity by +0.33 %, about what the
+> compressed rows below cost. So these tables measure the bases' fidelity, not whether
+> compression keeps what eviction loses. That comparison -- retrieval, long-range perplexity and
+> KLD against eviction and quantized K/V at equal bytes -- is `build/bin/subspace-longctx` on
+> the long-context model (`tools/train/run_long.sh`, not trained yet; models/README.md).
+
 ## Method
 
 - **Data.** Only the committed test split (`models/data/test.txt`) is used; train/val are not
