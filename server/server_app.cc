@@ -15,6 +15,7 @@
 #include "core/basis.h"
 #include "core/gguf.h"
 #include "core/model.h"
+#include "core/model_file.h"
 #include "core/tokenizer.h"
 #include "server/auth.h"
 #include "server/net_util.h"
@@ -132,14 +133,10 @@ absl::Status ServerApp::Init() {
   }
 
   const absl::Time load_start = absl::Now();
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(config_.model_path);
-  if (!file.ok()) return file.status();
-  std::shared_ptr<const GgufFile> gguf = *std::move(file);
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromGguf(*gguf);
-  if (!tokenizer.ok()) return tokenizer.status();
-  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(gguf);
-  if (!model.ok()) return model.status();
-  const ModelConfig model_config = (*model)->config();
+  absl::StatusOr<ModelFile> files = OpenModelFile(config_.model_path);
+  if (!files.ok()) return files.status();
+  const std::shared_ptr<const GgufFile> gguf = files->gguf;
+  const ModelConfig model_config = files->model->config();
 
   std::shared_ptr<const Basis> bases;
   if (!config_.kv_cache.bases_path.empty()) {
@@ -160,7 +157,7 @@ absl::Status ServerApp::Init() {
                      .max_batch_tokens = config_.engine.max_batch_tokens,
                      .max_running = config_.engine.max_running,
                      .cuda_graphs = config_.cuda_graphs},
-                    *std::move(model), cache_options, std::move(bases));
+                    std::move(files->model), cache_options, std::move(bases));
   if (!backend.ok()) return backend.status();
   const std::string device_name = backend->model->device_name();
 
@@ -172,8 +169,8 @@ absl::Status ServerApp::Init() {
     if (next) next(step);
   };
   absl::StatusOr<std::unique_ptr<Engine>> engine =
-      Engine::Create(std::move(engine_config), std::move(backend->model), *std::move(tokenizer),
-                     std::move(backend->cache));
+      Engine::Create(std::move(engine_config), std::move(backend->model),
+                     std::move(files->tokenizer), std::move(backend->cache));
   if (!engine.ok()) return engine.status();
   engine_ = *std::move(engine);
 

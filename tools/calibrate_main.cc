@@ -17,6 +17,7 @@
 #include "core/basis_file.h"
 #include "core/calibration.h"
 #include "core/model.h"
+#include "core/model_file.h"
 #include "core/tokenizer.h"
 #include "tools/cli/flags.h"
 
@@ -66,14 +67,12 @@ absl::Status Run() {
         "set exactly one of --rank R (>= 1) and --energy E in (0, 1]");
   }
 
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(model_path);
-  if (!file.ok()) return file.status();
-  std::shared_ptr<const GgufFile> gguf = *std::move(file);
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromGguf(*gguf);
-  if (!tokenizer.ok()) return tokenizer.status();
-  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(gguf);
-  if (!model.ok()) return model.status();
-  const ModelConfig& c = (*model)->config();
+  absl::StatusOr<ModelFile> loaded = OpenModelFile(model_path);
+  if (!loaded.ok()) return loaded.status();
+  const std::shared_ptr<const GgufFile> gguf = loaded->gguf;
+  LlamaModel& model = *loaded->model;
+  const Tokenizer& tokenizer = *loaded->tokenizer;
+  const ModelConfig& c = model.config();
   if (bo.rank > c.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("--rank must be at most head_dim ", c.head_dim));
   }
@@ -87,7 +86,7 @@ absl::Status Run() {
     std::stringstream ss;
     ss << in.rdbuf();
     if (!in) return absl::InternalError(absl::StrCat("cannot read ", f));
-    const std::vector<int32_t> t = (*tokenizer)->Encode(ss.str(), {.add_bos = false});
+    const std::vector<int32_t> t = tokenizer.Encode(ss.str(), {.add_bos = false});
     tokens.insert(tokens.end(), t.begin(), t.end());
     if (max_tokens > 0 && static_cast<int64_t>(tokens.size()) >= max_tokens) break;
   }
@@ -106,7 +105,7 @@ absl::Status Run() {
   };
   CalibrationRunOptions ro{.window = absl::GetFlag(FLAGS_window),
                            .max_tokens = max_tokens,
-                           .bos = (*tokenizer)->bos_id(),
+                           .bos = tokenizer.bos_id(),
                            .progress = {}};
   ro.progress = [&](int64_t done, int64_t total) {
     const double s = seconds_since(start);
@@ -116,7 +115,7 @@ absl::Status Run() {
                  done / std::max(s, 1e-9), eta);
     if (done == total) std::fprintf(stderr, "\n");
   };
-  absl::StatusOr<CalibrationStats> stats = CollectCalibrationStats(**model, tokens, ro);
+  absl::StatusOr<CalibrationStats> stats = CollectCalibrationStats(model, tokens, ro);
   if (!stats.ok()) return stats.status();
   const double forward_s = seconds_since(start);
 

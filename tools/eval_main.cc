@@ -22,6 +22,7 @@
 #include "core/calibration.h"
 #include "core/compressed_kv_cache.h"
 #include "core/model.h"
+#include "core/model_file.h"
 #include "core/paged_kv_cache.h"
 #include "core/refresh_config.h"
 #include "core/tokenizer.h"
@@ -142,20 +143,16 @@ std::vector<LayerErrors> BasisErrors(const Basis& basis, const eval::CapturingKv
 absl::Status Run() {
   const auto start = Clock::now();
   const std::string model_path = absl::GetFlag(FLAGS_model);
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(model_path);
-  if (!file.ok()) return file.status();
-  std::shared_ptr<const GgufFile> gguf = *std::move(file);
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromGguf(*gguf);
-  if (!tokenizer.ok()) return tokenizer.status();
-  absl::StatusOr<std::unique_ptr<LlamaModel>> model_or = LlamaModel::Load(gguf);
-  if (!model_or.ok()) return model_or.status();
-  LlamaModel& model = **model_or;
+  absl::StatusOr<ModelFile> files = OpenModelFile(model_path);
+  if (!files.ok()) return files.status();
+  LlamaModel& model = *files->model;
+  const Tokenizer& tokenizer = *files->tokenizer;
   const ModelConfig& mc = model.config();
   const KvCacheGeometry geom = mc.cache_geometry();
-  const int32_t bos = (*tokenizer)->bos_id();
+  const int32_t bos = tokenizer.bos_id();
 
   // --- Texts ---
-  absl::StatusOr<std::vector<int32_t>> text = ReadTokens(**tokenizer, absl::GetFlag(FLAGS_text));
+  absl::StatusOr<std::vector<int32_t>> text = ReadTokens(tokenizer, absl::GetFlag(FLAGS_text));
   if (!text.ok()) return text.status();
   std::vector<int32_t> calib, eval;
   const std::string calib_path = absl::GetFlag(FLAGS_calib);
@@ -167,7 +164,7 @@ absl::Status Run() {
     calib_desc = absl::StrCat(absl::GetFlag(FLAGS_text), " first half");
     eval_desc = absl::StrCat(absl::GetFlag(FLAGS_text), " second half");
   } else {
-    absl::StatusOr<std::vector<int32_t>> c = ReadTokens(**tokenizer, calib_path);
+    absl::StatusOr<std::vector<int32_t>> c = ReadTokens(tokenizer, calib_path);
     if (!c.ok()) return c.status();
     calib = *std::move(c);
     eval = *std::move(text);

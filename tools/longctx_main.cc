@@ -22,6 +22,7 @@
 #include "core/calibration.h"
 #include "core/compressed_kv_cache.h"
 #include "core/model.h"
+#include "core/model_file.h"
 #include "core/paged_kv_cache.h"
 #include "core/tokenizer.h"
 #include "tools/cli/flags.h"
@@ -108,14 +109,10 @@ struct Tally {
 
 absl::Status Run() {
   const std::string model_path = absl::GetFlag(FLAGS_model);
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(model_path);
-  if (!file.ok()) return file.status();
-  std::shared_ptr<const GgufFile> gguf = *std::move(file);
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromGguf(*gguf);
-  if (!tokenizer.ok()) return tokenizer.status();
-  absl::StatusOr<std::unique_ptr<LlamaModel>> model_or = LlamaModel::Load(gguf);
-  if (!model_or.ok()) return model_or.status();
-  LlamaModel& model = **model_or;
+  absl::StatusOr<ModelFile> files = OpenModelFile(model_path);
+  if (!files.ok()) return files.status();
+  LlamaModel& model = *files->model;
+  const Tokenizer& tokenizer = *files->tokenizer;
   const ModelConfig& mc = model.config();
   const KvCacheGeometry geom = mc.cache_geometry();
   const int S = absl::GetFlag(FLAGS_sink_tokens), W = absl::GetFlag(FLAGS_window_tokens);
@@ -129,7 +126,7 @@ absl::Status Run() {
   for (std::string line; std::getline(in, line);) {
     if (line.empty()) continue;
     absl::StatusOr<eval::LongContextItem> item =
-        eval::ParseSuiteLine(line, **tokenizer, mc.context_length);
+        eval::ParseSuiteLine(line, tokenizer, mc.context_length);
     if (!item.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--suite line ", items.size() + 1, ": ", item.status().message()));
@@ -162,14 +159,14 @@ absl::Status Run() {
     if (!cf)
       return absl::NotFoundError(absl::StrCat("cannot read --calib ", absl::GetFlag(FLAGS_calib)));
     const std::string text((std::istreambuf_iterator<char>(cf)), std::istreambuf_iterator<char>());
-    std::vector<int32_t> calib = (*tokenizer)->Encode(text, {.add_bos = false});
+    std::vector<int32_t> calib = tokenizer.Encode(text, {.add_bos = false});
     const int64_t limit = absl::GetFlag(FLAGS_calib_tokens);
     if (limit > 0 && static_cast<int64_t>(calib.size()) > limit) calib.resize(limit);
     absl::StatusOr<CalibrationStats> s =
         CollectCalibrationStats(model, calib,
                                 {.window = std::min(mc.context_length, 1024),
                                  .max_tokens = 0,
-                                 .bos = (*tokenizer)->bos_id(),
+                                 .bos = tokenizer.bos_id(),
                                  .progress = {}});
     if (!s.ok()) return s.status();
     if (absl::Status st = AccumulateOutputGrams(model, &*s); !st.ok()) return st;

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/gguf.h"
 #include "core/model.h"
+#include "core/model_file.h"
 #include "core/paged_kv_cache.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
@@ -157,23 +158,20 @@ absl::Status RunGenerate(LlamaModel& model, KvCache& cache, const Tokenizer& tok
 absl::Status Run() {
   const std::string path = absl::GetFlag(FLAGS_model);
   if (path.empty()) return absl::InvalidArgumentError("--model is required");
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(path);
-  if (!file.ok()) return file.status();
-  std::shared_ptr<const GgufFile> shared = std::move(*file);
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromGguf(*shared);
-  if (!tokenizer.ok()) return tokenizer.status();
-  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(shared);
-  if (!model.ok()) return model.status();
+  absl::StatusOr<ModelFile> files = OpenModelFile(path);
+  if (!files.ok()) return files.status();
+  LlamaModel& model = *files->model;
+  const Tokenizer& tokenizer = *files->tokenizer;
 
   PagedKvCache::Config cache_config;
-  cache_config.geometry = (*model)->config().cache_geometry();
+  cache_config.geometry = model.config().cache_geometry();
   cache_config.block_size = absl::GetFlag(FLAGS_block_size);
   cache_config.capacity_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   absl::StatusOr<std::unique_ptr<PagedKvCache>> cache = PagedKvCache::Create(cache_config);
   if (!cache.ok()) return cache.status();
 
-  if (!absl::GetFlag(FLAGS_ppl).empty()) return RunPerplexity(**model, **cache, **tokenizer);
-  return RunGenerate(**model, **cache, **tokenizer);
+  if (!absl::GetFlag(FLAGS_ppl).empty()) return RunPerplexity(model, **cache, tokenizer);
+  return RunGenerate(model, **cache, tokenizer);
 }
 
 }  // namespace
