@@ -88,27 +88,16 @@ int64_t CompressedKvCache::CompressedBlockBytes(const KvCacheGeometry& g, int bl
 absl::StatusOr<std::unique_ptr<CompressedKvCache>> CompressedKvCache::Create(
     const CompressedKvCacheConfig& config) {
   const KvCacheGeometry& g = config.geometry;
-  if (g.n_layers <= 0 || g.n_kv_heads <= 0 || g.head_dim <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("KV cache geometry must be positive: n_layers=%d n_kv_heads=%d head_dim=%d",
-                        g.n_layers, g.n_kv_heads, g.head_dim));
-  }
-  if (config.block_size <= 0 || config.block_size > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("block_size must be in [1, 64], got %d", config.block_size));
+  if (absl::Status st =
+          ValidateCompressedCacheSetup(g, config.block_size, config.refresh, config.n_query_heads,
+                                       "kqsvd refresh needs n_query_heads");
+      !st.ok()) {
+    return st;
   }
   absl::StatusOr<CompressionPolicy> policy = ResolvePolicy(config.policy, g);
   if (!policy.ok()) return policy.status();
   const std::vector<int>* r_k = &policy->r_k;
   const std::vector<int>* r_v = &policy->r_v;
-  if (absl::Status st = ValidateRefreshConfig(config.refresh); !st.ok()) return st;
-  if (config.n_query_heads < 0 || config.n_query_heads % g.n_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "n_query_heads %d is not a multiple of n_kv_heads %d", config.n_query_heads, g.n_kv_heads));
-  }
-  if (config.refresh.method == RefreshMethod::kKqsvd && config.n_query_heads == 0) {
-    return absl::InvalidArgumentError("kqsvd refresh needs n_query_heads");
-  }
   if (config.full_dtype != CoeffDtype::kFp32 && config.full_dtype != CoeffDtype::kFp16) {
     return absl::InvalidArgumentError(absl::StrFormat("full_dtype must be fp32 or fp16, got %s",
                                                       CoeffDtypeName(config.full_dtype)));

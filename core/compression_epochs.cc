@@ -1,11 +1,35 @@
 #include "core/compression_epochs.h"
 
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_format.h"
 #include "core/online_statistics.h"
 
 namespace subspace {
+
+absl::Status ValidateCompressedCacheSetup(const KvCacheGeometry& g, int block_size,
+                                          const RefreshConfig& refresh, int n_query_heads,
+                                          std::string_view kqsvd_refused) {
+  if (g.n_layers <= 0 || g.n_kv_heads <= 0 || g.head_dim <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("KV cache geometry must be positive: n_layers=%d n_kv_heads=%d head_dim=%d",
+                        g.n_layers, g.n_kv_heads, g.head_dim));
+  }
+  if (block_size < 1 || block_size > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("block_size must be in [1, 64], got %d", block_size));
+  }
+  if (absl::Status st = ValidateRefreshConfig(refresh); !st.ok()) return st;
+  if (n_query_heads < 0 || n_query_heads % g.n_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "n_query_heads %d is not a multiple of n_kv_heads %d", n_query_heads, g.n_kv_heads));
+  }
+  if (refresh.method == RefreshMethod::kKqsvd && n_query_heads == 0) {
+    return absl::InvalidArgumentError(std::string(kqsvd_refused));
+  }
+  return absl::OkStatus();
+}
 
 CompressionEpochs::CompressionEpochs(Options options) : options_(std::move(options)) {}
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string_view>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/function_ref.h"
@@ -34,6 +35,14 @@ struct CompressedSequence {
   RefreshConfig refresh;
   Refresher::StreamId stream = 0;  // 0: not observed by the refresher
 };
+
+// The checks both compressed caches' Create make beyond the policy: a positive geometry, a
+// block size in [1, 64] (an outlier mask is one uint64), a valid refresh, n_query_heads a
+// multiple of n_kv_heads, and kqsvd refresh only with query heads (else INVALID_ARGUMENT
+// `kqsvd_refused`, which says why this cache has none).
+absl::Status ValidateCompressedCacheSetup(const KvCacheGeometry& geometry, int block_size,
+                                          const RefreshConfig& refresh, int n_query_heads,
+                                          std::string_view kqsvd_refused);
 
 class CompressionEpochs {
  public:

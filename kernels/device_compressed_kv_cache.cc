@@ -21,14 +21,13 @@ constexpr int64_t kMaxTokens = int64_t{1} << 48;
 absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache::Create(
     const DeviceCompressedKvCacheConfig& config, std::shared_ptr<CompressedKvStore> store) {
   const KvCacheGeometry& g = config.geometry;
-  if (g.n_layers <= 0 || g.n_kv_heads <= 0 || g.head_dim <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("KV cache geometry must be positive: n_layers=%d n_kv_heads=%d head_dim=%d",
-                        g.n_layers, g.n_kv_heads, g.head_dim));
-  }
-  if (config.block_size < 1 || config.block_size > kMaxBlockSize) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("block_size must be in [1, %d], got %d", kMaxBlockSize, config.block_size));
+  static_assert(kMaxBlockSize == 64, "ValidateCompressedCacheSetup allows blocks of up to 64");
+  if (absl::Status st = ValidateCompressedCacheSetup(
+          g, config.block_size, config.refresh, config.n_query_heads,
+          "kqsvd refresh needs the queries, which this backend does not read back (no room for "
+          "them): use pca, oja or fd");
+      !st.ok()) {
+    return st;
   }
   if (config.policy.coeff_dtype != CoeffDtype::kFp16 &&
       config.policy.coeff_dtype != CoeffDtype::kInt8) {
@@ -40,16 +39,6 @@ absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache
   if (!policy.ok()) return policy.status();
   const std::vector<int>* r_k = &policy->r_k;
   const std::vector<int>* r_v = &policy->r_v;
-  if (absl::Status st = ValidateRefreshConfig(config.refresh); !st.ok()) return st;
-  if (config.n_query_heads < 0 || config.n_query_heads % g.n_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "n_query_heads %d is not a multiple of n_kv_heads %d", config.n_query_heads, g.n_kv_heads));
-  }
-  if (config.refresh.method == RefreshMethod::kKqsvd && config.n_query_heads == 0) {
-    return absl::InvalidArgumentError(
-        "kqsvd refresh needs the queries, which this backend does not read back (no room for "
-        "them): use pca, oja or fd");
-  }
   if (store == nullptr || store->basis_capacity() < 1) {
     return absl::InvalidArgumentError("device compressed KV cache needs a store with basis tables");
   }
