@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "core/compressed_kv_cache.h"
-#include "core/paged_kv_cache.h"
-#include "core/pca.h"
+#include "core/base/pca.h"
+#include "core/compress/compressed_kv_cache.h"
+#include "core/kvcache/paged_kv_cache.h"
 #include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, contexts, "1024,4096,16384", "context lengths");

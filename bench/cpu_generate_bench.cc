@@ -18,13 +18,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/compressed_kv_cache.h"
-#include "core/model.h"
-#include "core/paged_kv_cache.h"
+#include "core/compress/compressed_kv_cache.h"
+#include "core/kvcache/paged_kv_cache.h"
+#include "core/model/model.h"
 #include "tools/cli/flags.h"
 
 #if defined(SUBSPACE_WITH_CUDA)
-#include "kernels/cuda_model.h"
+#include "cuda/cuda_model.h"
 #endif
 
 ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "path of the GGUF model");
@@ -130,12 +130,12 @@ absl::StatusOr<Backend> CreateBackend(const std::shared_ptr<LlamaModel>& cpu_mod
   if (config.device == "cuda") {
 #if defined(SUBSPACE_WITH_CUDA)
     const int max_batch = *std::max_element(config.batches.begin(), config.batches.end());
-    absl::StatusOr<kernels::CudaBackend> cuda = kernels::CreateCudaBackend(
+    absl::StatusOr<cuda::CudaBackend> cuda = cuda::CreateCudaBackend(
         *cpu_model, {.max_batch_tokens = max_batch * config.prompt_len,
                      .max_sequences = max_batch,
                      .kv_cache_bytes = config.kv_cache_bytes,
-                     .compressed = compressed ? std::optional<kernels::CudaCompressedCacheOptions>(
-                                                    kernels::CudaCompressedCacheOptions{})
+                     .compressed = compressed ? std::optional<cuda::CudaCompressedCacheOptions>(
+                                                    cuda::CudaCompressedCacheOptions{})
                                               : std::nullopt,
                      .cuda_graphs = config.cuda_graphs});
     if (!cuda.ok()) return cuda.status();

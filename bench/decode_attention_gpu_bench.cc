@@ -29,10 +29,10 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "core/ggml_types.h"
-#include "core/int_math.h"
+#include "core/base/ggml_types.h"
+#include "core/base/int_math.h"
+#include "cuda/decode_plan_builder.h"
 #include "kernels/decode_attention.h"
-#include "kernels/decode_plan_builder.h"
 #include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, contexts, "1024,4096,16384,32768", "tokens each sequence attends");
@@ -270,7 +270,7 @@ struct BenchConfig {
 // One replica's block tables: pages shuffled over the pool (a pool that has served a while),
 // full pages first in the shuffled order, then slab pages filled slot by slot.
 struct CellLayout {
-  std::vector<DecodeSeqDesc> seqs;
+  std::vector<cuda::DecodeSeqDesc> seqs;
   int64_t num_pages = 0;  // of one replica
   int64_t kv_bytes = 0;   // pool bytes one launch reads
   int live_epochs = 0;
@@ -298,7 +298,7 @@ CellLayout LayOutCell(const BenchConfig& c, int ctx, int batch, bool compressed,
   const int64_t row_bytes = static_cast<int64_t>(n_kv) * l.head_dim * 2 * 2;  // K and V, fp16
   std::vector<bool> used(static_cast<size_t>(c.n_epochs), false);
   for (int s = 0; s < batch; ++s) {
-    DecodeSeqDesc d;
+    cuda::DecodeSeqDesc d;
     d.length = ctx;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t k = b - first;  // index among the compressed blocks
@@ -355,8 +355,8 @@ Result RunLayout(const BenchConfig& c, int ctx, int batch, bool compressed, Shar
 
   // One plan for every copy: page ids are relative to p.pool, so copy i is the same block
   // tables over the pool base moved by i copies.
-  absl::StatusOr<DecodePlan> plan =
-      BuildDecodePlan(l, cell.num_pages, c.n_epochs, cell.seqs, {.target_ctas = c.target_ctas});
+  absl::StatusOr<cuda::DecodePlan> plan = cuda::BuildDecodePlan(
+      l, cell.num_pages, c.n_epochs, cell.seqs, {.target_ctas = c.target_ctas});
   if (!plan.ok()) Fail(std::string(plan.status().message()));
   DeviceBytes plan_d, workspace;
   if (!plan_d.TryAlloc(static_cast<size_t>(plan->bytes())) ||

@@ -21,11 +21,11 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "core/base/ggml_types.h"
+#include "core/base/weight.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/ops.h"
 #include "core/cpu/simd.h"
-#include "core/ggml_types.h"
-#include "core/weight.h"
 #include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, types, "f32,f16,bf16,q8_0", "weight types to time");

@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "core/random_id.h"
+#include "core/base/random_id.h"
 
 namespace subspace::client {
 

@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <string>
 
-#include "core/basis_file.h"
-#include "core/gguf.h"
+#include "core/compress/basis_file.h"
+#include "core/gguf/gguf.h"
 #include "fuzz/fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

@@ -10,9 +10,9 @@
 #include <string>
 #include <string_view>
 
-#include "core/gguf.h"
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/gguf/gguf.h"
+#include "core/model/model.h"
+#include "core/tokenizer/tokenizer.h"
 
 namespace subspace::fuzz {
 

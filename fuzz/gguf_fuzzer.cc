@@ -5,10 +5,10 @@
 #include <cstdint>
 #include <string>
 
-#include "core/basis_file.h"
-#include "core/gguf.h"
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/compress/basis_file.h"
+#include "core/gguf/gguf.h"
+#include "core/model/model.h"
+#include "core/tokenizer/tokenizer.h"
 #include "fuzz/fuzz_util.h"
 
 namespace subspace::fuzz {

@@ -7,11 +7,11 @@
 #include <string>
 #include <vector>
 
-#include "core/basis.h"
-#include "core/basis_file.h"
+#include "core/compress/basis.h"
+#include "core/compress/basis_file.h"
 #include "proto/subspace.pb.h"
-#include "tests/core/gguf_test_util.h"
-#include "tests/core/tiny_model_util.h"
+#include "tests/core/gguf/gguf_test_util.h"
+#include "tests/core/model/tiny_model_util.h"
 
 namespace subspace::fuzz {
 namespace {

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "core/tokenizer.h"
+#include "core/tokenizer/tokenizer.h"
 #include "fuzz/fuzz_util.h"
 
 namespace subspace::fuzz {

@@ -10,7 +10,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "core/coeff_codec.h"
+#include "core/base/coeff_codec.h"
 
 // Runs the statements with `HEAD_DIM` a constexpr int for head_dim 64 or 128; any other value
 // returns cudaErrorInvalidValue from the enclosing launcher.

@@ -22,7 +22,7 @@ namespace subspace::kernels {
 
 struct DecodeAttentionParams {
   KvPoolLayout layout;
-  DecodePlanView plan;              // a copy of DecodePlan::buffer (device for the kernels)
+  DecodePlanView plan;              // a copy of cuda::DecodePlan::buffer (device for the kernels)
   const uint8_t* pool = nullptr;    // [num_pages, page_bytes]
   const float* basis_pq = nullptr;  // [n_epochs, n_kv, head_dim, r_k]  q~ = P_q^T q
   const float* basis_rv = nullptr;  // [n_epochs, n_kv, r_v, head_dim]  o += R_v^T u

@@ -1,13 +1,13 @@
 // The KV pool's bytes as the CUDA kernels and their CPU twins address them: the pages and slab
-// slots core/compressed_kv_cache.cc fills (fp16 full blocks, fp16 or int8 coefficient slots),
-// so a device pool holds exactly the bytes the CPU cache would. C++17 and free of CUDA headers:
-// nvcc, the host compiler and the twins all include it.
+// slots core/compress/compressed_kv_cache.cc fills (fp16 full blocks, fp16 or int8 coefficient
+// slots), so a device pool holds exactly the bytes the CPU cache would. C++17 and free of CUDA
+// headers: nvcc, the host compiler and the twins all include it.
 #ifndef SUBSPACE_KERNELS_KV_LAYOUT_H_
 #define SUBSPACE_KERNELS_KV_LAYOUT_H_
 
 #include <cstdint>
 
-#include "core/coeff_codec.h"
+#include "core/base/coeff_codec.h"
 
 #if defined(__CUDACC__)
 #define SUBSPACE_HOST_DEVICE __host__ __device__

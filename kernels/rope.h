@@ -35,8 +35,7 @@ struct RopeSplitQkvParams {
   int32_t max_position = 0;
 };
 
-// The cos/sin table for positions [0, max_position): [max_position, rope_dim / 2, 2].
-std::vector<float> RopeCosSinTable(int32_t max_position, int32_t rope_dim, float theta);
+// cos_sin is built on the host by cuda::RopeCosSinTable (cuda/rope_table.h).
 
 #if defined(SUBSPACE_WITH_CUDA)
 // Grid (n) of 128 threads. cudaErrorInvalidValue for non-positive sizes (n = 0 included: skip

@@ -1,5 +1,6 @@
-// SampleTokensKernel: one CTA of 1024 threads per logits row; greedy argmax, or core/sampler.h's
-// stochastic policy (top-k, temperature, min-p, top-p, one draw) without sorting the row.
+// SampleTokensKernel: one CTA of 1024 threads per logits row; greedy argmax, or
+// core/model/sampler.h's stochastic policy (top-k, temperature, min-p, top-p, one draw) without
+// sorting the row.
 //
 // Every token has a 64-bit sort key, (order-preserving bits of its logit) << 32 | ~id, distinct
 // per token, whose descending order is the host's strict order (logit descending, then id).

@@ -107,7 +107,7 @@ one offline calibration installed as the compressed cache's default epoch — on
 `models/subspace-tiny.gguf` (6 layers, 4 query / 2 KV heads, head_dim 64, context 512).
 
 The main table is static bases only. The domain-shift runs add **online** rows: the same
-calibrated basis is each sequence's first epoch, then the refresher (`core/refresher.h`, inline
+calibrated basis is each sequence's first epoch, then the refresher (`core/compress/refresher.h`, inline
 so runs are deterministic) publishes a new epoch every 64 compressed tokens from that sequence's
 own keys and values — `pca` (decayed Gram, half-life 256 tokens), `kqsvd` (decayed key and query
 Grams), `oja` (learning rate 1), `fd` (frequent directions) — and the compactor keeps at most 2

@@ -60,7 +60,7 @@ if [[ "$scope" == sched ]]; then
 elif [[ "$scope" == unit ]]; then
   # Only the unit test executables (one per tests/**/*_test.cc, GPU ones aside): no server
   # binary, tools, benchmarks or integration tests to build.
-  mapfile -t targets < <(find tests -name '*_test.cc' -not -path 'tests/kernels/*' \
+  mapfile -t targets < <(find tests -name '*_test.cc' -not -path 'tests/kernels/*' -not -path 'tests/cuda/*' \
                            -not -path 'tests/cuda_emu/*' -printf '%f\n' | sed 's/\.cc$//' | sort)
   cmake --build "build-$kind" -j "$(nproc)" --target "${targets[@]}"
 else

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda_plugin.h"
+#include "cuda/cuda_plugin.h"
 #include "spdlog/spdlog.h"
 
 namespace subspace::server {
@@ -46,18 +46,18 @@ std::vector<std::string> PluginCandidates() {
   }
   std::error_code ec;
   const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) return {kernels::kCudaPluginFile};  // the loader's own search path
+  if (ec) return {cuda::kCudaPluginFile};  // the loader's own search path
   const std::filesystem::path dir = exe.parent_path();
-  return {(dir / kernels::kCudaPluginFile).string(),
-          (dir / ".." / "bin" / kernels::kCudaPluginFile).string(),
-          (dir / ".." / "lib" / kernels::kCudaPluginFile).string()};
+  return {(dir / cuda::kCudaPluginFile).string(),
+          (dir / ".." / "bin" / cuda::kCudaPluginFile).string(),
+          (dir / ".." / "lib" / cuda::kCudaPluginFile).string()};
 }
 
 // The plugin's table, loaded once (never unloaded: device memory and CUDA's state outlive any
 // one backend), or why it is not there.
-const absl::StatusOr<const kernels::CudaPluginApi*>& CudaPlugin() {
-  static const absl::StatusOr<const kernels::CudaPluginApi*> plugin =
-      []() -> absl::StatusOr<const kernels::CudaPluginApi*> {
+const absl::StatusOr<const cuda::CudaPluginApi*>& CudaPlugin() {
+  static const absl::StatusOr<const cuda::CudaPluginApi*> plugin =
+      []() -> absl::StatusOr<const cuda::CudaPluginApi*> {
     std::string tried;
     for (const std::string& path : PluginCandidates()) {
       if (path.find('/') != std::string::npos && !std::filesystem::exists(path)) continue;
@@ -66,16 +66,16 @@ const absl::StatusOr<const kernels::CudaPluginApi*>& CudaPlugin() {
         absl::StrAppend(&tried, tried.empty() ? "" : "; ", dlerror());
         continue;
       }
-      using Entry = const kernels::CudaPluginApi* (*)();
-      auto entry = reinterpret_cast<Entry>(dlsym(lib, kernels::kCudaPluginSymbol));
-      if (entry == nullptr || entry()->abi != kernels::kCudaPluginAbi) {
+      using Entry = const cuda::CudaPluginApi* (*)();
+      auto entry = reinterpret_cast<Entry>(dlsym(lib, cuda::kCudaPluginSymbol));
+      if (entry == nullptr || entry()->abi != cuda::kCudaPluginAbi) {
         return absl::FailedPreconditionError(absl::StrCat(
             path, " is not a CUDA plugin of this build (missing symbol or other ABI version)"));
       }
       return entry();
     }
     return absl::UnavailableError(
-        absl::StrCat("the CUDA backend plugin (", kernels::kCudaPluginFile, ") is not installed",
+        absl::StrCat("the CUDA backend plugin (", cuda::kCudaPluginFile, ") is not installed",
                      tried.empty() ? " (this build has no CUDA)" : absl::StrCat(": ", tried)));
   }();
   return plugin;
@@ -106,24 +106,24 @@ std::string CpuOnlyCompressedFeature(const KvCacheOptions& o) {
   return "";
 }
 
-absl::StatusOr<Backend> CudaBackend(const kernels::CudaPluginApi& plugin,
+absl::StatusOr<Backend> CudaBackend(const cuda::CudaPluginApi& plugin,
                                     const BackendOptions& options, const LlamaModel& cpu_model,
                                     const KvCacheOptions& cache_options,
                                     std::shared_ptr<const Basis> bases) {
-  std::optional<kernels::CudaCompressedCacheOptions> compressed;
+  std::optional<cuda::CudaCompressedCacheOptions> compressed;
   if (cache_options.kind == KvCacheKind::kCompressed) {
     const KvCacheGeometry g = cpu_model.config().cache_geometry();
     const KvCacheOptions o = ResolveKvCacheOptions(cache_options, g, bases.get());
     // The CPU cache's policy, per-layer ranks of --bases included.
     absl::StatusOr<CompressionPolicy> policy = CompressionPolicyFor(o, g, bases.get());
     if (!policy.ok()) return policy.status();
-    kernels::CudaCompressedCacheOptions c;
+    cuda::CudaCompressedCacheOptions c;
     c.policy = *std::move(policy);
     c.basis = std::move(bases);
     c.refresh = o.refresh;
     compressed = std::move(c);
   }
-  absl::StatusOr<kernels::CudaPluginBackend> cuda = plugin.create_backend(
+  absl::StatusOr<cuda::CudaPluginBackend> cuda = plugin.create_backend(
       cpu_model, {.device = 0,
                   .max_batch_tokens = options.max_batch_tokens,
                   .max_sequences = options.max_running,
@@ -151,7 +151,7 @@ absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
   if (options.device == Device::kCpu) {
     return CpuBackend(options, std::move(cpu_model), cache_options, std::move(bases));
   }
-  const absl::StatusOr<const kernels::CudaPluginApi*>& plugin = CudaPlugin();
+  const absl::StatusOr<const cuda::CudaPluginApi*>& plugin = CudaPlugin();
   const std::string cpu_only = CpuOnlyCompressedFeature(cache_options);
   if (options.device == Device::kCuda) {
     if (!cpu_only.empty()) {

@@ -9,10 +9,10 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
-#include "core/basis.h"
-#include "core/kv_cache.h"
-#include "core/model.h"
-#include "core/model_runner.h"
+#include "core/compress/basis.h"
+#include "core/kvcache/kv_cache.h"
+#include "core/model/model.h"
+#include "core/model/model_runner.h"
 #include "server/kv_cache_options.h"
 
 namespace subspace::server {
@@ -36,7 +36,7 @@ struct Backend {
   std::unique_ptr<KvCacheBase> cache;
 };
 
-// Whether the CUDA backend plugin (libsubspace_cuda.so, kernels/cuda_plugin.h) loads: beside the
+// Whether the CUDA backend plugin (libsubspace_cuda.so, cuda/cuda_plugin.h) loads: beside the
 // executable, in ../bin or ../lib, or at $SUBSPACE_CUDA_PLUGIN. It is built whenever nvcc is.
 bool CudaBackendBuilt();
 

@@ -8,7 +8,7 @@
 #include <grpcpp/support/server_callback.h>
 
 #include "absl/status/status.h"
-#include "core/engine.h"
+#include "core/engine/engine.h"
 #include "proto/subspace.grpc.pb.h"
 #include "server/metrics.h"
 

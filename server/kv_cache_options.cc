@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/basis_file.h"
-#include "core/compressed_kv_cache.h"
-#include "core/paged_kv_cache.h"
+#include "core/compress/basis_file.h"
+#include "core/compress/compressed_kv_cache.h"
+#include "core/kvcache/paged_kv_cache.h"
 
 namespace subspace::server {
 namespace {

@@ -11,12 +11,12 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "core/basis.h"
-#include "core/coeff_codec.h"
-#include "core/compression_policy.h"
-#include "core/gguf.h"
-#include "core/kv_cache.h"
-#include "core/refresh_config.h"
+#include "core/base/coeff_codec.h"
+#include "core/compress/basis.h"
+#include "core/compress/compression_policy.h"
+#include "core/gguf/gguf.h"
+#include "core/kvcache/kv_cache.h"
+#include "core/kvcache/refresh_config.h"
 
 namespace subspace::server {
 
@@ -26,7 +26,7 @@ enum class KvCacheKind : uint8_t { kFull, kCompressed };
 // two live in ServerAppConfig. The rest applies to the compressed cache only.
 struct KvCacheOptions {
   KvCacheKind kind = KvCacheKind::kCompressed;
-  // The flags of CompressionPolicy (core/compression_policy.h), whose defaults these are.
+  // The flags of CompressionPolicy (core/compress/compression_policy.h), whose defaults these are.
   int sink_tokens = CompressionPolicy::kDefaultSinkTokens;      // S: blocks overlapping [0, S)
   int window_tokens = CompressionPolicy::kDefaultWindowTokens;  // W: the last W tokens
   int rank_k = 0;  // key coefficients per token and KV head; 0: DefaultRank (head_dim / 4)

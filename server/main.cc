@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "core/refresh_config.h"
+#include "core/kvcache/refresh_config.h"
 #include "server/server_app.h"
 #include "spdlog/async.h"
 #include "spdlog/sinks/stdout_color_sinks.h"

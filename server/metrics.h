@@ -16,7 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "core/engine.h"
+#include "core/engine/engine.h"
 
 namespace subspace::server {
 

@@ -11,7 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/sampler.h"
+#include "core/model/sampler.h"
 
 namespace subspace::server {
 namespace {

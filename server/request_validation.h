@@ -12,9 +12,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "core/engine.h"
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/engine/engine.h"
+#include "core/model/model.h"
+#include "core/tokenizer/tokenizer.h"
 #include "proto/subspace.pb.h"
 
 namespace subspace::server {

@@ -14,7 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "core/engine.h"
+#include "core/engine/engine.h"
 #include "server/backend.h"
 #include "server/kv_cache_options.h"
 #include "server/metrics.h"

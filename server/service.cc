@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "core/refresh_config.h"
+#include "core/kvcache/refresh_config.h"
 #include "server/generate_calls.h"
 #include "server/status_util.h"
 #include "spdlog/spdlog.h"

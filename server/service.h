@@ -13,7 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "core/engine.h"
+#include "core/engine/engine.h"
 #include "proto/subspace.grpc.pb.h"
 #include "server/auth.h"
 #include "server/kv_cache_options.h"

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "core/engine.h"
+#include "core/engine/engine.h"
 #include "proto/subspace.pb.h"
 
 namespace subspace::server {

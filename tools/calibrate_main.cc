@@ -14,11 +14,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "core/basis_file.h"
-#include "core/calibration.h"
-#include "core/model.h"
-#include "core/model_file.h"
-#include "core/tokenizer.h"
+#include "core/compress/basis_file.h"
+#include "core/compress/calibration.h"
+#include "core/model/model.h"
+#include "core/model/model_file.h"
+#include "core/tokenizer/tokenizer.h"
 #include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, model, "", "path of the GGUF model");

@@ -8,8 +8,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/base/ggml_types.h"
 #include "core/cpu/simd.h"
-#include "core/ggml_types.h"
 
 namespace subspace::cpu {
 namespace {

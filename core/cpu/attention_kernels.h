@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "core/coeff_codec.h"
+#include "core/base/coeff_codec.h"
 #include "core/cpu/matmul_internal.h"
 
 namespace subspace::cpu {

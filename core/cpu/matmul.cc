@@ -23,9 +23,9 @@
 #include <mutex>
 #include <vector>
 
+#include "core/base/ggml_types.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/ops.h"
-#include "core/ggml_types.h"
 
 // OpenBLAS's own API; declared here too because a netlib cblas.h (picked by
 // update-alternatives) lacks it. The library linked is always OpenBLAS.

@@ -7,9 +7,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/base/ggml_types.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/simd.h"
-#include "core/ggml_types.h"
 
 namespace subspace::cpu::internal {
 

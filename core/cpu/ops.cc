@@ -11,9 +11,9 @@
 #include <cstring>
 #include <vector>
 
+#include "core/base/ggml_types.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/simd.h"
-#include "core/ggml_types.h"
 
 namespace subspace::cpu {
 namespace {

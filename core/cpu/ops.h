@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "core/weight.h"
+#include "core/base/weight.h"
 
 namespace subspace::cpu {
 

@@ -1,4 +1,4 @@
-// libcublas.so.<major> for the emulated device: the entry points kernels/gemm.cc resolves with
+// libcublas.so.<major> for the emulated device: the entry points cuda/gemm.cc resolves with
 // dlopen, cublasGemmEx as cuBLAS defines it (column-major, op(A) and op(B), leading dimensions,
 // fp16 inputs, fp32 output and accumulation). The emulated backend test puts this library first
 // on the loader's path, so gemm.cc's real calls, transposes and strides are what is checked.

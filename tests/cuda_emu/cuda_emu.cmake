@@ -50,18 +50,11 @@ endforeach()
 
 # The CUDA backend end to end (cuda_model_test) on the emulated device: its host code as is, the
 # kernels emulated, cuBLAS replaced by tests/cuda_emu/cublas_emu.cc, built as
-# libcublas.so.<major> in a directory the test puts first on the loader's path, so kernels/gemm.cc
+# libcublas.so.<major> in a directory the test puts first on the loader's path, so cuda/gemm.cc
 # loads it as it loads cuBLAS.
-add_library(subspace_cuda_backend_emu STATIC
-  ${PROJECT_SOURCE_DIR}/kernels/cuda_kv_store.cc
-  ${PROJECT_SOURCE_DIR}/kernels/cuda_model.cc
-  ${PROJECT_SOURCE_DIR}/kernels/cuda_model_step.cc
-  ${PROJECT_SOURCE_DIR}/kernels/cuda_status.cc
-  ${PROJECT_SOURCE_DIR}/kernels/device_memory.cc
-  ${PROJECT_SOURCE_DIR}/kernels/gemm.cc
-  ${PROJECT_SOURCE_DIR}/kernels/step_graphs.cc)
+add_library(subspace_cuda_backend_emu STATIC ${SUBSPACE_CUDA_BACKEND_SOURCES})
 target_link_libraries(subspace_cuda_backend_emu
-  PUBLIC subspace_kernels_emu subspace_kernels_host subspace_core ${CMAKE_DL_LIBS})
+  PUBLIC subspace_kernels_emu subspace_cuda_host subspace_core ${CMAKE_DL_LIBS})
 
 add_library(cublas_emu SHARED ${SUBSPACE_EMU_DIR}/cublas_emu.cc)
 target_include_directories(cublas_emu PRIVATE ${PROJECT_SOURCE_DIR})
@@ -71,7 +64,7 @@ set_target_properties(cublas_emu PROPERTIES
   SUFFIX ".so.${CUDAToolkit_VERSION_MAJOR}"
   LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests/cuda_emu_lib)
 
-add_executable(cuda_model_test_emu ${CMAKE_CURRENT_SOURCE_DIR}/kernels/cuda_model_test.cc)
+add_executable(cuda_model_test_emu ${CMAKE_CURRENT_SOURCE_DIR}/cuda/cuda_model_test.cc)
 add_dependencies(cuda_model_test_emu cublas_emu)
 target_link_libraries(cuda_model_test_emu PRIVATE subspace_cuda_backend_emu subspace_kernel_twins
                                                   subspace_test_util GTest::gtest_main)

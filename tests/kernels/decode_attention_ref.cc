@@ -11,7 +11,7 @@
 #include <limits>
 #include <vector>
 
-#include "core/coeff_codec.h"
+#include "core/base/coeff_codec.h"
 
 namespace subspace::kernels {
 namespace {

@@ -14,10 +14,10 @@
 #include <tuple>
 #include <vector>
 
-#include "core/compressed_kv_cache.h"
-#include "core/ggml_types.h"
-#include "kernels/decode_plan_builder.h"
-#include "tests/core/compressed_kv_cache_test_util.h"
+#include "core/base/ggml_types.h"
+#include "core/compress/compressed_kv_cache.h"
+#include "cuda/decode_plan_builder.h"
+#include "tests/core/compress/compressed_kv_cache_test_util.h"
 #include "tests/kernels/compress_blocks_ref.h"
 #include "tests/kernels/kv_test_data.h"
 
@@ -28,7 +28,7 @@ using testing::DecodeCase;
 using testing::DenseAttention;
 using testing::RelError;
 
-DecodeAttentionParams HostParams(const DecodeCase& c, const DecodePlan& plan, float* out) {
+DecodeAttentionParams HostParams(const DecodeCase& c, const cuda::DecodePlan& plan, float* out) {
   DecodeAttentionParams p;
   p.layout = c.layout;
   p.plan = plan.HostView();
@@ -57,8 +57,8 @@ TEST_P(DecodeAttentionRefTest, MatchesDenseAttentionOverReconstructedKeys) {
   testing::DecodeCaseOptions options;
   options.min_seq_epochs = 2;
   const DecodeCase c = testing::RandomDecodeCase(layout, /*batch=*/7, options, rng);
-  absl::StatusOr<DecodePlan> plan =
-      BuildDecodePlan(layout, c.num_pages, c.bases.n_epochs, c.seqs, {.blocks_per_split = 3});
+  absl::StatusOr<cuda::DecodePlan> plan =
+      cuda::BuildDecodePlan(layout, c.num_pages, c.bases.n_epochs, c.seqs, {.blocks_per_split = 3});
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_GT(plan->layout.max_seq_epochs, 1) << "want sequences with several epochs";
 
@@ -172,7 +172,7 @@ TEST_P(DecodeAttentionRefVsCacheTest, MatchesCompressedKvCacheAttend) {
   for (int64_t t = 0; t < T; ++t)
     put_row(t, static_cast<int32_t>(t / bs), static_cast<int>(t % bs));
 
-  DecodeSeqDesc desc;
+  cuda::DecodeSeqDesc desc;
   desc.length = T;
   std::vector<int32_t> src, dst_page, dst_slot, epochs;
   int compressed = 0;
@@ -258,8 +258,8 @@ TEST_P(DecodeAttentionRefVsCacheTest, MatchesCompressedKvCacheAttend) {
     std::memcpy(mine, best, static_cast<size_t>(layout.CompressedBytes()));
   }
 
-  absl::StatusOr<DecodePlan> plan =
-      BuildDecodePlan(layout, num_pages, 2, std::span<const DecodeSeqDesc>(&desc, 1));
+  absl::StatusOr<cuda::DecodePlan> plan =
+      cuda::BuildDecodePlan(layout, num_pages, 2, std::span<const cuda::DecodeSeqDesc>(&desc, 1));
   ASSERT_TRUE(plan.ok()) << plan.status();
 
   std::vector<float> q(static_cast<size_t>(n_heads) * hd);

@@ -19,7 +19,7 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/decode_plan_builder.h"
+#include "cuda/decode_plan_builder.h"
 #include "tests/kernels/cuda_test_util.h"
 #include "tests/kernels/decode_attention_ref.h"
 #include "tests/kernels/kv_test_data.h"
@@ -43,7 +43,8 @@ void CheckAgainstTwin(const testing::DecodeCase& c) {
   const int hd = l.head_dim;
   std::vector<float> want(c.q.size(), std::nanf(""));
   {
-    absl::StatusOr<DecodePlan> plan = BuildDecodePlan(l, c.num_pages, c.bases.n_epochs, c.seqs);
+    absl::StatusOr<cuda::DecodePlan> plan =
+        cuda::BuildDecodePlan(l, c.num_pages, c.bases.n_epochs, c.seqs);
     ASSERT_TRUE(plan.ok()) << plan.status();
     DecodeAttentionParams p;
     p.layout = l;
@@ -62,14 +63,15 @@ void CheckAgainstTwin(const testing::DecodeCase& c) {
   DeviceBuffer<float> out(c.q.size());
   ASSERT_TRUE(pool.ok() && pq.ok() && rv.ok() && q.ok() && out.ok());
 
-  const DecodePlanOptions partitions[] = {
+  const cuda::DecodePlanOptions partitions[] = {
       {},                                       // one work item per sequence
       {.blocks_per_split = 3},                  // many, with uneven tails
       {.target_ctas = 2 * MultiProcessors()}};  // what a server would ask for
-  for (const DecodePlanOptions& o : partitions) {
+  for (const cuda::DecodePlanOptions& o : partitions) {
     SCOPED_TRACE(::testing::Message()
                  << "blocks_per_split " << o.blocks_per_split << " target_ctas " << o.target_ctas);
-    absl::StatusOr<DecodePlan> plan = BuildDecodePlan(l, c.num_pages, c.bases.n_epochs, c.seqs, o);
+    absl::StatusOr<cuda::DecodePlan> plan =
+        cuda::BuildDecodePlan(l, c.num_pages, c.bases.n_epochs, c.seqs, o);
     ASSERT_TRUE(plan.ok()) << plan.status();
     DeviceBuffer<uint64_t> plan_d = ToDevice(plan->buffer);
     const int64_t ws_floats = DecodeWorkspaceFloats(plan->HostView(), l, c.n_heads);

@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/decode_plan_builder.h"
+#include "cuda/decode_plan_builder.h"
 #include "tests/kernels/kv_test_data.h"
 
 namespace subspace::kernels {
@@ -14,7 +14,7 @@ namespace {
 
 const KvPoolLayout kLayout = MakeKvPoolLayout(2, 64, 16, 16, 16, CoeffDtype::kInt8);
 
-void ExpectPartitionCoversBlocks(const DecodePlan& plan) {
+void ExpectPartitionCoversBlocks(const cuda::DecodePlan& plan) {
   const DecodePlanView v = plan.HostView();
   ASSERT_EQ(v.seq_block_indptr[0], 0);
   ASSERT_EQ(v.seq_work_indptr[0], 0);
@@ -53,10 +53,12 @@ TEST(DecodePlanTest, SplitsCoverEveryBlockOnceInOrder) {
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
   const testing::DecodeCase c = testing::RandomDecodeCase(kLayout, 9, {}, rng);
-  for (DecodePlanOptions o :
-       {DecodePlanOptions{}, DecodePlanOptions{.blocks_per_split = 1},
-        DecodePlanOptions{.blocks_per_split = 5}, DecodePlanOptions{.target_ctas = 264}}) {
-    absl::StatusOr<DecodePlan> plan = BuildDecodePlan(kLayout, c.num_pages, 4, c.seqs, o);
+  for (cuda::DecodePlanOptions o :
+       {cuda::DecodePlanOptions{}, cuda::DecodePlanOptions{.blocks_per_split = 1},
+        cuda::DecodePlanOptions{.blocks_per_split = 5},
+        cuda::DecodePlanOptions{.target_ctas = 264}}) {
+    absl::StatusOr<cuda::DecodePlan> plan =
+        cuda::BuildDecodePlan(kLayout, c.num_pages, 4, c.seqs, o);
     ASSERT_TRUE(plan.ok()) << plan.status();
     ExpectPartitionCoversBlocks(*plan);
     if (o.blocks_per_split == 0 && o.target_ctas == 0) {
@@ -70,23 +72,24 @@ TEST(DecodePlanTest, SplitsCoverEveryBlockOnceInOrder) {
 }
 
 TEST(DecodePlanTest, AutomaticSplitsAimAtTheTargetAndKeepAMinimum) {
-  std::vector<DecodeSeqDesc> seqs(2);
-  for (DecodeSeqDesc& d : seqs) {
+  std::vector<cuda::DecodeSeqDesc> seqs(2);
+  for (cuda::DecodeSeqDesc& d : seqs) {
     d.length = 64 * 16;
     d.pages.assign(64, 0);
     d.slots.assign(64, kFullBlock);
     d.epochs.assign(128, -1);
   }
   // 128 blocks x 2 heads over 64 CTAs: 4 blocks a work item, 16 work items a sequence.
-  absl::StatusOr<DecodePlan> plan = BuildDecodePlan(kLayout, 1, 0, seqs, {.target_ctas = 64});
+  absl::StatusOr<cuda::DecodePlan> plan =
+      cuda::BuildDecodePlan(kLayout, 1, 0, seqs, {.target_ctas = 64});
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->layout.num_work, 32);
   // A huge target still leaves at least 4 blocks a work item.
-  plan = BuildDecodePlan(kLayout, 1, 0, seqs, {.target_ctas = 100000});
+  plan = cuda::BuildDecodePlan(kLayout, 1, 0, seqs, {.target_ctas = 100000});
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->layout.max_work_blocks, 4);
   // Already one CTA per sequence and head at the target: no split.
-  plan = BuildDecodePlan(kLayout, 1, 0, seqs, {.target_ctas = 4});
+  plan = cuda::BuildDecodePlan(kLayout, 1, 0, seqs, {.target_ctas = 4});
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->layout.num_work, 2);
 }
@@ -100,30 +103,31 @@ TEST(DecodePlanTest, PlansFitTheBoundsTheBackendSizesBuffersWith) {
   for (int batch : {1, 3, 9, 17}) {
     const testing::DecodeCase c = testing::RandomDecodeCase(kLayout, batch, {}, rng);
     int64_t blocks = 0, epochs = 0;
-    for (const DecodeSeqDesc& d : c.seqs) {
+    for (const cuda::DecodeSeqDesc& d : c.seqs) {
       blocks += static_cast<int64_t>(d.pages.size() + d.outlier_pages.size());
     }
     for (int target : {0, 1, 8, 64, 264, 100000}) {
-      const DecodePlanOptions o{.target_ctas = target};
-      absl::StatusOr<DecodePlan> plan = BuildDecodePlan(kLayout, c.num_pages, 4, c.seqs, o);
+      const cuda::DecodePlanOptions o{.target_ctas = target};
+      absl::StatusOr<cuda::DecodePlan> plan =
+          cuda::BuildDecodePlan(kLayout, c.num_pages, 4, c.seqs, o);
       ASSERT_TRUE(plan.ok()) << plan.status();
-      const int64_t max_work = MaxDecodeWork(batch, o);
+      const int64_t max_work = cuda::MaxDecodeWork(batch, o);
       EXPECT_LE(plan->layout.num_work, max_work) << "batch " << batch << " target " << target;
       epochs = plan->layout.num_epochs;
-      const DecodePlanLayout bound =
-          LayoutDecodePlan(batch, blocks, batch * kMaxSeqEpochs, max_work, kLayout.n_kv_heads);
+      const DecodePlanLayout bound = cuda::LayoutDecodePlan(batch, blocks, batch * kMaxSeqEpochs,
+                                                            max_work, kLayout.n_kv_heads);
       EXPECT_LE(plan->bytes(), bound.total_bytes);
-      EXPECT_EQ(plan->bytes(),
-                LayoutDecodePlan(batch, blocks, epochs, plan->layout.num_work, kLayout.n_kv_heads)
-                    .total_bytes);
+      EXPECT_EQ(plan->bytes(), cuda::LayoutDecodePlan(batch, blocks, epochs, plan->layout.num_work,
+                                                      kLayout.n_kv_heads)
+                                   .total_bytes);
     }
   }
-  EXPECT_EQ(MaxDecodeWork(4, {.blocks_per_split = 2}), -1);
+  EXPECT_EQ(cuda::MaxDecodeWork(4, {.blocks_per_split = 2}), -1);
 }
 
 TEST(DecodePlanTest, RejectsBadBlockTables) {
   // One full block then one compressed block of 16 tokens; slot 0 of page 1.
-  DecodeSeqDesc good;
+  cuda::DecodeSeqDesc good;
   good.length = 20;
   good.pages = {1, 0};
   good.slots = {0, kFullBlock};
@@ -131,8 +135,8 @@ TEST(DecodePlanTest, RejectsBadBlockTables) {
   good.outlier_masks = {0b101, 0};
   good.outlier_pages = {2};
   good.n_outliers = 2;
-  const auto build = [](const DecodeSeqDesc& d) {
-    return BuildDecodePlan(kLayout, 3, 2, std::vector<DecodeSeqDesc>{d});
+  const auto build = [](const cuda::DecodeSeqDesc& d) {
+    return cuda::BuildDecodePlan(kLayout, 3, 2, std::vector<cuda::DecodeSeqDesc>{d});
   };
   ASSERT_TRUE(build(good).ok()) << build(good).status();
   EXPECT_EQ(build(good)->layout.max_seq_epochs, 2);
@@ -167,12 +171,12 @@ TEST(DecodePlanTest, RejectsBadBlockTables) {
   bad = good;
   bad.outlier_pages = {};
   EXPECT_FALSE(build(bad).ok());
-  EXPECT_TRUE(BuildDecodePlan(kLayout, 3, 2, std::vector<DecodeSeqDesc>{}).ok());
+  EXPECT_TRUE(cuda::BuildDecodePlan(kLayout, 3, 2, std::vector<cuda::DecodeSeqDesc>{}).ok());
 }
 
 TEST(DecodePlanTest, RejectsMoreEpochsThanACtaHolds) {
   const KvPoolLayout l = MakeKvPoolLayout(1, 64, 16, 8, 8, CoeffDtype::kFp16);
-  DecodeSeqDesc d;
+  cuda::DecodeSeqDesc d;
   const int nb = kMaxSeqEpochs + 1;
   d.length = nb * 16;
   for (int b = 0; b < nb; ++b) {
@@ -180,9 +184,9 @@ TEST(DecodePlanTest, RejectsMoreEpochsThanACtaHolds) {
     d.slots.push_back(b % 4);
     d.epochs.push_back(b);
   }
-  EXPECT_FALSE(BuildDecodePlan(l, 3, nb, std::vector<DecodeSeqDesc>{d}).ok());
+  EXPECT_FALSE(cuda::BuildDecodePlan(l, 3, nb, std::vector<cuda::DecodeSeqDesc>{d}).ok());
   d.epochs.back() = 0;
-  EXPECT_TRUE(BuildDecodePlan(l, 3, nb, std::vector<DecodeSeqDesc>{d}).ok());
+  EXPECT_TRUE(cuda::BuildDecodePlan(l, 3, nb, std::vector<cuda::DecodeSeqDesc>{d}).ok());
 }
 
 }  // namespace

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
-#include "core/coeff_codec.h"
-#include "core/ggml_types.h"
+#include "core/base/coeff_codec.h"
+#include "core/base/ggml_types.h"
 
 namespace subspace::kernels {
 

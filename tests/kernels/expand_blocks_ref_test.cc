@@ -15,9 +15,9 @@
 #include <tuple>
 #include <vector>
 
-#include "core/compressed_kv_cache.h"
-#include "core/ggml_types.h"
-#include "tests/core/compressed_kv_cache_test_util.h"
+#include "core/base/ggml_types.h"
+#include "core/compress/compressed_kv_cache.h"
+#include "tests/core/compress/compressed_kv_cache_test_util.h"
 #include "tests/kernels/compress_blocks_ref.h"
 #include "tests/kernels/kv_test_data.h"
 

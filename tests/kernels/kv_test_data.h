@@ -17,9 +17,9 @@
 #include <utility>
 #include <vector>
 
-#include "core/coeff_codec.h"
-#include "core/ggml_types.h"
-#include "kernels/decode_plan_builder.h"
+#include "core/base/coeff_codec.h"
+#include "core/base/ggml_types.h"
+#include "cuda/decode_plan_builder.h"
 #include "kernels/kv_layout.h"
 
 namespace subspace::kernels::testing {
@@ -86,7 +86,7 @@ struct DecodeCase {
   int64_t num_pages = 0;
   std::vector<uint8_t> pool;  // [num_pages * page_bytes]
   BasisTable bases;
-  std::vector<DecodeSeqDesc> seqs;
+  std::vector<cuda::DecodeSeqDesc> seqs;
   std::vector<float> q;  // [num_seqs, n_heads, d]
   // What each token presents to a query, per sequence: [n_kv, tokens, d] in double. Full rows
   // as stored; compressed ones reconstructed from the stored codes (k^ = P_q[e] c,
@@ -184,7 +184,7 @@ inline DecodeCase RandomDecodeCase(const KvPoolLayout& l, int batch, const Decod
   const float sigma_k = std::sqrt(static_cast<float>(hd) / l.rank_k);  // |k^| ~ |k|
   const float sigma_v = std::sqrt(static_cast<float>(hd) / l.rank_v);
   for (const SeqShape& sh : shapes) {
-    DecodeSeqDesc d;
+    cuda::DecodeSeqDesc d;
     d.length = sh.length;
     const int nb = static_cast<int>(sh.compressed.size());
     std::vector<std::vector<double>> k_rows(static_cast<size_t>(n_kv)), v_rows(k_rows.size());

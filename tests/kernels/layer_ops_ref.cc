@@ -5,8 +5,8 @@
 #include <cstring>
 #include <limits>
 
-#include "core/coeff_codec.h"
-#include "core/ggml_types.h"
+#include "core/base/coeff_codec.h"
+#include "core/base/ggml_types.h"
 
 namespace subspace::kernels {
 

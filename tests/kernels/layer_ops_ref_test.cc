@@ -24,10 +24,11 @@
 #include <utility>
 #include <vector>
 
-#include "core/coeff_codec.h"
+#include "core/base/coeff_codec.h"
+#include "core/base/ggml_types.h"
+#include "core/base/weight.h"
 #include "core/cpu/ops.h"
-#include "core/ggml_types.h"
-#include "core/weight.h"
+#include "cuda/rope_table.h"
 #include "kernels/kv_layout.h"
 #include "tests/kernels/kv_test_data.h"
 
@@ -128,7 +129,7 @@ RopeCase RandomRopeCase(int n, int n_heads, int n_kv, int head_dim, int rope_dim
                         float theta, std::mt19937_64& rng) {
   RopeCase c{n, n_heads, n_kv, head_dim, rope_dim, max_position, theta};
   c.qkv = RandomFloats(static_cast<int64_t>(n) * (n_heads + 2 * n_kv) * head_dim, 2.0f, rng);
-  c.table = RopeCosSinTable(max_position, rope_dim, theta);
+  c.table = cuda::RopeCosSinTable(max_position, rope_dim, theta);
   std::uniform_int_distribution<int32_t> pick(0, max_position - 1);
   for (int i = 0; i < n; ++i) c.positions.push_back(pick(rng));
   c.positions[0] = max_position - 1;  // the table's last row and, below, its first
@@ -196,7 +197,7 @@ TEST(LayerOpsRefTest, RopeCosSinTableHoldsCpuRopeAngles) {
   for (const auto& [rope_dim, theta] :
        {std::pair{128, 10000.0f}, std::pair{64, 500000.0f}, std::pair{6, 1e6f}}) {
     const int max_position = 4100, pairs = rope_dim / 2;
-    const std::vector<float> table = RopeCosSinTable(max_position, rope_dim, theta);
+    const std::vector<float> table = cuda::RopeCosSinTable(max_position, rope_dim, theta);
     ASSERT_EQ(table.size(), static_cast<size_t>(max_position) * rope_dim);
     std::vector<int64_t> positions(max_position);
     for (int i = 0; i < max_position; ++i) positions[i] = i;
@@ -214,8 +215,8 @@ TEST(LayerOpsRefTest, RopeCosSinTableHoldsCpuRopeAngles) {
     EXPECT_NEAR(table[at], std::cos(4099.0L * inv), 1e-7);
     EXPECT_NEAR(table[at + 1], std::sin(4099.0L * inv), 1e-7);
   }
-  EXPECT_TRUE(RopeCosSinTable(0, 64, 10000.0f).empty());
-  EXPECT_TRUE(RopeCosSinTable(16, 0, 10000.0f).empty());
+  EXPECT_TRUE(cuda::RopeCosSinTable(0, 64, 10000.0f).empty());
+  EXPECT_TRUE(cuda::RopeCosSinTable(16, 0, 10000.0f).empty());
 }
 
 TEST(LayerOpsRefTest, SwiGluMatchesCpuSwiGluWithinOneHalfUnit) {

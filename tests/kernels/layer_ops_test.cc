@@ -27,8 +27,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/coeff_codec.h"
-#include "core/ggml_types.h"
+#include "core/base/coeff_codec.h"
+#include "core/base/ggml_types.h"
+#include "cuda/rope_table.h"
 #include "kernels/append_kv.h"
 #include "kernels/embedding.h"
 #include "kernels/kv_layout.h"
@@ -374,7 +375,7 @@ TEST_P(RopeGpuTest, SplitAndRotationAreBitExact) {
   const std::vector<float> qkv =
       RandomFloats(static_cast<int64_t>(n) * (heads.first + 2 * heads.second) * hd, 2.0f, rng);
   const std::vector<float> table =
-      RopeCosSinTable(shape.max_position, shape.rope_dim, full ? 500000.0f : 10000.0f);
+      cuda::RopeCosSinTable(shape.max_position, shape.rope_dim, full ? 500000.0f : 10000.0f);
   std::vector<int32_t> positions(static_cast<size_t>(n));
   std::uniform_int_distribution<int32_t> pick(0, shape.max_position - 1);
   for (int32_t& p : positions) p = pick(rng);
@@ -424,7 +425,7 @@ TEST(RopeGpuScalarTest, MisalignedAndOddShapesAreBitExact) {
     shape.rope_dim = c.rope_dim;
     shape.max_position = 300;
     const std::vector<float> qkv = RandomFloats(19 * 10 * c.head_dim, 2.0f, rng);
-    const std::vector<float> table = RopeCosSinTable(300, c.rope_dim, 10000.0f);
+    const std::vector<float> table = cuda::RopeCosSinTable(300, c.rope_dim, 10000.0f);
     std::vector<int32_t> positions(19);
     std::uniform_int_distribution<int32_t> pick(0, 299);
     for (int32_t& p : positions) p = pick(rng);
@@ -449,7 +450,7 @@ TEST(RopeGpuScalarTest, PositionsOutsideTheTableGiveNanRows) {
     shape.rope_dim = 64;
     shape.max_position = 16;
     const std::vector<float> qkv = RandomFloats(3 * 8 * 64, 1.0f, rng);
-    const std::vector<float> table = RopeCosSinTable(16, 64, 10000.0f);
+    const std::vector<float> table = cuda::RopeCosSinTable(16, 64, 10000.0f);
     RopeRun want, got;
     ASSERT_NO_FATAL_FAILURE(RunRope(shape, qkv, {3, 16, -1}, table, off, &want, &got));
     for (size_t i = 0; i < got.q.size(); ++i) {

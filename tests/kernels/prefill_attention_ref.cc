@@ -10,7 +10,7 @@
 #include <cstring>
 #include <vector>
 
-#include "core/coeff_codec.h"
+#include "core/base/coeff_codec.h"
 
 namespace subspace::kernels {
 namespace {

@@ -15,7 +15,7 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/decode_plan_builder.h"
+#include "cuda/decode_plan_builder.h"
 #include "tests/kernels/decode_attention_ref.h"
 #include "tests/kernels/kv_test_data.h"
 
@@ -142,9 +142,9 @@ TEST_P(PrefillAttentionRefTest, SingleRowsMatchDecodeTwin) {
   const PrefillAttentionParams p = HostParams(c, out.data());
   PrefillAttentionRef(p);
 
-  std::vector<DecodeSeqDesc> seqs;
+  std::vector<cuda::DecodeSeqDesc> seqs;
   for (int32_t s = 0; s < c.num_seqs(); ++s) {
-    DecodeSeqDesc d;
+    cuda::DecodeSeqDesc d;
     d.length = c.q_start[s] + 1;
     const int64_t nb = (d.length + bs - 1) / bs;
     d.pages.assign(c.block_table.begin() + static_cast<int64_t>(s) * c.max_blocks,
@@ -153,7 +153,8 @@ TEST_P(PrefillAttentionRefTest, SingleRowsMatchDecodeTwin) {
     d.epochs.assign(static_cast<size_t>(nb) * l.n_kv_heads, -1);
     seqs.push_back(std::move(d));
   }
-  absl::StatusOr<DecodePlan> plan = BuildDecodePlan(l, c.num_pages, /*num_basis_epochs=*/1, seqs);
+  absl::StatusOr<cuda::DecodePlan> plan =
+      cuda::BuildDecodePlan(l, c.num_pages, /*num_basis_epochs=*/1, seqs);
   ASSERT_TRUE(plan.ok()) << plan.status();
   std::vector<float> want(c.q.size(), std::nanf(""));
   DecodeAttentionParams dp;

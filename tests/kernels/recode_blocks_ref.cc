@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
-#include "core/coeff_codec.h"
+#include "core/base/coeff_codec.h"
 #include "tests/kernels/compress_blocks_ref.h"
 
 namespace subspace::kernels {

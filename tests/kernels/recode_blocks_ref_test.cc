@@ -11,7 +11,7 @@
 #include <tuple>
 #include <vector>
 
-#include "core/coeff_codec.h"
+#include "core/base/coeff_codec.h"
 #include "tests/kernels/compress_blocks_ref.h"
 #include "tests/kernels/kv_test_data.h"
 

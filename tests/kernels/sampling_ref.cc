@@ -1,5 +1,5 @@
 // Plain loops over host memory: the reference the sampling kernel is tested against. Every
-// expression that decides a token is written as core/sampler.cc writes it.
+// expression that decides a token is written as core/model/sampler.cc writes it.
 #include "tests/kernels/sampling_ref.h"
 
 #include <algorithm>

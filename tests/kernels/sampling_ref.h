@@ -1,8 +1,8 @@
 // CPU twin of sampling.cu: the same SampleTokensParams with host pointers, plain loops. Each row
-// is fully sorted by (logit descending, id ascending) and then walked through core/sampler.cc's
-// policy step by step with the host sampler's own arithmetic (float weights from std::exp,
-// double running sums in the host's order), so for the same uniform it picks exactly the token
-// core::Sampler picks (sampling_ref_test.cc holds it to that). Builds without nvcc.
+// is fully sorted by (logit descending, id ascending) and then walked through
+// core/model/sampler.cc's policy step by step with the host sampler's own arithmetic (float weights
+// from std::exp, double running sums in the host's order), so for the same uniform it picks exactly
+// the token core::Sampler picks (sampling_ref_test.cc holds it to that). Builds without nvcc.
 #ifndef SUBSPACE_TESTS_KERNELS_SAMPLING_REF_H_
 #define SUBSPACE_TESTS_KERNELS_SAMPLING_REF_H_
 

@@ -1,6 +1,6 @@
 // The sampling kernel's CPU twin (sampling_ref.h) against the host sampler it stands in for
-// (core/sampler.h, no repetition penalty), so a kernel that matches the twin matches the host.
-// core::Sampler draws its uniform from raw mt19937_64 bits (UniformFromBits: the top 53 bits
+// (core/model/sampler.h, no repetition penalty), so a kernel that matches the twin matches the
+// host. core::Sampler draws its uniform from raw mt19937_64 bits (UniformFromBits: the top 53 bits
 // times 2^-53); the test rebuilds that draw from the seed and hands it to the twin, so the two
 // must pick the same token for every seed, not merely from the same distribution, and report
 // bit-identical log-probabilities (both compute float(logit - log_z) with the same float terms
@@ -20,7 +20,7 @@
 #include <tuple>
 #include <vector>
 
-#include "core/sampler.h"
+#include "core/model/sampler.h"
 #include "tests/kernels/kv_test_data.h"
 
 namespace subspace::kernels {
@@ -28,7 +28,7 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// core/sampler.cc's first draw for `seed` (UniformFromBits on a fresh engine).
+// core/model/sampler.cc's first draw for `seed` (UniformFromBits on a fresh engine).
 double HostUniform(uint64_t seed) {
   std::mt19937_64 rng(seed);
   return static_cast<double>(rng() >> 11) * 0x1.0p-53;

@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "core/gguf.h"
-#include "core/model.h"
-#include "core/paged_kv_cache.h"
-#include "core/tokenizer.h"
+#include "core/gguf/gguf.h"
+#include "core/kvcache/paged_kv_cache.h"
+#include "core/model/model.h"
+#include "core/tokenizer/tokenizer.h"
 #include "tests/test_util.h"
 #include "tools/eval/perplexity.h"
 

@@ -1,12 +1,12 @@
 // --device selection: parsing, the CPU backend for either cache kind, and the CUDA choices'
 // answers on a machine without a GPU (or a binary without CUDA). The CUDA backend's own
-// correctness is tests/kernels/cuda_model_test.cc (gpu label).
+// correctness is tests/cuda/cuda_model_test.cc (gpu label).
 #include "server/backend.h"
 
 #include <gtest/gtest.h>
 
 #include "kernels/device_info.h"
-#include "tests/core/tiny_model_util.h"
+#include "tests/core/model/tiny_model_util.h"
 
 namespace subspace::server {
 namespace {

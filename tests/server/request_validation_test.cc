@@ -9,7 +9,7 @@
 #include <string>
 
 #include "gtest/gtest.h"
-#include "tests/core/tiny_model_util.h"
+#include "tests/core/model/tiny_model_util.h"
 
 namespace subspace::server {
 namespace {

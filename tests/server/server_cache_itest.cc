@@ -18,9 +18,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
-#include "core/basis_file.h"
-#include "core/calibration.h"
-#include "core/model.h"
+#include "core/compress/basis_file.h"
+#include "core/compress/calibration.h"
+#include "core/model/model.h"
 #include "gtest/gtest.h"
 #include "proto/subspace.grpc.pb.h"
 #include "server/kv_cache_options.h"

@@ -31,7 +31,7 @@
 #include "gtest/gtest.h"
 #include "proto/subspace.grpc.pb.h"
 #include "server/server_app.h"
-#include "tests/core/tiny_model_util.h"
+#include "tests/core/model/tiny_model_util.h"
 
 namespace subspace::testing {
 

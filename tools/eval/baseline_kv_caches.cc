@@ -6,8 +6,8 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "core/ggml_types.h"
-#include "core/paged_kv_cache.h"
+#include "core/base/ggml_types.h"
+#include "core/kvcache/paged_kv_cache.h"
 
 namespace subspace::eval {
 namespace {

@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/forwarding_kv_cache.h"
-#include "core/kv_cache.h"
+#include "core/kvcache/forwarding_kv_cache.h"
+#include "core/kvcache/kv_cache.h"
 
 namespace subspace::eval {
 

@@ -15,9 +15,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "core/forwarding_kv_cache.h"
-#include "core/kv_cache.h"
-#include "core/model.h"
+#include "core/kvcache/forwarding_kv_cache.h"
+#include "core/kvcache/kv_cache.h"
+#include "core/model/model.h"
 #include "tools/eval/perplexity.h"
 
 namespace subspace::eval {

@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/kv_cache.h"
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/kvcache/kv_cache.h"
+#include "core/model/model.h"
+#include "core/tokenizer/tokenizer.h"
 
 namespace subspace::eval {
 

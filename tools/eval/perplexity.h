@@ -11,8 +11,8 @@
 #include <span>
 
 #include "absl/status/statusor.h"
-#include "core/kv_cache.h"
-#include "core/model.h"
+#include "core/kvcache/kv_cache.h"
+#include "core/model/model.h"
 
 namespace subspace::eval {
 

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "core/base/ggml_types.h"
 #include "core/cpu/matmul_internal.h"
-#include "core/ggml_types.h"
 
 namespace subspace::cpu {
 namespace {

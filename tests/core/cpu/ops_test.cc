@@ -19,9 +19,9 @@
 #include <utility>
 #include <vector>
 
+#include "core/base/ggml_types.h"
+#include "core/base/weight.h"
 #include "core/cpu/matmul_internal.h"
-#include "core/ggml_types.h"
-#include "core/weight.h"
 
 namespace subspace::cpu {
 namespace {
@@ -44,7 +44,7 @@ std::vector<Isa> IsasToTest() {
 
 const char* IsaName(Isa isa) { return isa == Isa::kScalar ? "scalar" : "avx2"; }
 
-// Decoders independent of core/ggml_types.cc, exact in double.
+// Decoders independent of core/base/ggml_types.cc, exact in double.
 double HalfToDouble(uint16_t h) {
   const int exp = (h >> 10) & 31;
   const int mant = h & 1023;

@@ -11,9 +11,9 @@
 #include <random>
 #include <vector>
 
-#include "core/ggml_types.h"
-#include "core/paged_kv_cache.h"
-#include "tests/core/compressed_kv_cache_test_util.h"
+#include "core/base/ggml_types.h"
+#include "core/kvcache/paged_kv_cache.h"
+#include "tests/core/compress/compressed_kv_cache_test_util.h"
 
 namespace subspace::eval {
 namespace {

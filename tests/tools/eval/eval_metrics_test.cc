@@ -5,7 +5,7 @@
 #include <cmath>
 #include <vector>
 
-#include "core/paged_kv_cache.h"
+#include "core/kvcache/paged_kv_cache.h"
 #include "gtest/gtest.h"
 
 namespace subspace::eval {

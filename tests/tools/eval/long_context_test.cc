@@ -9,8 +9,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "core/gguf.h"
-#include "core/paged_kv_cache.h"
+#include "core/gguf/gguf.h"
+#include "core/kvcache/paged_kv_cache.h"
 #include "tests/test_util.h"
 #include "tools/eval/baseline_kv_caches.h"
 

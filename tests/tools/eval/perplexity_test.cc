@@ -7,7 +7,7 @@
 #include <cmath>
 #include <vector>
 
-#include "tests/core/tiny_model_util.h"
+#include "tests/core/model/tiny_model_util.h"
 
 namespace subspace::eval {
 namespace {

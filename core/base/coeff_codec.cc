@@ -1,0 +1,71 @@
+// Coefficient encode/decode. int8 is symmetric per row: scale = max|x| / 127 rounded to fp16,
+// codes = round(x / scale); the scale is rounded before the codes are made so decode sees the
+// exact scale the codes were computed with.
+#include "core/base/coeff_codec.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/base/ggml_types.h"
+
+namespace subspace {
+
+const char* CoeffDtypeName(CoeffDtype dtype) {
+  switch (dtype) {
+    case CoeffDtype::kFp32:
+      return "fp32";
+    case CoeffDtype::kFp16:
+      return "fp16";
+    case CoeffDtype::kInt8:
+      return "int8";
+  }
+  return "?";
+}
+
+void EncodeCoeffs(CoeffDtype dtype, const float* x, int r, void* codes, uint16_t* scale) {
+  switch (dtype) {
+    case CoeffDtype::kFp32:
+      std::memcpy(codes, x, static_cast<size_t>(r) * sizeof(float));
+      return;
+    case CoeffDtype::kFp16: {
+      auto* h = static_cast<uint16_t*>(codes);
+      for (int j = 0; j < r; ++j) h[j] = Fp32ToFp16(x[j]);
+      return;
+    }
+    case CoeffDtype::kInt8: {
+      float amax = 0.0f;
+      for (int j = 0; j < r; ++j) amax = std::max(amax, std::fabs(x[j]));
+      const uint16_t s16 = Fp32ToFp16(amax / 127.0f);
+      const float s = HalfToFloat(s16);
+      auto* q = static_cast<int8_t*>(codes);
+      const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+      for (int j = 0; j < r; ++j) {
+        q[j] = static_cast<int8_t>(std::clamp(std::nearbyint(x[j] * inv), -127.0f, 127.0f));
+      }
+      *scale = s16;
+      return;
+    }
+  }
+}
+
+void DecodeCoeffs(CoeffDtype dtype, const void* codes, const uint16_t* scale, int r, float* out) {
+  switch (dtype) {
+    case CoeffDtype::kFp32:
+      std::memcpy(out, codes, static_cast<size_t>(r) * sizeof(float));
+      return;
+    case CoeffDtype::kFp16: {
+      const auto* h = static_cast<const uint16_t*>(codes);
+      for (int j = 0; j < r; ++j) out[j] = HalfToFloat(h[j]);
+      return;
+    }
+    case CoeffDtype::kInt8: {
+      const auto* q = static_cast<const int8_t*>(codes);
+      const float s = HalfToFloat(*scale);
+#pragma omp simd
+      for (int j = 0; j < r; ++j) out[j] = s * static_cast<float>(q[j]);
+      return;
+    }
+  }
+}
+
+}  // namespace subspace

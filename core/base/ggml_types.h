@@ -1,0 +1,57 @@
+// Element types of GGUF tensors (numbered as in ggml) and their scalar conversions:
+// fp16 and bf16 to/from fp32, and the Q8_0 block layout.
+#ifndef SUBSPACE_CORE_BASE_GGML_TYPES_H_
+#define SUBSPACE_CORE_BASE_GGML_TYPES_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace subspace {
+
+enum class GgmlType : uint32_t {
+  kF32 = 0,
+  kF16 = 1,
+  kQ8_0 = 8,
+  kBF16 = 30,
+};
+
+// Q8_0: blocks of 32 weights sharing one fp16 scale; weight = scale * q.
+inline constexpr int kQ8BlockSize = 32;
+struct BlockQ8_0 {
+  uint16_t scale_f16;
+  int8_t q[kQ8BlockSize];
+};
+static_assert(sizeof(BlockQ8_0) == 34, "Q8_0 block must be 34 bytes as in ggml");
+
+// True for the tensor types this engine can load.
+bool IsSupportedGgmlType(uint32_t raw_type);
+// ggml's name for any assigned type id, supported or not ("q4_K"); "unknown" otherwise.
+const char* GgmlTypeName(GgmlType type);
+
+// Bytes taken by `n` consecutive elements (a row). For block types `n` must be a multiple of
+// the block size; returns 0 when it is not (and for negative `n`, unsupported types or a
+// byte count that overflows uint64).
+uint64_t GgmlRowBytes(GgmlType type, int64_t n);
+// Elements per block (1 for scalar types, 32 for Q8_0); 0 for unsupported types.
+int64_t GgmlBlockElems(GgmlType type);
+// Bytes per block (4 for F32, 2 for F16/BF16, 34 for Q8_0); 0 for unsupported types.
+uint64_t GgmlBlockBytes(GgmlType type);
+
+float Fp16ToFp32(uint16_t h);
+uint16_t Fp32ToFp16(float f);  // round to nearest even
+
+inline float Bf16ToFp32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+uint16_t Fp32ToBf16(float f);  // round to nearest even, NaN kept NaN
+
+// Converts `n` elements of a row stored as `type` into fp32.
+void DequantizeRow(GgmlType type, const void* src, float* dst, int64_t n);
+
+}  // namespace subspace
+
+#endif  // SUBSPACE_CORE_BASE_GGML_TYPES_H_

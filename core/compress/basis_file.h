@@ -1,0 +1,58 @@
+// The calibrated basis file: a GGUF container holding one basis epoch (per layer and KV head
+// P_q, P_k, P_v, R_v as F32 tensors) with the calibration's provenance, written by
+// subspace-calibrate and loaded by the server's --bases.
+//
+// Metadata (all under "subspace.basis."): method_k, method_v (strings), energy (f64, 0 for a
+// fixed rank), calibration_tokens (u64), model_fnv1a64 (u64, ModelChecksum of the model file),
+// n_layers, n_kv_heads, head_dim (u32), rank_k, rank_v (i32 arrays [n_layers]).
+// Tensors: blk.L.head.H.p_q, .p_k [d, r_k]; .p_v [d, r_v]; .r_v [r_v, d] (row-major; GGUF dims
+// list the row length first, e.g. p_q has dims {r_k, d}).
+#ifndef SUBSPACE_CORE_COMPRESS_BASIS_FILE_H_
+#define SUBSPACE_CORE_COMPRESS_BASIS_FILE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/compress/basis.h"
+#include "core/gguf/gguf.h"
+#include "core/kvcache/kv_cache.h"
+
+namespace subspace {
+
+struct BasisFileInfo {
+  std::string method_k;
+  std::string method_v;
+  double energy = 0.0;  // 0: fixed rank
+  uint64_t calibration_tokens = 0;
+  uint64_t model_checksum = 0;  // ModelChecksum of the model the basis was calibrated on
+};
+
+struct BasisFile {
+  BasisFileInfo info;
+  Basis basis;
+};
+
+// 64-bit FNV-1a over the model file's bytes, taken as little-endian 64-bit words (the tail of
+// 0-7 bytes byte by byte): ~8x cheaper than byte-wise FNV-1a, and it identifies the exact file
+// (not a cryptographic hash; it guards against loading bases for the wrong model).
+uint64_t ModelChecksum(const GgufFile& model);
+
+// The GGUF bytes of `info` and `basis`. INVALID_ARGUMENT when the basis is inconsistent.
+absl::StatusOr<std::string> SerializeBasisFile(const BasisFileInfo& info, const Basis& basis);
+absl::Status WriteBasisFile(const std::string& path, const BasisFileInfo& info, const Basis& basis);
+
+// Parses and checks the file's own consistency (keys present with the right types, ranks in
+// [1, head_dim], every tensor present, F32 and of the stated shape). INVALID_ARGUMENT naming
+// the problem.
+absl::StatusOr<BasisFile> ParseBasisFile(const GgufFile& file);
+absl::StatusOr<BasisFile> ReadBasisFile(const std::string& path);
+
+// INVALID_ARGUMENT unless the file's geometry is the model's and its checksum the model's.
+absl::Status CheckBasisMatchesModel(const BasisFile& bases, const KvCacheGeometry& geometry,
+                                    uint64_t model_checksum);
+
+}  // namespace subspace
+
+#endif  // SUBSPACE_CORE_COMPRESS_BASIS_FILE_H_

@@ -1,0 +1,748 @@
+// Engine: validation and admission on the caller's thread; on the engine thread, a loop that
+// reaps (cancel, deadline, TTL), plans a step with the Scheduler, runs the model, samples,
+// detokenizes and reports through observers with the lock released.
+//
+// Locking: mu_ guards the request table, the scheduler, the sessions and the stats. The cache
+// is touched only by the engine thread -- planning and session bookkeeping under mu_, the
+// forward pass outside it -- so Submit and friends never wait for a forward pass, and Stats()
+// reads a snapshot of the cache's counters taken by the engine thread. mu_ is a std::mutex, not
+// an absl::Mutex, so that ThreadSanitizer sees its happens-before edges (Debian's Abseil is not
+// built with TSan). The loop sleeps on kick_cv_ and Drain on idle_cv_; whoever may make
+// KickedLocked() or IdleLocked() true signals the variable (absl's Await re-evaluated them on
+// every unlock by itself).
+//
+// Session and EOS semantics (documented for the API):
+//  * A request on a session runs over the session's history + its prompt; only tokens not in
+//    the session's cache are prefilled (usage.reused_tokens counts the rest). However it ends,
+//    the session's history becomes history + prompt + every generated token reported through
+//    OnTokens -- an EOS included, and the token that completed a stop sequence too -- so the
+//    next call continues exactly what the model produced. The last generated token's K/V is
+//    not cached yet: it is prefilled with the next call's prompt.
+//  * EOS is reported as a token (its text is empty) and counted in generated_tokens.
+//  * max_new_tokens is clamped to the context left (history + prompt + generated tokens never
+//    exceed context_length; the request then ends with kLength); only a prompt that leaves no
+//    room to generate is rejected.
+//  * A cancelled or timed-out request drops text held back by the UTF-8 decoder or the stop
+//    matcher; a request ending by length or EOS flushes it into its last token's text.
+#include "core/engine/engine.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "core/engine/scheduler.h"
+#include "core/engine/session_store.h"
+
+namespace subspace {
+
+const char* FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kNone:
+      return "none";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kEos:
+      return "eos";
+    case FinishReason::kCancelled:
+      return "cancelled";
+    case FinishReason::kDeadline:
+      return "deadline";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// How long the loop sleeps when requests wait but none could be scheduled (it cannot happen
+// with the scheduler's policy; the poll only keeps deadlines honoured if it ever did).
+constexpr absl::Duration kBlockedPoll = absl::Milliseconds(10);
+
+double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+// Waits on `cv` until `ready()` holds or absl's clock passes `deadline` (which may be
+// absl::InfiniteFuture()); true when ready. Each wait is capped so the conversion to a chrono
+// duration cannot overflow; an early wake-up only re-checks.
+template <typename Ready>
+bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, absl::Time deadline,
+               Ready ready) {
+  constexpr absl::Duration kMaxWait = absl::Hours(1);
+  while (!ready()) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return false;
+    cv.wait_for(lock, absl::ToChronoNanoseconds(std::min(left, kMaxWait)));
+  }
+  return true;
+}
+
+}  // namespace
+
+class Engine::Impl {
+ public:
+  Impl(EngineConfig config, std::shared_ptr<ModelRunner> model,
+       std::shared_ptr<const Tokenizer> tokenizer, std::unique_ptr<KvCacheBase> cache)
+      : config_(std::move(config)),
+        model_(std::move(model)),
+        tokenizer_(std::move(tokenizer)),
+        cache_(std::move(cache)),
+        sessions_(config_.max_sessions, config_.default_session_ttl) {}
+
+  absl::Status Start();
+  ~Impl();
+
+  absl::StatusOr<RequestId> Submit(GenerateRequest request,
+                                   std::shared_ptr<GenerateObserver> observer);
+  void Cancel(RequestId id);
+  absl::StatusOr<SessionInfo> CreateSession(absl::Duration idle_ttl, std::string_view proposed_id,
+                                            std::string_view owner,
+                                            std::optional<RefreshConfig> refresh);
+  absl::StatusOr<SessionInfo> GetSession(std::string_view id, std::string_view owner) const;
+  std::vector<SessionInfo> ListSessions(std::string_view owner) const;
+  absl::Status DeleteSession(std::string_view id, std::string_view owner);
+  bool Drain(absl::Duration timeout);
+  bool draining() const;
+  EngineStats Stats() const;
+
+  const ModelConfig& model_config() const { return model_->config(); }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const EngineConfig& config() const { return config_; }
+
+ private:
+  struct Request {
+    Request(RequestId id, const SamplingParams& sampling, const Tokenizer& tokenizer,
+            bool strip_leading_space, std::vector<std::string> stops)
+        : id(id),
+          sampler(sampling),
+          decoder(tokenizer, strip_leading_space),
+          stop(std::move(stops)) {}
+
+    const RequestId id;
+    std::shared_ptr<GenerateObserver> observer;
+    std::string session_id;
+    std::vector<int32_t> tokens;  // session history + prompt + generated
+    int64_t prompt_tokens = 0;    // of this request alone
+    int64_t max_new = 0;          // clamped to the context left
+    bool ignore_eos = false;
+    absl::Time deadline;
+    absl::Time accepted;
+    bool cancelled = false;  // guarded by Impl::mu_
+
+    // Engine thread only.
+    Sampler sampler;
+    StreamDecoder decoder;
+    StopMatcher stop;
+    int64_t generated = 0;
+    int64_t reused = 0;
+    bool scheduled_once = false;
+    absl::Time first_scheduled;
+    absl::Time last_token;
+    GenerateTimings timings;
+  };
+
+  // Observer calls collected under the lock and made after releasing it, in order.
+  struct Delivery {
+    std::shared_ptr<GenerateObserver> observer;
+    GeneratedTokenEvent event;
+    std::optional<GenerateResult> finish;  // set: OnFinish; unset: OnTokens(event)
+  };
+
+  // What sampling one chunk's logits decided (computed without the lock).
+  struct Outcome {
+    GeneratedTokenEvent event;
+    FinishReason finish = FinishReason::kNone;
+  };
+
+  void Loop();
+  // *Locked methods run with mu_ held (the thread-safety annotations went with absl::Mutex:
+  // std::mutex is no capability type to clang's analysis).
+  // Finishes cancelled, timed-out (and, when stopping, all) requests; evicts expired sessions
+  // and frees the cache sequences that deleted or expired sessions left behind.
+  void ReapLocked(absl::Time now, std::vector<Delivery>* out);
+  // Takes the request out of the scheduler, hands its cache to its session (or frees it),
+  // queues OnFinish and forgets the request.
+  void FinishLocked(Request& r, FinishReason reason, absl::Status status, absl::Time now,
+                    std::vector<Delivery>* out);
+  // The scheduler's reclaim hook: drops the cache of the least recently used idle session.
+  bool ReclaimIdleLocked();
+  void FreeSeqLocked(SeqId seq);
+  Outcome SampleAndDecode(Request& r, std::span<float> logits);
+  // The rest of SampleAndDecode, for a token sampled on the device or the host.
+  Outcome Decode(Request& r, SampledToken s);
+  // Fills rows_ when the runner samples on its device and every request of the step lets it
+  // (no repetition penalty, no top logprobs): the logits then never leave the device.
+  bool PlanDeviceSampling(const std::vector<bool>& samples);
+  // Takes mu_ itself: call without it.
+  void Deliver(std::vector<Delivery>& out);
+
+  // Something for the loop to look at: wakes it.
+  void KickLocked() {
+    kicked_ = true;
+    kick_cv_.notify_one();  // only the engine thread waits on it
+  }
+  bool KickedLocked() const { return kicked_ || stop_; }
+  bool IdleLocked() const { return requests_.empty() && undelivered_finishes_ == 0; }
+
+  const EngineConfig config_;
+  const std::shared_ptr<ModelRunner> model_;
+  const std::shared_ptr<const Tokenizer> tokenizer_;
+  const std::unique_ptr<KvCacheBase> cache_;  // engine thread only (see the file comment)
+
+  mutable std::mutex mu_;
+  std::condition_variable kick_cv_;  // KickedLocked() may have become true
+  std::condition_variable idle_cv_;  // IdleLocked() may have become true
+  // Guarded by mu_, from here to cache_stats_:
+  std::unique_ptr<Scheduler> scheduler_;
+  SessionStore sessions_;
+  absl::flat_hash_map<RequestId, std::unique_ptr<Request>> requests_;
+  std::vector<SeqId> seqs_to_free_;
+  RequestId next_id_ = 1;
+  bool kicked_ = false;  // something for the loop to look at (set through KickLocked)
+  bool draining_ = false;
+  bool stop_ = false;
+  // Finishes taken out of requests_ whose OnFinish has not returned yet (Drain waits for them).
+  int64_t undelivered_finishes_ = 0;
+  int64_t steps_total_ = 0;
+  // No idle session expires before this (a lower bound, so the sessions are scanned only
+  // when one may have expired, not on every step).
+  absl::Time next_session_expiry_ = absl::InfiniteFuture();
+  KvCacheStats cache_stats_;
+
+  // Engine thread only: the step's batch, reused across steps.
+  std::vector<SequenceChunk> batch_;
+  std::vector<Request*> batch_requests_;
+  std::vector<float> logits_;
+  std::vector<RowSampling> rows_;      // device sampling: one per chunk
+  std::vector<TokenLogprob> sampled_;  // ... and what it chose
+  std::thread thread_;
+};
+
+absl::Status Engine::Impl::Start() {
+  std::lock_guard<std::mutex> lock(mu_);
+  SchedulerConfig sc;
+  sc.max_running = config_.max_running;
+  sc.max_batch_tokens = config_.max_batch_tokens;
+  sc.max_queue = config_.max_queue;
+  absl::StatusOr<std::unique_ptr<Scheduler>> scheduler =
+      Scheduler::Create(sc, cache_.get(), [this]() {
+        // Called from Schedule(), which runs under mu_ on the engine thread.
+        return ReclaimIdleLocked();
+      });
+  if (!scheduler.ok()) return scheduler.status();
+  scheduler_ = *std::move(scheduler);
+  cache_stats_ = cache_->Stats();
+  thread_ = std::thread([this] { Loop(); });
+  return absl::OkStatus();
+}
+
+Engine::Impl::~Impl() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    kick_cv_.notify_one();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
+                                               std::shared_ptr<GenerateObserver> observer) {
+  if (observer == nullptr) return absl::InvalidArgumentError("observer is null");
+  const ModelConfig& mc = model_->config();
+  if (request.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
+  for (size_t i = 0; i < request.prompt.size(); ++i) {
+    const int32_t t = request.prompt[i];
+    if (t < 0 || t >= mc.n_vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("prompt[%d] = %d is outside the vocabulary [0, %d)", i, t, mc.n_vocab));
+    }
+  }
+  if (request.max_new_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("max_new_tokens must be at least 1, got %d", request.max_new_tokens));
+  }
+  if (absl::Status st = ValidateSamplingParams(request.sampling); !st.ok()) return st;
+
+  const absl::Time now = absl::Now();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (draining_ || stop_) return absl::UnavailableError("the engine is draining");
+  Session* session = nullptr;
+  if (!request.session_id.empty()) {
+    session = sessions_.FindOwned(request.session_id, request.session_owner, now);
+    if (session == nullptr) {
+      return absl::NotFoundError(absl::StrCat("session ", request.session_id, " not found"));
+    }
+    if (session->busy()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "session %s is busy with request %d", request.session_id, session->active_request));
+    }
+  }
+  const int64_t history = session == nullptr ? 0 : static_cast<int64_t>(session->tokens.size());
+  const int64_t total = history + static_cast<int64_t>(request.prompt.size());
+  if (total >= mc.context_length) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "prompt: %d tokens (session history %d + prompt %d) leave no room to generate in the "
+        "context of %d",
+        total, history, request.prompt.size(), mc.context_length));
+  }
+  const int64_t max_new = std::min<int64_t>(request.max_new_tokens, mc.context_length - total);
+
+  std::vector<int32_t> tokens;
+  tokens.reserve(static_cast<size_t>(total + max_new));
+  if (session != nullptr) tokens = session->tokens;
+  tokens.insert(tokens.end(), request.prompt.begin(), request.prompt.end());
+  // The decoder strips the dummy-prefix space only when the output starts the text, i.e.
+  // nothing before it produced any bytes (e.g. the prompt is just BOS).
+  const bool strip_leading_space = std::all_of(
+      tokens.begin(), tokens.end(), [&](int32_t t) { return tokenizer_->TokenToBytes(t).empty(); });
+
+  const RequestId id = next_id_;
+  // The longest the sequence gets in the cache: the last generated token is never written.
+  absl::Status added =
+      scheduler_->Add(id, total, total + max_new - 1, session == nullptr ? -1 : session->seq,
+                      session == nullptr ? 0 : session->cached,
+                      session != nullptr && session->refresh ? &*session->refresh : nullptr);
+  if (!added.ok()) return added;
+  ++next_id_;
+
+  auto r = std::make_unique<Request>(id, request.sampling, *tokenizer_, strip_leading_space,
+                                     std::move(request.stop));
+  r->observer = std::move(observer);
+  r->session_id = std::move(request.session_id);
+  r->tokens = std::move(tokens);
+  r->prompt_tokens = static_cast<int64_t>(request.prompt.size());
+  r->max_new = max_new;
+  r->ignore_eos = request.ignore_eos;
+  r->deadline = request.deadline;
+  r->accepted = now;
+  if (session != nullptr) {
+    session->seq = -1;  // the scheduler owns it until the request finishes
+    session->active_request = id;
+    session->last_used = now;
+  }
+  requests_.emplace(id, std::move(r));
+  KickLocked();
+  return id;
+}
+
+void Engine::Impl::Cancel(RequestId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return;
+  it->second->cancelled = true;
+  KickLocked();
+}
+
+absl::StatusOr<SessionInfo> Engine::Impl::CreateSession(absl::Duration idle_ttl,
+                                                        std::string_view proposed_id,
+                                                        std::string_view owner,
+                                                        std::optional<RefreshConfig> refresh) {
+  if (refresh.has_value()) {
+    if (absl::Status s = ValidateRefreshConfig(*refresh); !s.ok()) return s;
+  }
+  const absl::Time now = absl::Now();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (draining_ || stop_) return absl::UnavailableError("the engine is draining");
+  // Expired sessions must not hold slots against max_sessions, nor keep their ids taken.
+  const size_t before = seqs_to_free_.size();
+  sessions_.EvictExpired(now, &seqs_to_free_);
+  if (seqs_to_free_.size() != before) KickLocked();
+  absl::StatusOr<Session*> session = sessions_.Create(idle_ttl, now, proposed_id, owner);
+  if (!session.ok()) return session.status();
+  (*session)->refresh = std::move(refresh);
+  next_session_expiry_ = std::min(next_session_expiry_, now + (*session)->idle_ttl);
+  KickLocked();  // the loop may be asleep until a later expiry
+  return (*session)->Info();
+}
+
+absl::StatusOr<SessionInfo> Engine::Impl::GetSession(std::string_view id,
+                                                     std::string_view owner) const {
+  const absl::Time now = absl::Now();
+  std::lock_guard<std::mutex> lock(mu_);
+  const Session* session = sessions_.FindOwned(id, owner, now);
+  if (session == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", absl::string_view(id.data(), id.size()), " not found"));
+  }
+  return session->Info();
+}
+
+std::vector<SessionInfo> Engine::Impl::ListSessions(std::string_view owner) const {
+  const absl::Time now = absl::Now();
+  std::lock_guard<std::mutex> lock(mu_);
+  return sessions_.List(owner, now);
+}
+
+absl::Status Engine::Impl::DeleteSession(std::string_view id, std::string_view owner) {
+  const absl::Time now = absl::Now();
+  std::lock_guard<std::mutex> lock(mu_);
+  Session* session = sessions_.FindOwned(id, owner, now);
+  if (session == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", absl::string_view(id.data(), id.size()), " not found"));
+  }
+  // The running request ends with kCancelled; finding its session gone, it frees its cache.
+  if (session->busy()) {
+    if (auto it = requests_.find(session->active_request); it != requests_.end()) {
+      it->second->cancelled = true;
+    }
+  }
+  sessions_.Erase(id, &seqs_to_free_);
+  KickLocked();
+  return absl::OkStatus();
+}
+
+bool Engine::Impl::Drain(absl::Duration timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  draining_ = true;
+  return WaitUntil(idle_cv_, lock, absl::Now() + timeout, [this] { return IdleLocked(); });
+}
+
+bool Engine::Impl::draining() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return draining_;
+}
+
+EngineStats Engine::Impl::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  EngineStats s;
+  s.running = scheduler_->running();
+  s.waiting = scheduler_->waiting();
+  s.sessions = sessions_.size();
+  s.preemptions_total = scheduler_->preemptions_total();
+  s.steps_total = steps_total_;
+  s.cache = cache_stats_;
+  return s;
+}
+
+// ---- Engine thread ------------------------------------------------------------------------
+
+void Engine::Impl::Loop() {
+  std::vector<Delivery> out;
+  const int64_t n_vocab = model_->config().n_vocab;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    absl::Time now = absl::Now();
+    kicked_ = false;
+    ReapLocked(now, &out);
+    cache_stats_ = cache_->Stats();  // reaped blocks show before the OnFinish calls
+    if (stop_ && requests_.empty()) break;
+
+    StepPlan plan;
+    if (!scheduler_->empty()) plan = scheduler_->Schedule();
+    if (plan.empty()) {
+      if (!out.empty()) {
+        lock.unlock();
+        Deliver(out);
+        lock.lock();
+        continue;
+      }
+      const absl::Time wake = scheduler_->empty() ? next_session_expiry_ : now + kBlockedPoll;
+      WaitUntil(kick_cv_, lock, wake, [this] { return KickedLocked(); });
+      continue;
+    }
+
+    batch_.clear();
+    batch_requests_.clear();
+    for (const ScheduledChunk& c : plan.chunks) {
+      Request& r = *requests_.at(c.id);
+      if (!r.scheduled_once) {
+        r.scheduled_once = true;
+        r.first_scheduled = now;
+        r.reused = c.pos;  // what the session's cache saved at first admission
+      }
+      batch_.push_back({c.seq, c.pos,
+                        std::span<const int32_t>(r.tokens.data() + c.pos, static_cast<size_t>(c.n)),
+                        /*all_logits=*/false});
+      batch_requests_.push_back(&r);
+    }
+    lock.unlock();
+    Deliver(out);
+
+    // The forward pass and sampling run without the lock: only this thread touches the cache
+    // and the requests' generation state, and no request is erased while the lock is free.
+    const absl::Time start = absl::Now();
+    std::vector<bool> samples(plan.chunks.size());
+    for (size_t i = 0; i < plan.chunks.size(); ++i) samples[i] = plan.chunks[i].samples;
+    const bool on_device = PlanDeviceSampling(samples);
+    const absl::Status forward = on_device
+                                     ? model_->ForwardAndSample(batch_, *cache_, rows_, &sampled_)
+                                     : model_->Forward(batch_, *cache_, &logits_);
+    std::vector<std::optional<Outcome>> outcomes(plan.chunks.size());
+    std::vector<absl::Time> token_times(plan.chunks.size());
+    if (forward.ok()) {
+      for (size_t i = 0; i < plan.chunks.size(); ++i) {
+        if (!samples[i]) continue;
+        if (on_device) {
+          outcomes[i] = Decode(*batch_requests_[i],
+                               {.token = sampled_[i].token, .logprob = sampled_[i].logprob});
+        } else {
+          std::span<float> row(logits_.data() + static_cast<int64_t>(i) * n_vocab,
+                               static_cast<size_t>(n_vocab));
+          outcomes[i] = SampleAndDecode(*batch_requests_[i], row);
+        }
+        token_times[i] = absl::Now();
+      }
+    }
+    const absl::Time end = absl::Now();
+
+    StepStats step;
+    step.sequences = static_cast<int>(plan.chunks.size());
+    step.decode_tokens = static_cast<int>(plan.decode_tokens);
+    step.prefill_tokens = static_cast<int>(plan.prefill_tokens);
+    step.seconds = Seconds(end - start);
+
+    lock.lock();
+    ++steps_total_;
+    if (!forward.ok()) {
+      // The batch's cache state is unknown: FinishLocked frees every sequence in it.
+      const absl::Status internal =
+          absl::InternalError(absl::StrCat("engine step failed: ", forward.message()));
+      for (Request* r : batch_requests_) {
+        absl::Status st = internal;
+        FinishLocked(*r, FinishReason::kNone, st, end, &out);
+      }
+    } else {
+      scheduler_->Commit(plan);
+      for (size_t i = 0; i < plan.chunks.size(); ++i) {
+        if (!outcomes[i].has_value()) continue;
+        Request& r = *batch_requests_[i];
+        scheduler_->AppendToken(r.id);
+        const absl::Time t = token_times[i];
+        if (r.generated == 1) {
+          r.timings.ttft_seconds = Seconds(t - r.accepted);
+        } else {
+          r.timings.inter_token_seconds.push_back(static_cast<float>(Seconds(t - r.last_token)));
+        }
+        r.last_token = t;
+        out.push_back({r.observer, std::move(outcomes[i]->event), std::nullopt});
+        if (outcomes[i]->finish != FinishReason::kNone) {
+          FinishLocked(r, outcomes[i]->finish, absl::OkStatus(), t, &out);
+        }
+      }
+    }
+    cache_stats_ = cache_->Stats();
+    lock.unlock();
+    Deliver(out);
+    if (config_.on_step) config_.on_step(step);
+    lock.lock();
+  }
+  cache_stats_ = cache_->Stats();
+  lock.unlock();
+  Deliver(out);
+}
+
+void Engine::Impl::ReapLocked(absl::Time now, std::vector<Delivery>* out) {
+  std::vector<std::pair<Request*, FinishReason>> done;
+  for (auto& [id, r] : requests_) {
+    if (stop_ || r->cancelled) {
+      done.emplace_back(r.get(), FinishReason::kCancelled);
+    } else if (now >= r->deadline) {
+      done.emplace_back(r.get(), FinishReason::kDeadline);
+    }
+  }
+  // Oldest first, so observers see finishes in submission order.
+  std::sort(done.begin(), done.end(),
+            [](const auto& a, const auto& b) { return a.first->id < b.first->id; });
+  for (auto& [r, reason] : done) FinishLocked(*r, reason, absl::OkStatus(), now, out);
+
+  if (now >= next_session_expiry_) {
+    sessions_.EvictExpired(now, &seqs_to_free_);
+    next_session_expiry_ = sessions_.NextExpiry();
+  }
+  for (SeqId seq : seqs_to_free_) FreeSeqLocked(seq);
+  seqs_to_free_.clear();
+}
+
+void Engine::Impl::FinishLocked(Request& r, FinishReason reason, absl::Status status,
+                                absl::Time now, std::vector<Delivery>* out) {
+  GenerateResult result;
+  result.status = std::move(status);
+  result.finish = reason;
+  result.preemptions = scheduler_->preemptions(r.id);
+  Scheduler::Removed removed = scheduler_->Remove(r.id);
+  if (!result.status.ok() && removed.seq >= 0) {
+    FreeSeqLocked(removed.seq);  // a failed step leaves the cache contents undefined
+    removed = {};
+  }
+  Session* session = r.session_id.empty() ? nullptr : sessions_.Find(r.session_id, now);
+  if (session != nullptr && session->active_request == r.id) {
+    session->tokens = std::move(r.tokens);
+    session->seq = removed.seq;
+    session->cached = removed.seq >= 0 ? removed.num_cached : 0;
+    session->active_request = 0;
+    session->last_used = now;
+    next_session_expiry_ = std::min(next_session_expiry_, now + session->idle_ttl);
+  } else if (removed.seq >= 0) {
+    FreeSeqLocked(removed.seq);  // a one-shot request, or its session was deleted
+  }
+
+  result.usage.prompt_tokens = r.prompt_tokens;
+  result.usage.reused_tokens = r.reused;
+  result.usage.generated_tokens = r.generated;
+  result.timings = std::move(r.timings);
+  result.timings.queue_seconds = Seconds((r.scheduled_once ? r.first_scheduled : now) - r.accepted);
+  result.timings.total_seconds = Seconds(now - r.accepted);
+  out->push_back({std::move(r.observer), {}, std::move(result)});
+  ++undelivered_finishes_;
+  const RequestId id = r.id;
+  requests_.erase(id);  // destroys r
+}
+
+bool Engine::Impl::ReclaimIdleLocked() {
+  Session* s = sessions_.LeastRecentlyUsedCached();
+  if (s == nullptr) return false;
+  FreeSeqLocked(s->seq);
+  s->seq = -1;
+  s->cached = 0;
+  return true;
+}
+
+void Engine::Impl::FreeSeqLocked(SeqId seq) {
+  // Only ids this engine created reach here; a failure would be a bookkeeping bug, and the
+  // worst outcome is a sequence's blocks staying allocated.
+  absl::Status st = cache_->FreeSequence(seq);
+  (void)st;
+}
+
+bool Engine::Impl::PlanDeviceSampling(const std::vector<bool>& samples) {
+  if (!model_->samples_rows()) return false;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    if (samples[i] && !batch_requests_[i]->sampler.RowSamplingApplies()) return false;
+  }
+  rows_.clear();
+  for (size_t i = 0; i < samples.size(); ++i) {
+    // A chunk that samples nothing (a prompt's first part) still has a row: argmax, ignored.
+    rows_.push_back(samples[i] ? batch_requests_[i]->sampler.NextRow() : RowSampling{});
+  }
+  return true;
+}
+
+Engine::Impl::Outcome Engine::Impl::SampleAndDecode(Request& r, std::span<float> logits) {
+  return Decode(r, r.sampler.Sample(logits, r.tokens));
+}
+
+Engine::Impl::Outcome Engine::Impl::Decode(Request& r, SampledToken s) {
+  r.tokens.push_back(s.token);
+  ++r.generated;
+  Outcome o;
+  o.event.token = s.token;
+  o.event.logprob = s.logprob;
+  o.event.top = std::move(s.top);
+  StopMatcher::Result m = r.stop.Push(r.decoder.Push(s.token));
+  o.event.text = std::move(m.text);
+  if (m.stopped) {
+    o.finish = FinishReason::kStop;
+    return o;
+  }
+  if (!r.ignore_eos && tokenizer_->IsEndOfGeneration(s.token)) {
+    o.finish = FinishReason::kEos;
+  } else if (r.generated >= r.max_new) {
+    o.finish = FinishReason::kLength;
+  } else {
+    return o;
+  }
+  // Ending normally: release what the decoder and the stop matcher held back.
+  StopMatcher::Result tail = r.stop.Push(r.decoder.Flush());
+  o.event.text += tail.text;
+  if (tail.stopped) {
+    o.finish = FinishReason::kStop;
+  } else {
+    o.event.text += r.stop.Flush();
+  }
+  return o;
+}
+
+void Engine::Impl::Deliver(std::vector<Delivery>& out) {
+  if (out.empty()) return;
+  int64_t finishes = 0;
+  for (Delivery& d : out) {
+    if (d.finish.has_value()) {
+      d.observer->OnFinish(*d.finish);
+      ++finishes;
+    } else {
+      d.observer->OnTokens(std::span<const GeneratedTokenEvent>(&d.event, 1));
+    }
+  }
+  out.clear();
+  if (finishes > 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    undelivered_finishes_ -= finishes;
+    if (IdleLocked()) idle_cv_.notify_all();  // Drain may wait on several threads
+  }
+}
+
+// ---- Engine -------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineConfig config,
+                                                       std::shared_ptr<ModelRunner> model,
+                                                       std::shared_ptr<const Tokenizer> tokenizer,
+                                                       std::unique_ptr<KvCacheBase> cache) {
+  if (model == nullptr) return absl::InvalidArgumentError("engine needs a model");
+  if (tokenizer == nullptr) return absl::InvalidArgumentError("engine needs a tokenizer");
+  if (cache == nullptr) return absl::InvalidArgumentError("engine needs a KV cache");
+  const ModelConfig& mc = model->config();
+  const KvCacheGeometry& g = cache->geometry();
+  if (g.n_layers != mc.n_layers || g.n_kv_heads != mc.n_kv_heads || g.head_dim != mc.head_dim) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "KV cache geometry (layers %d, kv heads %d, head_dim %d) does not match the model "
+        "(%d, %d, %d)",
+        g.n_layers, g.n_kv_heads, g.head_dim, mc.n_layers, mc.n_kv_heads, mc.head_dim));
+  }
+  if (config.max_sessions < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("max_sessions must not be negative, got %d", config.max_sessions));
+  }
+  if (config.default_session_ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("default_session_ttl must be positive");
+  }
+  auto impl = std::make_unique<Impl>(std::move(config), std::move(model), std::move(tokenizer),
+                                     std::move(cache));
+  if (absl::Status st = impl->Start(); !st.ok()) return st;
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+absl::StatusOr<RequestId> Engine::Submit(GenerateRequest request,
+                                         std::shared_ptr<GenerateObserver> observer) {
+  return impl_->Submit(std::move(request), std::move(observer));
+}
+void Engine::Cancel(RequestId id) { impl_->Cancel(id); }
+absl::StatusOr<SessionInfo> Engine::CreateSession(absl::Duration idle_ttl,
+                                                  std::string_view proposed_id,
+                                                  std::string_view owner,
+                                                  std::optional<RefreshConfig> refresh) {
+  return impl_->CreateSession(idle_ttl, proposed_id, owner, std::move(refresh));
+}
+absl::StatusOr<SessionInfo> Engine::GetSession(std::string_view id, std::string_view owner) const {
+  return impl_->GetSession(id, owner);
+}
+std::vector<SessionInfo> Engine::ListSessions(std::string_view owner) const {
+  return impl_->ListSessions(owner);
+}
+absl::Status Engine::DeleteSession(std::string_view id, std::string_view owner) {
+  return impl_->DeleteSession(id, owner);
+}
+bool Engine::Drain(absl::Duration timeout) { return impl_->Drain(timeout); }
+bool Engine::draining() const { return impl_->draining(); }
+EngineStats Engine::Stats() const { return impl_->Stats(); }
+const ModelConfig& Engine::model_config() const { return impl_->model_config(); }
+const Tokenizer& Engine::tokenizer() const { return impl_->tokenizer(); }
+const EngineConfig& Engine::config() const { return impl_->config(); }
+
+}  // namespace subspace

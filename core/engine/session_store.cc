@@ -1,0 +1,127 @@
+// SessionStore: creation with random ids, TTL expiry and the LRU choice of which idle
+// session's cache to give up when the pool runs short.
+#include "core/engine/session_store.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "core/base/random_id.h"
+
+namespace subspace {
+
+SessionInfo Session::Info() const {
+  SessionInfo info;
+  info.id = id;
+  info.tokens = static_cast<int64_t>(tokens.size());
+  info.cached_tokens = cached;
+  info.idle_ttl = idle_ttl;
+  info.created = created;
+  info.last_used = last_used;
+  info.busy = busy();
+  info.refresh_method = refresh.has_value() ? refresh->method : RefreshMethod::kNone;
+  return info;
+}
+
+absl::StatusOr<std::string> NewSessionId() { return NewRandomHexId(); }
+
+absl::StatusOr<Session*> SessionStore::Create(absl::Duration idle_ttl, absl::Time now,
+                                              std::string_view proposed_id,
+                                              std::string_view owner) {
+  if (idle_ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("idle_ttl must not be negative");
+  }
+  if (static_cast<int>(sessions_.size()) >= max_sessions_) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("too many sessions (max_sessions = %d)", max_sessions_));
+  }
+  absl::StatusOr<std::string> id =
+      proposed_id.empty() ? NewSessionId() : absl::StatusOr<std::string>(proposed_id);
+  if (!id.ok()) return id.status();
+  if (!proposed_id.empty() && sessions_.contains(*id)) {
+    return absl::AlreadyExistsError(absl::StrFormat("session %s already exists", *id));
+  }
+  auto session = std::make_unique<Session>();
+  session->id = *id;
+  session->owner = std::string(owner);
+  session->idle_ttl = idle_ttl == absl::ZeroDuration() ? default_ttl_ : idle_ttl;
+  session->created = now;
+  session->last_used = now;
+  Session* out = session.get();
+  // 128 random bits do not collide in practice; a collision would only make Create fail.
+  // (A proposed id was checked above.)
+  if (!sessions_.try_emplace(*id, std::move(session)).second) {
+    return absl::InternalError("session id collision");
+  }
+  return out;
+}
+
+Session* SessionStore::Find(std::string_view id, absl::Time now) {
+  auto it = sessions_.find(absl::string_view(id.data(), id.size()));
+  if (it == sessions_.end() || it->second->Expired(now)) return nullptr;
+  return it->second.get();
+}
+
+Session* SessionStore::FindOwned(std::string_view id, std::string_view owner, absl::Time now) {
+  Session* session = Find(id, now);
+  return session != nullptr && session->owner == owner ? session : nullptr;
+}
+
+const Session* SessionStore::FindOwned(std::string_view id, std::string_view owner,
+                                       absl::Time now) const {
+  auto it = sessions_.find(absl::string_view(id.data(), id.size()));
+  if (it == sessions_.end() || it->second->Expired(now) || it->second->owner != owner) {
+    return nullptr;
+  }
+  return it->second.get();
+}
+
+bool SessionStore::Erase(std::string_view id, std::vector<SeqId>* seqs_to_free) {
+  auto it = sessions_.find(absl::string_view(id.data(), id.size()));
+  if (it == sessions_.end()) return false;
+  if (it->second->seq >= 0) seqs_to_free->push_back(it->second->seq);
+  sessions_.erase(it);
+  return true;
+}
+
+void SessionStore::EvictExpired(absl::Time now, std::vector<SeqId>* seqs_to_free) {
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    if (it->second->Expired(now)) {
+      if (it->second->seq >= 0) seqs_to_free->push_back(it->second->seq);
+      sessions_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+absl::Time SessionStore::NextExpiry() const {
+  absl::Time next = absl::InfiniteFuture();
+  for (const auto& [id, s] : sessions_) {
+    if (!s->busy()) next = std::min(next, s->last_used + s->idle_ttl);
+  }
+  return next;
+}
+
+Session* SessionStore::LeastRecentlyUsedCached() {
+  Session* lru = nullptr;
+  for (auto& [id, s] : sessions_) {
+    if (s->busy() || s->seq < 0) continue;
+    if (lru == nullptr || s->last_used < lru->last_used) lru = s.get();
+  }
+  return lru;
+}
+
+std::vector<SessionInfo> SessionStore::List(std::string_view owner, absl::Time now) const {
+  std::vector<SessionInfo> out;
+  for (const auto& [id, s] : sessions_) {
+    if (!s->Expired(now) && s->owner == owner) out.push_back(s->Info());
+  }
+  return out;
+}
+
+}  // namespace subspace

@@ -1,0 +1,87 @@
+// Full-rank paged KV cache (CPU, fp32): blocks of B tokens of one sequence and one layer from
+// a BlockPool allocated once, per-sequence per-layer block tables, and a streaming-softmax
+// attention over them. The baseline the compressed cache must match.
+#ifndef SUBSPACE_CORE_KVCACHE_PAGED_KV_CACHE_H_
+#define SUBSPACE_CORE_KVCACHE_PAGED_KV_CACHE_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/kvcache/block_pool.h"
+#include "core/kvcache/kv_cache.h"
+#include "core/kvcache/sequence_slots.h"
+
+namespace subspace {
+
+class PagedKvCache final : public KvCache {
+ public:
+  struct Config {
+    KvCacheGeometry geometry;
+    int block_size = 16;         // tokens per block (B)
+    int64_t capacity_bytes = 0;  // pool size; blocks = capacity_bytes / block_bytes
+  };
+  // INVALID_ARGUMENT for a bad geometry or a capacity below one block per layer.
+  static absl::StatusOr<std::unique_ptr<PagedKvCache>> Create(const Config& config);
+
+  // Bytes of one block: [2 (k, v)][n_kv_heads][B][head_dim] fp32.
+  static int64_t BlockBytes(const KvCacheGeometry& geometry, int block_size);
+
+  const KvCacheGeometry& geometry() const override { return geometry_; }
+  int block_size() const override { return block_size_; }
+
+  absl::StatusOr<SeqId> CreateSequence() override;
+  absl::Status FreeSequence(SeqId seq) override;
+  int64_t Length(SeqId seq) const override;
+  absl::Status Reserve(SeqId seq, int64_t n) override;
+  int64_t BlocksNeeded(SeqId seq, int64_t n) const override;
+
+  // k, v: [n, n_kv_heads, head_dim]
+  void Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k, const float* v) override;
+  void Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) override;
+  absl::Status Commit(SeqId seq, int64_t length) override;
+  absl::Status Truncate(SeqId seq, int64_t length) override;
+
+  KvCacheStats Stats() const override;
+
+  // Tokens the blocks held by `seq` can store (per layer); 0 for an unknown id.
+  int64_t ReservedTokens(SeqId seq) const;
+  // The block table of one sequence and layer (tests, debugging); empty for an unknown id.
+  std::span<const int32_t> BlockTable(SeqId seq, int layer) const;
+  const BlockPool& pool() const { return *pool_; }
+
+ private:
+  struct Sequence {
+    bool live = false;
+    int64_t length = 0;                        // committed tokens
+    std::vector<std::vector<int32_t>> tables;  // [n_layers][blocks], same length every layer
+  };
+
+  PagedKvCache(const Config& config, std::unique_ptr<BlockPool> pool);
+
+  int64_t BlocksHeld(const Sequence& s) const {
+    return s.tables.empty() ? 0 : static_cast<int64_t>(s.tables[0].size());
+  }
+  // Frees, in every layer, the blocks of `s` past the first `keep` blocks.
+  void ReleaseBlocksPast(Sequence& s, int64_t keep);
+
+  // Offsets inside a block, in floats: K of head h, slot t at KOffset(h, t); V after all K.
+  int64_t KOffset(int h, int64_t t) const {
+    return (static_cast<int64_t>(h) * block_size_ + t) * geometry_.head_dim;
+  }
+  int64_t VOffset(int h, int64_t t) const { return v_half_ + KOffset(h, t); }
+
+  KvCacheGeometry geometry_;
+  int block_size_;
+  int64_t v_half_;  // floats of the K half of a block: n_kv_heads * B * head_dim
+  std::unique_ptr<BlockPool> pool_;
+  SequenceSlots<Sequence> seqs_;
+  int64_t tokens_cached_ = 0;
+};
+
+}  // namespace subspace
+
+#endif  // SUBSPACE_CORE_KVCACHE_PAGED_KV_CACHE_H_

@@ -1,0 +1,293 @@
+// LlamaModel: maps a GGUF file's tensors into WeightMatrix views (checking every shape and
+// type up front) and runs the batched forward pass, all T tokens of a step through each
+// matmul at once, attention per sequence through the KvCache.
+#include "core/model/model.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/base/ggml_types.h"
+#include "core/cpu/ops.h"
+
+namespace subspace {
+
+// Activations of one step, grown only when a step has more tokens than any before it.
+struct LlamaModel::Workspace {
+  int64_t rows = 0;                  // tokens T the buffers hold
+  std::vector<float> x;              // [T, dim] residual stream
+  std::vector<float> xn;             // [T, dim] normed input of a sub-layer
+  std::vector<float> proj;           // [T, dim] sub-layer output before the residual add
+  std::vector<float> q;              // [T, n_heads, head_dim]
+  std::vector<float> k;              // [T, n_kv_heads, head_dim]
+  std::vector<float> v;              // [T, n_kv_heads, head_dim]
+  std::vector<float> attn;           // [T, n_heads, head_dim]
+  std::vector<float> gate;           // [T, ffn_dim]
+  std::vector<float> up;             // [T, ffn_dim]
+  std::vector<float> hidden;         // [T, ffn_dim]
+  std::vector<int32_t> tokens;       // [T]
+  std::vector<int64_t> positions;    // [T]
+  std::vector<int64_t> logit_rows;   // [R] rows of x that get logits
+  std::vector<int64_t> chunk_first;  // [chunks] first row of each chunk
+  std::vector<AttentionRequest> requests;
+  std::vector<SeqId> seq_sorted;
+
+  void Reserve(const ModelConfig& c, int64_t t) {
+    if (t <= rows) return;
+    const auto n = [t](int64_t width) { return static_cast<size_t>(t * width); };
+    const int64_t q_width = static_cast<int64_t>(c.n_heads) * c.head_dim;
+    const int64_t kv_width = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
+    x.resize(n(c.dim));
+    xn.resize(n(c.dim));
+    proj.resize(n(c.dim));
+    q.resize(n(q_width));
+    k.resize(n(kv_width));
+    v.resize(n(kv_width));
+    attn.resize(n(q_width));
+    gate.resize(n(c.ffn_dim));
+    up.resize(n(c.ffn_dim));
+    hidden.resize(n(c.ffn_dim));
+    tokens.resize(n(1));
+    positions.resize(n(1));
+    logit_rows.resize(n(1));
+    rows = t;
+  }
+};
+
+namespace {
+
+// A 2-D weight [rows, cols] (GGUF dims {cols, rows}) in a type the matmul kernels read.
+absl::StatusOr<WeightMatrix> MapMatrix(const GgufFile& file, const std::string& name, int64_t rows,
+                                       int64_t cols) {
+  const GgufTensorInfo* t = file.FindTensor(name);
+  if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat("missing tensor ", name));
+  if (t->dims.size() != 2 || t->dims[0] != cols || t->dims[1] != rows) {
+    std::string dims;
+    for (int64_t d : t->dims) absl::StrAppend(&dims, dims.empty() ? "" : ", ", d);
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "tensor %s has dims {%s}, expected {%d, %d} (cols, rows)", name, dims, cols, rows));
+  }
+  if (t->type != GgmlType::kF32 && t->type != GgmlType::kF16 && t->type != GgmlType::kBF16 &&
+      t->type != GgmlType::kQ8_0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor %s has type %s; weights must be F32, F16, BF16 or Q8_0", name,
+                        GgmlTypeName(t->type)));
+  }
+  WeightMatrix w;
+  w.type = t->type;
+  w.rows = rows;
+  w.cols = cols;
+  w.data = t->data;
+  if (w.row_bytes() == 0 || t->num_bytes != static_cast<uint64_t>(rows) * w.row_bytes() ||
+      t->data == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor %s: %d bytes do not hold %d rows of %d %s values", name,
+                        t->num_bytes, rows, cols, GgmlTypeName(t->type)));
+  }
+  return w;
+}
+
+}  // namespace
+
+LlamaModel::~LlamaModel() = default;
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Open(const std::string& path) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(path);
+  if (!file.ok()) return file.status();
+  return Load(std::shared_ptr<const GgufFile>(*std::move(file)));
+}
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(std::shared_ptr<const GgufFile> file) {
+  if (file == nullptr) return absl::InvalidArgumentError("null GGUF file");
+  absl::StatusOr<ModelConfig> config = ModelConfig::FromGguf(*file);
+  if (!config.ok()) return config.status();
+  std::unique_ptr<LlamaModel> m(new LlamaModel());
+  m->file_ = std::move(file);
+  m->config_ = *std::move(config);
+  m->ws_ = std::make_unique<Workspace>();
+  const GgufFile& f = *m->file_;
+  const ModelConfig& c = m->config_;
+
+  // A norm weight [dim] as fp32: in place when stored F32 (and aligned), else a copy.
+  const auto map_norm = [&](const std::string& name) -> absl::StatusOr<const float*> {
+    const GgufTensorInfo* t = f.FindTensor(name);
+    if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat("missing tensor ", name));
+    if (t->dims.size() != 1 || t->dims[0] != c.dim) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tensor %s must be 1-D of %d elements", name, c.dim));
+    }
+    if (t->type != GgmlType::kF32 && t->type != GgmlType::kF16 && t->type != GgmlType::kBF16) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "tensor %s has type %s; norms must be F32, F16 or BF16", name, GgmlTypeName(t->type)));
+    }
+    if (t->data == nullptr || t->num_bytes != GgmlRowBytes(t->type, c.dim)) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has the wrong size"));
+    }
+    if (t->type == GgmlType::kF32 && reinterpret_cast<uintptr_t>(t->data) % alignof(float) == 0) {
+      return reinterpret_cast<const float*>(t->data);
+    }
+    std::vector<float>& copy = m->f32_copies_.emplace_back(static_cast<size_t>(c.dim));
+    DequantizeRow(t->type, t->data, copy.data(), c.dim);
+    return copy.data();
+  };
+
+  const int64_t q_width = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t kv_width = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
+  absl::Status status;
+  const auto take_matrix = [&](const std::string& name, int64_t rows, int64_t cols,
+                               WeightMatrix* out) {
+    if (!status.ok()) return;
+    absl::StatusOr<WeightMatrix> w = MapMatrix(f, name, rows, cols);
+    if (w.ok()) {
+      *out = *w;
+    } else {
+      status = w.status();
+    }
+  };
+  const auto take_norm = [&](const std::string& name, const float** out) {
+    if (!status.ok()) return;
+    absl::StatusOr<const float*> p = map_norm(name);
+    if (p.ok()) {
+      *out = *p;
+    } else {
+      status = p.status();
+    }
+  };
+
+  m->f32_copies_.reserve(static_cast<size_t>(2 * c.n_layers + 1));
+  take_matrix("token_embd.weight", c.n_vocab, c.dim, &m->token_embd_);
+  m->layers_.resize(static_cast<size_t>(c.n_layers));
+  for (int l = 0; l < c.n_layers; ++l) {
+    Layer& layer = m->layers_[static_cast<size_t>(l)];
+    const std::string p = absl::StrCat("blk.", l, ".");
+    take_norm(p + "attn_norm.weight", &layer.attn_norm);
+    take_matrix(p + "attn_q.weight", q_width, c.dim, &layer.wq);
+    take_matrix(p + "attn_k.weight", kv_width, c.dim, &layer.wk);
+    take_matrix(p + "attn_v.weight", kv_width, c.dim, &layer.wv);
+    take_matrix(p + "attn_output.weight", c.dim, q_width, &layer.wo);
+    take_norm(p + "ffn_norm.weight", &layer.ffn_norm);
+    take_matrix(p + "ffn_gate.weight", c.ffn_dim, c.dim, &layer.w_gate);
+    take_matrix(p + "ffn_up.weight", c.ffn_dim, c.dim, &layer.w_up);
+    take_matrix(p + "ffn_down.weight", c.dim, c.ffn_dim, &layer.w_down);
+  }
+  take_norm("output_norm.weight", &m->output_norm_);
+  if (c.tied_output) {
+    m->output_ = m->token_embd_;
+  } else {
+    take_matrix("output.weight", c.n_vocab, c.dim, &m->output_);
+  }
+  if (!status.ok()) return status;
+  return m;
+}
+
+absl::Status LlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache_base,
+                                 std::vector<float>* logits) {
+  const ModelConfig& c = config_;
+  Workspace& ws = *ws_;
+  // ---- Validation: nothing is written before every chunk has been checked. ----------------
+  auto* host_cache = dynamic_cast<KvCache*>(&cache_base);
+  if (host_cache == nullptr) {
+    return absl::InvalidArgumentError(
+        "the CPU backend needs a KV cache in host memory; this one lives on a device");
+  }
+  KvCache& cache = *host_cache;
+  int64_t total = 0;
+  int64_t logit_rows = 0;
+  if (absl::Status st = ValidateStep(c, batch, cache, logits, &ws.seq_sorted, &total, &logit_rows);
+      !st.ok()) {
+    return st;
+  }
+
+  // ---- Gather the step's tokens into one [T, dim] activation matrix. ------------------------
+  const int64_t t_rows = total;
+  ws.Reserve(c, t_rows);
+  ws.chunk_first.clear();
+  ws.requests.clear();
+  int64_t row = 0;
+  int64_t out_row = 0;
+  for (const SequenceChunk& ch : batch) {
+    ws.chunk_first.push_back(row);
+    const int64_t n = static_cast<int64_t>(ch.tokens.size());
+    for (int64_t i = 0; i < n; ++i) {
+      ws.tokens[static_cast<size_t>(row + i)] = ch.tokens[i];
+      ws.positions[static_cast<size_t>(row + i)] = ch.pos + i;
+    }
+    if (ch.all_logits) {
+      for (int64_t i = 0; i < n; ++i) ws.logit_rows[static_cast<size_t>(out_row++)] = row + i;
+    } else {
+      ws.logit_rows[static_cast<size_t>(out_row++)] = row + n - 1;
+    }
+    row += n;
+  }
+  const int64_t dim = c.dim;
+  const int64_t q_width = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t kv_width = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
+  for (size_t ci = 0; ci < batch.size(); ++ci) {
+    const int64_t first = ws.chunk_first[ci];
+    ws.requests.push_back({batch[ci].seq, batch[ci].pos,
+                           static_cast<int64_t>(batch[ci].tokens.size()),
+                           ws.q.data() + first * q_width, ws.attn.data() + first * q_width});
+  }
+
+  float* x = ws.x.data();
+  float* xn = ws.xn.data();
+  float* proj = ws.proj.data();
+  cpu::Embed(token_embd_, ws.tokens.data(), t_rows, x);
+
+  // ---- Decoder layers. -----------------------------------------------------------------------
+  for (int l = 0; l < c.n_layers; ++l) {
+    const Layer& layer = layers_[static_cast<size_t>(l)];
+    cpu::RmsNorm(x, layer.attn_norm, t_rows, dim, c.rms_eps, xn);
+    cpu::MatMul(layer.wq, xn, t_rows, ws.q.data());
+    cpu::MatMul(layer.wk, xn, t_rows, ws.k.data());
+    cpu::MatMul(layer.wv, xn, t_rows, ws.v.data());
+    // GGUF stores Q/K rows permuted for adjacent-pair RoPE, so no un-permute here.
+    cpu::Rope(ws.q.data(), t_rows, c.n_heads, c.head_dim, c.rope_dim, ws.positions.data(),
+              c.rope_theta);
+    cpu::Rope(ws.k.data(), t_rows, c.n_kv_heads, c.head_dim, c.rope_dim, ws.positions.data(),
+              c.rope_theta);
+    for (size_t ci = 0; ci < batch.size(); ++ci) {
+      const int64_t first = ws.chunk_first[ci];
+      cache.Write(l, batch[ci].seq, batch[ci].pos, static_cast<int64_t>(batch[ci].tokens.size()),
+                  ws.k.data() + first * kv_width, ws.v.data() + first * kv_width);
+    }
+    cache.Attend(l, ws.requests, c.n_heads);
+    cpu::MatMul(layer.wo, ws.attn.data(), t_rows, proj);
+    cpu::AddInPlace(x, proj, t_rows * dim);
+
+    cpu::RmsNorm(x, layer.ffn_norm, t_rows, dim, c.rms_eps, xn);
+    cpu::MatMul(layer.w_gate, xn, t_rows, ws.gate.data());
+    cpu::MatMul(layer.w_up, xn, t_rows, ws.up.data());
+    cpu::SwiGlu(ws.gate.data(), ws.up.data(), t_rows * c.ffn_dim, ws.hidden.data());
+    cpu::MatMul(layer.w_down, ws.hidden.data(), t_rows, proj);
+    cpu::AddInPlace(x, proj, t_rows * dim);
+  }
+
+  // ---- Logits only for the rows asked for (usually one per sequence). ----------------------
+  const float* final_in = x;
+  if (logit_rows != t_rows) {
+    for (int64_t r = 0; r < logit_rows; ++r) {
+      std::memcpy(proj + r * dim, x + ws.logit_rows[static_cast<size_t>(r)] * dim,
+                  static_cast<size_t>(dim) * sizeof(float));
+    }
+    final_in = proj;
+  }
+  cpu::RmsNorm(final_in, output_norm_, logit_rows, dim, c.rms_eps, xn);
+  logits->resize(static_cast<size_t>(logit_rows * c.n_vocab));
+  cpu::MatMul(output_, xn, logit_rows, logits->data());
+
+  for (const SequenceChunk& ch : batch) {
+    absl::Status st = cache.Commit(ch.seq, ch.pos + static_cast<int64_t>(ch.tokens.size()));
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace subspace

@@ -1,0 +1,82 @@
+// Full-rank paged KV cache in device memory (the CUDA backend's --kv-cache=full): fp16 pages in
+// the layout of kernels/kv_layout.h, one block table per sequence shared by every layer (vLLM's
+// habit: block id b of layer l is page b of layer l's slice of the pool, so one table and one
+// plan serve all layers), bookkeeping on the host. The bytes are written and read only by the
+// CUDA backend's kernels (cuda/cuda_model.h), so this is a KvCacheBase, not a host KvCache.
+#ifndef SUBSPACE_CUDA_DEVICE_KV_CACHE_H_
+#define SUBSPACE_CUDA_DEVICE_KV_CACHE_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/kvcache/kv_cache.h"
+#include "core/kvcache/sequence_slots.h"
+#include "kernels/kv_layout.h"
+
+namespace subspace::cuda {
+
+class DevicePagedKvCache final : public KvCacheBase {
+ public:
+  struct Config {
+    KvCacheGeometry geometry;
+    int block_size = 16;  // tokens per block, 1..64 (the attention kernels' limit)
+  };
+  // Bytes one block id takes across all layers: n_layers pages of [2][n_kv][B][head_dim] fp16.
+  static int64_t BlockBytes(const KvCacheGeometry& geometry, int block_size);
+
+  // `pool` is device memory of `pool_bytes` (a slice of the backend's one allocation, which
+  // `owner` keeps alive). INVALID_ARGUMENT for a bad geometry or block size, or a pool below one
+  // block.
+  static absl::StatusOr<std::unique_ptr<DevicePagedKvCache>> Create(
+      const Config& config, uint8_t* pool, int64_t pool_bytes, std::shared_ptr<const void> owner);
+
+  const KvCacheGeometry& geometry() const override { return geometry_; }
+  int block_size() const override { return block_size_; }
+  absl::StatusOr<SeqId> CreateSequence() override;
+  absl::Status FreeSequence(SeqId seq) override;
+  int64_t Length(SeqId seq) const override;
+  absl::Status Reserve(SeqId seq, int64_t n) override;
+  int64_t BlocksNeeded(SeqId seq, int64_t n) const override;
+  absl::Status Commit(SeqId seq, int64_t length) override;
+  absl::Status Truncate(SeqId seq, int64_t length) override;
+  KvCacheStats Stats() const override;
+
+  // --- The CUDA backend's view ---
+  // One layer's page geometry (full pages; the ranks are placeholders: no compressed slots).
+  const kernels::KvPoolLayout& layout() const { return layout_; }
+  // Layer `layer`'s pages: [num_blocks, page_bytes] on the device.
+  uint8_t* LayerPool(int layer) const {
+    return pool_ + static_cast<int64_t>(layer) * num_blocks_ * layout_.page_bytes;
+  }
+  // Block ids of `seq` in position order (every layer); empty for an unknown id.
+  std::span<const int32_t> BlockTable(SeqId seq) const;
+  int64_t num_blocks() const { return num_blocks_; }
+
+ private:
+  struct Sequence {
+    bool live = false;
+    int64_t length = 0;
+    std::vector<int32_t> table;
+  };
+  DevicePagedKvCache(const Config& config, uint8_t* pool, int64_t num_blocks,
+                     std::shared_ptr<const void> owner);
+  void ReleaseBlocksPast(Sequence& s, int64_t keep);
+
+  KvCacheGeometry geometry_;
+  int block_size_;
+  kernels::KvPoolLayout layout_;
+  uint8_t* pool_;  // [n_layers, num_blocks, page_bytes]
+  int64_t num_blocks_;
+  std::shared_ptr<const void> owner_;
+  std::vector<int32_t> free_;  // LIFO free block ids
+  SequenceSlots<Sequence> seqs_;
+  int64_t tokens_cached_ = 0;
+};
+
+}  // namespace subspace::cuda
+
+#endif  // SUBSPACE_CUDA_DEVICE_KV_CACHE_H_
