@@ -176,6 +176,21 @@ def random_repeat_ids(texts, rng, n_tokens, vocab_size, first_id=3, run_len=(16,
     return out[:n_tokens]
 
 
+def passage_repeat_ids(texts, rng, n_tokens, run_len=(12, 48), max_gap=16):
+    """A short natural passage that recurs 2-4 times with a little natural text between the
+    copies, cut to n_tokens: the induction-head curriculum on tokens whose embeddings the
+    model already knows (random ids are rare tokens with barely trained embeddings)."""
+    out = []
+    while len(out) < n_tokens:
+        run = texts.span_ids(rng, int(rng.integers(run_len[0], run_len[1] + 1))).tolist()
+        for _ in range(int(rng.integers(2, 5))):
+            out.extend(run)
+            gap = int(rng.integers(0, max_gap + 1))
+            if gap:
+                out.extend(texts.span_ids(rng, gap).tolist())
+    return out[:n_tokens]
+
+
 def copy_gain(model_fn, rng, vocab_size, n_seqs=4, run=32, seq=128):
     """Mean NLL of a random run's first occurrence minus its repeats' (nats): 0 without
     copying, up to ~ln(vocab) with it. model_fn(ids) -> per-token NLL of ids[1:]."""
@@ -201,6 +216,8 @@ class Mixer:
         # of 10, 100 or all tokens) and short key-value lists, so the copying circuit forms
         # before the long documents need it.
         "copy": (("natural", "random_repeat_short", "kv"), (0.2, 0.5, 0.3)),
+        # Induction first: natural passages that recur within a few dozen tokens.
+        "induct": (("natural", "passage_repeat", "random_repeat_short"), (0.1, 0.7, 0.2)),
     }
 
     def __init__(self, sp, texts, rng, seq, bos=1, profile="long"):
@@ -217,6 +234,8 @@ class Mixer:
             return recurrence_ids(self.texts, rng, n)[0]
         if kind == "random_repeat":
             return random_repeat_ids(self.texts, rng, n, self.sp.vocab_size())
+        if kind == "passage_repeat":
+            return passage_repeat_ids(self.texts, rng, n)
         if kind == "random_repeat_short":
             return random_repeat_ids(self.texts, rng, n, self.sp.vocab_size(), run_len=(6, 40),
                                      max_gap=24, alphabets=(10, 100, self.sp.vocab_size() - 3))

@@ -54,7 +54,7 @@ def main():
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-chunks", type=int, default=24)
     ap.add_argument("--data", choices=("natural", "longctx"), default="natural")
-    ap.add_argument("--mix", choices=("long", "copy"), default="long",
+    ap.add_argument("--mix", choices=("long", "copy", "induct"), default="long",
                     help="longctx: the long mix, or the copy curriculum for short windows")
     ap.add_argument("--context", type=int, default=0,
                     help="model context length (default: max(512, --seq))")
