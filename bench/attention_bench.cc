@@ -120,8 +120,9 @@ void Table(const Geo& geo, const std::vector<int>& contexts, const std::vector<i
            int iters) {
   std::printf("\nheads %d, kv heads %d, head_dim %d, r_k = r_v = %d, B 16, S 4, W 64 (1 layer)\n",
               geo.n_heads, geo.n_kv, geo.hd, geo.hd / 4);
-  std::printf("%7s %5s | %10s | %10s %7s %7s | %10s %7s %7s\n", "context", "batch", "full ms",
-              "fp16 ms", "t ratio", "B ratio", "int8 ms", "t ratio", "B ratio");
+  std::printf("%7s %5s | %10s | %10s %7s %7s | %10s %7s %7s | %10s %7s %7s | %10s %7s %7s\n",
+              "context", "batch", "full ms", "fp16 ms", "t ratio", "B ratio", "int8 ms", "t ratio",
+              "B ratio", "q8_0 ms", "t ratio", "B ratio", "q4_0 ms", "t ratio", "B ratio");
   const KvCacheGeometry g{1, geo.n_kv, geo.hd};
   std::mt19937 rng(1);
   for (int ctx : contexts) {
@@ -151,9 +152,23 @@ void Table(const Geo& geo, const std::vector<int>& contexts, const std::vector<i
         (void)cache->SetDefaultEpoch(e);
         std::tie(ct[i], cb[i]) = Run(*cache, geo, ctx, batch, iters, rng);
       }
-      std::printf("%7d %5d | %10.3f | %10.3f %7.3f %7.3f | %10.3f %7.3f %7.3f\n", ctx, batch,
-                  full_t * 1e3, ct[0] * 1e3, ct[0] / full_t, static_cast<double>(cb[0]) / full_b,
-                  ct[1] * 1e3, ct[1] / full_t, static_cast<double>(cb[1]) / full_b);
+      // The full-rank paged cache with quantized rows (--kv-cache quantized).
+      double qt[2];
+      int64_t qb[2];
+      for (int i = 0; i < 2; ++i) {
+        const KvDtype dtype = i == 0 ? KvDtype::kQ8_0 : KvDtype::kQ4_0;
+        PagedKvCache::Config qc{g, 16, pages * PagedKvCache::BlockBytes(g, 16, dtype), dtype};
+        auto paged = *PagedKvCache::Create(qc);
+        std::tie(qt[i], qb[i]) = Run(*paged, geo, ctx, batch, iters, rng);
+      }
+      std::printf(
+          "%7d %5d | %10.3f | %10.3f %7.3f %7.3f | %10.3f %7.3f %7.3f | %10.3f %7.3f %7.3f | "
+          "%10.3f %7.3f %7.3f\n",
+          ctx, batch, full_t * 1e3, ct[0] * 1e3, ct[0] / full_t,
+          static_cast<double>(cb[0]) / full_b, ct[1] * 1e3, ct[1] / full_t,
+          static_cast<double>(cb[1]) / full_b, qt[0] * 1e3, qt[0] / full_t,
+          static_cast<double>(qb[0]) / full_b, qt[1] * 1e3, qt[1] / full_t,
+          static_cast<double>(qb[1]) / full_b);
       std::fflush(stdout);
     }
   }

@@ -96,10 +96,11 @@ absl::StatusOr<Backend> CpuBackend(const BackendOptions& options,
   return Backend{std::move(cpu_model), *std::move(cache)};
 }
 
-// Why the compressed cache as configured cannot run on the GPU, or "" when it can: the device
-// cache has fp16 full blocks and fp16 or int8 coefficients, with installed, self-calibrated or
-// refreshed (any method) bases and outlier tokens.
+// Why the cache as configured cannot run on the GPU, or "" when it can: the device has no
+// quantized paged cache; its compressed cache has fp16 full blocks and fp16 or int8
+// coefficients, with installed, self-calibrated or refreshed (any method) bases and outliers.
 std::string CpuOnlyCompressedFeature(const KvCacheOptions& o) {
+  if (o.kind == KvCacheKind::kQuantized) return "--kv-cache quantized";
   if (o.kind != KvCacheKind::kCompressed) return "";
   if (o.full_dtype != CoeffDtype::kFp16) return "--kv-full-dtype other than fp16";
   if (o.coeff_dtype == CoeffDtype::kFp32) return "--kv-coeff-dtype fp32";

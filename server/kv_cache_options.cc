@@ -28,14 +28,31 @@ absl::Status CheckRank(int rank, int head_dim, const char* flag) {
 }  // namespace
 
 const char* KvCacheKindName(KvCacheKind kind) {
-  return kind == KvCacheKind::kFull ? "full" : "compressed";
+  switch (kind) {
+    case KvCacheKind::kFull:
+      return "full";
+    case KvCacheKind::kCompressed:
+      return "compressed";
+    case KvCacheKind::kQuantized:
+      return "quantized";
+  }
+  return "unknown";
 }
 
 absl::StatusOr<KvCacheKind> ParseKvCacheKind(std::string_view name) {
-  if (name == "full") return KvCacheKind::kFull;
-  if (name == "compressed") return KvCacheKind::kCompressed;
+  for (KvCacheKind kind : {KvCacheKind::kFull, KvCacheKind::kCompressed, KvCacheKind::kQuantized}) {
+    if (name == KvCacheKindName(kind)) return kind;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--kv-cache must be 'full', 'compressed' or 'quantized', got '", std::string(name), "'"));
+}
+
+absl::StatusOr<KvDtype> ParseQuantizedKvDtype(std::string_view name) {
+  for (KvDtype dtype : {KvDtype::kQ8_0, KvDtype::kQ4_0}) {
+    if (name == KvDtypeName(dtype)) return dtype;
+  }
   return absl::InvalidArgumentError(
-      absl::StrCat("--kv-cache must be 'full' or 'compressed', got '", std::string(name), "'"));
+      absl::StrCat("--kv-dtype must be 'q8_0' or 'q4_0', got '", std::string(name), "'"));
 }
 
 absl::StatusOr<CoeffDtype> ParseCoeffDtype(std::string_view name) {
@@ -55,12 +72,16 @@ absl::StatusOr<CoeffDtype> ParseFullDtype(std::string_view name) {
 }
 
 absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
-  if (o.kind == KvCacheKind::kFull) {
+  if (o.kind != KvCacheKind::kCompressed) {
     if (!o.bases_path.empty()) {
       return absl::InvalidArgumentError("--bases needs --kv-cache=compressed");
     }
     if (o.refresh.method != RefreshMethod::kNone) {
       return absl::InvalidArgumentError("--refresh-method needs --kv-cache=compressed");
+    }
+    if (o.kind == KvCacheKind::kQuantized && o.kv_dtype != KvDtype::kQ8_0 &&
+        o.kv_dtype != KvDtype::kQ4_0) {
+      return absl::InvalidArgumentError("--kv-dtype must be q8_0 or q4_0");
     }
     return absl::OkStatus();
   }
@@ -133,7 +154,7 @@ absl::StatusOr<std::shared_ptr<const Basis>> LoadBases(const std::string& path,
 
 KvCacheOptions ResolveKvCacheOptions(KvCacheOptions o, const KvCacheGeometry& g,
                                      const Basis* bases) {
-  if (o.kind == KvCacheKind::kFull) return o;
+  if (o.kind != KvCacheKind::kCompressed) return o;
   if (bases != nullptr) {
     for (const LayerBasis& lb : bases->layers) {
       o.rank_k = std::max(o.rank_k, lb.rank_k);
@@ -177,11 +198,12 @@ absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
                                                        int64_t capacity_bytes,
                                                        std::shared_ptr<const Basis> bases,
                                                        int n_query_heads) {
-  if (o.kind == KvCacheKind::kFull) {
+  if (o.kind != KvCacheKind::kCompressed) {
     PagedKvCache::Config c;
     c.geometry = g;
     c.block_size = block_size;
     c.capacity_bytes = capacity_bytes;
+    c.dtype = o.kind == KvCacheKind::kQuantized ? o.kv_dtype : KvDtype::kF32;
     absl::StatusOr<std::unique_ptr<PagedKvCache>> cache = PagedKvCache::Create(c);
     if (!cache.ok()) return cache.status();
     return std::unique_ptr<KvCache>(*std::move(cache));

@@ -16,16 +16,20 @@
 #include "core/compress/compression_policy.h"
 #include "core/gguf/gguf.h"
 #include "core/kvcache/kv_cache.h"
+#include "core/kvcache/kv_quant.h"
 #include "core/kvcache/refresh_config.h"
 
 namespace subspace::server {
 
-enum class KvCacheKind : uint8_t { kFull, kCompressed };
+// kFull: paged fp32; kQuantized: paged rows in q8_0 / q4_0 (--kv-dtype), llama.cpp's quantized
+// cache types; kCompressed: low-rank blocks outside the sinks and the window.
+enum class KvCacheKind : uint8_t { kFull, kCompressed, kQuantized };
 
 // Both caches draw from one pool of --kv-cache-bytes cut into --block-size token blocks; those
 // two live in ServerAppConfig. The rest applies to the compressed cache only.
 struct KvCacheOptions {
   KvCacheKind kind = KvCacheKind::kCompressed;
+  KvDtype kv_dtype = KvDtype::kQ8_0;  // kQuantized: q8_0 or q4_0
   // The flags of CompressionPolicy (core/compress/compression_policy.h), whose defaults these are.
   int sink_tokens = CompressionPolicy::kDefaultSinkTokens;      // S: blocks overlapping [0, S)
   int window_tokens = CompressionPolicy::kDefaultWindowTokens;  // W: the last W tokens
@@ -45,11 +49,12 @@ struct KvCacheOptions {
   RefreshConfig refresh;
 };
 
-const char* KvCacheKindName(KvCacheKind kind);  // "full" or "compressed"
+const char* KvCacheKindName(KvCacheKind kind);  // "full", "compressed" or "quantized"
 // INVALID_ARGUMENT naming the flag for anything but the names below.
-absl::StatusOr<KvCacheKind> ParseKvCacheKind(std::string_view name);  // full | compressed
-absl::StatusOr<CoeffDtype> ParseCoeffDtype(std::string_view name);    // fp32 | fp16 | int8
-absl::StatusOr<CoeffDtype> ParseFullDtype(std::string_view name);     // fp16 | fp32
+absl::StatusOr<KvCacheKind> ParseKvCacheKind(std::string_view name);   // full|compressed|quantized
+absl::StatusOr<KvDtype> ParseQuantizedKvDtype(std::string_view name);  // q8_0 | q4_0
+absl::StatusOr<CoeffDtype> ParseCoeffDtype(std::string_view name);     // fp32 | fp16 | int8
+absl::StatusOr<CoeffDtype> ParseFullDtype(std::string_view name);      // fp16 | fp32
 
 // The checks that need no model, as INVALID_ARGUMENT naming the flag. block_size is
 // --block-size (the compressed cache keeps one 64-bit outlier mask per block).

@@ -43,8 +43,10 @@ ABSL_FLAG(bool, cuda_graphs, true,
           "kernel on its own");
 ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens (at most 64 when compressed)");
 ABSL_FLAG(std::string, kv_cache, "compressed",
-          "KV cache: 'compressed' (low-rank blocks outside the sinks and the window) or 'full' "
-          "(full-rank fp32 paged)");
+          "KV cache: 'compressed' (low-rank blocks outside the sinks and the window), 'full' "
+          "(full-rank fp32 paged) or 'quantized' (full-rank paged, rows in --kv-dtype)");
+ABSL_FLAG(std::string, kv_dtype, "q8_0",
+          "quantized cache: K/V row format, q8_0 or q4_0 (llama.cpp's cache types)");
 ABSL_FLAG(int32_t, kv_sink_tokens, 4, "compressed cache: first tokens kept full-rank (sinks)");
 ABSL_FLAG(int32_t, kv_window_tokens, 64, "compressed cache: last tokens kept full-rank");
 ABSL_FLAG(int32_t, kv_rank_k, 0, "compressed cache: key rank per KV head; 0 = head_dim / 4");
@@ -135,7 +137,11 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   absl::StatusOr<subspace::CoeffDtype> full_dtype =
       subspace::server::ParseFullDtype(absl::GetFlag(FLAGS_kv_full_dtype));
   if (!full_dtype.ok()) return full_dtype.status();
+  absl::StatusOr<subspace::KvDtype> kv_dtype =
+      subspace::server::ParseQuantizedKvDtype(absl::GetFlag(FLAGS_kv_dtype));
+  if (!kv_dtype.ok()) return kv_dtype.status();
   c.kv_cache.kind = *kind;
+  c.kv_cache.kv_dtype = *kv_dtype;
   c.kv_cache.sink_tokens = absl::GetFlag(FLAGS_kv_sink_tokens);
   c.kv_cache.window_tokens = absl::GetFlag(FLAGS_kv_window_tokens);
   c.kv_cache.rank_k = absl::GetFlag(FLAGS_kv_rank_k);

@@ -188,6 +188,9 @@ absl::Status ServerApp::Init() {
       model_config.context_length, KvCacheKindName(cache_options.kind),
       cache_stats.bytes_total >> 20, cache_stats.blocks_total, config_.block_size,
       absl::ToDoubleSeconds(absl::Now() - load_start));
+  if (cache_options.kind == KvCacheKind::kQuantized) {
+    spdlog::info("quantized KV cache: K and V rows in {}", KvDtypeName(cache_options.kv_dtype));
+  }
   if (cache_options.kind == KvCacheKind::kCompressed) {
     spdlog::info(
         "compressed KV cache: {} sink and {} window tokens full-rank, ranks k {} v {} of {}, "

@@ -263,6 +263,7 @@ grpc::ServerUnaryReactor* SubspaceService::GetModelInfo(grpc::CallbackServerCont
   cache->set_pool_bytes(cache_.pool_bytes);
   cache->set_block_size(cache_.block_size);
   cache->set_blocks_total((*engine)->Stats().cache.blocks_total);
+  if (o.kind == KvCacheKind::kQuantized) cache->set_kv_dtype(KvDtypeName(o.kv_dtype));
   if (o.kind == KvCacheKind::kCompressed) {
     cache->set_sink_tokens(o.sink_tokens);
     cache->set_window_tokens(o.window_tokens);

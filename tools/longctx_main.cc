@@ -21,6 +21,7 @@
 #include "absl/strings/str_split.h"
 #include "core/compress/calibration.h"
 #include "core/compress/compressed_kv_cache.h"
+#include "core/kvcache/kv_quant.h"
 #include "core/kvcache/paged_kv_cache.h"
 #include "core/model/model.h"
 #include "core/model/model_file.h"
@@ -188,11 +189,20 @@ absl::Status Run() {
     const auto t0 = Clock::now();
     std::unique_ptr<KvCache> cache;
     bool measured_bytes = false;
-    if (spec.full) {
-      absl::StatusOr<std::unique_ptr<PagedKvCache>> c = PagedKvCache::Create(
-          {.geometry = geom,
-           .block_size = 16,
-           .capacity_bytes = PagedKvCache::BlockBytes(geom, 16) * geom.n_layers * pages_per_item});
+    const bool quantized =
+        !spec.full && !spec.lowrank &&
+        (spec.baseline == eval::BaselineKind::kQ8_0 || spec.baseline == eval::BaselineKind::kQ4_0);
+    if (spec.full || quantized) {
+      // The server's paged cache: fp32, or `--kv-cache quantized --kv-dtype q8_0|q4_0`.
+      const KvDtype dtype = !quantized                                   ? KvDtype::kF32
+                            : spec.baseline == eval::BaselineKind::kQ8_0 ? KvDtype::kQ8_0
+                                                                         : KvDtype::kQ4_0;
+      absl::StatusOr<std::unique_ptr<PagedKvCache>> c =
+          PagedKvCache::Create({.geometry = geom,
+                                .block_size = 16,
+                                .capacity_bytes = PagedKvCache::BlockBytes(geom, 16, dtype) *
+                                                  geom.n_layers * pages_per_item,
+                                .dtype = dtype});
       if (!c.ok()) return c.status();
       cache = *std::move(c);
     } else if (!spec.lowrank) {

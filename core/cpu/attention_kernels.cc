@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "core/base/ggml_types.h"
 #include "core/cpu/simd.h"
@@ -73,8 +74,36 @@ void ToFp16Scalar(const float* x, int n, uint16_t* out) {
   for (int i = 0; i < n; ++i) out[i] = Fp32ToFp16(x[i]);
 }
 
-constexpr AttentionKernels kScalarKernels = {ScoresScalar, AccumulateScalar, ExpSumScalar,
-                                             ScaleScalar, ToFp16Scalar};
+float BlockScale(const uint8_t* block) {
+  uint16_t h;
+  std::memcpy(&h, block, sizeof(h));
+  return Fp16ToFp32(h);
+}
+
+constexpr int64_t kQ8_0Bytes = 34;  // fp16 d + 32 int8
+constexpr int64_t kQ4_0Bytes = 18;  // fp16 d + 16 bytes of nibbles
+
+void DequantizeQ8_0Scalar(const uint8_t* src, int64_t blocks, float* dst) {
+  for (int64_t b = 0; b < blocks; ++b, src += kQ8_0Bytes, dst += 32) {
+    const float d = BlockScale(src);
+    const auto* q = reinterpret_cast<const int8_t*>(src + 2);
+    for (int j = 0; j < 32; ++j) dst[j] = d * static_cast<float>(q[j]);
+  }
+}
+
+void DequantizeQ4_0Scalar(const uint8_t* src, int64_t blocks, float* dst) {
+  for (int64_t b = 0; b < blocks; ++b, src += kQ4_0Bytes, dst += 32) {
+    const float d = BlockScale(src);
+    for (int j = 0; j < 16; ++j) {
+      dst[j] = d * static_cast<float>((src[2 + j] & 0x0f) - 8);
+      dst[16 + j] = d * static_cast<float>((src[2 + j] >> 4) - 8);
+    }
+  }
+}
+
+constexpr AttentionKernels kScalarKernels = {
+    ScoresScalar, AccumulateScalar,     ExpSumScalar,        ScaleScalar,
+    ToFp16Scalar, DequantizeQ8_0Scalar, DequantizeQ4_0Scalar};
 
 #ifdef SUBSPACE_HAVE_X86
 
@@ -315,8 +344,38 @@ SUBSPACE_AVX2 void ToFp16Avx2(const float* x, int n, uint16_t* out) {
   for (; i < n; ++i) out[i] = Fp32ToFp16(x[i]);
 }
 
-constexpr AttentionKernels kAvx2Kernels = {ScoresAvx2, AccumulateAvx2, ExpSumAvx2, ScaleAvx2,
-                                           ToFp16Avx2};
+// The products are the scalar twin's (one fp32 multiply of exactly converted integers), so both
+// ISAs give the same bits.
+SUBSPACE_AVX2 void DequantizeQ8_0Avx2(const uint8_t* src, int64_t blocks, float* dst) {
+  for (int64_t b = 0; b < blocks; ++b, src += kQ8_0Bytes, dst += 32) {
+    const __m256 d = _mm256_set1_ps(BlockScale(src));
+    for (int j = 0; j < 32; j += 8) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 2 + j));
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+      _mm256_storeu_ps(dst + j, _mm256_mul_ps(d, q));
+    }
+  }
+}
+
+SUBSPACE_AVX2 void DequantizeQ4_0Avx2(const uint8_t* src, int64_t blocks, float* dst) {
+  const __m256i low = _mm256_set1_epi32(0x0f);
+  const __m256i eight = _mm256_set1_epi32(8);
+  for (int64_t b = 0; b < blocks; ++b, src += kQ4_0Bytes, dst += 32) {
+    const __m256 d = _mm256_set1_ps(BlockScale(src));
+    for (int j = 0; j < 16; j += 8) {
+      const __m256i bytes =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 2 + j)));
+      const __m256i lo = _mm256_sub_epi32(_mm256_and_si256(bytes, low), eight);
+      const __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), eight);
+      _mm256_storeu_ps(dst + j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)));
+      _mm256_storeu_ps(dst + 16 + j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)));
+    }
+  }
+}
+
+constexpr AttentionKernels kAvx2Kernels = {ScoresAvx2,        AccumulateAvx2, ExpSumAvx2,
+                                           ScaleAvx2,         ToFp16Avx2,     DequantizeQ8_0Avx2,
+                                           DequantizeQ4_0Avx2};
 
 #endif  // SUBSPACE_HAVE_X86
 

@@ -36,6 +36,12 @@ struct AttentionKernels {
   // out[i] = fp16(x[i]), round to nearest even (full-rank K/V rows as the cache stores them).
   // x: [n]; out: [n] fp16 bits
   void (*to_fp16)(const float* x, int n, uint16_t* out);
+  // `blocks` consecutive q8_0 blocks (fp16 d, int8 q[32]: x = d q) into dst [blocks * 32],
+  // the rows of a quantized paged cache (core/kvcache/kv_quant.h has the format).
+  void (*dequantize_q8_0)(const uint8_t* src, int64_t blocks, float* dst);
+  // The same for q4_0 blocks (fp16 d, 16 bytes: value j in the low nibble of byte j, value
+  // j + 16 in its high nibble; x = d (q - 8)).
+  void (*dequantize_q4_0)(const uint8_t* src, int64_t blocks, float* dst);
 };
 
 // Asks for [p, p + bytes) to be brought into cache. Blocks sit on scattered pool pages, so

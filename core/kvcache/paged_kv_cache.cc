@@ -27,9 +27,10 @@ constexpr int64_t kMaxTokens = int64_t{1} << 48;
 
 }  // namespace
 
-int64_t PagedKvCache::BlockBytes(const KvCacheGeometry& geometry, int block_size) {
-  return 2 * static_cast<int64_t>(geometry.n_kv_heads) * block_size * geometry.head_dim *
-         static_cast<int64_t>(sizeof(float));
+int64_t PagedKvCache::BlockBytes(const KvCacheGeometry& geometry, int block_size, KvDtype dtype) {
+  const int64_t bytes = 2 * static_cast<int64_t>(geometry.n_kv_heads) * block_size *
+                        KvRowBytes(dtype, geometry.head_dim);
+  return CeilDiv(bytes, int64_t{4}) * 4;
 }
 
 absl::StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const Config& config) {
@@ -43,7 +44,12 @@ absl::StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const Config&
     return absl::InvalidArgumentError(
         absl::StrFormat("block_size must be positive, got %d", config.block_size));
   }
-  const int64_t block_bytes = BlockBytes(g, config.block_size);
+  if (KvRowBytes(config.dtype, g.head_dim) == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("a %s KV cache needs a head_dim that is a multiple of %d, got %d",
+                        KvDtypeName(config.dtype), kKvQuantBlock, g.head_dim));
+  }
+  const int64_t block_bytes = BlockBytes(g, config.block_size, config.dtype);
   const int64_t num_blocks = config.capacity_bytes / block_bytes;
   if (num_blocks < g.n_layers) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -60,8 +66,9 @@ absl::StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const Config&
 PagedKvCache::PagedKvCache(const Config& config, std::unique_ptr<BlockPool> pool)
     : geometry_(config.geometry),
       block_size_(config.block_size),
-      v_half_(static_cast<int64_t>(config.geometry.n_kv_heads) * config.block_size *
-              config.geometry.head_dim),
+      dtype_(config.dtype),
+      row_bytes_(KvRowBytes(config.dtype, config.geometry.head_dim)),
+      v_half_(static_cast<int64_t>(config.geometry.n_kv_heads) * config.block_size * row_bytes_),
       pool_(std::move(pool)) {}
 
 absl::StatusOr<SeqId> PagedKvCache::CreateSequence() {
@@ -146,16 +153,15 @@ void PagedKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, const flo
   const std::vector<int32_t>& table = s->tables[static_cast<size_t>(layer)];
   const int hd = geometry_.head_dim;
   const int n_kv = geometry_.n_kv_heads;
-  const size_t head_bytes = static_cast<size_t>(hd) * sizeof(float);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = pos + i;
-    float* block = pool_->data(table[static_cast<size_t>(t / block_size_)]);
+    uint8_t* block = BlockData(table[static_cast<size_t>(t / block_size_)]);
     const int64_t slot = t % block_size_;
     const float* k_row = k + i * n_kv * hd;  // [n_kv_heads, head_dim]
     const float* v_row = v + i * n_kv * hd;
     for (int h = 0; h < n_kv; ++h) {
-      std::memcpy(block + KOffset(h, slot), k_row + static_cast<int64_t>(h) * hd, head_bytes);
-      std::memcpy(block + VOffset(h, slot), v_row + static_cast<int64_t>(h) * hd, head_bytes);
+      QuantizeKvRow(dtype_, k_row + static_cast<int64_t>(h) * hd, hd, block + KOffset(h, slot));
+      QuantizeKvRow(dtype_, v_row + static_cast<int64_t>(h) * hd, hd, block + VOffset(h, slot));
     }
   }
 }
@@ -225,33 +231,52 @@ void PagedKvCache::Attend(int layer, std::span<const AttentionRequest> requests,
     const std::vector<int32_t>& table = s.tables[static_cast<size_t>(layer)];
     const int64_t n_ctx = req.pos + item.i + 1;  // causal: tokens [0, pos + i]
 
-    // Per-thread state sized by the largest shape seen; grows once, never per call.
+    // Per-thread state sized by the largest shape seen; grows once, never per call. A
+    // quantized cache also dequantizes each block's K (then V) rows, all heads, into `rows`.
     thread_local std::vector<float> scratch;
-    const size_t need = static_cast<size_t>(state_floats) + static_cast<size_t>(n_heads) * bs;
+    const int64_t row_floats = dtype_ == KvDtype::kF32 ? 0 : int64_t{n_kv} * bs * hd;
+    const size_t need = static_cast<size_t>(state_floats) + static_cast<size_t>(n_heads) * bs +
+                        static_cast<size_t>(row_floats);
     if (scratch.size() < need) scratch.resize(need);
     float* state = item.partial >= 0 ? partials_data + item.partial * state_floats : scratch.data();
-    float* run_max = state;                         // [n_heads]
-    float* run_sum = run_max + n_heads;             // [n_heads]
-    float* acc = run_sum + n_heads;                 // [n_heads, head_dim]
-    float* scores = scratch.data() + state_floats;  // [n_heads, B]
+    float* run_max = state;                                     // [n_heads]
+    float* run_sum = run_max + n_heads;                         // [n_heads]
+    float* acc = run_sum + n_heads;                             // [n_heads, head_dim]
+    float* scores = scratch.data() + state_floats;              // [n_heads, B]
+    float* rows = scores + static_cast<int64_t>(n_heads) * bs;  // [n_kv_heads, B, head_dim]
+    // The K (or V) rows of head kvh in block `block`: in place for fp32, else dequantized.
+    auto head_rows = [&](const uint8_t* half, int kvh) -> const float* {
+      if (dtype_ == KvDtype::kF32) {
+        return reinterpret_cast<const float*>(half + static_cast<int64_t>(kvh) * bs * row_bytes_);
+      }
+      return rows + static_cast<int64_t>(kvh) * bs * hd;
+    };
     std::fill(run_max, run_max + n_heads, -std::numeric_limits<float>::infinity());
     std::fill(run_sum, run_sum + n_heads, 0.0f);
     std::fill(acc, acc + static_cast<size_t>(n_heads) * hd, 0.0f);
 
     const float* q_tok = req.q + item.i * n_heads * hd;  // [n_heads, head_dim]
     for (int64_t b = item.block_begin; b < item.block_end; ++b) {
-      const float* block = pool_->data(table[static_cast<size_t>(b)]);
+      const uint8_t* block = BlockData(table[static_cast<size_t>(b)]);
       const int nb = static_cast<int>(std::min<int64_t>(bs, n_ctx - b * bs));
+      // Rows of head h sit at [h * B, h * B + nb) of each half; slots past nb are not read.
+      auto dequantize = [&](const uint8_t* half) {
+        for (int kvh = 0; kvh < n_kv; ++kvh) {
+          DequantizeKvRows(dtype_, half + static_cast<int64_t>(kvh) * bs * row_bytes_, nb, hd,
+                           rows + static_cast<int64_t>(kvh) * bs * hd);
+        }
+      };
       if (b + kPrefetchBlocks < item.block_end) {
         cpu::PrefetchBytes(pool_->data(table[static_cast<size_t>(b + kPrefetchBlocks)]),
                            pool_->block_bytes());
       }
       // All heads' keys, then all heads' values: two sequential 64 KiB-class streams through
       // the page rather than alternating between its K and V halves head by head.
+      if (dtype_ != KvDtype::kF32) dequantize(block);
       for (int kvh = 0; kvh < n_kv; ++kvh) {
         const int h0 = kvh * group;  // first query head of the group
         kernels.scores(q_tok + static_cast<int64_t>(h0) * hd, hd, group,
-                       cpu::KvRows{block + KOffset(kvh, 0)}, nb, hd, scale,
+                       cpu::KvRows{head_rows(block, kvh)}, nb, hd, scale,
                        scores + static_cast<int64_t>(h0) * nb);
       }
       for (int h = 0; h < n_heads; ++h) {
@@ -266,10 +291,11 @@ void PagedKvCache::Attend(int layer, std::span<const AttentionRequest> requests,
         }
         run_sum[h] += kernels.exp_sum(p, nb, run_max[h]);
       }
+      if (dtype_ != KvDtype::kF32) dequantize(block + v_half_);
       for (int kvh = 0; kvh < n_kv; ++kvh) {
         const int h0 = kvh * group;
         kernels.accumulate(scores + static_cast<int64_t>(h0) * nb, group,
-                           cpu::KvRows{block + VOffset(kvh, 0)}, nb, hd,
+                           cpu::KvRows{head_rows(block + v_half_, kvh)}, nb, hd,
                            acc + static_cast<int64_t>(h0) * hd, hd);
       }
     }

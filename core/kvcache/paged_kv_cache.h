@@ -1,6 +1,8 @@
-// Full-rank paged KV cache (CPU, fp32): blocks of B tokens of one sequence and one layer from
-// a BlockPool allocated once, per-sequence per-layer block tables, and a streaming-softmax
-// attention over them. The baseline the compressed cache must match.
+// Full-rank paged KV cache (CPU): blocks of B tokens of one sequence and one layer from a
+// BlockPool allocated once, per-sequence per-layer block tables, and a streaming-softmax
+// attention over them. Rows are fp32 (the exact baseline the compressed cache must match) or
+// quantized per 32 values as llama.cpp's q8_0 / q4_0 cache types (kv_quant.h): the server's
+// `--kv-cache quantized`, the baseline a user would pick instead of low-rank compression.
 #ifndef SUBSPACE_CORE_KVCACHE_PAGED_KV_CACHE_H_
 #define SUBSPACE_CORE_KVCACHE_PAGED_KV_CACHE_H_
 
@@ -13,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "core/kvcache/block_pool.h"
 #include "core/kvcache/kv_cache.h"
+#include "core/kvcache/kv_quant.h"
 #include "core/kvcache/sequence_slots.h"
 
 namespace subspace {
@@ -21,14 +24,20 @@ class PagedKvCache final : public KvCache {
  public:
   struct Config {
     KvCacheGeometry geometry;
-    int block_size = 16;         // tokens per block (B)
-    int64_t capacity_bytes = 0;  // pool size; blocks = capacity_bytes / block_bytes
+    int block_size = 16;            // tokens per block (B)
+    int64_t capacity_bytes = 0;     // pool size; blocks = capacity_bytes / block_bytes
+    KvDtype dtype = KvDtype::kF32;  // of every K and V row
   };
-  // INVALID_ARGUMENT for a bad geometry or a capacity below one block per layer.
+  // INVALID_ARGUMENT for a bad geometry, a capacity below one block per layer, or a quantized
+  // dtype with a head_dim that is not a multiple of 32.
   static absl::StatusOr<std::unique_ptr<PagedKvCache>> Create(const Config& config);
 
-  // Bytes of one block: [2 (k, v)][n_kv_heads][B][head_dim] fp32.
-  static int64_t BlockBytes(const KvCacheGeometry& geometry, int block_size);
+  // Bytes of one block: [2 (k, v)][n_kv_heads][B] rows of head_dim values in `dtype`, rounded
+  // up to a multiple of 4.
+  static int64_t BlockBytes(const KvCacheGeometry& geometry, int block_size,
+                            KvDtype dtype = KvDtype::kF32);
+
+  KvDtype dtype() const { return dtype_; }
 
   const KvCacheGeometry& geometry() const override { return geometry_; }
   int block_size() const override { return block_size_; }
@@ -68,15 +77,21 @@ class PagedKvCache final : public KvCache {
   // Frees, in every layer, the blocks of `s` past the first `keep` blocks.
   void ReleaseBlocksPast(Sequence& s, int64_t keep);
 
-  // Offsets inside a block, in floats: K of head h, slot t at KOffset(h, t); V after all K.
+  // Byte offsets inside a block: the row of K head h, slot t at KOffset(h, t); V after all K.
   int64_t KOffset(int h, int64_t t) const {
-    return (static_cast<int64_t>(h) * block_size_ + t) * geometry_.head_dim;
+    return (static_cast<int64_t>(h) * block_size_ + t) * row_bytes_;
   }
   int64_t VOffset(int h, int64_t t) const { return v_half_ + KOffset(h, t); }
+  const uint8_t* BlockData(int32_t block) const {
+    return reinterpret_cast<const uint8_t*>(pool_->data(block));
+  }
+  uint8_t* BlockData(int32_t block) { return reinterpret_cast<uint8_t*>(pool_->data(block)); }
 
   KvCacheGeometry geometry_;
   int block_size_;
-  int64_t v_half_;  // floats of the K half of a block: n_kv_heads * B * head_dim
+  KvDtype dtype_;
+  int64_t row_bytes_;  // KvRowBytes(dtype_, head_dim)
+  int64_t v_half_;     // bytes of the K half of a block: n_kv_heads * B * row_bytes_
   std::unique_ptr<BlockPool> pool_;
   SequenceSlots<Sequence> seqs_;
   int64_t tokens_cached_ = 0;

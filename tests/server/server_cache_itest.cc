@@ -26,6 +26,7 @@
 #include "server/kv_cache_options.h"
 #include "server/server_app.h"
 #include "tests/server/server_test_util.h"
+#include "tests/test_util.h"
 
 namespace subspace {
 namespace {
@@ -508,12 +509,54 @@ TEST(CompressedCacheServerTest, BasesFileIsInstalledAndMismatchesAreRejected) {
   for (const std::string& p : {good, other, geometry}) std::remove(p.c_str());
 }
 
+// --kv-cache quantized on the default model (head_dim 64): reported, sized by its format, and
+// serving; refused, naming the reason, on a model whose head_dim is not whole q8_0 blocks.
+TEST(QuantizedCacheServerTest, ServesTheDefaultModelInItsFormat) {
+  for (KvDtype dtype : {KvDtype::kQ8_0, KvDtype::kQ4_0}) {
+    SCOPED_TRACE(KvDtypeName(dtype));
+    server::ServerAppConfig config = TestServerConfig();
+    config.model_path = testing::SourcePath("models/subspace-tiny.gguf");
+    config.block_size = 16;
+    config.kv_cache.kind = KvCacheKind::kQuantized;
+    config.kv_cache.kv_dtype = dtype;
+    Server s(config);
+    ASSERT_TRUE(s.ok());
+    const v1::CacheConfig cache = s.ModelInfo().cache();
+    EXPECT_EQ(cache.kind(), "quantized");
+    EXPECT_EQ(cache.kv_dtype(), KvDtypeName(dtype));
+    EXPECT_EQ(cache.rank_k(), 0u);
+    // A page: [2][2 kv heads][16 slots] rows of 64 values, 68 B (q8_0) or 36 B (q4_0).
+    EXPECT_EQ(cache.pool_bytes() / cache.blocks_total(),
+              2u * 2 * 16 * (dtype == KvDtype::kQ8_0 ? 68 : 36));
+    const std::string session = s.CreateSession();
+    const v1::GenerateResponse r = s.Generate(TokensRequest({1, 450, 3681, 310}, 40), session);
+    EXPECT_EQ(r.token_ids_size(), 40);
+    const v1::CacheStats stats = s.CacheStats();
+    EXPECT_EQ(stats.tokens_cached(), 43u);  // the prompt and all but the last token generated
+    EXPECT_EQ(stats.bytes_used_compressed(), 0u);
+    s.DeleteSession(session);
+  }
+  server::ServerAppConfig tiny = TestServerConfig();  // head_dim 8
+  tiny.kv_cache.kind = KvCacheKind::kQuantized;
+  const absl::Status st = server::ServerApp::Start(tiny).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("a q8_0 KV cache needs a head_dim that is a multiple of 32, got 8"),
+            std::string::npos)
+      << st;
+}
+
 TEST(KvCacheOptionsTest, ParsesFlagNames) {
   EXPECT_EQ(server::ParseKvCacheKind("full").value(), KvCacheKind::kFull);
   EXPECT_EQ(server::ParseKvCacheKind("compressed").value(), KvCacheKind::kCompressed);
+  EXPECT_EQ(server::ParseKvCacheKind("quantized").value(), KvCacheKind::kQuantized);
   const absl::Status kind = server::ParseKvCacheKind("paged").status();
   EXPECT_EQ(kind.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(kind.message(), "--kv-cache must be 'full' or 'compressed', got 'paged'");
+  EXPECT_EQ(kind.message(), "--kv-cache must be 'full', 'compressed' or 'quantized', got 'paged'");
+  EXPECT_EQ(server::ParseQuantizedKvDtype("q8_0").value(), KvDtype::kQ8_0);
+  EXPECT_EQ(server::ParseQuantizedKvDtype("q4_0").value(), KvDtype::kQ4_0);
+  const absl::Status kv = server::ParseQuantizedKvDtype("f32").status();
+  EXPECT_EQ(kv.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(kv.message(), "--kv-dtype must be 'q8_0' or 'q4_0', got 'f32'");
   EXPECT_EQ(server::ParseCoeffDtype("fp16").value(), CoeffDtype::kFp16);
   EXPECT_EQ(server::ParseCoeffDtype("int8").value(), CoeffDtype::kInt8);
   EXPECT_EQ(server::ParseCoeffDtype("fp32").value(), CoeffDtype::kFp32);

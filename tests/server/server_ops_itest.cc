@@ -330,7 +330,13 @@ TEST(ServerBinaryTest, BadCacheFlagsExitNonZeroWithAMessage) {
     int exit_status;
     std::string message;
   } cases[] = {
-      {{"--kv-cache", "paged"}, 2, "--kv-cache must be 'full' or 'compressed', got 'paged'"},
+      {{"--kv-cache", "paged"},
+       2,
+       "--kv-cache must be 'full', 'compressed' or 'quantized', got 'paged'"},
+      {{"--kv-cache=quantized", "--kv-dtype=f16"}, 2, "--kv-dtype must be 'q8_0' or 'q4_0'"},
+      {{"--kv-cache=quantized"},
+       1,
+       "a q8_0 KV cache needs a head_dim that is a multiple of 32, got 8"},
       {{"--kv-coeff-dtype=bf16"}, 2, "--kv-coeff-dtype must be 'fp16', 'int8' or 'fp32'"},
       {{"--kv-window-tokens", "-1"}, 1, "--kv-window-tokens must be >= 0, got -1"},
       {{"--kv-outlier-threshold", "0"}, 1, "--kv-outlier-threshold must be a finite number > 0"},

@@ -3,14 +3,25 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "core/base/ggml_types.h"
+#include "core/kvcache/kv_quant.h"
 #include "core/kvcache/paged_kv_cache.h"
 
 namespace subspace::eval {
 namespace {
+
+void RoundTripKv(KvDtype dtype, std::span<float> row) {
+  const int64_t n = static_cast<int64_t>(row.size());
+  assert(n % kKvQuantBlock == 0);
+  std::vector<uint8_t> bytes(static_cast<size_t>(KvRowBytes(dtype, n)));
+  QuantizeKvRow(dtype, row.data(), n, bytes.data());
+  DequantizeKvRows(dtype, bytes.data(), 1, n, row.data());
+}
 
 constexpr int kQBlock = 32;  // llama.cpp's q8_0 / q4_0 block, and KIVI's value channel group
 
@@ -74,37 +85,10 @@ double BaselineBytesPerToken(const BaselineKvCacheConfig& c, int64_t length) {
   return fp16;
 }
 
-void RoundTripQ8_0(std::span<float> row) {
-  assert(row.size() % kQBlock == 0);
-  for (size_t b = 0; b < row.size(); b += kQBlock) {
-    float amax = 0.0f;
-    for (int j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(row[b + j]));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const float dh = RoundFp16(d);  // the block stores d as fp16
-    for (int j = 0; j < kQBlock; ++j) row[b + j] = std::round(row[b + j] * id) * dh;
-  }
-}
-
-void RoundTripQ4_0(std::span<float> row) {
-  assert(row.size() % kQBlock == 0);
-  for (size_t b = 0; b < row.size(); b += kQBlock) {
-    float amax = 0.0f, max = 0.0f;
-    for (int j = 0; j < kQBlock; ++j) {
-      if (amax < std::fabs(row[b + j])) {
-        amax = std::fabs(row[b + j]);
-        max = row[b + j];
-      }
-    }
-    const float d = max / -8.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const float dh = RoundFp16(d);
-    for (int j = 0; j < kQBlock; ++j) {
-      const int q = std::min(15, static_cast<int>(static_cast<int8_t>(row[b + j] * id + 8.5f)));
-      row[b + j] = static_cast<float>(q - 8) * dh;
-    }
-  }
-}
+// Through the server's own quantizers (core/kvcache/kv_quant.h), so the baseline and
+// `--kv-cache quantized` are one format.
+void RoundTripQ8_0(std::span<float> row) { RoundTripKv(KvDtype::kQ8_0, row); }
+void RoundTripQ4_0(std::span<float> row) { RoundTripKv(KvDtype::kQ4_0, row); }
 
 void RoundTripAsym4(float* x, int64_t n, int64_t stride) {
   float lo = x[0], hi = x[0];

@@ -7,8 +7,10 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -180,6 +182,41 @@ TEST(AttentionKernelsTest, ExpSumAndScale) {
 }
 
 // ActiveAttentionKernels follows the ISA cap the MatMul tests use.
+// q8_0 / q4_0 blocks with random bytes (every code, scales of both signs, a zero scale) decode
+// to d q and d (q - 8) exactly, and every ISA gives the scalar twin's bits.
+TEST(AttentionKernelsTest, DequantizeQuantizedBlocks) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> byte(0, 255);
+  const int64_t blocks = 7;
+  for (const bool q4 : {false, true}) {
+    const int64_t block_bytes = q4 ? 18 : 34;
+    std::vector<uint8_t> src(static_cast<size_t>(blocks * block_bytes));
+    for (uint8_t& b : src) b = static_cast<uint8_t>(byte(rng));
+    const float scales[blocks] = {0.5f, -0.25f, 0.0f, 3.0f, -1e-3f, 65504.0f, 1.0f};
+    std::vector<float> want(static_cast<size_t>(blocks * 32));
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* block = src.data() + b * block_bytes;
+      const uint16_t h = Fp32ToFp16(scales[b]);
+      std::memcpy(block, &h, sizeof(h));
+      const float d = Fp16ToFp32(h);
+      for (int j = 0; j < 32; ++j) {
+        const int q = q4 ? (j < 16 ? (block[2 + j] & 0x0f) : (block[2 + j - 16] >> 4)) - 8
+                         : static_cast<int8_t>(block[2 + j]);
+        want[static_cast<size_t>(b * 32 + j)] = d * static_cast<float>(q);
+      }
+    }
+    for (Isa isa : IsasToTest()) {
+      SCOPED_TRACE(std::string(q4 ? "q4_0 " : "q8_0 ") + (isa == Isa::kScalar ? "scalar" : "avx2"));
+      const AttentionKernels& k = AttentionKernelsFor(isa);
+      std::vector<float> got(want.size(), std::numeric_limits<float>::quiet_NaN());
+      (q4 ? k.dequantize_q4_0 : k.dequantize_q8_0)(src.data(), blocks, got.data());
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i])) << i;
+      }
+    }
+  }
+}
+
 TEST(AttentionKernelsTest, ActiveFollowsScopedMaxIsa) {
   internal::ScopedMaxIsa cap(Isa::kScalar);
   EXPECT_EQ(&ActiveAttentionKernels(), &AttentionKernelsFor(Isa::kScalar));

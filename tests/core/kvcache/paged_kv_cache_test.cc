@@ -1,6 +1,7 @@
 // PagedKvCache: block accounting, all-or-nothing reservation, sequence recycling, and
 // attention against a plain dense double-precision reference across block sizes, GQA/MQA,
-// several sequences and chunked prefill, with the AVX2 kernels and the scalar fallback.
+// several sequences and chunked prefill, with the AVX2 kernels and the scalar fallback; fp32
+// rows and q8_0 / q4_0 rows (the reference then attends over the rows as stored).
 #include "core/kvcache/paged_kv_cache.h"
 
 #include <cmath>
@@ -18,11 +19,13 @@
 namespace subspace {
 namespace {
 
-std::unique_ptr<PagedKvCache> MakeCache(KvCacheGeometry g, int block_size, int64_t blocks) {
+std::unique_ptr<PagedKvCache> MakeCache(KvCacheGeometry g, int block_size, int64_t blocks,
+                                        KvDtype dtype = KvDtype::kF32) {
   PagedKvCache::Config config;
   config.geometry = g;
   config.block_size = block_size;
-  config.capacity_bytes = blocks * PagedKvCache::BlockBytes(g, block_size);
+  config.dtype = dtype;
+  config.capacity_bytes = blocks * PagedKvCache::BlockBytes(g, block_size, dtype);
   absl::StatusOr<std::unique_ptr<PagedKvCache>> cache = PagedKvCache::Create(config);
   EXPECT_TRUE(cache.ok()) << cache.status();
   return cache.ok() ? *std::move(cache) : nullptr;
@@ -40,6 +43,32 @@ TEST(PagedKvCacheTest, RejectsBadConfig) {
   config.geometry.head_dim = 8;
   config.capacity_bytes = PagedKvCache::BlockBytes(config.geometry, 4);  // one block, 2 layers
   EXPECT_EQ(PagedKvCache::Create(config).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(PagedKvCacheTest, QuantizedNeedsHeadDimOfWholeBlocks) {
+  PagedKvCache::Config config;
+  config.geometry = {2, 2, 48};
+  config.block_size = 4;
+  config.capacity_bytes = 1 << 20;
+  config.dtype = KvDtype::kQ8_0;
+  const absl::Status st = PagedKvCache::Create(config).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "a q8_0 KV cache needs a head_dim that is a multiple of 32, got 48");
+  config.geometry.head_dim = 64;
+  EXPECT_TRUE(PagedKvCache::Create(config).ok());
+}
+
+TEST(PagedKvCacheTest, QuantizedBlocksTakeTheirFormatsBytes) {
+  const KvCacheGeometry g{2, 2, 64};
+  // [2][2 heads][16 slots] rows of 64 values: 256 B fp32, 68 B q8_0, 36 B q4_0.
+  EXPECT_EQ(PagedKvCache::BlockBytes(g, 16), 2 * 2 * 16 * 256);
+  EXPECT_EQ(PagedKvCache::BlockBytes(g, 16, KvDtype::kQ8_0), 2 * 2 * 16 * 68);
+  EXPECT_EQ(PagedKvCache::BlockBytes(g, 16, KvDtype::kQ4_0), 2 * 2 * 16 * 36);
+  EXPECT_EQ(PagedKvCache::BlockBytes({1, 1, 32}, 1, KvDtype::kQ4_0), 36);  // 2 x 18
+  auto cache = MakeCache(g, 16, 10, KvDtype::kQ4_0);
+  ASSERT_NE(cache, nullptr);
+  EXPECT_EQ(cache->dtype(), KvDtype::kQ4_0);
+  EXPECT_EQ(cache->Stats().bytes_total, 10 * 2 * 2 * 16 * 36);
 }
 
 TEST(PagedKvCacheTest, BlockAccountingAndStats) {
@@ -193,7 +222,17 @@ struct AttendCase {
   int n_heads;
   int n_kv;
   int head_dim;
+  KvDtype dtype = KvDtype::kF32;
 };
+
+// Rows of hd values as a `dtype` cache gives them back. x: [rows, hd]
+void RoundTripRows(KvDtype dtype, std::vector<float>& x, int hd) {
+  std::vector<uint8_t> bytes(static_cast<size_t>(KvRowBytes(dtype, hd)));
+  for (size_t r = 0; r < x.size(); r += static_cast<size_t>(hd)) {
+    QuantizeKvRow(dtype, x.data() + r, hd, bytes.data());
+    DequantizeKvRows(dtype, bytes.data(), 1, hd, x.data() + r);
+  }
+}
 
 class PagedAttendTest : public ::testing::TestWithParam<AttendCase> {};
 
@@ -203,7 +242,7 @@ class PagedAttendTest : public ::testing::TestWithParam<AttendCase> {};
 void CheckAgainstDenseReference(const AttendCase& c) {
   const int n_layers = 2;
   const KvCacheGeometry g{n_layers, c.n_kv, c.head_dim};
-  auto cache = MakeCache(g, c.block_size, 4096);
+  auto cache = MakeCache(g, c.block_size, 4096, c.dtype);
   ASSERT_NE(cache, nullptr);
   std::mt19937 rng(1234 + c.block_size * 7 + c.n_kv);
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -237,6 +276,8 @@ void CheckAgainstDenseReference(const AttendCase& c) {
         for (float& x : v) x = dist(rng);
         for (float& x : q[s]) x = 2.0f * dist(rng);  // sharper softmax
         cache->Write(layer, ids[s], pos, n, k.data(), v.data());
+        RoundTripRows(c.dtype, k, c.head_dim);  // what the cache holds
+        RoundTripRows(c.dtype, v, c.head_dim);
         keys[s][layer].insert(keys[s][layer].end(), k.begin(), k.end());
         values[s][layer].insert(values[s][layer].end(), v.begin(), v.end());
         requests.push_back({ids[s], pos, n, q[s].data(), out[s].data()});
@@ -280,11 +321,15 @@ INSTANTIATE_TEST_SUITE_P(Geometries, PagedAttendTest,
                                            AttendCase{16, 4, 2, 16}, AttendCase{4, 4, 4, 8},  // MHA
                                            AttendCase{16, 8, 1, 32},
                                            AttendCase{1, 6, 1, 64},  // MQA
-                                           AttendCase{4, 8, 2, 128}),
+                                           AttendCase{4, 8, 2, 128},
+                                           AttendCase{16, 8, 1, 32, KvDtype::kQ8_0},
+                                           AttendCase{1, 6, 1, 64, KvDtype::kQ4_0},
+                                           AttendCase{4, 4, 2, 64, KvDtype::kQ4_0},
+                                           AttendCase{4, 8, 2, 128, KvDtype::kQ8_0}),
                          [](const ::testing::TestParamInfo<AttendCase>& info) {
                            const AttendCase& c = info.param;
                            return absl::StrCat("B", c.block_size, "_H", c.n_heads, "_KV", c.n_kv,
-                                               "_D", c.head_dim);
+                                               "_D", c.head_dim, "_", KvDtypeName(c.dtype));
                          });
 
 // Attention of a sequence is unaffected by other sequences' writes into neighbouring blocks
