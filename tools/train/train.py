@@ -100,7 +100,8 @@ def main():
     retrieval = []
     if args.data == "longctx":
         mixer = longctx.Mixer(sp, longctx.Texts(sp, train_ids), rng, args.seq, profile=args.mix)
-        retrieval = retrieval_set(sp, longctx.Texts(sp, val_ids), args.seq, args.eval_retrieval)
+        val_texts = longctx.Texts(sp, val_ids)
+        retrieval = retrieval_set(sp, val_texts, args.seq, args.eval_retrieval)
     n_params = sum(p.numel() for p in model.parameters())
     log("config %s" % json.dumps(cfg.__dict__))
     log("params %d (%.2f M)" % (n_params, n_params / 1e6))
@@ -181,6 +182,8 @@ def main():
                 acc["copy_gain"] = longctx.copy_gain(
                     lambda ids: token_nll(model, ids), np.random.default_rng(7), cfg.vocab_size,
                     seq=min(args.seq, 256))
+                acc["copy_gain_text"] = longctx.passage_copy_gain(
+                    lambda ids: token_nll(model, ids), val_texts, np.random.default_rng(7))
             model.train()
             entry = {"step": done, "train_loss_ema": round(run_loss, 4),
                      "val_loss": round(vl, 4), "elapsed_s": round(time.time() - t_start)}
