@@ -61,6 +61,9 @@ def main():
     ap.add_argument("--init-gguf", default="", help="start from this GGUF's weights")
     ap.add_argument("--init-ckpt", default="", help="start from this checkpoint's weights")
     ap.add_argument("--resume", action="store_true", help="continue the checkpoint at --out")
+    ap.add_argument("--stop-at", type=int, default=0,
+                    help="stop after this step (saved), keeping the lr schedule of --steps; "
+                         "0: run all --steps")
     ap.add_argument("--save-every-min", type=float, default=10.0)
     ap.add_argument("--eval-retrieval", type=int, default=24,
                     help="longctx: held-out pass-key / key-value prompts scored at each eval")
@@ -148,7 +151,8 @@ def main():
     t_start = time.time()
     t_saved = t_start
     run_loss = None
-    for step in range(start, args.steps):
+    last = min(args.steps, args.stop_at) if args.stop_at > 0 else args.steps
+    for step in range(start, last):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         if args.data == "longctx":
@@ -169,12 +173,12 @@ def main():
         done = step + 1
         if done % args.log_every == 0 or done == start + 1:
             el = time.time() - t_start
-            eta = el / (done - start) * (args.steps - done)
+            eta = el / (done - start) * (last - done)
             log("step %5d/%d loss %.4f (ema %.4f) lr %.2e gnorm %.2f | %.2f s/step "
                 "%.0f tok/s | elapsed %s eta %s" % (
-                    done, args.steps, lv, run_loss, lr_at(step), gnorm, el / (done - start),
+                    done, last, lv, run_loss, lr_at(step), gnorm, el / (done - start),
                     (done - start) * tokens_per_step / el, fmt(el), fmt(eta)))
-        if done % args.eval_every == 0 or done == args.steps:
+        if done % args.eval_every == 0 or done == last:
             model.eval()
             vl = eval_lib.mean_nll(model, val_windows)
             acc = retrieval_accuracy(model, retrieval)
