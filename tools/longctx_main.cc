@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <string>
@@ -44,6 +45,8 @@ ABSL_FLAG(int32_t, window_tokens, subspace::CompressionPolicy::kDefaultWindowTok
           "W: recent tokens kept full-rank (evict and low-rank)");
 ABSL_FLAG(int32_t, chunk, 64, "prefill chunk: caches compress between chunks");
 ABSL_FLAG(int32_t, max_items, 0, "first N items of the suite only (0: all)");
+ABSL_FLAG(std::string, json, "",
+          "also write the table here as JSON lines, one object per cache (for plots and checks)");
 
 namespace subspace {
 namespace {
@@ -185,6 +188,14 @@ absl::Status Run() {
   std::printf(
       "| cache | bytes/token vs fp16 | pass key | kv recall | long-range ppl | plain ppl | "
       "KLD (nats) | top-1 agree | s |\n|---|--:|--:|--:|--:|--:|--:|--:|--:|\n");
+  std::unique_ptr<std::ofstream> json;
+  if (!absl::GetFlag(FLAGS_json).empty()) {
+    json = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_json));
+    if (!*json) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("cannot write --json ", absl::GetFlag(FLAGS_json)));
+    }
+  }
   for (const CacheSpec& spec : specs) {
     const auto t0 = Clock::now();
     std::unique_ptr<KvCache> cache;
@@ -281,31 +292,53 @@ absl::Status Run() {
       t.positions += sc.scored;
       if (spec.full) reference[i] = *std::move(run);
     }
-    auto acc = [&](const char* a, const char* b) {
-      int64_t hit = 0, n = 0;
-      for (const char* k : {a, b}) {
-        if (k == nullptr) continue;
+    // Hits and items of the retrieval kinds given.
+    auto count = [&](std::initializer_list<const char*> kinds) {
+      std::pair<int64_t, int64_t> hn{0, 0};
+      for (const char* k : kinds) {
         const auto it = t.by_kind.find(k);
         if (it != t.by_kind.end()) {
-          hit += it->second.first;
-          n += it->second.second;
+          hn.first += it->second.first;
+          hn.second += it->second.second;
         }
       }
-      return n > 0 ? absl::StrFormat("%.3f (%d)", static_cast<double>(hit) / n, n)
-                   : std::string("—");
+      return hn;
+    };
+    const auto passkey = count({"passkey_filler", "passkey_natural"});
+    const auto kv = count({"kv"});
+    auto acc = [](std::pair<int64_t, int64_t> hn) {
+      return hn.second > 0 ? absl::StrFormat("%.3f (%d)", static_cast<double>(hn.first) / hn.second,
+                                             hn.second)
+                           : std::string("—");
     };
     auto ppl = [](double nll, int64_t n) {
       return n > 0 ? absl::StrFormat("%.3f", std::exp(nll / static_cast<double>(n)))
                    : std::string("—");
     };
-    std::printf(
-        "| %s | %.3f | %s | %s | %s | %s | %.4f | %.4f | %.0f |\n", spec.name.c_str(),
-        t.bytes_ratio_sum / static_cast<double>(t.items),
-        acc("passkey_filler", "passkey_natural").c_str(), acc("kv", nullptr).c_str(),
-        ppl(t.nll_long, t.n_long).c_str(), ppl(t.nll_plain, t.n_plain).c_str(),
-        t.positions > 0 ? t.kld / static_cast<double>(t.positions) : 0.0,
-        t.positions > 0 ? static_cast<double>(t.top1) / static_cast<double>(t.positions) : 0.0,
-        std::chrono::duration<double>(Clock::now() - t0).count());
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double bytes_ratio = t.bytes_ratio_sum / static_cast<double>(t.items);
+    const double kld = t.positions > 0 ? t.kld / static_cast<double>(t.positions) : 0.0;
+    const double top1 =
+        t.positions > 0 ? static_cast<double>(t.top1) / static_cast<double>(t.positions) : 0.0;
+    if (json) {
+      // null for what the suite has no items of; names are the --caches specs (no quotes).
+      auto num = [](double x, bool present) {
+        return present ? absl::StrFormat("%.6g", x) : std::string("null");
+      };
+      *json << absl::StrFormat(
+          "{\"cache\": \"%s\", \"bytes_ratio\": %.6g, \"passkey_hits\": %d, \"passkey_n\": %d, "
+          "\"kv_hits\": %d, \"kv_n\": %d, \"long_ppl\": %s, \"plain_ppl\": %s, "
+          "\"kld\": %.6g, \"top1\": %.6g, \"seconds\": %.1f}\n",
+          spec.name, bytes_ratio, passkey.first, passkey.second, kv.first, kv.second,
+          num(std::exp(t.nll_long / std::max<double>(t.n_long, 1)), t.n_long > 0),
+          num(std::exp(t.nll_plain / std::max<double>(t.n_plain, 1)), t.n_plain > 0), kld, top1,
+          seconds);
+      json->flush();
+    }
+    std::printf("| %s | %.3f | %s | %s | %s | %s | %.4f | %.4f | %.0f |\n", spec.name.c_str(),
+                bytes_ratio, acc(passkey).c_str(), acc(kv).c_str(),
+                ppl(t.nll_long, t.n_long).c_str(), ppl(t.nll_plain, t.n_plain).c_str(), kld, top1,
+                seconds);
     std::fflush(stdout);
   }
   return absl::OkStatus();

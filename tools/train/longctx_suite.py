@@ -52,8 +52,12 @@ def main():
     ap.add_argument("--kv-pairs", default="8,32,64,110")
     ap.add_argument("--distances", default="128,512,1024,1900")
     ap.add_argument("--small", action="store_true",
-                    help="the CI slice: short pass keys only (lengths <= 256)")
+                    help="the CI slice: every kind, one prompt per cell, at 256 tokens (fits "
+                         "the default model's context of 512)")
     args = ap.parse_args()
+    if args.small:
+        args.lengths, args.depths, args.per_cell = "256", "0,0.5,1", 1
+        args.kv_pairs, args.distances = "8", "128"
 
     sp = spm.SentencePieceProcessor(model_file=args.tokenizer)
     texts = longctx.Texts(sp, eval_lib.encode_file(sp, args.text))
@@ -68,20 +72,19 @@ def main():
                     d = longctx.passkey(sp, texts, rng, length, depth, haystack=kind.split("_")[1])
                     rows.append({"kind": kind, "length": d["n_tokens"], "depth": depth,
                                  "prompt": d["prompt"], "answer": d["answer"]})
-    if not args.small:
-        for pairs in (int(x) for x in args.kv_pairs.split(",")):
-            for _ in range(2 * args.per_cell):
-                d = longctx.kv_recall(sp, rng, 0, pairs=pairs)
-                rows.append({"kind": "kv", "length": d["n_tokens"], "depth": d["depth"],
-                             "pairs": pairs, "prompt": d["prompt"], "answer": d["answer"]})
-        for distance in (int(x) for x in args.distances.split(",")):
-            for _ in range(2 * args.per_cell):
-                text, start = recurrence_doc(sp, texts, rng, max(lengths), distance)
-                rows.append({"kind": "recurrence", "length": len(sp.encode(text)),
-                             "distance": distance, "text": text, "scored_from": start})
+    for pairs in (int(x) for x in args.kv_pairs.split(",")):
         for _ in range(2 * args.per_cell):
-            text = texts.span_text(rng, max(lengths))
-            rows.append({"kind": "plain", "length": len(sp.encode(text)), "text": text})
+            d = longctx.kv_recall(sp, rng, 0, pairs=pairs)
+            rows.append({"kind": "kv", "length": d["n_tokens"], "depth": d["depth"],
+                         "pairs": pairs, "prompt": d["prompt"], "answer": d["answer"]})
+    for distance in (int(x) for x in args.distances.split(",")):
+        for _ in range(2 * args.per_cell):
+            text, start = recurrence_doc(sp, texts, rng, max(lengths), distance)
+            rows.append({"kind": "recurrence", "length": len(sp.encode(text)),
+                         "distance": distance, "text": text, "scored_from": start})
+    for _ in range(2 * args.per_cell):
+        text = texts.span_text(rng, max(lengths))
+        rows.append({"kind": "plain", "length": len(sp.encode(text)), "text": text})
     with open(args.out, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
