@@ -12,7 +12,7 @@ BUILD_PACKAGES=(
   libopenblas-dev libopenblas0-pthread
 )
 PACKAGES=("${BUILD_PACKAGES[@]}"
-  python3 python3-numpy python3-torch python3-sentencepiece python3-grpcio
+  python3 python3-numpy python3-torch python3-sentencepiece python3-grpcio python3-matplotlib
   prometheus curl openssl
   nginx python3-yaml
   clang libclang-rt-14-dev libomp-dev clang-format
