@@ -14,7 +14,7 @@ MODEL=${MODEL:-models/subspace-long.gguf}
 LENGTHS=${LENGTHS:-256,512,1024,2000}
 DISTANCES=${DISTANCES:-128,512,1024,1900}
 KV_PAIRS=${KV_PAIRS:-8,32,64,110}
-CACHES=${CACHES:-evict,q8_0,q4_0,kivi4,kqsvd:8:fp16,kqsvd:16:fp16,kqsvd:32:fp16,kqsvd:8:int8,kqsvd:16:int8,kqsvd:32:int8,ksvd:16:fp16,eigen:16:fp16,self:16:fp16}
+CACHES=${CACHES:-evict,q8_0,q4_0,kivi4,kqsvd:8:fp16,kqsvd:16:fp16,kqsvd:32:fp16,kqsvd:8:int8,kqsvd:16:int8,kqsvd:32:int8,ksvd:16:fp16,eigen:16:fp16,self:16:fp16,self:16:fp16:pca,kqsvd:16:fp16:kqsvd}
 OUT=${OUT:-docs}
 [[ -f "$MODEL" ]] || { echo "longctx: no $MODEL (tools/train/run_long.sh makes it)" >&2; exit 2; }
 scripts/build.sh >/dev/null
@@ -45,7 +45,8 @@ cache holds at the item's length (sinks, window, outliers, partial blocks), rela
 K/V. Eviction and the low-rank caches keep S = 4 sinks and the last W = 64 tokens full-rank;
 q8_0 / q4_0 are the server's \`--kv-cache quantized\` cache; low-rank \`METHOD:RANK:DTYPE\` rows
 are the server's compressed cache with a basis calibrated on the test split's start
-(\`self\`: self-calibrated from each sequence, as without \`--bases\`).
+(\`self\`: self-calibrated from each sequence, as without \`--bases\`); a fourth part adds
+online refresh from that start (inline, a new epoch every 256 compressed tokens).
 
 ![accuracy and KLD against bytes per token](longctx.png)
 

@@ -24,6 +24,7 @@
 #include "core/compress/compressed_kv_cache.h"
 #include "core/kvcache/kv_quant.h"
 #include "core/kvcache/paged_kv_cache.h"
+#include "core/kvcache/refresh_config.h"
 #include "core/model/model.h"
 #include "core/model/model_file.h"
 #include "core/tokenizer/tokenizer.h"
@@ -36,7 +37,10 @@ ABSL_FLAG(std::string, suite, "", "suite file (JSON lines) from tools/train/long
 ABSL_FLAG(std::string, caches, "evict,q8_0,q4_0,kivi4,kqsvd:16:fp16,kqsvd:16:int8,kqsvd:8:fp16",
           "caches compared with the full one: evict, q8_0, q4_0, kivi4, full, "
           "METHOD:RANK:DTYPE (METHOD ksvd|eigen|kqsvd calibrated on --calib; DTYPE fp16|int8) "
-          "or self:RANK:DTYPE (self-calibrated, as the server without --bases)");
+          "or self:RANK:DTYPE (self-calibrated, as the server without --bases); a fourth part "
+          ":REFRESH (pca|kqsvd|oja|fd) adds online refresh from that start");
+ABSL_FLAG(int64_t, refresh_every_tokens, 256,
+          "online refresh: new epoch every T compressed tokens");
 ABSL_FLAG(std::string, calib, "models/data/test.txt", "text the low-rank bases are calibrated on");
 ABSL_FLAG(int64_t, calib_tokens, 20000, "calibration tokens (0: all)");
 ABSL_FLAG(int32_t, sink_tokens, subspace::CompressionPolicy::kDefaultSinkTokens,
@@ -61,6 +65,7 @@ struct CacheSpec {
   KeyBasisMethod method = KeyBasisMethod::kKqsvd;
   int rank = 0;
   CoeffDtype dtype = CoeffDtype::kFp16;
+  RefreshMethod refresh = RefreshMethod::kNone;
 };
 
 absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
@@ -77,7 +82,14 @@ absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
     c.baseline = *k;
     return c;
   }
-  if (parts.size() != 3) return absl::InvalidArgumentError(absl::StrCat("bad cache spec ", s));
+  if (parts.size() != 3 && parts.size() != 4) {
+    return absl::InvalidArgumentError(absl::StrCat("bad cache spec ", s));
+  }
+  if (parts.size() == 4) {
+    absl::StatusOr<RefreshMethod> r = ParseRefreshMethod(parts[3]);
+    if (!r.ok()) return r.status();
+    c.refresh = *r;
+  }
   c.lowrank = true;
   if (parts[0] == "self") {
     c.self = true;
@@ -236,6 +248,11 @@ absl::Status Run() {
       cc.policy.coeff_dtype = spec.dtype;
       cc.capacity_bytes = CompressedKvCache::PageBytes(geom, 16, CoeffDtype::kFp16) *
                           geom.n_layers * pages_per_item;
+      // Online refresh as the server runs it, but inline: deterministic, same steps every run.
+      cc.refresh.method = spec.refresh;
+      cc.refresh.every_tokens = absl::GetFlag(FLAGS_refresh_every_tokens);
+      cc.refresh_inline = true;
+      cc.n_query_heads = mc.n_heads;
       absl::StatusOr<std::unique_ptr<CompressedKvCache>> c = CompressedKvCache::Create(cc);
       if (!c.ok()) return c.status();
       if (!spec.self) {

@@ -16,7 +16,7 @@ import tempfile
 import unittest
 
 BIN, ROOT = sys.argv[1], sys.argv[2]
-CACHES = ["evict", "q8_0", "q4_0", "kivi4", "self:16:fp16", "kqsvd:16:int8"]
+CACHES = ["evict", "q8_0", "q4_0", "kivi4", "self:16:fp16", "kqsvd:16:int8", "self:16:fp16:pca"]
 
 
 class LongContextSliceTest(unittest.TestCase):
@@ -38,7 +38,7 @@ class LongContextSliceTest(unittest.TestCase):
         cls.proc = subprocess.run(
             [BIN, "--model", os.path.join(ROOT, "models/subspace-tiny.gguf"), "--suite", suite,
              "--caches", ",".join(CACHES), "--calib", os.path.join(ROOT, "models/data/test.txt"),
-             "--calib-tokens", "4000", "--json", out],
+             "--calib-tokens", "4000", "--refresh-every-tokens", "64", "--json", out],
             capture_output=True, text=True, timeout=600)
         cls.rows = {}
         if cls.proc.returncode == 0:

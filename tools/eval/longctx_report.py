@@ -19,7 +19,10 @@ def family(name):
         return "quantized (q8_0 / q4_0)", "tab:blue", "s"
     if name == "kivi4":
         return "KIVI int4", "tab:purple", "D"
-    method, _, dtype = name.split(":")
+    parts = name.split(":")
+    method, dtype = parts[0], parts[2]
+    if len(parts) == 4:
+        return "low-rank + online refresh", "tab:cyan", "o" if dtype == "fp16" else "^"
     if method == "self":
         return "low-rank, self-calibrated, %s" % dtype, "tab:olive", "o" if dtype == "fp16" else "^"
     return "low-rank, calibrated, %s" % dtype, "tab:green" if dtype == "fp16" else "tab:orange", \
