@@ -182,6 +182,9 @@ __global__ void __launch_bounds__(kThreads)
         sum += e;
       }
       sum = device::WarpSum(sum);
+      // Every lane read run_max[g] above and lane 0 overwrites it: shuffles order registers, not
+      // shared memory, so the warp syncs first (racecheck on an H200 reported the hazard).
+      __syncwarp();
       if (lane == 0) {
         // Nothing seen yet: keep the zeros. Else exp(-inf) = 0 on the first real block.
         const float c = m_new == kNegInf ? 1.0f : expf(m_old - m_new);
