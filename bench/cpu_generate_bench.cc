@@ -32,10 +32,13 @@ ABSL_FLAG(int32_t, prompt_tokens, 256, "tokens per prefill");
 ABSL_FLAG(int32_t, decode_tokens, 64, "decode steps per measurement");
 ABSL_FLAG(std::vector<std::string>, batch, std::vector<std::string>({"1", "8"}),
           "comma-separated batch sizes");
+ABSL_FLAG(int32_t, prefill_batch, 0,
+          "sequences per prefill step (0: the whole batch in one step); bounds the activations "
+          "of long prompts at large batch");
 ABSL_FLAG(int32_t, repeats, 3, "measurements per cell; the best is reported");
 ABSL_FLAG(int64_t, kv_cache_bytes, 1ll << 30, "KV cache pool size in bytes (per kind)");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda (the CUDA backend)");
-ABSL_FLAG(bool, cuda_graphs, true, "cuda: decode steps as CUDA graphs (false: eager launches)");
+ABSL_FLAG(bool, cuda_graphs, false, "cuda: decode steps as CUDA graphs (false: eager launches)");
 ABSL_FLAG(std::vector<std::string>, kv_cache, std::vector<std::string>({"full", "compressed"}),
           "comma-separated KV cache kinds, each measured in turn: full (paged full-rank), "
           "compressed (low-rank)");
@@ -47,10 +50,11 @@ using Clock = std::chrono::steady_clock;
 
 struct BenchConfig {
   std::string device;  // cpu or cuda
-  bool cuda_graphs = true;
+  bool cuda_graphs = false;
   std::vector<int> batches;
   int prompt_len = 0;
   int decode_len = 0;
+  int prefill_batch = 0;  // 0: all
   int repeats = 1;
   int64_t kv_cache_bytes = 0;
 };
@@ -81,7 +85,7 @@ int64_t BytesUsed(const KvCacheStats& s) {
 double Ratio(double num, double den) { return den > 0 ? num / den : 0.0; }
 
 absl::StatusOr<Cell> Measure(ModelRunner& model, KvCacheBase& cache, int batch, int prompt_len,
-                             int decode_len, uint64_t seed) {
+                             int decode_len, int prefill_batch, uint64_t seed) {
   const ModelConfig& cfg = model.config();
   std::mt19937_64 rng(seed);
   std::vector<std::vector<int32_t>> prompts(batch, std::vector<int32_t>(prompt_len));
@@ -97,11 +101,18 @@ absl::StatusOr<Cell> Measure(ModelRunner& model, KvCacheBase& cache, int batch, 
   }
   std::vector<float> logits;
   Cell cell;
-  // Prefill: all prompts in one step, as the scheduler batches them.
+  // Prefill: the prompts in steps of prefill_batch sequences (all in one step by default), as
+  // the scheduler batches them.
   std::vector<SequenceChunk> chunks;
-  for (int b = 0; b < batch; ++b) chunks.push_back({seqs[b], 0, prompts[b], false});
+  const int per_step = prefill_batch > 0 ? std::min(prefill_batch, batch) : batch;
   auto start = Clock::now();
-  if (absl::Status s = model.Forward(chunks, cache, &logits); !s.ok()) return s;
+  for (int b0 = 0; b0 < batch; b0 += per_step) {
+    chunks.clear();
+    for (int b = b0; b < std::min(batch, b0 + per_step); ++b) {
+      chunks.push_back({seqs[b], 0, prompts[b], false});
+    }
+    if (absl::Status s = model.Forward(chunks, cache, &logits); !s.ok()) return s;
+  }
   double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   cell.prefill_tps = batch * prompt_len / seconds;
   // Decode: one token per sequence per step.
@@ -130,8 +141,10 @@ absl::StatusOr<Backend> CreateBackend(const std::shared_ptr<LlamaModel>& cpu_mod
   if (config.device == "cuda") {
 #if defined(SUBSPACE_WITH_CUDA)
     const int max_batch = *std::max_element(config.batches.begin(), config.batches.end());
+    const int prefill_seqs =
+        config.prefill_batch > 0 ? std::min(config.prefill_batch, max_batch) : max_batch;
     absl::StatusOr<cuda::CudaBackend> cuda = cuda::CreateCudaBackend(
-        *cpu_model, {.max_batch_tokens = max_batch * config.prompt_len,
+        *cpu_model, {.max_batch_tokens = std::max(prefill_seqs * config.prompt_len, max_batch),
                      .max_sequences = max_batch,
                      .kv_cache_bytes = config.kv_cache_bytes,
                      .compressed = compressed ? std::optional<cuda::CudaCompressedCacheOptions>(
@@ -171,7 +184,8 @@ absl::StatusOr<KindResult> MeasureKind(const std::shared_ptr<LlamaModel>& cpu_mo
     Cell best;
     for (int r = 0; r < config.repeats; ++r) {
       absl::StatusOr<Cell> cell =
-          Measure(*backend->model, *backend->cache, batch, config.prompt_len, config.decode_len, r);
+          Measure(*backend->model, *backend->cache, batch, config.prompt_len, config.decode_len,
+                  config.prefill_batch, r);
       if (!cell.ok()) {
         return absl::Status(cell.status().code(), absl::StrCat(kind, " cache, batch ", batch, ": ",
                                                                cell.status().message()));
@@ -243,6 +257,8 @@ absl::Status Run() {
     return absl::InvalidArgumentError("--batch sizes must be at least 1");
   }
   config.repeats = absl::GetFlag(FLAGS_repeats);
+  config.prefill_batch = absl::GetFlag(FLAGS_prefill_batch);
+  if (config.prefill_batch < 0) return absl::InvalidArgumentError("--prefill-batch must be >= 0");
   if (config.repeats < 1) return absl::InvalidArgumentError("--repeats must be at least 1");
   config.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
 

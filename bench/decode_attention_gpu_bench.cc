@@ -53,6 +53,9 @@ ABSL_FLAG(int, reps, 20, "timed launches per cell and layout (median)");
 ABSL_FLAG(int, copy_mib, 1024, "MiB per device-to-device copy");
 ABSL_FLAG(int, copy_reps, 10, "timed copies (median)");
 ABSL_FLAG(int, device, 0, "CUDA device index");
+ABSL_FLAG(
+    int, ctas_per_sm, 2,
+    "split-K plan: target CTAs (work items x KV heads) per multiprocessor; the server's is 2");
 ABSL_FLAG(bool, cold, true,
           "rotate over copies of the pool so that every launch reads HBM, not L2");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the data and of the page shuffle");
@@ -435,6 +438,8 @@ int Main(int argc, char** argv) {
   c.warmup = std::max(1, absl::GetFlag(FLAGS_warmup));  // loads the kernels (StreamGate)
   c.reps = std::max(1, absl::GetFlag(FLAGS_reps));
   c.cold = absl::GetFlag(FLAGS_cold);
+  const int ctas_per_sm = absl::GetFlag(FLAGS_ctas_per_sm);
+  if (ctas_per_sm < 1) Fail("--ctas_per_sm must be at least 1");
   const std::vector<int> contexts = ParseList("contexts", absl::GetFlag(FLAGS_contexts));
   const std::vector<int> batches = ParseList("batches", absl::GetFlag(FLAGS_batches));
 
@@ -454,7 +459,7 @@ int Main(int argc, char** argv) {
   BENCH_CUDA(cudaDriverGetVersion(&driver));
   BENCH_CUDA(cudaRuntimeGetVersion(&runtime));
 
-  c.target_ctas = 2 * prop.multiProcessorCount;
+  c.target_ctas = ctas_per_sm * prop.multiProcessorCount;
   c.l2_bytes = prop.l2CacheSize;
   const KvPoolLayout& l = c.layout;
 
@@ -486,11 +491,11 @@ int Main(int argc, char** argv) {
 
   std::printf(
       "One layer: %d query heads, %d KV heads, head_dim %d, B %d. Compressed: r_k = r_v = "
-      "%d %s, %d epoch%s, sinks %d and window %d tokens full. Plan: target_ctas = 2 x SMs "
+      "%d %s, %d epoch%s, sinks %d and window %d tokens full. Plan: target_ctas = %d x SMs "
       "= %d. %s, warmup %d, median of %d. GB/s = bytes read (full blocks' tokens, slot "
       "payloads, q, live bases, plan) / time.\n\n",
       c.n_heads, l.n_kv_heads, l.head_dim, l.block_size, rank, coeff.c_str(), c.n_epochs,
-      c.n_epochs > 1 ? "s" : "", c.sink_tokens, c.window_tokens, c.target_ctas,
+      c.n_epochs > 1 ? "s" : "", c.sink_tokens, c.window_tokens, ctas_per_sm, c.target_ctas,
       c.cold ? "Cold (pool copies rotated past 2x L2)" : "Warm (one pool, L2 may hold it)",
       c.warmup, c.reps);
   std::printf(

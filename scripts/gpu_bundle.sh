@@ -2,8 +2,9 @@
 # Builds the GPU tests and benchmarks here and packs them, with the shared libraries a CUDA image
 # lacks (Abseil, OpenBLAS, libgomp, ...), into gpu-bundle/ for a machine that has a GPU but not
 # this project's Debian packages (the lent H100/H200 machines: CUDA, CMake and nvcc, no gRPC or
-# Abseil). There, scripts/gpu_run.sh runs everything in one call. CUDA's own libraries (cudart,
-# cuBLAS) are left out: the GPU machine's toolkit provides them.
+# Abseil), and packs that as gpu-bundle.tar.xz. There, scripts/gpu_run.sh unpacks it and runs
+# everything in one call. CUDA's own libraries (cudart, cuBLAS) are left out: the GPU machine's
+# toolkit provides them.
 #   scripts/gpu_bundle.sh [build-dir]      (default: build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,5 +33,8 @@ done | sort -u | while read -r lib; do
     *) cp -L "$lib" "$bundle/lib/" ;;
   esac
 done
-du -sh "$bundle"
-echo "carry: $bundle (then run scripts/gpu_run.sh on the GPU machine)"
+# Packed: the device tool carries at most 64 MiB with the working tree, and OpenBLAS alone is 36.
+strip --strip-unneeded "$bundle"/bin/* 2>/dev/null || true
+tar -cJf "$bundle.tar.xz" "$bundle"
+du -sh "$bundle" "$bundle.tar.xz"
+echo "carry: $bundle.tar.xz (then run scripts/gpu_run.sh on the GPU machine; it unpacks it)"

@@ -1,58 +1,103 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, after scripts/gpu_bundle.sh packed
 # gpu-bundle/ here: every GPU test (each kernel against its CPU twin, the CUDA backend against
-# the CPU backend), compute-sanitizer memcheck on the backend test and a slice of each kernel
-# suite, then the benchmarks. Logs go to $OUT (or gpu-out/); a summary table prints last.
+# the CPU backend), compute-sanitizer memcheck on the backend test and memcheck + racecheck on a
+# slice of each kernel suite, then the benchmarks (decode attention against the copy bandwidth,
+# end-to-end decode on the tiny model and on a random-weight 1 B model). Every step has a time
+# limit so that one call fits a lease. Logs go to a folder, packed as $OUT/gpu-logs.tar.gz (the
+# device tool returns at most 8 files); the summary table prints last and lands in
+# $OUT/summary.txt.
 #   scripts/gpu_run.sh [--quick]     (--quick: tests and memcheck only, no benchmarks)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-gpu-out}
-mkdir -p "$out"
+dest=${OUT:-gpu-out}
+out=$(mktemp -d /tmp/gpu-logs.XXXXXX)
+mkdir -p "$dest"
 bundle=gpu-bundle
+[[ -d $bundle ]] || tar -xJf "$bundle.tar.xz" || { echo "no $bundle: run scripts/gpu_bundle.sh here first"; exit 1; }
 export LD_LIBRARY_PATH="$PWD/$bundle/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
 export SUBSPACE_TEST_MODEL="$PWD/models/subspace-tiny.gguf"
 quick=${1:-}
 summary=()
+t0=$SECONDS
+deadline=${GPU_RUN_SECONDS:-480}  # the whole run; steps past it are skipped, one is cut short
+note() { summary+=("$(printf '%-34s %4ds  %s' "$1" "$((SECONDS - t0))" "$2")"); }
+# lim N CMD...: runs CMD for at most N seconds and no later than the deadline (rc 124 if cut).
+lim() {
+  local left=$((deadline - SECONDS + t0)) n=$1
+  shift
+  ((left < 5)) && return 125  # skipped
+  ((n > left)) && n=$left
+  timeout "$n" "$@"
+}
 
 { nvidia-smi || true; date -u; } >"$out/device.txt" 2>&1
 for t in "$bundle"/bin/*_test; do
   name=$(basename "$t")
-  "$t" --gtest_brief=1 >"$out/$name.log" 2>&1
-  rc=$?
-  summary+=("$(printf '%-28s rc=%d  %s' "$name" "$rc" "$(grep -E '^\[  (PASSED|FAILED)' "$out/$name.log" | tr '\n' ' ')")")
+  lim 120 "$t" --gtest_brief=1 >"$out/$name.log" 2>&1
+  note "$name" "rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/$name.log" | tr '\n' ' ')"
 done
 
-if command -v compute-sanitizer >/dev/null; then
-  san() {  # name, binary, gtest filter
-    compute-sanitizer --tool memcheck --error-exitcode 99 "$bundle/bin/$2" --gtest_brief=1 \
-      --gtest_filter="$3" >"$out/memcheck-$1.log" 2>&1
-    summary+=("$(printf '%-28s rc=%d  %s' "memcheck $1" "$?" "$(grep -E 'ERROR SUMMARY' "$out/memcheck-$1.log" | tail -1)")")
-  }
-  san cuda_model cuda_model_test '*'
-  source scripts/kernel_slices.sh
+sanitizer=$(command -v compute-sanitizer || true)
+source scripts/kernel_slices.sh
+san() {  # tool, name, binary, gtest filter
+  lim "$5" "$sanitizer" --tool "$1" --error-exitcode 99 "$bundle/bin/$3" \
+    --gtest_brief=1 --gtest_filter="$4" >"$out/$1-$2.log" 2>&1
+  note "$1 $2" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$1-$2.log" | tail -1)"
+}
+sanitize_slices() {  # tool, seconds per slice
   for slice in "${kernel_slices[@]}"; do
     read -r name binary filter <<<"$slice"
-    [[ $binary == cuda_model_test ]] && continue  # whole, above
-    [[ -x $bundle/bin/$binary ]] && san "$name" "$binary" "$filter"
+    [[ $1 == memcheck && $binary == cuda_model_test ]] && continue  # whole, above
+    [[ -x $bundle/bin/$binary ]] && san "$1" "$name" "$binary" "$filter" "$2"
   done
+}
+if [[ -n $sanitizer ]]; then
+  san memcheck cuda_model cuda_model_test 'CudaModelTest.*' 90
+  sanitize_slices memcheck 60
 else
-  summary+=("compute-sanitizer not found")
+  note "compute-sanitizer" "not found"
 fi
 
 if [[ $quick != --quick ]]; then
-  "$bundle/bin/subspace-bench-decode-attention" >"$out/bench-decode-attention.md" 2>&1
-  summary+=("bench decode attention rc=$?")
+  bench=$bundle/bin/subspace-bench-cpu
+  lim 120 "$bundle/bin/subspace-bench-decode-attention" >"$out/bench-decode-attention.md" 2>&1
+  note "bench decode attention fp16" "rc=$?"
+  lim 120 "$bundle/bin/subspace-bench-decode-attention" --coeff int8 \
+    >"$out/bench-decode-attention-int8.md" 2>&1
+  note "bench decode attention int8" "rc=$?"
+  # 2026-11-26's profile: 0.29 waves per SM at the server's 2 CTAs per SM. The same at 8.
+  lim 120 "$bundle/bin/subspace-bench-decode-attention" --ctas_per_sm 8 \
+    >"$out/bench-decode-attention-8ctas.md" 2>&1
+  note "bench decode attention 8 CTAs/SM" "rc=$?"
   # Both caches in one run: per-kind rows, then compressed/full decode speedup next to bytes.
-  "$bundle/bin/subspace-bench-cpu" --device cuda --kv-cache full,compressed --batch 1,16,64 \
+  lim 90 "$bench" --device cuda --kv-cache full,compressed --batch 1,16,64 \
     --prompt-tokens 128 --decode-tokens 128 >"$out/bench-generate-cuda.md" 2>&1
-  summary+=("bench generate cuda rc=$?")
+  note "bench generate cuda (tiny)" "rc=$?"
   # The same without CUDA graphs: what replaying decode steps as graphs gains.
-  "$bundle/bin/subspace-bench-cpu" --device cuda --cuda-graphs=false --kv-cache full,compressed \
+  lim 90 "$bench" --device cuda --cuda-graphs=false --kv-cache full,compressed \
     --batch 1,16,64 --prompt-tokens 128 --decode-tokens 128 >"$out/bench-generate-cuda-eager.md" 2>&1
-  summary+=("bench generate cuda eager rc=$?")
-  "$bundle/bin/subspace-bench-cpu" --device cpu --kv-cache full,compressed --batch 1,16,64 \
-    --prompt-tokens 128 --decode-tokens 128 >"$out/bench-generate-cpu.md" 2>&1
-  summary+=("bench generate cpu rc=$?")
+  note "bench generate cuda eager (tiny)" "rc=$?"
+  # A 1 B-parameter random-weight model (Llama 3.2 1B's shape), written here: too big to carry.
+  m1b=/tmp/random-llama-1b.gguf
+  lim 120 python3 bench/make_random_llama.py --out "$m1b" --preset 1b >"$out/make-1b.log" 2>&1
+  note "random 1B model" "rc=$?"
+  for spec in "2048 1,16,64" "8192 1,16"; do
+    read -r ctx batches <<<"$spec"
+    for graphs in true false; do
+      log=$out/bench-generate-cuda-1b-ctx$ctx-graphs-$graphs.md
+      lim 150 "$bench" --model "$m1b" --device cuda --cuda-graphs=$graphs \
+        --kv-cache full,compressed --batch "$batches" --prompt-tokens "$ctx" --decode-tokens 64 \
+        --repeats 1 --kv-cache-bytes $((24 << 30)) >"$log" 2>&1
+      note "bench 1B ctx $ctx graphs=$graphs" "rc=$?"
+      [[ $ctx == 8192 ]] && break  # graphs vs eager once, at 2k
+    done
+  done
 fi
 
+# Racecheck last: the slowest tool, it gets what time is left.
+[[ -n $sanitizer ]] && sanitize_slices racecheck 60
+
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+cp "$out/summary.txt" "$dest/"
+tar -C "$out" -czf "$dest/gpu-logs.tar.gz" .
