@@ -61,8 +61,10 @@ struct CudaModelOptions {
   double gpu_memory_fraction = 0.0;
   // Set: the compressed cache (DeviceCompressedKvCache); unset: full-rank pages.
   std::optional<CudaCompressedCacheOptions> compressed;
-  // Decode-only steps run as CUDA graphs (cuda/step_graphs.h); false: launched one by one.
-  bool cuda_graphs = true;
+  // Decode-only steps run as CUDA graphs (cuda/step_graphs.h); false: launched one by one. Off
+  // by default: each step is captured and the graph updated, which cost more host time on an
+  // H200 than the launch gaps it saves (0.64-0.86x eager, bench/RESULTS.md, 2026-11-26).
+  bool cuda_graphs = false;
 };
 
 class CudaLlamaModel;

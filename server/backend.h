@@ -28,7 +28,7 @@ struct BackendOptions {
   double gpu_memory_fraction = 0.0;  // CUDA: > 0 sizes the pool from device memory instead
   int max_batch_tokens = 512;        // the engine's, so the CUDA activations fit every step
   int max_running = 16;
-  bool cuda_graphs = true;  // CUDA: decode steps replayed as graphs
+  bool cuda_graphs = false;  // CUDA: decode steps replayed as graphs
 };
 
 struct Backend {

@@ -38,9 +38,9 @@ ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{256} << 20, "KV cache pool size in by
 ABSL_FLAG(double, gpu_memory_fraction, 0.0,
           "cuda: size the KV pool as this fraction of the GPU's memory minus weights and "
           "buffers (overrides --kv-cache-bytes); 0 = use --kv-cache-bytes");
-ABSL_FLAG(bool, cuda_graphs, true,
-          "cuda: run decode steps as CUDA graphs (one submission per step); false launches each "
-          "kernel on its own");
+ABSL_FLAG(bool, cuda_graphs, false,
+          "cuda: run decode steps as CUDA graphs (one submission per step; measured slower than "
+          "eager launches on an H200, bench/RESULTS.md); false launches each kernel on its own");
 ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens (at most 64 when compressed)");
 ABSL_FLAG(std::string, kv_cache, "compressed",
           "KV cache: 'compressed' (low-rank blocks outside the sinks and the window), 'full' "

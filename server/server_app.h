@@ -33,7 +33,7 @@ struct ServerAppConfig {
   int block_size = 16;
   Device device = Device::kCpu;      // --device: cpu, cuda or auto (server/backend.h)
   double gpu_memory_fraction = 0.0;  // CUDA: > 0 sizes the KV pool from device memory
-  bool cuda_graphs = true;           // CUDA: decode steps replayed as graphs
+  bool cuda_graphs = false;          // CUDA: decode steps replayed as graphs
   KvCacheOptions kv_cache;           // full or compressed, and the compressed cache's policy
   EngineConfig engine;               // on_step, if set, runs after the metrics hook (engine thread)
   absl::Duration drain_timeout = absl::Seconds(30);

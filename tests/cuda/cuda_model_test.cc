@@ -372,7 +372,8 @@ TEST(CudaModelTest, DecodeStepsReplayedAsGraphsGiveTheEagerLogits) {
     CudaModelOptions options = {.max_batch_tokens = 256,
                                 .max_sequences = 8,
                                 .block_size = 16,
-                                .kv_cache_bytes = int64_t{32} << 20};
+                                .kv_cache_bytes = int64_t{32} << 20,
+                                .cuda_graphs = true};
     if (compressed) {
       CudaCompressedCacheOptions co;
       co.policy.window_tokens = 32;
