@@ -45,8 +45,9 @@ ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens (at most 64 wh
 ABSL_FLAG(std::string, kv_cache, "compressed",
           "KV cache: 'compressed' (low-rank blocks outside the sinks and the window), 'full' "
           "(full-rank fp32 paged) or 'quantized' (full-rank paged, rows in --kv-dtype)");
-ABSL_FLAG(std::string, kv_dtype, "q8_0",
-          "quantized cache: K/V row format, q8_0 or q4_0 (llama.cpp's cache types)");
+ABSL_FLAG(std::string, kv_dtype, "",
+          "quantized cache: K/V row format, q8_0 (when empty) or q4_0 (llama.cpp's cache types); "
+          "an error with any other --kv-cache");
 ABSL_FLAG(int32_t, kv_sink_tokens, 4, "compressed cache: first tokens kept full-rank (sinks)");
 ABSL_FLAG(int32_t, kv_window_tokens, 64, "compressed cache: last tokens kept full-rank");
 ABSL_FLAG(int32_t, kv_rank_k, 0, "compressed cache: key rank per KV head; 0 = head_dim / 4");
@@ -137,8 +138,14 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   absl::StatusOr<subspace::CoeffDtype> full_dtype =
       subspace::server::ParseFullDtype(absl::GetFlag(FLAGS_kv_full_dtype));
   if (!full_dtype.ok()) return full_dtype.status();
+  // Given with another cache kind it would be ignored: a user who asked for q4_0 rows and got
+  // fp32 ones would read the wrong footprint off every metric.
+  const std::string kv_dtype_flag = absl::GetFlag(FLAGS_kv_dtype);
+  if (!kv_dtype_flag.empty() && *kind != subspace::server::KvCacheKind::kQuantized) {
+    return absl::InvalidArgumentError("--kv-dtype applies to --kv-cache=quantized only");
+  }
   absl::StatusOr<subspace::KvDtype> kv_dtype =
-      subspace::server::ParseQuantizedKvDtype(absl::GetFlag(FLAGS_kv_dtype));
+      subspace::server::ParseQuantizedKvDtype(kv_dtype_flag.empty() ? "q8_0" : kv_dtype_flag);
   if (!kv_dtype.ok()) return kv_dtype.status();
   c.kv_cache.kind = *kind;
   c.kv_cache.kv_dtype = *kv_dtype;

@@ -334,6 +334,7 @@ TEST(ServerBinaryTest, BadCacheFlagsExitNonZeroWithAMessage) {
        2,
        "--kv-cache must be 'full', 'compressed' or 'quantized', got 'paged'"},
       {{"--kv-cache=quantized", "--kv-dtype=f16"}, 2, "--kv-dtype must be 'q8_0' or 'q4_0'"},
+      {{"--kv-dtype=q4_0"}, 2, "--kv-dtype applies to --kv-cache=quantized only"},
       {{"--kv-cache=quantized"},
        1,
        "a q8_0 KV cache needs a head_dim that is a multiple of 32, got 8"},
