@@ -51,6 +51,8 @@ def main():
     ap.add_argument("--per-cell", type=int, default=2, help="prompts per (kind, length, depth)")
     ap.add_argument("--kv-pairs", default="8,32,64,110")
     ap.add_argument("--distances", default="128,512,1024,1900")
+    ap.add_argument("--kinds", default="passkey_filler,passkey_natural,kv,recurrence,plain",
+                    help="comma-separated kinds of item to write (default: all)")
     ap.add_argument("--small", action="store_true",
                     help="the CI slice: every kind, one prompt per cell, at 256 tokens (fits "
                          "the default model's context of 512)")
@@ -64,25 +66,31 @@ def main():
     rng = np.random.default_rng(args.seed)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
+    kinds_wanted = set(args.kinds.split(","))
+    unknown = kinds_wanted - {"passkey_filler", "passkey_natural", "kv", "recurrence", "plain"}
+    if unknown:
+        ap.error("unknown --kinds: %s" % ",".join(sorted(unknown)))
     rows = []
     for kind in ("passkey_filler", "passkey_natural"):
+        if kind not in kinds_wanted:
+            continue
         for length in lengths:
             for depth in depths:
                 for _ in range(args.per_cell):
                     d = longctx.passkey(sp, texts, rng, length, depth, haystack=kind.split("_")[1])
                     rows.append({"kind": kind, "length": d["n_tokens"], "depth": depth,
                                  "prompt": d["prompt"], "answer": d["answer"]})
-    for pairs in (int(x) for x in args.kv_pairs.split(",")):
+    for pairs in (int(x) for x in args.kv_pairs.split(",") if "kv" in kinds_wanted):
         for _ in range(2 * args.per_cell):
             d = longctx.kv_recall(sp, rng, 0, pairs=pairs)
             rows.append({"kind": "kv", "length": d["n_tokens"], "depth": d["depth"],
                          "pairs": pairs, "prompt": d["prompt"], "answer": d["answer"]})
-    for distance in (int(x) for x in args.distances.split(",")):
+    for distance in (int(x) for x in args.distances.split(",") if "recurrence" in kinds_wanted):
         for _ in range(2 * args.per_cell):
             text, start = recurrence_doc(sp, texts, rng, max(lengths), distance)
             rows.append({"kind": "recurrence", "length": len(sp.encode(text)),
                          "distance": distance, "text": text, "scored_from": start})
-    for _ in range(2 * args.per_cell):
+    for _ in range(2 * args.per_cell if "plain" in kinds_wanted else 0):
         text = texts.span_text(rng, max(lengths))
         rows.append({"kind": "plain", "length": len(sp.encode(text)), "text": text})
     with open(args.out, "w") as f:
