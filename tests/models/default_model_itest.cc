@@ -1,6 +1,8 @@
-// The embedded default model (models/subspace-tiny.gguf) against the PyTorch reference numbers
-// that tools/train/reference.py wrote to models/subspace-tiny.expected.json: tokenizer ids,
-// greedy continuations and test-split perplexity.
+// The committed models (models/subspace-tiny.gguf, the default, and models/subspace-long.gguf,
+// the long-context one) against the PyTorch reference numbers that tools/train/reference.py
+// wrote beside each (models/<name>.expected.json): tokenizer ids, greedy continuations and
+// test-split perplexity -- for the long model in windows of 2,048 tokens, so every RoPE position
+// it serves is checked.
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
@@ -26,8 +28,8 @@ using google::protobuf::ListValue;
 using google::protobuf::Struct;
 using google::protobuf::Value;
 
-constexpr char kModel[] = "models/subspace-tiny.gguf";
-constexpr char kExpected[] = "models/subspace-tiny.expected.json";
+// Each committed model, by its file name without ".gguf".
+constexpr const char* kModels[] = {"subspace-tiny", "subspace-long"};
 
 std::vector<int32_t> Ids(const Value& v) {
   std::vector<int32_t> ids;
@@ -36,11 +38,12 @@ std::vector<int32_t> Ids(const Value& v) {
   return ids;
 }
 
-class DefaultModelTest : public ::testing::Test {
+class DefaultModelTest : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
-    const std::string model_path = testing::SourcePath(kModel);
-    const std::string expected_path = testing::SourcePath(kExpected);
+    const std::string name = GetParam();
+    const std::string model_path = testing::SourcePath("models/" + name + ".gguf");
+    const std::string expected_path = testing::SourcePath("models/" + name + ".expected.json");
     // The model is committed, so it must exist in every checkout, CI or not.
     ASSERT_TRUE(testing::FileExists(model_path)) << model_path;
     ASSERT_TRUE(testing::FileExists(expected_path)) << expected_path;
@@ -76,7 +79,7 @@ class DefaultModelTest : public ::testing::Test {
   std::unique_ptr<PagedKvCache> cache_;
 };
 
-TEST_F(DefaultModelTest, TokenizerMatchesSentencePiece) {
+TEST_P(DefaultModelTest, TokenizerMatchesSentencePiece) {
   const ListValue& cases = Field(expected_, "tokenizer_cases").list_value();
   ASSERT_GT(cases.values_size(), 0);
   for (const Value& c : cases.values()) {
@@ -86,7 +89,7 @@ TEST_F(DefaultModelTest, TokenizerMatchesSentencePiece) {
   }
 }
 
-TEST_F(DefaultModelTest, GreedyContinuationsMatchPyTorch) {
+TEST_P(DefaultModelTest, GreedyContinuationsMatchPyTorch) {
   const ListValue& prompts = Field(expected_, "prompts").list_value();
   ASSERT_GE(prompts.values_size(), 3);
   for (const Value& p : prompts.values()) {
@@ -118,7 +121,7 @@ TEST_F(DefaultModelTest, GreedyContinuationsMatchPyTorch) {
   }
 }
 
-TEST_F(DefaultModelTest, TestSplitPerplexityMatchesPyTorch) {
+TEST_P(DefaultModelTest, TestSplitPerplexityMatchesPyTorch) {
   const Struct& test = Field(expected_, "test").struct_value();
   const std::string text =
       testing::ReadFileOrDie(testing::SourcePath(Field(test, "file").string_value()));
@@ -137,6 +140,13 @@ TEST_F(DefaultModelTest, TestSplitPerplexityMatchesPyTorch) {
   EXPECT_NEAR(got->perplexity, want, 0.005 * want)
       << "engine " << got->perplexity << " vs PyTorch " << want;
 }
+
+INSTANTIATE_TEST_SUITE_P(CommittedModels, DefaultModelTest, ::testing::ValuesIn(kModels),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace subspace
