@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -53,6 +55,20 @@ absl::StatusOr<KvDtype> ParseQuantizedKvDtype(std::string_view name) {
   }
   return absl::InvalidArgumentError(
       absl::StrCat("--kv-dtype must be 'q8_0' or 'q4_0', got '", std::string(name), "'"));
+}
+
+std::string ResolveBasesPath(std::string_view flag, std::string_view model_path, KvCacheKind kind,
+                             int rank_k, int rank_v) {
+  if (flag == "none") return "";
+  if (!flag.empty()) return std::string(flag);
+  if (kind != KvCacheKind::kCompressed || rank_k != 0 || rank_v != 0) return "";
+  std::string sidecar(model_path);
+  if (sidecar.size() >= 5 && sidecar.compare(sidecar.size() - 5, 5, ".gguf") == 0) {
+    sidecar.resize(sidecar.size() - 5);
+  }
+  sidecar += ".bases";
+  std::error_code error;
+  return std::filesystem::is_regular_file(sidecar, error) ? sidecar : "";
 }
 
 absl::StatusOr<CoeffDtype> ParseCoeffDtype(std::string_view name) {

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -543,6 +545,26 @@ TEST(QuantizedCacheServerTest, ServesTheDefaultModelInItsFormat) {
   EXPECT_NE(st.message().find("a q8_0 KV cache needs a head_dim that is a multiple of 32, got 8"),
             std::string::npos)
       << st;
+}
+
+TEST(KvCacheOptionsTest, BasesDefaultToTheModelsOwnFile) {
+  const std::string dir = ::testing::TempDir() + "/bases_sidecar";
+  std::filesystem::create_directories(dir);
+  const std::string model = dir + "/m.gguf", sidecar = dir + "/m.bases";
+  std::remove(sidecar.c_str());
+  using server::ResolveBasesPath;
+  const KvCacheKind kC = KvCacheKind::kCompressed;
+  EXPECT_EQ(ResolveBasesPath("", model, kC, 0, 0), "");  // none beside the model
+  { std::ofstream(sidecar) << "x"; }
+  EXPECT_EQ(ResolveBasesPath("", model, kC, 0, 0), sidecar);
+  EXPECT_EQ(ResolveBasesPath("", dir + "/m", kC, 0, 0), sidecar);  // no .gguf suffix
+  EXPECT_EQ(ResolveBasesPath("none", model, kC, 0, 0), "");        // self-calibrate
+  EXPECT_EQ(ResolveBasesPath("/x.bases", model, kC, 0, 0), "/x.bases");
+  EXPECT_EQ(ResolveBasesPath("", model, KvCacheKind::kFull, 0, 0), "");
+  EXPECT_EQ(ResolveBasesPath("", model, KvCacheKind::kQuantized, 0, 0), "");
+  EXPECT_EQ(ResolveBasesPath("", model, kC, 8, 0), "");  // ranks asked for: self-calibrate
+  EXPECT_EQ(ResolveBasesPath("", model, kC, 0, 8), "");
+  std::remove(sidecar.c_str());
 }
 
 TEST(KvCacheOptionsTest, ParsesFlagNames) {
