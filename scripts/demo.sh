@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Set-up, build, then the main job: start subspace-server on the default model and drive it with
-# the `subspace` client (health, model info, greedy and sampled generation, a session reusing its
-# KV cache, cache stats), show a /metrics excerpt, and stop the server with SIGTERM (exit code 0).
+# Set-up, build, then the main job: start subspace-server on the long-context model and drive it
+# with the `subspace` client (health, model info, greedy and sampled generation, a session reusing
+# its KV cache, a pass key retrieved from ~650 tokens back through the compressed cache, cache
+# stats), show a /metrics excerpt, and stop the server with SIGTERM (exit code 0).
+# MODEL=models/subspace-tiny.gguf runs it on the small default-context model instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build.sh
 
-MODEL=${MODEL:-models/subspace-tiny.gguf}
+MODEL=${MODEL:-models/subspace-long.gguf}
 SESSION_TOKENS=64  # per session turn: enough for blocks to leave the 64-token window
-if [[ ! -f $MODEL && $MODEL == models/subspace-tiny.gguf ]]; then
+if [[ ! -f $MODEL && $MODEL == models/subspace-*.gguf ]]; then
   fallback=build/test_data/gqa_f32.gguf
   if [[ ! -f $fallback ]]; then
     /usr/bin/python3 tests/reference/make_reference.py --out build/test_data >/dev/null
@@ -85,6 +87,29 @@ echo "created session $SESSION"
   --max-new-tokens "$SESSION_TOKENS"
 "${CLIENT[@]}" session get "$SESSION"
 
+if [[ $SESSION_TOKENS -gt 8 ]]; then  # a trained model
+  echo
+  echo "== long session: a pass key ~650 tokens back, retrieved through the compressed cache"
+  # From the held-out test split, as the long-context evaluation writes them (its own seed).
+  PASSKEY_PROMPT=build/demo-passkey.txt
+  key=$(/usr/bin/python3 - "$PASSKEY_PROMPT" <<'PY'
+import sys
+sys.path.insert(0, "tools/train")
+import numpy as np
+import sentencepiece as spm
+import longctx
+sp = spm.SentencePieceProcessor(model_file="models/subspace-tiny.tokenizer.model")
+texts = longctx.Texts(sp, sp.encode(open("models/data/test.txt", encoding="utf-8").read()))
+d = longctx.passkey(sp, texts, np.random.default_rng(2026), 900, 0.25, haystack="natural")
+open(sys.argv[1], "w", encoding="utf-8").write(d["prompt"])
+print(d["answer"].strip())
+PY
+)
+  LONG=$("${CLIENT[@]}" session create)
+  echo "prompt: $(wc -w <"$PASSKEY_PROMPT") words, the key ($key) at 25 % depth; ...$(tail -c 120 "$PASSKEY_PROMPT")"
+  "${CLIENT[@]}" generate --session "$LONG" --prompt "$(cat "$PASSKEY_PROMPT")" --max-new-tokens 6
+fi
+
 echo
 echo "== KV cache stats while the session holds its cache (blocks past the window are compressed)"
 "${CLIENT[@]}" stats
@@ -99,6 +124,7 @@ grep -m1 -E '^subspace_kv_compression_ratio' <<<"$metrics" || true
 
 "${CLIENT[@]}" session delete "$SESSION"
 echo "deleted session $SESSION"
+if [[ -n ${LONG:-} ]]; then "${CLIENT[@]}" session delete "$LONG" >/dev/null; fi
 
 echo
 echo "== stopping subspace-server (SIGTERM)"
