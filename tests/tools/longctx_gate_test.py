@@ -3,8 +3,10 @@
 keys buried 0-50 % deep in 400-token prompts (past the 64-token window, well inside the 2,048
 context), seeded from the held-out test split. The full cache must retrieve them, evicting every
 token but the 4 sinks and the last 64 must lose them, and the server's default compressed cache
-(self-calibrated, rank head_dim / 4, fp16 coefficients, the same sinks and window) must keep
-them. If eviction passed, the model would not need its context and the other two results would
+must keep them: a KQ-SVD basis of rank head_dim / 4 calibrated on text, int8 coefficients, the
+same sinks and window (the server loads models/subspace-long.bases, calibrated on the train
+split; here the tool calibrates the same kind of basis on the test split's start). Self-
+calibration, the default without a basis file, keeps them too at this length. If eviction passed, the model would not need its context and the other two results would
 say nothing about compression.
   longctx_gate_test.py BUILD/bin/subspace-longctx REPO_ROOT
 """
@@ -17,7 +19,8 @@ import unittest
 
 BIN, ROOT = sys.argv[1], sys.argv[2]
 MODEL = os.path.join(ROOT, "models/subspace-long.gguf")
-DEFAULT_COMPRESSED = "self:16:fp16"  # the server's default for head_dim 64 (docs/operations.md)
+DEFAULT_COMPRESSED = "kqsvd:16:int8"  # the server's default for head_dim 64 (docs/operations.md)
+SELF_CALIBRATED = "self:16:int8"
 
 
 class LongContextGateTest(unittest.TestCase):
@@ -33,7 +36,7 @@ class LongContextGateTest(unittest.TestCase):
                        check=True, capture_output=True)
         out = os.path.join(cls.tmp, "rows.json")
         cls.proc = subprocess.run(
-            [BIN, "--model", MODEL, "--suite", suite, "--caches", "evict," + DEFAULT_COMPRESSED,
+            [BIN, "--model", MODEL, "--suite", suite, "--caches", ",".join(["evict", DEFAULT_COMPRESSED, SELF_CALIBRATED]),
              "--json", out], capture_output=True, text=True, timeout=300)
         print(cls.proc.stdout)
         cls.rows = {}
@@ -58,6 +61,7 @@ class LongContextGateTest(unittest.TestCase):
     def test_the_default_compressed_cache_keeps_them(self):
         self.assertGreaterEqual(self.accuracy(DEFAULT_COMPRESSED), self.accuracy("full") - 1 / 12)
         self.assertLess(self.rows[DEFAULT_COMPRESSED]["bytes_ratio"], 0.5)
+        self.assertGreaterEqual(self.accuracy(SELF_CALIBRATED), self.accuracy("full") - 1 / 12)
 
 
 if __name__ == "__main__":
