@@ -37,6 +37,7 @@ class LongContextGateTest(unittest.TestCase):
         out = os.path.join(cls.tmp, "rows.json")
         cls.proc = subprocess.run(
             [BIN, "--model", MODEL, "--suite", suite, "--caches", ",".join(["evict", DEFAULT_COMPRESSED, SELF_CALIBRATED]),
+             "--calib", os.path.join(ROOT, "models/data/test.txt"),
              "--json", out], capture_output=True, text=True, timeout=300)
         print(cls.proc.stdout)
         cls.rows = {}
