@@ -40,7 +40,9 @@ Every cache runs the same seeded suite from the held-out test split
 landmark-attention filler and in natural text at depths 0–100 %, key–value recall, passages
 that recur after a distance (long-range perplexity scores only the recurrence), and plain text.
 Retrieval is greedy exact match. KLD and top-1 agreement compare each cache's next-token
-distribution with the full cache's at every scored position. Bytes per token count everything a
+distribution with the full cache's at every scored position. Prompts are prefilled in 64-token
+chunks, so every later chunk attends to history that is already compressed, as every later turn
+of a session does (prefilled in one step, a prompt would see no compression until its answer). Bytes per token count everything a
 cache holds at the item's length (sinks, window, outliers, partial blocks), relative to fp16
 K/V. Eviction and the low-rank caches keep S = 4 sinks and the last W = 64 tokens full-rank;
 q8_0 / q4_0 are the server's \`--kv-cache quantized\` cache; low-rank \`METHOD:RANK:DTYPE\` rows
