@@ -56,7 +56,10 @@ LABEL org.opencontainers.image.title="subspace-server" \
       org.opencontainers.image.description="gRPC LLM inference with a low-rank compressed KV cache"
 COPY --from=build /out/lib/ /opt/subspace/lib/
 COPY --from=build /out/bin/ /usr/local/bin/
-COPY models/subspace-tiny.gguf /opt/subspace/models/subspace-tiny.gguf
+# Both embedded models; the long-context one (the default) with its calibrated basis, which the
+# server installs from beside the GGUF.
+COPY models/subspace-tiny.gguf models/subspace-long.gguf models/subspace-long.bases \
+     /opt/subspace/models/
 # A system user by hand: minimal bases (debootstrap's minbase) have no useradd.
 RUN echo /opt/subspace/lib > /etc/ld.so.conf.d/subspace.conf && ldconfig \
  && echo 'subspace:x:10001:10001:subspace:/opt/subspace:/usr/sbin/nologin' >> /etc/passwd \
@@ -72,4 +75,4 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
 # e.g. `docker stop -t 40`.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["subspace-server", "--host=0.0.0.0", "--port=50051", "--metrics-port=9090"]
-CMD ["--model=/opt/subspace/models/subspace-tiny.gguf"]
+CMD ["--model=/opt/subspace/models/subspace-long.gguf"]

@@ -61,7 +61,7 @@ log "built in $(($(date +%s) - start)) s: $(docker image inspect -f '{{.Size}}' 
 cleanup() { docker rm -f "$NAME" >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 docker run -d --name "$NAME" --network=host "$IMAGE" \
-  --model=/opt/subspace/models/subspace-tiny.gguf --port="$PORT" --metrics-port=-1 \
+  --model=/opt/subspace/models/subspace-long.gguf --port="$PORT" --metrics-port=-1 \
   --drain-seconds=20 >/dev/null
 
 status=""
@@ -81,9 +81,12 @@ out=$(docker exec "$NAME" subspace --server="127.0.0.1:$PORT" generate \
   --prompt "In the beginning" --max-new-tokens 8)
 echo "$out"
 [ -n "$out" ] || { log "empty generation"; exit 1; }
+# The long-context model's calibrated basis ships beside it and is installed by default.
+docker logs "$NAME" 2>&1 | grep -q 'basis file /opt/subspace/models/subspace-long.bases loaded' ||
+  { log "the model's basis file was not loaded"; docker logs "$NAME"; exit 1; }
 
 docker stop -t 40 "$NAME" >/dev/null
 rc=$(docker inspect -f '{{.State.ExitCode}}' "$NAME")
 docker logs "$NAME" 2>&1 | tail -3
 [ "$rc" = 0 ] || { log "exit code $rc after SIGTERM"; exit 1; }
-log "ok: healthy as uid $uid, generated, drained on SIGTERM with exit 0"
+log "ok: healthy as uid $uid, basis loaded, generated, drained on SIGTERM with exit 0"
