@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "core/compress/basis_file.h"
 #include "core/compress/calibration.h"
 #include "core/compress/compressed_kv_cache.h"
 #include "core/kvcache/kv_quant.h"
@@ -37,8 +38,9 @@ ABSL_FLAG(std::string, suite, "", "suite file (JSON lines) from tools/train/long
 ABSL_FLAG(std::string, caches, "evict,q8_0,q4_0,kivi4,kqsvd:16:fp16,kqsvd:16:int8,kqsvd:8:fp16",
           "caches compared with the full one: evict, q8_0, q4_0, kivi4, full, "
           "METHOD:RANK:DTYPE (METHOD ksvd|eigen|kqsvd calibrated on --calib; DTYPE fp16|int8) "
-          "or self:RANK:DTYPE (self-calibrated, as the server without --bases); a fourth part "
-          ":REFRESH (pca|kqsvd|oja|fd) adds online refresh from that start");
+          "or self:RANK:DTYPE (self-calibrated, as the server without --bases) or "
+          "file:PATH:DTYPE (a subspace-calibrate basis file, as the server's --bases); a fourth "
+          "part :REFRESH (pca|kqsvd|oja|fd) adds online refresh from that start");
 ABSL_FLAG(int64_t, refresh_every_tokens, 256,
           "online refresh: new epoch every T compressed tokens");
 ABSL_FLAG(std::string, calib, "models/data/test.txt", "text the low-rank bases are calibrated on");
@@ -66,6 +68,7 @@ struct CacheSpec {
   int rank = 0;
   CoeffDtype dtype = CoeffDtype::kFp16;
   RefreshMethod refresh = RefreshMethod::kNone;
+  std::string basis_path;  // file:PATH:DTYPE, the ranks per layer are the file's
 };
 
 absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
@@ -93,12 +96,15 @@ absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
   c.lowrank = true;
   if (parts[0] == "self") {
     c.self = true;
+  } else if (parts[0] == "file") {
+    c.basis_path = parts[1];
+    if (c.basis_path.empty()) return absl::InvalidArgumentError(absl::StrCat("no path in ", s));
   } else {
     absl::StatusOr<KeyBasisMethod> m = ParseKeyBasisMethod(parts[0]);
     if (!m.ok()) return m.status();
     c.method = *m;
   }
-  c.rank = std::atoi(parts[1].c_str());
+  c.rank = c.basis_path.empty() ? std::atoi(parts[1].c_str()) : head_dim;  // file: per layer
   if (c.rank < 1 || c.rank > head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("rank in ", s, " not in [1, head_dim]"));
   }
@@ -169,8 +175,9 @@ absl::Status Run() {
 
   // --- Calibration statistics, once, if a calibrated low-rank cache is asked for ---
   std::unique_ptr<CalibrationStats> stats;
-  if (std::any_of(specs.begin(), specs.end(),
-                  [](const CacheSpec& c) { return c.lowrank && !c.self; })) {
+  if (std::any_of(specs.begin(), specs.end(), [](const CacheSpec& c) {
+        return c.lowrank && !c.self && c.basis_path.empty();
+      })) {
     std::ifstream cf(absl::GetFlag(FLAGS_calib));
     if (!cf)
       return absl::NotFoundError(absl::StrCat("cannot read --calib ", absl::GetFlag(FLAGS_calib)));
@@ -243,8 +250,24 @@ absl::Status Run() {
       cc.block_size = 16;
       cc.policy.sink_tokens = S;
       cc.policy.window_tokens = W;
+      std::shared_ptr<const Basis> file_basis;
+      if (!spec.basis_path.empty()) {
+        absl::StatusOr<BasisFile> f = ReadBasisFile(spec.basis_path);
+        if (!f.ok()) return f.status();
+        if (absl::Status st = CheckBasisMatchesModel(*f, geom, ModelChecksum(*files->gguf));
+            !st.ok()) {
+          return st;
+        }
+        file_basis = std::make_shared<const Basis>(std::move(f->basis));
+      }
       cc.policy.r_k.assign(geom.n_layers, spec.rank);
       cc.policy.r_v.assign(geom.n_layers, spec.rank);
+      if (file_basis != nullptr) {
+        for (int l = 0; l < geom.n_layers; ++l) {
+          cc.policy.r_k[l] = file_basis->layers[l].rank_k;
+          cc.policy.r_v[l] = file_basis->layers[l].rank_v;
+        }
+      }
       cc.policy.coeff_dtype = spec.dtype;
       cc.capacity_bytes = CompressedKvCache::PageBytes(geom, 16, CoeffDtype::kFp16) *
                           geom.n_layers * pages_per_item;
@@ -255,7 +278,12 @@ absl::Status Run() {
       cc.n_query_heads = mc.n_heads;
       absl::StatusOr<std::unique_ptr<CompressedKvCache>> c = CompressedKvCache::Create(cc);
       if (!c.ok()) return c.status();
-      if (!spec.self) {
+      if (file_basis != nullptr) {
+        absl::StatusOr<EpochId> e = (*c)->InstallBasis(file_basis);
+        if (!e.ok()) return e.status();
+        if (absl::Status st = (*c)->SetDefaultEpoch(*e); !st.ok()) return st;
+        if (absl::Status st = (*c)->ReleaseEpoch(*e); !st.ok()) return st;
+      } else if (!spec.self) {
         absl::StatusOr<CalibratedBasis> b = ComputeCalibratedBasis(
             *stats, {.method_k = spec.method,
                      .method_v = spec.method == KeyBasisMethod::kKqsvd ? ValueBasisMethod::kKqsvd

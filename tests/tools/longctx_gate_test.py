@@ -3,10 +3,9 @@
 keys buried 0-50 % deep in 400-token prompts (past the 64-token window, well inside the 2,048
 context), seeded from the held-out test split. The full cache must retrieve them, evicting every
 token but the 4 sinks and the last 64 must lose them, and the server's default compressed cache
-must keep them: a KQ-SVD basis of rank head_dim / 4 calibrated on text, int8 coefficients, the
-same sinks and window (the server loads models/subspace-long.bases, calibrated on the train
-split; here the tool calibrates the same kind of basis on the test split's start). Self-
-calibration, the default without a basis file, keeps them too at this length. If eviction passed, the model would not need its context and the other two results would
+must keep them: the model's shipped basis file (models/subspace-long.bases, which the server
+installs by default) with int8 coefficients, the same sinks and window. Self-calibration, the
+default without a basis file, keeps them too at this length. If eviction passed, the model would not need its context and the other two results would
 say nothing about compression.
   longctx_gate_test.py BUILD/bin/subspace-longctx REPO_ROOT
 """
@@ -19,7 +18,8 @@ import unittest
 
 BIN, ROOT = sys.argv[1], sys.argv[2]
 MODEL = os.path.join(ROOT, "models/subspace-long.gguf")
-DEFAULT_COMPRESSED = "kqsvd:16:int8"  # the server's default for head_dim 64 (docs/operations.md)
+# The server's default (docs/operations.md): the sidecar basis, int8 codes.
+DEFAULT_COMPRESSED = "file:%s:int8" % os.path.join(ROOT, "models/subspace-long.bases")
 SELF_CALIBRATED = "self:16:int8"
 
 
@@ -37,7 +37,6 @@ class LongContextGateTest(unittest.TestCase):
         out = os.path.join(cls.tmp, "rows.json")
         cls.proc = subprocess.run(
             [BIN, "--model", MODEL, "--suite", suite, "--caches", ",".join(["evict", DEFAULT_COMPRESSED, SELF_CALIBRATED]),
-             "--calib", os.path.join(ROOT, "models/data/test.txt"),
              "--json", out], capture_output=True, text=True, timeout=300)
         print(cls.proc.stdout)
         cls.rows = {}
