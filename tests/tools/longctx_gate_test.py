@@ -9,12 +9,12 @@ default without a basis file, keeps them too at this length. If eviction passed,
 say nothing about compression.
   longctx_gate_test.py BUILD/bin/subspace-longctx REPO_ROOT
 """
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import unittest
+
+from longctx_run import run_longctx, write_suite
 
 BIN, ROOT = sys.argv[1], sys.argv[2]
 MODEL = os.path.join(ROOT, "models/subspace-long.gguf")
@@ -28,23 +28,13 @@ class LongContextGateTest(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp()
         suite = os.path.join(cls.tmp, "suite.jsonl")
-        subprocess.run([sys.executable, os.path.join(ROOT, "tools/train/longctx_suite.py"),
-                        "--kinds", "passkey_filler,passkey_natural", "--lengths", "400",
-                        "--depths", "0,0.25,0.5", "--per-cell", "2", "--out", suite,
-                        "--tokenizer", os.path.join(ROOT, "models/subspace-tiny.tokenizer.model"),
-                        "--text", os.path.join(ROOT, "models/data/test.txt")],
-                       check=True, capture_output=True)
-        out = os.path.join(cls.tmp, "rows.json")
-        cls.proc = subprocess.run(
-            [BIN, "--model", MODEL, "--suite", suite, "--caches", ",".join(["evict", DEFAULT_COMPRESSED, SELF_CALIBRATED]),
-             "--json", out], capture_output=True, text=True, timeout=300)
+        write_suite(ROOT, suite, "--kinds", "passkey_filler,passkey_natural", "--lengths", "400",
+                    "--depths", "0,0.25,0.5", "--per-cell", "2")
+        cls.proc, cls.rows = run_longctx(
+            BIN, ["--model", MODEL, "--suite", suite,
+                  "--caches", ",".join(["evict", DEFAULT_COMPRESSED, SELF_CALIBRATED])],
+            os.path.join(cls.tmp, "rows.json"), timeout=300)
         print(cls.proc.stdout)
-        cls.rows = {}
-        if cls.proc.returncode == 0:
-            with open(out) as f:
-                for line in f:
-                    r = json.loads(line)
-                    cls.rows[r["cache"]] = r
 
     def accuracy(self, cache):
         self.assertEqual(self.proc.returncode, 0, self.proc.stderr)

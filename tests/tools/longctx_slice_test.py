@@ -10,10 +10,11 @@ docs/quality.md on the long-context model.
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import unittest
+
+from longctx_run import run_longctx, write_suite
 
 BIN, ROOT = sys.argv[1], sys.argv[2]
 CACHES = ["evict", "q8_0", "q4_0", "kivi4", "self:16:fp16", "kqsvd:16:int8", "self:16:fp16:pca"]
@@ -24,28 +25,18 @@ class LongContextSliceTest(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp()
         suite = os.path.join(cls.tmp, "suite.jsonl")
-        subprocess.run([sys.executable, os.path.join(ROOT, "tools/train/longctx_suite.py"),
-                        "--small", "--out", suite,
-                        "--tokenizer", os.path.join(ROOT, "models/subspace-tiny.tokenizer.model"),
-                        "--text", os.path.join(ROOT, "models/data/test.txt")],
-                       check=True, capture_output=True)
+        write_suite(ROOT, suite, "--small")
         cls.kinds = {}
         with open(suite) as f:
             for line in f:
                 k = json.loads(line)["kind"]
                 cls.kinds[k] = cls.kinds.get(k, 0) + 1
-        out = os.path.join(cls.tmp, "rows.json")
-        cls.proc = subprocess.run(
-            [BIN, "--model", os.path.join(ROOT, "models/subspace-tiny.gguf"), "--suite", suite,
-             "--caches", ",".join(CACHES), "--calib", os.path.join(ROOT, "models/data/test.txt"),
-             "--calib-tokens", "4000", "--refresh-every-tokens", "64", "--json", out],
-            capture_output=True, text=True, timeout=600)
-        cls.rows = {}
-        if cls.proc.returncode == 0:
-            with open(out) as f:
-                for line in f:
-                    r = json.loads(line)
-                    cls.rows[r["cache"]] = r
+        cls.proc, cls.rows = run_longctx(
+            BIN, ["--model", os.path.join(ROOT, "models/subspace-tiny.gguf"), "--suite", suite,
+                  "--caches", ",".join(CACHES), "--calib",
+                  os.path.join(ROOT, "models/data/test.txt"), "--calib-tokens", "4000",
+                  "--refresh-every-tokens", "64"],
+            os.path.join(cls.tmp, "rows.json"), timeout=600)
 
     def test_every_cache_reports(self):
         self.assertEqual(self.proc.returncode, 0, self.proc.stderr)
