@@ -160,12 +160,7 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
 absl::StatusOr<std::shared_ptr<const Basis>> LoadBases(const std::string& path,
                                                        const GgufFile& model,
                                                        const KvCacheGeometry& geometry) {
-  absl::StatusOr<BasisFile> file = ReadBasisFile(path);
-  if (!file.ok()) return file.status();
-  if (absl::Status s = CheckBasisMatchesModel(*file, geometry, ModelChecksum(model)); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("--bases ", path, ": ", s.message()));
-  }
-  return std::make_shared<const Basis>(std::move(file->basis));
+  return LoadBasisForModel(path, model, geometry, "--bases " + path);
 }
 
 KvCacheOptions ResolveKvCacheOptions(KvCacheOptions o, const KvCacheGeometry& g,

@@ -252,13 +252,10 @@ absl::Status Run() {
       cc.policy.window_tokens = W;
       std::shared_ptr<const Basis> file_basis;
       if (!spec.basis_path.empty()) {
-        absl::StatusOr<BasisFile> f = ReadBasisFile(spec.basis_path);
-        if (!f.ok()) return f.status();
-        if (absl::Status st = CheckBasisMatchesModel(*f, geom, ModelChecksum(*files->gguf));
-            !st.ok()) {
-          return st;
-        }
-        file_basis = std::make_shared<const Basis>(std::move(f->basis));
+        absl::StatusOr<std::shared_ptr<const Basis>> b =
+            LoadBasisForModel(spec.basis_path, *files->gguf, geom, spec.basis_path);
+        if (!b.ok()) return b.status();
+        file_basis = *std::move(b);
       }
       cc.policy.r_k.assign(geom.n_layers, spec.rank);
       cc.policy.r_v.assign(geom.n_layers, spec.rank);

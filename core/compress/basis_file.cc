@@ -281,4 +281,16 @@ absl::Status CheckBasisMatchesModel(const BasisFile& bases, const KvCacheGeometr
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::shared_ptr<const Basis>> LoadBasisForModel(const std::string& path,
+                                                               const GgufFile& model,
+                                                               const KvCacheGeometry& geometry,
+                                                               const std::string& label) {
+  absl::StatusOr<BasisFile> file = ReadBasisFile(path);
+  if (!file.ok()) return file.status();
+  if (absl::Status s = CheckBasisMatchesModel(*file, geometry, ModelChecksum(model)); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(label, ": ", s.message()));
+  }
+  return std::make_shared<const Basis>(std::move(file->basis));
+}
+
 }  // namespace subspace

@@ -11,6 +11,7 @@
 #define SUBSPACE_CORE_COMPRESS_BASIS_FILE_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -52,6 +53,14 @@ absl::StatusOr<BasisFile> ReadBasisFile(const std::string& path);
 // INVALID_ARGUMENT unless the file's geometry is the model's and its checksum the model's.
 absl::Status CheckBasisMatchesModel(const BasisFile& bases, const KvCacheGeometry& geometry,
                                     uint64_t model_checksum);
+
+// ReadBasisFile, then CheckBasisMatchesModel against `model` (its geometry and ModelChecksum):
+// the basis ready to install; a mismatch's message is prefixed with `label` and ": ". The
+// server's --bases and subspace-longctx's file: caches.
+absl::StatusOr<std::shared_ptr<const Basis>> LoadBasisForModel(const std::string& path,
+                                                               const GgufFile& model,
+                                                               const KvCacheGeometry& geometry,
+                                                               const std::string& label);
 
 }  // namespace subspace
 
