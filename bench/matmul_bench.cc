@@ -21,6 +21,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "core/base/ggml_quants.h"
 #include "core/base/ggml_types.h"
 #include "core/base/weight.h"
 #include "core/cpu/matmul_internal.h"
@@ -28,7 +29,8 @@
 #include "core/cpu/simd.h"
 #include "tools/cli/flags.h"
 
-ABSL_FLAG(std::string, types, "f32,f16,bf16,q8_0", "weight types to time");
+ABSL_FLAG(std::string, types, "f32,f16,bf16,q8_0",
+          "weight types to time (any the engine reads: q4_0, q4_K, q6_K ...)");
 ABSL_FLAG(std::string, shapes, "256x256,768x256,4096x4096,4096x11008",
           "weight shapes, rows x cols");
 ABSL_FLAG(std::string, ns, "1,8,64,512", "activation rows (batch) to time");
@@ -80,13 +82,33 @@ std::vector<Shape> ParseShapes(const std::string& list) {
 }
 
 bool ParseType(absl::string_view name, GgmlType* type) {
-  for (GgmlType t : {GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16, GgmlType::kQ8_0}) {
-    if (name == GgmlTypeName(t)) {
+  for (uint32_t id = 0; id < 64; ++id) {
+    const auto t = static_cast<GgmlType>(id);
+    if (IsSupportedGgmlType(id) && name == GgmlTypeName(t)) {
       *type = t;
       return true;
     }
   }
   return false;
+}
+
+// Byte offsets of a quantized block's fp16 fields.
+std::vector<uint64_t> HalfFields(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_1:
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K:
+      return {0, 2};
+    case GgmlType::kQ2_K:
+      return {offsetof(BlockQ2_K, d), offsetof(BlockQ2_K, dmin)};
+    case GgmlType::kQ3_K:
+      return {offsetof(BlockQ3_K, d)};
+    case GgmlType::kQ6_K:
+      return {offsetof(BlockQ6_K, d)};
+    default:
+      return {0};
+  }
 }
 
 // Copies of one random matrix laid end to end, at least `min_bytes` in all.
@@ -108,6 +130,17 @@ class WeightPool {
           block.scale_f16 = Fp32ToFp16(0.01f * (1.0f + dist(rng)));
           for (int8_t& q : block.q) q = static_cast<int8_t>(127 * dist(rng));
           std::memcpy(row + b * sizeof(block), &block, sizeof(block));
+        }
+        continue;
+      }
+      if (IsQuantizedGgmlType(type)) {
+        // Random codes; every fp16 field of each block set to a modest scale. Speed does not
+        // depend on the values.
+        for (uint64_t i = 0; i < row_bytes; ++i) row[i] = static_cast<uint8_t>(rng());
+        const uint64_t block_bytes = GgmlBlockBytes(type);
+        const uint16_t scale = Fp32ToFp16(0.01f);
+        for (uint64_t off = 0; off < row_bytes; off += block_bytes) {
+          for (uint64_t field : HalfFields(type)) std::memcpy(row + off + field, &scale, 2);
         }
         continue;
       }

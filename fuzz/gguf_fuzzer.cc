@@ -1,11 +1,15 @@
 // Fuzzes the GGUF reader: any bytes must give a Status or a file whose every metadata value and
 // tensor can be walked without reading outside the buffer; the model config, tokenizer and
 // basis-file parsers built on top must cope with whatever the reader accepts.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "core/base/ggml_quants.h"
 #include "core/compress/basis_file.h"
+#include "core/cpu/matmul_internal.h"
 #include "core/gguf/gguf.h"
 #include "core/model/model.h"
 #include "core/tokenizer/tokenizer.h"
@@ -19,6 +23,8 @@ size_t WalkValue(const GgufValue& v) {
   for (const GgufValue& e : v.array) n += WalkValue(e);
   return n;
 }
+
+void DecodeRows(const GgufTensorInfo& t);
 
 void Walk(const GgufFile& f) {
   const std::string_view all = f.bytes();
@@ -42,6 +48,33 @@ void Walk(const GgufFile& f) {
     const auto* begin = reinterpret_cast<const uint8_t*>(all.data());
     FUZZ_CHECK(t.data >= begin && t.data + t.num_bytes <= begin + all.size());
     volatile uint8_t sink = t.data[0] ^ t.data[t.num_bytes - 1];
+    (void)sink;
+    DecodeRows(t);
+  }
+}
+
+// Dequantizes the tensor's rows (the first 64 KiB of them) and runs the fused dot kernel of
+// its type on each: every block layout must stay inside the bytes the header promised,
+// whatever codes and scales they hold.
+void DecodeRows(const GgufTensorInfo& t) {
+  const int64_t cols = t.dims[0];
+  const uint64_t row_bytes = GgmlRowBytes(t.type, cols);
+  if (cols <= 0 || cols > (1 << 16) || row_bytes == 0) return;
+  const int64_t rows =
+      std::min<int64_t>(t.num_elements / cols, static_cast<int64_t>((64 << 10) / row_bytes) + 1);
+  std::vector<float> values(static_cast<size_t>(cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    FUZZ_CHECK((r + 1) * row_bytes <= t.num_bytes);
+    DequantizeRow(t.type, t.data + r * row_bytes, values.data(), cols);
+  }
+  if (!IsQuantizedGgmlType(t.type)) return;
+  const GgmlType act_type = DotActivationType(t.type);
+  std::vector<uint8_t> act(GgmlRowBytes(act_type, cols));
+  for (int64_t i = 0; i < cols; ++i) values[i] = static_cast<float>(i % 7) - 3.0f;
+  QuantizeActivationRow(act_type, values.data(), act.data(), cols);
+  const cpu::internal::QuantDotFn dot = cpu::internal::QuantDotKernel(t.type);
+  for (int64_t r = 0; r < rows; ++r) {
+    volatile float sink = dot(t.data + r * row_bytes, act.data(), cols);
     (void)sink;
   }
 }

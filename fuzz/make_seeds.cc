@@ -35,6 +35,16 @@ void GgufSeeds(const std::filesystem::path& dir) {
   testing::TinyModelOptions o{
       .dim = 8, .heads = 2, .kv_heads = 1, .layers = 1, .ffn = 8, .context = 16};
   Write(dir / "tiny_llama.gguf", testing::BuildTinyLlamaGguf(o));
+  // One 2 x 256 tensor of every quantized type: varied bytes, fp16 scales left as they fall.
+  GgufBuilder quants;
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1,
+                        GgmlType::kQ8_0, GgmlType::kQ2_K, GgmlType::kQ3_K, GgmlType::kQ4_K,
+                        GgmlType::kQ5_K, GgmlType::kQ6_K, GgmlType::kIQ4_NL}) {
+    std::string bytes(2 * GgmlRowBytes(type, 256), '\0');
+    for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>((i * 37 + 11) & 0x3b);
+    quants.AddTensor(GgmlTypeName(type), {256, 2}, type, bytes);
+  }
+  Write(dir / "quant_tensors.gguf", quants.Build());
 }
 
 void BasisSeeds(const std::filesystem::path& dir) {

@@ -9,6 +9,8 @@
 #include <iterator>
 #include <limits>
 
+#include "core/base/ggml_quants.h"
+
 namespace subspace {
 namespace {
 
@@ -22,10 +24,13 @@ bool IsSupportedGgmlType(uint32_t raw_type) {
     case GgmlType::kF32:
     case GgmlType::kF16:
     case GgmlType::kBF16:
-    case GgmlType::kQ8_0:
       return true;
+    case GgmlType::kQ8_1:
+    case GgmlType::kQ8_K:
+      return false;  // activation formats: ggml never writes them to files
+    default:
+      return IsQuantizedGgmlType(static_cast<GgmlType>(raw_type));
   }
-  return false;
 }
 
 const char* GgmlTypeName(GgmlType type) {
@@ -49,8 +54,21 @@ int64_t GgmlBlockElems(GgmlType type) {
     case GgmlType::kF16:
     case GgmlType::kBF16:
       return 1;
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_0:
+    case GgmlType::kQ5_1:
     case GgmlType::kQ8_0:
-      return kQ8BlockSize;
+    case GgmlType::kQ8_1:
+    case GgmlType::kIQ4_NL:
+      return kQuantBlock;
+    case GgmlType::kQ2_K:
+    case GgmlType::kQ3_K:
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K:
+    case GgmlType::kQ6_K:
+    case GgmlType::kQ8_K:
+      return kSuperBlock;
   }
   return 0;
 }
@@ -62,8 +80,32 @@ uint64_t GgmlBlockBytes(GgmlType type) {
     case GgmlType::kF16:
     case GgmlType::kBF16:
       return 2;
+    case GgmlType::kQ4_0:
+      return sizeof(BlockQ4_0);
+    case GgmlType::kQ4_1:
+      return sizeof(BlockQ4_1);
+    case GgmlType::kQ5_0:
+      return sizeof(BlockQ5_0);
+    case GgmlType::kQ5_1:
+      return sizeof(BlockQ5_1);
     case GgmlType::kQ8_0:
       return sizeof(BlockQ8_0);
+    case GgmlType::kQ8_1:
+      return sizeof(BlockQ8_1);
+    case GgmlType::kQ2_K:
+      return sizeof(BlockQ2_K);
+    case GgmlType::kQ3_K:
+      return sizeof(BlockQ3_K);
+    case GgmlType::kQ4_K:
+      return sizeof(BlockQ4_K);
+    case GgmlType::kQ5_K:
+      return sizeof(BlockQ5_K);
+    case GgmlType::kQ6_K:
+      return sizeof(BlockQ6_K);
+    case GgmlType::kQ8_K:
+      return sizeof(BlockQ8_K);
+    case GgmlType::kIQ4_NL:
+      return sizeof(BlockIq4Nl);
   }
   return 0;
 }
@@ -142,7 +184,7 @@ uint16_t Fp32ToBf16(float f) {
 }
 
 void DequantizeRow(GgmlType type, const void* src, float* dst, int64_t n) {
-  // src: n elements of `type` (n / 32 blocks for Q8_0); dst: [n] fp32.
+  // src: n elements of `type` (n / 32 blocks for Q8_0 ...); dst: [n] fp32.
   // Byte copies keep this correct for any source alignment (general.alignment may be 1).
   const auto* bytes = static_cast<const uint8_t*>(src);
   switch (type) {
@@ -176,6 +218,13 @@ void DequantizeRow(GgmlType type, const void* src, float* dst, int64_t n) {
       }
       return;
     }
+    default:
+      if (IsQuantizedGgmlType(type)) {
+        assert(n % GgmlBlockElems(type) == 0);
+        DequantizeQuantizedRow(type, bytes, dst, n);
+        return;
+      }
+      break;
   }
   // Unreachable for tensors that came through GgufFile (it rejects other types); poison the
   // output so a caller's bug shows up as NaNs instead of stale data.

@@ -1,5 +1,6 @@
 // Element types of GGUF tensors (numbered as in ggml) and their scalar conversions:
-// fp16 and bf16 to/from fp32, and the Q8_0 block layout.
+// fp16 and bf16 to/from fp32, the Q8_0 block layout and row sizes. The other quantized
+// block layouts are in ggml_quants.h.
 #ifndef SUBSPACE_CORE_BASE_GGML_TYPES_H_
 #define SUBSPACE_CORE_BASE_GGML_TYPES_H_
 
@@ -12,7 +13,19 @@ namespace subspace {
 enum class GgmlType : uint32_t {
   kF32 = 0,
   kF16 = 1,
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
   kQ8_0 = 8,
+  kQ8_1 = 9,  // activations only (the dot-product partner of q4_1 / q5_1); never in a file
+  kQ2_K = 10,
+  kQ3_K = 11,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
+  kQ8_K = 15,  // activations only (the partner of the K-quants); never in a file
+  kIQ4_NL = 20,
   kBF16 = 30,
 };
 
@@ -24,7 +37,8 @@ struct BlockQ8_0 {
 };
 static_assert(sizeof(BlockQ8_0) == 34, "Q8_0 block must be 34 bytes as in ggml");
 
-// True for the tensor types this engine can load.
+// True for the tensor types this engine can load: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1,
+// q8_0, q2_K .. q6_K and iq4_nl.
 bool IsSupportedGgmlType(uint32_t raw_type);
 // ggml's name for any assigned type id, supported or not ("q4_K"); "unknown" otherwise.
 const char* GgmlTypeName(GgmlType type);
@@ -33,9 +47,10 @@ const char* GgmlTypeName(GgmlType type);
 // the block size; returns 0 when it is not (and for negative `n`, unsupported types or a
 // byte count that overflows uint64).
 uint64_t GgmlRowBytes(GgmlType type, int64_t n);
-// Elements per block (1 for scalar types, 32 for Q8_0); 0 for unsupported types.
+// Elements per block (1 for scalar types, 32 for the legacy quants, 256 for the K-quants);
+// 0 for unsupported types. Also defined for the activation types q8_1 and q8_K.
 int64_t GgmlBlockElems(GgmlType type);
-// Bytes per block (4 for F32, 2 for F16/BF16, 34 for Q8_0); 0 for unsupported types.
+// Bytes per block (4 for F32, 2 for F16/BF16, 34 for Q8_0 ...); 0 for unsupported types.
 uint64_t GgmlBlockBytes(GgmlType type);
 
 float Fp16ToFp32(uint16_t h);

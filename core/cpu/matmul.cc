@@ -23,6 +23,7 @@
 #include <mutex>
 #include <vector>
 
+#include "core/base/ggml_quants.h"
 #include "core/base/ggml_types.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/ops.h"
@@ -130,10 +131,57 @@ int64_t DecodeMaxN(GgmlType type) {
       return 128;  // converting for sgemm costs more than the kernel's shortfall
     case GgmlType::kF32:
       return 64;
-    case GgmlType::kQ8_0:
-      return 32;  // dequantising costs the kernel a multiply per 8 weights
+    default:
+      break;
   }
-  return 8;
+  // Quantized types: integer dots against quantized activations, one pass over the weights
+  // per activation row; above this, dequantized panels + sgemm win.
+  return IsQuantizedGgmlType(type) ? 16 : 8;
+}
+
+namespace {
+
+template <GgmlType kType>
+float ScalarQuantDot(const uint8_t* row, const uint8_t* act, int64_t n) {
+  return DotQuantizedRowScalar(kType, row, act, n);
+}
+
+QuantDotFn QuantDotKernelScalar(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ4_0:
+      return ScalarQuantDot<GgmlType::kQ4_0>;
+    case GgmlType::kQ4_1:
+      return ScalarQuantDot<GgmlType::kQ4_1>;
+    case GgmlType::kQ5_0:
+      return ScalarQuantDot<GgmlType::kQ5_0>;
+    case GgmlType::kQ5_1:
+      return ScalarQuantDot<GgmlType::kQ5_1>;
+    case GgmlType::kQ8_0:
+      return ScalarQuantDot<GgmlType::kQ8_0>;
+    case GgmlType::kQ2_K:
+      return ScalarQuantDot<GgmlType::kQ2_K>;
+    case GgmlType::kQ3_K:
+      return ScalarQuantDot<GgmlType::kQ3_K>;
+    case GgmlType::kQ4_K:
+      return ScalarQuantDot<GgmlType::kQ4_K>;
+    case GgmlType::kQ5_K:
+      return ScalarQuantDot<GgmlType::kQ5_K>;
+    case GgmlType::kQ6_K:
+      return ScalarQuantDot<GgmlType::kQ6_K>;
+    case GgmlType::kIQ4_NL:
+      return ScalarQuantDot<GgmlType::kIQ4_NL>;
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace
+
+QuantDotFn QuantDotKernel(GgmlType type) {
+  if (ActiveIsa() >= Isa::kAvx2) {
+    if (const QuantDotFn avx2 = QuantDotKernelAvx2(type)) return avx2;
+  }
+  return QuantDotKernelScalar(type);
 }
 
 void SetPrefillPanelRows(int64_t rows) { panel_rows_override.store(std::max<int64_t>(rows, 0)); }
@@ -167,16 +215,18 @@ void ConvertRowsToF32(const WeightMatrix& w, int64_t first_row, int64_t num_rows
 // threads carry on instead of waiting at the barrier for the one descheduled. Items stay
 // large enough (tens of KiB of weights, whole sgemm panels) that the claiming costs nothing.
 
-void MatMulDecode(const WeightMatrix& w, const float* x, int64_t n, float* y) {
-  if (w.rows <= 0 || n <= 0) return;
-  const DecodeFn kernel = ActiveIsa() >= Isa::kAvx2 ? DecodeRowsAvx2 : DecodeRowsScalar;
+namespace {
+
+// Calls kernel(row_begin, row_end) over all rows of w, split into items over the threads.
+template <typename Kernel>
+void SplitDecodeRows(const WeightMatrix& w, const Kernel& kernel) {
   const uint64_t row_bytes = w.row_bytes();
   const uint64_t bytes = static_cast<uint64_t>(w.rows) * row_bytes;
   const int64_t threads =
       std::min<int64_t>({NumThreads(), static_cast<int64_t>(bytes / kMinBytesPerThread),
                          (w.rows + kDecodeRowAlign - 1) / kDecodeRowAlign});
   if (threads <= 1) {
-    kernel(w, x, n, 0, w.rows, y);
+    kernel(int64_t{0}, w.rows);
     return;
   }
   constexpr int64_t kItemsPerThread = 8;
@@ -187,8 +237,40 @@ void MatMulDecode(const WeightMatrix& w, const float* x, int64_t n, float* y) {
   const int64_t items = (w.rows + item_rows - 1) / item_rows;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t i = 0; i < items; ++i) {
-    kernel(w, x, n, i * item_rows, std::min(w.rows, (i + 1) * item_rows), y);
+    kernel(i * item_rows, std::min(w.rows, (i + 1) * item_rows));
   }
+}
+
+// Quantized weights: x is quantized once to the type's activation format, then every weight
+// row is dotted with each activation row while it sits in L1.
+void DecodeQuantized(const WeightMatrix& w, const float* x, int64_t n, float* y) {
+  const GgmlType act_type = DotActivationType(w.type);
+  const uint64_t act_bytes = GgmlRowBytes(act_type, w.cols);
+  thread_local std::vector<uint8_t> act_buffer;
+  act_buffer.resize(static_cast<size_t>(n) * act_bytes);
+  for (int64_t j = 0; j < n; ++j) {
+    QuantizeActivationRow(act_type, x + j * w.cols, act_buffer.data() + j * act_bytes, w.cols);
+  }
+  const uint8_t* act = act_buffer.data();
+  const QuantDotFn dot = QuantDotKernel(w.type);
+  SplitDecodeRows(w, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row = w.row(r);
+      for (int64_t j = 0; j < n; ++j) y[j * w.rows + r] = dot(row, act + j * act_bytes, w.cols);
+    }
+  });
+}
+
+}  // namespace
+
+void MatMulDecode(const WeightMatrix& w, const float* x, int64_t n, float* y) {
+  if (w.rows <= 0 || n <= 0) return;
+  if (IsQuantizedGgmlType(w.type)) {
+    DecodeQuantized(w, x, n, y);
+    return;
+  }
+  const DecodeFn kernel = ActiveIsa() >= Isa::kAvx2 ? DecodeRowsAvx2 : DecodeRowsScalar;
+  SplitDecodeRows(w, [&](int64_t begin, int64_t end) { kernel(w, x, n, begin, end, y); });
 }
 
 void MatMulPrefill(const WeightMatrix& w, const float* x, int64_t n, float* y) {
@@ -204,6 +286,19 @@ void MatMulPrefill(const WeightMatrix& w, const float* x, int64_t n, float* y) {
     item_rows = std::max(item_rows, RoundUp((w.rows + 2 * threads - 1) / (2 * threads), 16));
   }
   const int64_t items = (w.rows + item_rows - 1) / item_rows;
+  // Quantized weights multiply the activations as the decode path's integer dots see them
+  // (quantized to q8_0 / q8_K and back), so that a token's logits do not depend on which path
+  // its batch took (as in llama.cpp, whose CPU matmuls quantize activations at any batch size).
+  if (IsQuantizedGgmlType(w.type)) {
+    thread_local std::vector<float> rounded_buffer;
+    rounded_buffer.resize(static_cast<size_t>(n * w.cols));
+    float* rounded = rounded_buffer.data();  // the OpenMP threads share the caller's buffer
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 1)
+    for (int64_t j = 0; j < n; ++j) {
+      RoundTripActivations(w.type, x + j * w.cols, rounded + j * w.cols, w.cols);
+    }
+    x = rounded;
+  }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && items > 1)
   for (int64_t i = 0; i < items; ++i) {
     PrefillRows(w, x, n, i * item_rows, std::min(w.rows, (i + 1) * item_rows), y);

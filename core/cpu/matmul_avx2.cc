@@ -314,6 +314,8 @@ void DecodeRowsAvx2(const WeightMatrix& w, const float* x, int64_t n, int64_t ro
       return DecodeRows<Bf16Weights>(w, x, n, row_begin, row_end, y);
     case GgmlType::kQ8_0:
       return DecodeRows<Q8Weights>(w, x, n, row_begin, row_end, y);
+    default:
+      break;
   }
   DecodeRowsScalar(w, x, n, row_begin, row_end, y);
 }
@@ -328,6 +330,8 @@ void ConvertRowsToF32Avx2(const WeightMatrix& w, int64_t first_row, int64_t num_
       return ConvertRows<Bf16Weights>(w, first_row, num_rows, dst);
     case GgmlType::kQ8_0:
       return ConvertRows<Q8Weights>(w, first_row, num_rows, dst);
+    default:
+      break;
   }
   for (int64_t i = 0; i < num_rows; ++i) {
     DequantizeRow(w.type, w.row(first_row + i), dst + i * w.cols, w.cols);

@@ -69,6 +69,14 @@ void DecodeRowsAvx2(const WeightMatrix& w, const float* x, int64_t n, int64_t ro
 // dst: [num_rows, w.cols]
 void ConvertRowsToF32Avx2(const WeightMatrix& w, int64_t first_row, int64_t num_rows, float* dst);
 
+// dot(quantized weight row, quantized activation row) over n values; the activation row is in
+// DotActivationType(weight type) (core/base/ggml_quants.h).
+using QuantDotFn = float (*)(const uint8_t* row, const uint8_t* act, int64_t n);
+// The kernel for `type` at the active ISA: the AVX2 one, else the scalar twin.
+QuantDotFn QuantDotKernel(GgmlType type);
+// The AVX2 kernel for `type`; nullptr where there is none (or no x86).
+QuantDotFn QuantDotKernelAvx2(GgmlType type);
+
 }  // namespace subspace::cpu::internal
 
 #endif  // SUBSPACE_CORE_CPU_MATMUL_INTERNAL_H_

@@ -260,9 +260,11 @@ absl::Status ReadTensorInfo(Cursor& c, uint64_t alignment, GgufTensorInfo* t) {
   uint32_t raw_type = 0;
   if (absl::Status s = c.Read(&raw_type, "type"); !s.ok()) return s;
   if (!IsSupportedGgmlType(raw_type)) {
-    return c.Invalid(at, absl::StrCat("unsupported tensor type ", raw_type, " (",
-                                      GgmlTypeName(static_cast<GgmlType>(raw_type)),
-                                      "); supported: f32, f16, bf16, q8_0"));
+    return c.Invalid(
+        at, absl::StrCat("unsupported tensor type ", raw_type, " (",
+                         GgmlTypeName(static_cast<GgmlType>(raw_type)),
+                         "); supported: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_K, q3_K, "
+                         "q4_K, q5_K, q6_K, iq4_nl"));
   }
   t->type = static_cast<GgmlType>(raw_type);
   const int64_t block = GgmlBlockElems(t->type);

@@ -74,10 +74,9 @@ absl::StatusOr<WeightMatrix> MapMatrix(const GgufFile& file, const std::string& 
     return absl::InvalidArgumentError(absl::StrFormat(
         "tensor %s has dims {%s}, expected {%d, %d} (cols, rows)", name, dims, cols, rows));
   }
-  if (t->type != GgmlType::kF32 && t->type != GgmlType::kF16 && t->type != GgmlType::kBF16 &&
-      t->type != GgmlType::kQ8_0) {
+  if (!IsSupportedGgmlType(static_cast<uint32_t>(t->type))) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("tensor %s has type %s; weights must be F32, F16, BF16 or Q8_0", name,
+        absl::StrFormat("tensor %s has type %s, which the matmul kernels do not read", name,
                         GgmlTypeName(t->type)));
   }
   WeightMatrix w;

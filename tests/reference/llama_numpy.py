@@ -52,6 +52,35 @@ def _decode(raw, ggml_type, count):
     raise ValueError("unsupported ggml type %d" % ggml_type)
 
 
+def _quantize_q8_0_rows(x):
+    """x [n, k] -> the values llama.cpp's CPU matmul multiplies quantized weights with: each
+    block of 32 activations scaled by d = max|x| / 127 (fp32, stored as fp16), rounded half away
+    from zero to int8, and read back as q * fp16(d). Arithmetic in fp32, as the engine does."""
+    n, k = x.shape
+    blocks = x.astype(np.float32).reshape(n, k // 32, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1.0) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    scaled = (blocks * inv).astype(np.float32)
+    q = np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))
+    return (q.astype(np.float64) * d.astype(np.float16).astype(np.float64)).reshape(n, k)
+
+
+class _Matrix:
+    """A weight matrix [rows, cols] in float64 and how the engine multiplies it: quantized
+    weights (Q8_0) take activations quantized to q8_0 per row, as in llama.cpp."""
+
+    __array_ufunc__ = None  # so that `x @ matrix` calls __rmatmul__
+
+    def __init__(self, values, ggml_type):
+        self.values, self.quantized = values, ggml_type == 8
+
+    def __rmatmul__(self, x):
+        if self.quantized:
+            x = _quantize_q8_0_rows(x)
+        return x @ self.values.T
+
+
 def _nbytes(ggml_type, count):
     return {0: 4 * count, 1: 2 * count, 30: 2 * count, 8: count // 32 * 34}[ggml_type]
 
@@ -78,20 +107,21 @@ def read_gguf(path):
         infos.append((name, dims, ggml_type, offset))
     align = int(meta.get("general.alignment", 32))
     data_start = (cur.pos + align - 1) // align * align
-    tensors = {}
+    tensors, types = {}, {}
     for name, dims, ggml_type, offset in infos:
+        types[name] = ggml_type
         count = int(np.prod(dims))
         start = data_start + offset
         raw = buf[start:start + _nbytes(ggml_type, count)]
         tensors[name] = _decode(raw, ggml_type, count).reshape(tuple(reversed(dims)))
-    return meta, tensors
+    return meta, tensors, types
 
 
 class LlamaNumpy:
     """The model as float64 arrays; forward(tokens) -> logits [n, n_vocab]."""
 
     def __init__(self, path):
-        meta, t = read_gguf(path)
+        meta, t, types = read_gguf(path)
         if meta["general.architecture"] != "llama":
             raise ValueError("not a llama model")
         self.dim = int(meta["llama.embedding_length"])
@@ -103,14 +133,17 @@ class LlamaNumpy:
         self.theta = float(meta.get("llama.rope.freq_base", 10000.0))
         self.eps = float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5))
         self.embd = t["token_embd.weight"]                     # [vocab, dim]
-        self.output = t.get("output.weight", self.embd)        # [vocab, dim], tied if absent
+        out_name = "output.weight" if "output.weight" in t else "token_embd.weight"  # tied
+        self.output = _Matrix(t[out_name], types[out_name])    # [vocab, dim]
         self.output_norm = t["output_norm.weight"]
         self.layers = []
         for i in range(self.n_layers):
             p = "blk.%d." % i
-            self.layers.append({k: t[p + k + ".weight"] for k in (
-                "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")})
+            layer = {k: t[p + k + ".weight"] for k in ("attn_norm", "ffn_norm")}
+            for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                      "ffn_down"):
+                layer[k] = _Matrix(t[p + k + ".weight"], types[p + k + ".weight"])
+            self.layers.append(layer)
 
     def _rms_norm(self, x, w):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
@@ -136,9 +169,9 @@ class LlamaNumpy:
         x = self.embd[tokens]                                               # [n, dim]
         for L in self.layers:
             h = self._rms_norm(x, L["attn_norm"])
-            q = self._rope((h @ L["attn_q"].T).reshape(n, self.n_heads, hd), pos)
-            k = self._rope((h @ L["attn_k"].T).reshape(n, self.n_kv, hd), pos)
-            v = (h @ L["attn_v"].T).reshape(n, self.n_kv, hd)
+            q = self._rope((h @ L["attn_q"]).reshape(n, self.n_heads, hd), pos)
+            k = self._rope((h @ L["attn_k"]).reshape(n, self.n_kv, hd), pos)
+            v = (h @ L["attn_v"]).reshape(n, self.n_kv, hd)
             attn = np.empty((n, self.n_heads, hd))
             for head in range(self.n_heads):
                 kv = head // group
@@ -146,8 +179,8 @@ class LlamaNumpy:
                 s = np.where(causal, s, -np.inf)
                 s = np.exp(s - s.max(axis=1, keepdims=True))
                 attn[:, head, :] = (s / s.sum(axis=1, keepdims=True)) @ v[:, kv, :]
-            x = x + attn.reshape(n, self.dim) @ L["attn_output"].T
+            x = x + attn.reshape(n, self.dim) @ L["attn_output"]
             h = self._rms_norm(x, L["ffn_norm"])
-            gate, up = h @ L["ffn_gate"].T, h @ L["ffn_up"].T
-            x = x + (gate / (1.0 + np.exp(-gate)) * up) @ L["ffn_down"].T
-        return self._rms_norm(x, self.output_norm) @ self.output.T           # [n, vocab]
+            gate, up = h @ L["ffn_gate"], h @ L["ffn_up"]
+            x = x + (gate / (1.0 + np.exp(-gate)) * up) @ L["ffn_down"]
+        return self._rms_norm(x, self.output_norm) @ self.output           # [n, vocab]

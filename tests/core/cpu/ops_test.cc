@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/base/ggml_quants.h"
 #include "core/base/ggml_types.h"
 #include "core/base/weight.h"
 #include "core/cpu/matmul_internal.h"
@@ -75,6 +76,25 @@ struct TestWeight {
   std::vector<double> values;  // [rows, cols]
 };
 
+// Byte offsets of the fp16 scale fields inside one block of a quantized type.
+std::vector<uint64_t> HalfFieldOffsets(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_1:
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K:
+      return {0, 2};
+    case GgmlType::kQ2_K:
+      return {offsetof(BlockQ2_K, d), offsetof(BlockQ2_K, dmin)};
+    case GgmlType::kQ3_K:
+      return {offsetof(BlockQ3_K, d)};
+    case GgmlType::kQ6_K:
+      return {offsetof(BlockQ6_K, d)};
+    default:
+      return {0};
+  }
+}
+
 TestWeight MakeWeight(GgmlType type, int64_t rows, int64_t cols, uint32_t seed, int64_t offset) {
   std::mt19937 rng(seed);
   TestWeight t;
@@ -126,6 +146,25 @@ TestWeight MakeWeight(GgmlType type, int64_t rows, int64_t cols, uint32_t seed, 
           }
         }
         break;
+      default: {
+        // Other quantized types: random codes, scales and mins (every value a file could
+        // hold), the fp16 super-scales kept modest; values through DequantizeRow, itself
+        // checked bit for bit against ggml (tests/core/base/ggml_quants_test.cc).
+        for (uint64_t i = 0; i < row_bytes; ++i) {
+          row[i] = static_cast<uint8_t>(std::uniform_int_distribution<int>(0, 255)(rng));
+        }
+        const uint64_t block_bytes = GgmlBlockBytes(type);
+        for (uint64_t off = 0; off < row_bytes; off += block_bytes) {
+          for (uint64_t field : HalfFieldOffsets(type)) {
+            const uint16_t h = RandomHalf(rng, 5, 10);
+            std::memcpy(row + off + field, &h, 2);
+          }
+        }
+        std::vector<float> decoded(cols);
+        DequantizeRow(type, row, decoded.data(), cols);
+        std::copy(decoded.begin(), decoded.end(), out);
+        break;
+      }
     }
   }
   t.w.type = type;
@@ -166,6 +205,84 @@ void ExpectClose(const float* got, const std::vector<double>& want,
 // ---------------------------------------------------------------------------------------------
 // MatMul
 
+// x as MatMul multiplies it: for quantized weights, each row quantized to the weight type's
+// activation format (q8_0 / q8_1 / q8_K) and decoded back, exactly, in double (both paths:
+// the decode path's integer dots and the prefill path's sgemm on the decoded activations);
+// float types see x itself.
+std::vector<double> ActivationsSeenBy(GgmlType type, const float* x, int64_t n, int64_t cols) {
+  std::vector<double> out(x, x + n * cols);
+  if (!IsQuantizedGgmlType(type)) return out;
+  const GgmlType act_type = DotActivationType(type);
+  std::vector<uint8_t> q(GgmlRowBytes(act_type, cols));
+  for (int64_t j = 0; j < n; ++j) {
+    QuantizeActivationRow(act_type, x + j * cols, q.data(), cols);
+    double* dst = out.data() + j * cols;
+    if (act_type == GgmlType::kQ8_K) {
+      for (int64_t b = 0; b < cols / kSuperBlock; ++b) {
+        BlockQ8_K block;
+        std::memcpy(&block, q.data() + b * sizeof(block), sizeof(block));
+        for (int i = 0; i < kSuperBlock; ++i)
+          dst[b * kSuperBlock + i] = double{block.d} * block.qs[i];
+      }
+    } else {
+      const uint64_t block_bytes = GgmlBlockBytes(act_type);
+      const int code_offset = act_type == GgmlType::kQ8_1 ? 4 : 2;
+      for (int64_t b = 0; b < cols / kQuantBlock; ++b) {
+        const uint8_t* p = q.data() + b * block_bytes;
+        uint16_t d;
+        std::memcpy(&d, p, 2);
+        for (int i = 0; i < kQuantBlock; ++i) {
+          dst[b * kQuantBlock + i] = HalfToDouble(d) * static_cast<int8_t>(p[code_offset + i]);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// q4_1 / q5_1 against q8_1: the weights' mins multiply the activation block's sum s, which
+// q8_1 computes from the unrounded scale and stores in fp16 (as llama.cpp does): off by up to
+// 2^-11 |s| for each rounding, 2^-10 |s| in all. Adds that bound, over
+// kTol, to each output's error scale.
+void AddQ8_1SumRounding(const TestWeight& tw, const std::vector<double>& x_seen, int64_t n,
+                        std::vector<double>* scale) {
+  if (DotActivationType(tw.w.type) != GgmlType::kQ8_1) return;
+  const int64_t rows = tw.w.rows, cols = tw.w.cols;
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t r = 0; r < rows; ++r) {
+      double slack = 0.0;
+      for (int64_t b = 0; b < cols / kQuantBlock; ++b) {
+        uint16_t m;
+        std::memcpy(&m, tw.w.row(r) + b * GgmlBlockBytes(tw.w.type) + 2, 2);
+        double sum = 0.0;
+        for (int i = 0; i < kQuantBlock; ++i) sum += x_seen[j * cols + b * kQuantBlock + i];
+        slack += std::fabs(HalfToDouble(m) * sum) * std::ldexp(1.0, -10);
+      }
+      (*scale)[j * rows + r] += slack / kTol;
+    }
+  }
+}
+
+// want = w · xᵀ in double over the activations the path sees; scale = sum of |terms|.
+void ExpectedProducts(const TestWeight& tw, const std::vector<double>& x, int64_t n,
+                      std::vector<double>* want, std::vector<double>* scale) {
+  const int64_t rows = tw.w.rows, cols = tw.w.cols;
+  want->assign(n * rows, 0.0);
+  scale->assign(n * rows, 0.0);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t r = 0; r < rows; ++r) {
+      double sum = 0.0, abs_sum = 0.0;
+      for (int64_t k = 0; k < cols; ++k) {
+        const double term = tw.values[r * cols + k] * x[j * cols + k];
+        sum += term;
+        abs_sum += std::fabs(term);
+      }
+      (*want)[j * rows + r] = sum;
+      (*scale)[j * rows + r] = abs_sum;
+    }
+  }
+}
+
 enum class Path { kAuto, kDecode, kPrefill };
 const char* PathName(Path p) {
   return p == Path::kAuto ? "auto" : (p == Path::kDecode ? "decode" : "prefill");
@@ -181,6 +298,12 @@ void RunMatMul(Path path, const WeightMatrix& w, const float* x, int64_t n, floa
       return internal::MatMulPrefill(w, x, n, y);
   }
 }
+
+// Every weight type MatMul reads.
+constexpr GgmlType kAllWeightTypes[] = {
+    GgmlType::kF32,  GgmlType::kF16,  GgmlType::kBF16, GgmlType::kQ8_0,  GgmlType::kQ4_0,
+    GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kQ2_K,  GgmlType::kQ3_K,
+    GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K, GgmlType::kIQ4_NL};
 
 struct MatMulCase {
   GgmlType type;
@@ -198,10 +321,12 @@ void PrintTo(const MatMulCase& c, std::ostream* os) {
 // for prefill to take several panels.
 std::vector<MatMulCase> MatMulCases() {
   std::vector<MatMulCase> cases;
-  for (GgmlType type : {GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16, GgmlType::kQ8_0}) {
-    const bool q8 = type == GgmlType::kQ8_0;
-    const std::pair<int64_t, int64_t> shapes[] = {
-        {5, q8 ? 32 : 7}, {37, 96}, {13, q8 ? 224 : 200}, {300, 4096}};
+  for (GgmlType type : kAllWeightTypes) {
+    const int64_t block = GgmlBlockElems(type);
+    const std::pair<int64_t, int64_t> shapes[] = {{5, block == 1 ? 7 : block},
+                                                  {37, block == 256 ? 512 : 96},
+                                                  {13, block == 1 ? 200 : 7 * block},
+                                                  {300, 4096}};
     for (const auto& [rows, cols] : shapes) {
       for (int64_t n : {1, 3, 8, 67}) cases.push_back({type, rows, cols, n});
     }
@@ -218,20 +343,11 @@ TEST_P(MatMulTest, MatchesFloat64Reference) {
   const std::vector<float> x_storage = RandomFloats(n * cols + 1, seed + 1);
   const float* x = x_storage.data() + 1;
 
-  std::vector<double> want(n * rows), scale(n * rows);
   const TestWeight ref = MakeWeight(type, rows, cols, seed, 0);
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t r = 0; r < rows; ++r) {
-      double sum = 0.0, abs_sum = 0.0;
-      for (int64_t k = 0; k < cols; ++k) {
-        const double term = ref.values[r * cols + k] * x[j * cols + k];
-        sum += term;
-        abs_sum += std::fabs(term);
-      }
-      want[j * rows + r] = sum;
-      scale[j * rows + r] = abs_sum;
-    }
-  }
+  std::vector<double> want, scale;
+  const std::vector<double> seen = ActivationsSeenBy(type, x, n, cols);
+  ExpectedProducts(ref, seen, n, &want, &scale);
+  AddQ8_1SumRounding(ref, seen, n, &scale);
 
   std::vector<float> y_storage(n * rows + 1);
   float* y = y_storage.data() + 1;
@@ -262,9 +378,9 @@ INSTANTIATE_TEST_SUITE_P(AllTypes, MatMulTest, ::testing::ValuesIn(MatMulCases()
 // The two ISAs must agree with each other as closely as each agrees with float64.
 TEST(MatMulIsaTest, ScalarAndAvx2Agree) {
   if (internal::DetectedIsa() < Isa::kAvx2) GTEST_SKIP() << "no AVX2 on this CPU";
-  for (GgmlType type : {GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16, GgmlType::kQ8_0}) {
+  for (GgmlType type : kAllWeightTypes) {
     SCOPED_TRACE(GgmlTypeName(type));
-    const int64_t rows = 70, cols = 320, n = 5;
+    const int64_t rows = 70, cols = GgmlBlockElems(type) == 256 ? 512 : 320, n = 5;
     const TestWeight tw = MakeWeight(type, rows, cols, 99, 1);
     const std::vector<float> x = RandomFloats(n * cols, 100);
     std::vector<float> y_scalar(n * rows, kNan), y_avx2(n * rows, kNan);
@@ -293,24 +409,13 @@ TEST(MatMulIsaTest, ScalarAndAvx2Agree) {
 // Row splits differ with the thread count (including more threads than cores); results must
 // not. SetNumThreads(0) restores the default.
 TEST(MatMulThreadsTest, AnyThreadCountGivesTheSameResult) {
-  for (GgmlType type : {GgmlType::kF16, GgmlType::kQ8_0}) {
+  for (GgmlType type : {GgmlType::kF16, GgmlType::kQ8_0, GgmlType::kQ4_K}) {
     const int64_t rows = 301, cols = 512;
     const TestWeight tw = MakeWeight(type, rows, cols, 11, 1);
     for (int64_t n : {2, 40}) {
       const std::vector<float> x = RandomFloats(n * cols, 12);
-      std::vector<double> want(n * rows), scale(n * rows);
-      for (int64_t j = 0; j < n; ++j) {
-        for (int64_t r = 0; r < rows; ++r) {
-          double sum = 0.0, abs_sum = 0.0;
-          for (int64_t k = 0; k < cols; ++k) {
-            const double term = tw.values[r * cols + k] * x[j * cols + k];
-            sum += term;
-            abs_sum += std::fabs(term);
-          }
-          want[j * rows + r] = sum;
-          scale[j * rows + r] = abs_sum;
-        }
-      }
+      std::vector<double> want, scale;
+      ExpectedProducts(tw, ActivationsSeenBy(type, x.data(), n, cols), n, &want, &scale);
       for (int threads : {1, 3, 0}) {
         SetNumThreads(threads);
         for (Path path : {Path::kDecode, Path::kPrefill}) {

@@ -163,7 +163,11 @@ TEST(GgmlTypesTest, SizesAndNames) {
   EXPECT_TRUE(IsSupportedGgmlType(1));
   EXPECT_TRUE(IsSupportedGgmlType(8));
   EXPECT_TRUE(IsSupportedGgmlType(30));
-  for (uint32_t t : {2u, 12u, 14u, 28u, 31u, 1000u, 0xffffffffu}) {
+  for (uint32_t t : {2u, 3u, 6u, 7u, 10u, 11u, 12u, 13u, 14u, 20u}) {
+    EXPECT_TRUE(IsSupportedGgmlType(t)) << t;
+  }
+  // Retired ids, the activation-only q8_1 / q8_K, i-quants we do not read, integer types.
+  for (uint32_t t : {4u, 5u, 9u, 15u, 16u, 19u, 23u, 28u, 31u, 39u, 1000u, 0xffffffffu}) {
     EXPECT_FALSE(IsSupportedGgmlType(t)) << t;
   }
   EXPECT_STREQ(GgmlTypeName(GgmlType::kF32), "f32");
@@ -183,10 +187,13 @@ TEST(GgmlTypesTest, SizesAndNames) {
   EXPECT_EQ(GgmlRowBytes(GgmlType::kBF16, 7), 14u);
   EXPECT_EQ(GgmlRowBytes(GgmlType::kQ8_0, 64), 68u);
   EXPECT_EQ(GgmlRowBytes(GgmlType::kQ8_0, 0), 0u);
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ8_0, 33), 0u);  // not a whole number of blocks
+  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ4_K, 512), 288u);
+  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ6_K, 256), 210u);
+  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ4_K, 288), 0u);  // not whole super-blocks
+  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ8_0, 33), 0u);   // not a whole number of blocks
   EXPECT_EQ(GgmlRowBytes(GgmlType::kF32, -4), 0u);
   EXPECT_EQ(GgmlRowBytes(GgmlType::kF32, std::numeric_limits<int64_t>::max()), 0u);  // overflow
-  EXPECT_EQ(GgmlRowBytes(static_cast<GgmlType>(12), 256), 0u);
+  EXPECT_EQ(GgmlRowBytes(static_cast<GgmlType>(16), 256), 0u);  // iq2_xxs: not read
 }
 
 TEST(DequantizeTest, ScalarTypes) {

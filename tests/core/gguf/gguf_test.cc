@@ -398,8 +398,15 @@ TEST(GgufTest, RejectsBadTypeIds) {
       absl::StatusCode::kInvalidArgument, "unknown array element type 99");
   EXPECT_GGUF_ERROR(GgufFile::FromBytes(GgufBuilder().AddRaw("k", 7, GgufPod<uint8_t>(2)).Build()),
                     absl::StatusCode::kInvalidArgument, "bool value 2");
+  EXPECT_GGUF_ERROR(GgufFile::FromBytes(GgufBuilder().AddTensorInfo("q", {32}, 16, 0).Build()),
+                    absl::StatusCode::kInvalidArgument, "unsupported tensor type 16 (iq2_xxs)");
+  EXPECT_GGUF_ERROR(GgufFile::FromBytes(GgufBuilder().AddTensorInfo("q", {256}, 15, 0).Build()),
+                    absl::StatusCode::kInvalidArgument, "unsupported tensor type 15 (q8_K)");
+  // K-quant rows are whole 256-value super-blocks (llama.cpp's Q4_K_M falls back to other types
+  // for tensors whose rows are not).
   EXPECT_GGUF_ERROR(GgufFile::FromBytes(GgufBuilder().AddTensorInfo("q4", {32}, 12, 0).Build()),
-                    absl::StatusCode::kInvalidArgument, "unsupported tensor type 12 (q4_K)");
+                    absl::StatusCode::kInvalidArgument,
+                    "q4_K needs dims[0] to be a multiple of 256");
   EXPECT_GGUF_ERROR(GgufFile::FromBytes(GgufBuilder().AddTensorInfo("x", {32}, 1000, 0).Build()),
                     absl::StatusCode::kInvalidArgument, "unsupported tensor type 1000 (unknown)");
 }

@@ -1,0 +1,287 @@
+// The quantized GGUF types against ggml itself: tests/data/quants/<type>.bin holds rows that
+// ggml quantized, ggml's dequantization of those bytes, an activation row ggml quantized to
+// the type's dot partner, and ggml's CPU dot products (tools/ggml_ref/, SOURCE.md there).
+// Our dequantization must match bit for bit; our dots (scalar and AVX2, on ggml's activation
+// bytes) to float rounding; our activation quantizer to ggml's bytes.
+#include "core/base/ggml_quants.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/base/ggml_types.h"
+#include "core/cpu/matmul_internal.h"
+#include "tests/test_util.h"
+
+namespace subspace {
+namespace {
+
+using testing::SourcePath;
+
+struct Vectors {
+  GgmlType type{};
+  GgmlType act_type{};
+  int rows = 0;
+  int n = 0;
+  std::vector<float> x;            // [rows, n] the values ggml quantized
+  std::vector<uint8_t> q;          // rows * row_bytes
+  std::vector<float> dequantized;  // [rows, n] ggml's dequantization of q
+  std::vector<float> act;          // [n]
+  std::vector<uint8_t> act_q;      // act quantized by ggml's CPU backend
+  std::vector<float> dot;          // [rows] ggml's vec_dot(q row, act_q)
+};
+
+template <typename T>
+void Read(std::ifstream& in, T* dst, size_t count) {
+  in.read(reinterpret_cast<char*>(dst), static_cast<std::streamsize>(count * sizeof(T)));
+}
+
+Vectors Load(const std::string& name) {
+  const std::string path = SourcePath("tests/data/quants/" + name + ".bin");
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << path;
+  uint32_t header[6];
+  uint64_t sizes[2];
+  Read(in, header, 6);
+  Read(in, sizes, 2);
+  EXPECT_EQ(header[0], 0x56515353u);
+  EXPECT_EQ(header[1], 1u);
+  Vectors v;
+  v.type = static_cast<GgmlType>(header[2]);
+  v.act_type = static_cast<GgmlType>(header[3]);
+  v.rows = static_cast<int>(header[4]);
+  v.n = static_cast<int>(header[5]);
+  v.x.resize(static_cast<size_t>(v.rows) * v.n);
+  v.q.resize(sizes[0]);
+  v.dequantized.resize(v.x.size());
+  v.act.resize(v.n);
+  v.act_q.resize(sizes[1]);
+  v.dot.resize(v.rows);
+  Read(in, v.x.data(), v.x.size());
+  Read(in, v.q.data(), v.q.size());
+  Read(in, v.dequantized.data(), v.dequantized.size());
+  Read(in, v.act.data(), v.act.size());
+  Read(in, v.act_q.data(), v.act_q.size());
+  Read(in, v.dot.data(), v.dot.size());
+  EXPECT_TRUE(in.good()) << path << " is truncated";
+  in.peek();
+  EXPECT_TRUE(in.eof()) << path << " has trailing bytes";
+  return v;
+}
+
+// Every quantized weight type, named as ggml names them (and the data files).
+const char* const kTypes[] = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0",  "q2_K",
+                              "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl"};
+
+class GgmlQuantsTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(GgmlQuantsTest, HeaderMatchesOurTypeTable) {
+  const Vectors v = Load(GetParam());
+  EXPECT_STREQ(GgmlTypeName(v.type), GetParam());
+  EXPECT_TRUE(IsSupportedGgmlType(static_cast<uint32_t>(v.type)));
+  EXPECT_TRUE(IsQuantizedGgmlType(v.type));
+  EXPECT_EQ(DotActivationType(v.type), v.act_type);
+  EXPECT_EQ(GgmlRowBytes(v.type, v.n) * v.rows, v.q.size());
+  EXPECT_EQ(GgmlRowBytes(v.act_type, v.n), v.act_q.size());
+}
+
+TEST_P(GgmlQuantsTest, DequantizesBitForBitAsGgml) {
+  const Vectors v = Load(GetParam());
+  const uint64_t row_bytes = GgmlRowBytes(v.type, v.n);
+  std::vector<float> out(v.n);
+  for (int r = 0; r < v.rows; ++r) {
+    DequantizeRow(v.type, v.q.data() + r * row_bytes, out.data(), v.n);
+    for (int i = 0; i < v.n; ++i) {
+      ASSERT_EQ(out[i], v.dequantized[r * v.n + i]) << GetParam() << " row " << r << " value " << i;
+    }
+  }
+}
+
+TEST_P(GgmlQuantsTest, GgmlQuantizationIsCloseToItsInput) {
+  // Sanity of the data itself: the bytes decode to something near what was quantized.
+  const Vectors v = Load(GetParam());
+  double err = 0.0, norm = 0.0;
+  for (size_t i = 0; i < v.x.size(); ++i) {
+    err += (v.x[i] - v.dequantized[i]) * (v.x[i] - v.dequantized[i]);
+    norm += v.x[i] * v.x[i];
+  }
+  EXPECT_LT(std::sqrt(err / norm), 0.4) << GetParam();  // q2_K, the coarsest, is ~0.3
+}
+
+// |dot| tolerance: float rounding of a sum of per-block products.
+double Tolerance(const Vectors& v, int r) {
+  double magnitude = 0.0;
+  for (int i = 0; i < v.n; ++i) magnitude += std::fabs(v.dequantized[r * v.n + i] * v.act[i]);
+  return 1e-5 * magnitude + 1e-6;
+}
+
+TEST_P(GgmlQuantsTest, ScalarDotMatchesGgmlOnItsActivationBytes) {
+  const Vectors v = Load(GetParam());
+  const uint64_t row_bytes = GgmlRowBytes(v.type, v.n);
+  for (int r = 0; r < v.rows; ++r) {
+    const float dot =
+        DotQuantizedRowScalar(v.type, v.q.data() + r * row_bytes, v.act_q.data(), v.n);
+    EXPECT_NEAR(dot, v.dot[r], Tolerance(v, r)) << GetParam() << " row " << r;
+  }
+}
+
+TEST_P(GgmlQuantsTest, Avx2DotMatchesGgmlAndTheScalarTwin) {
+  if (cpu::internal::DetectedIsa() < cpu::internal::Isa::kAvx2) GTEST_SKIP() << "no AVX2";
+  const Vectors v = Load(GetParam());
+  const cpu::internal::QuantDotFn avx2 = cpu::internal::QuantDotKernelAvx2(v.type);
+  ASSERT_NE(avx2, nullptr) << GetParam();
+  const uint64_t row_bytes = GgmlRowBytes(v.type, v.n);
+  for (int r = 0; r < v.rows; ++r) {
+    const uint8_t* row = v.q.data() + r * row_bytes;
+    const float dot = avx2(row, v.act_q.data(), v.n);
+    EXPECT_NEAR(dot, v.dot[r], Tolerance(v, r)) << GetParam() << " row " << r;
+    EXPECT_NEAR(dot, DotQuantizedRowScalar(v.type, row, v.act_q.data(), v.n), Tolerance(v, r));
+  }
+}
+
+TEST_P(GgmlQuantsTest, ActivationQuantizerMatchesGgmlBytes) {
+  const Vectors v = Load(GetParam());
+  std::vector<uint8_t> ours(v.act_q.size());
+  QuantizeActivationRow(v.act_type, v.act.data(), ours.data(), v.n);
+  // ggml's AVX2 q8_0 / q8_1 quantizers scale by 127 / max where the reference divides by d =
+  // max / 127, and round halves to even: a code may differ by one where x sits on a rounding
+  // edge. Compare the decoded values instead of the bytes.
+  std::vector<float> a(v.n), b(v.n);
+  const uint64_t block_bytes = GgmlBlockBytes(v.act_type);
+  const int64_t block = GgmlBlockElems(v.act_type);
+  int differing = 0;
+  for (int64_t blk = 0; blk < v.n / block; ++blk) {
+    const uint8_t* pa = ours.data() + blk * block_bytes;
+    const uint8_t* pb = v.act_q.data() + blk * block_bytes;
+    if (v.act_type == GgmlType::kQ8_K) {
+      BlockQ8_K x, y;
+      std::memcpy(&x, pa, sizeof(x));
+      std::memcpy(&y, pb, sizeof(y));
+      EXPECT_EQ(x.d, y.d);
+      for (int i = 0; i < kSuperBlock; ++i) differing += x.qs[i] != y.qs[i];
+      for (int g = 0; g < 16; ++g) {
+        int sum = 0;
+        for (int i = 0; i < 16; ++i) sum += x.qs[16 * g + i];
+        EXPECT_EQ(x.bsums[g], sum);
+      }
+    } else {
+      const int offset = v.act_type == GgmlType::kQ8_1 ? 4 : 2;
+      EXPECT_EQ(std::memcmp(pa, pb, 2), 0) << "scale of block " << blk;
+      for (int i = 0; i < kQuantBlock; ++i) {
+        const auto qa = static_cast<int8_t>(pa[offset + i]);
+        const auto qb = static_cast<int8_t>(pb[offset + i]);
+        EXPECT_LE(std::abs(qa - qb), 1);
+        differing += qa != qb;
+      }
+    }
+  }
+  EXPECT_LE(differing, v.n / 100) << GetParam();
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTypes, GgmlQuantsTest, ::testing::ValuesIn(kTypes),
+                         [](const auto& info) { return std::string(info.param); });
+
+// The AVX2 kernels against the scalar twins on random bytes: every code, scale and min value
+// a file could hold (not only what ggml's quantizer emits), several row lengths.
+TEST(GgmlQuantsRandomTest, Avx2DotEqualsScalarOnArbitraryBytes) {
+  if (cpu::internal::DetectedIsa() < cpu::internal::Isa::kAvx2) GTEST_SKIP() << "no AVX2";
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const char* name : kTypes) {
+    const Vectors v = Load(name);
+    for (int64_t n : {256, 512, 2048}) {
+      std::vector<uint8_t> row(GgmlRowBytes(v.type, n));
+      for (auto& b : row) b = static_cast<uint8_t>(byte(rng));
+      // Keep the fp16 scales finite and modest: overwrite every block's scale fields.
+      const uint64_t block_bytes = GgmlBlockBytes(v.type);
+      for (uint64_t off = 0; off < row.size(); off += block_bytes) {
+        const uint16_t d = Fp32ToFp16(0.01f * normal(rng));
+        const uint16_t m = Fp32ToFp16(0.01f * normal(rng));
+        switch (v.type) {
+          case GgmlType::kQ2_K:
+            std::memcpy(&row[off + offsetof(BlockQ2_K, d)], &d, 2);
+            std::memcpy(&row[off + offsetof(BlockQ2_K, dmin)], &m, 2);
+            break;
+          case GgmlType::kQ3_K:
+            std::memcpy(&row[off + offsetof(BlockQ3_K, d)], &d, 2);
+            break;
+          case GgmlType::kQ6_K:
+            std::memcpy(&row[off + offsetof(BlockQ6_K, d)], &d, 2);
+            break;
+          default:  // d first; q4_1, q5_1, q4_K and q5_K have a second half next
+            std::memcpy(&row[off], &d, 2);
+            std::memcpy(&row[off + 2], &m, 2);
+            break;
+        }
+        if (v.type == GgmlType::kQ4_0 || v.type == GgmlType::kQ5_0 || v.type == GgmlType::kIQ4_NL ||
+            v.type == GgmlType::kQ8_0) {
+          // No second half: the two bytes after d are codes; re-randomize them.
+          row[off + 2] = static_cast<uint8_t>(byte(rng));
+          row[off + 3] = static_cast<uint8_t>(byte(rng));
+          if (v.type == GgmlType::kQ8_0) {
+            // q8_0 codes are -127..127 as ggml writes them.
+            for (int i = 0; i < 32; ++i) {
+              if (row[off + 2 + i] == 0x80) row[off + 2 + i] = 0x81;
+            }
+          }
+        }
+      }
+      std::vector<float> act(n);
+      for (auto& a : act) a = normal(rng);
+      std::vector<uint8_t> act_q(GgmlRowBytes(v.act_type, n));
+      QuantizeActivationRow(v.act_type, act.data(), act_q.data(), n);
+      std::vector<float> w(n);
+      DequantizeRow(v.type, row.data(), w.data(), n);
+      double magnitude = 0.0;
+      for (int64_t i = 0; i < n; ++i) magnitude += std::fabs(w[i] * act[i]);
+      const float scalar = DotQuantizedRowScalar(v.type, row.data(), act_q.data(), n);
+      const float avx2 = cpu::internal::QuantDotKernelAvx2(v.type)(row.data(), act_q.data(), n);
+      EXPECT_NEAR(avx2, scalar, 1e-5 * magnitude + 1e-6) << name << " n=" << n;
+      // And both near the float dot product of the dequantized row (activation rounding).
+      double exact = 0.0;
+      for (int64_t i = 0; i < n; ++i) exact += static_cast<double>(w[i]) * act[i];
+      EXPECT_NEAR(scalar, exact, 0.02 * magnitude + 1e-6) << name << " n=" << n;
+    }
+  }
+}
+
+TEST(GgmlQuantsRandomTest, ActivationTypesAreNotLoadableTensorTypes) {
+  EXPECT_FALSE(IsSupportedGgmlType(static_cast<uint32_t>(GgmlType::kQ8_1)));
+  EXPECT_FALSE(IsSupportedGgmlType(static_cast<uint32_t>(GgmlType::kQ8_K)));
+  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ8_K, 512), 2 * sizeof(BlockQ8_K));
+  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ4_K, 300), 0u);  // not a multiple of 256
+}
+
+TEST(GgmlQuantsRandomTest, Q3KScaleUnpackingCoversAllSixBits) {
+  // Scale i: low nibble from byte i (i < 8) or i - 8 (high nibble), top two bits from byte
+  // 8 + i % 4 at bit 2 (i / 4).
+  uint8_t packed[12];
+  for (int trial = 0; trial < 64; ++trial) {
+    int8_t want[16];
+    std::memset(packed, 0, sizeof(packed));
+    for (int i = 0; i < 16; ++i) {
+      const int value = (trial * 7 + i * 13) % 64;
+      want[i] = static_cast<int8_t>(value - 32);
+      if (i < 8) {
+        packed[i] |= value & 0xF;
+      } else {
+        packed[i - 8] |= (value & 0xF) << 4;
+      }
+      packed[8 + i % 4] |= ((value >> 4) & 3) << (2 * (i / 4));
+    }
+    int8_t got[16];
+    UnpackScalesQ3K(packed, got);
+    for (int i = 0; i < 16; ++i) ASSERT_EQ(got[i], want[i]) << trial << " " << i;
+  }
+}
+
+}  // namespace
+}  // namespace subspace
