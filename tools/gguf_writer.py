@@ -20,9 +20,14 @@ padding to `general.alignment` (default 32), tensor data with every tensor align
 Everything is little-endian.
 """
 import enum
+import os
 import struct
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gguf_quants  # noqa: E402
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
@@ -47,10 +52,21 @@ class GgufType(enum.IntEnum):
 
 
 class TensorType(enum.IntEnum):
-    """Tensor data types (ggml_type ids). Only these are written by this module."""
+    """Tensor data types (ggml_type ids). Only these are written by this module (the block
+    types through gguf_quants.py)."""
     F32 = 0
     F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    IQ4_NL = 20
     BF16 = 30
 
 
@@ -119,6 +135,8 @@ def tensor_bytes(array, ttype):
         return f32_to_bf16_bits(np.asarray(array, dtype=np.float32)).astype("<u2").tobytes()
     if ttype == TensorType.Q8_0:
         return quantize_q8_0(array)
+    if int(ttype) in gguf_quants.QUANTIZERS:
+        return gguf_quants.QUANTIZERS[int(ttype)](array)
     raise ValueError("unsupported tensor type %r" % ttype)
 
 
@@ -254,7 +272,10 @@ class GgufReader:
         self.tensors = {}
         for name, ne, ttype, off in infos:
             n = int(np.prod(ne))
-            size = {0: 4 * n, 1: 2 * n, 30: 2 * n, 8: n // QK8_0 * 34}.get(ttype)
+            size = {0: 4 * n, 1: 2 * n, 30: 2 * n}.get(ttype)
+            if ttype in gguf_quants.BLOCKS:
+                block_values, block_bytes = gguf_quants.BLOCKS[ttype]
+                size = n // block_values * block_bytes
             if size is None:
                 raise ValueError("tensor %s: unsupported type %d" % (name, ttype))
             start = data_start + off
@@ -270,7 +291,10 @@ class GgufReader:
         if ttype == TensorType.BF16:
             bits = np.frombuffer(raw, "<u2").astype(np.uint32) << 16
             return bits.view(np.float32).reshape(shape)
-        return dequantize_q8_0(raw, shape)
+        if ttype == TensorType.Q8_0:
+            return dequantize_q8_0(raw, shape)
+        raise ValueError("tensor %s: no decoder here for type %d (tests/reference/llama_numpy.py "
+                         "decodes every block type)" % (name, ttype))
 
     def _take(self, n):
         b = self._buf[self._pos:self._pos + n]

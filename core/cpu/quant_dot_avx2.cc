@@ -8,6 +8,7 @@
 // stays below 2^31 (16 sub-blocks x 16 values x 63 x 127 x scale 127 ~ 2.6e8).
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "core/base/ggml_quants.h"
 #include "core/cpu/matmul_internal.h"
@@ -31,8 +32,8 @@ SUBSPACE_AVX2 inline __m256i Load256(const void* p) {
 // 32 4-bit codes of a nibble-packed block, in value order (low nibbles then high), 0..15.
 SUBSPACE_AVX2 inline __m256i Nibbles(const uint8_t* qs) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i low = _mm_set1_epi8(0xF);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes),
+                          _mm256_set1_epi8(0xF));
 }
 
 // Byte i = 0xFF where bit i of the 32-bit word is set, else 0.
@@ -92,17 +93,42 @@ SUBSPACE_AVX2 inline __m256i SignedCodes(const uint8_t* block) {
 }
 
 template <GgmlType kType>
+SUBSPACE_AVX2 inline __m256 BlockProducts(const uint8_t* x, const uint8_t* y) {
+  return _mm256_cvtepi32_ps(DotSigned(SignedCodes<kType>(x), Load256(y + 2)));
+}
+
+// Four blocks per step into two accumulators: the per-block chain (unpack, maddubs, madd,
+// convert, fma) is long, and several in flight keep the ports busy.
+template <GgmlType kType>
 SUBSPACE_AVX2 float DotQ8_0Partner(const uint8_t* row, const uint8_t* act, int64_t n) {
-  const uint64_t block_bytes = GgmlBlockBytes(kType);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < n / kQuantBlock; ++b) {
-    const uint8_t* x = row + b * block_bytes;
-    const uint8_t* y = act + b * sizeof(BlockQ8_0);
-    const __m256i sums = DotSigned(SignedCodes<kType>(x), Load256(y + 2));
-    const __m256 d = _mm256_set1_ps(Half(x) * Half(y));
-    acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sums), acc);
+  constexpr uint64_t kBytes = kType == GgmlType::kQ8_0   ? sizeof(BlockQ8_0)
+                              : kType == GgmlType::kQ5_0 ? sizeof(BlockQ5_0)
+                                                         : sizeof(BlockQ4_0);  // q4_0, iq4_nl
+  constexpr uint64_t kActBytes = sizeof(BlockQ8_0);
+  __m256 acc0 = _mm256_setzero_ps();
+  __m256 acc1 = _mm256_setzero_ps();
+  const int64_t blocks = n / kQuantBlock;
+  int64_t b = 0;
+  for (; b + 4 <= blocks; b += 4) {
+    const uint8_t* x = row + b * kBytes;
+    const uint8_t* y = act + b * kActBytes;
+    const __m256 p0 = BlockProducts<kType>(x, y);
+    const __m256 p1 = BlockProducts<kType>(x + kBytes, y + kActBytes);
+    const __m256 p2 = BlockProducts<kType>(x + 2 * kBytes, y + 2 * kActBytes);
+    const __m256 p3 = BlockProducts<kType>(x + 3 * kBytes, y + 3 * kActBytes);
+    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(Half(x) * Half(y)), p0, acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + kBytes) * Half(y + kActBytes)), p1, acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + 2 * kBytes) * Half(y + 2 * kActBytes)), p2,
+                           acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + 3 * kBytes) * Half(y + 3 * kActBytes)), p3,
+                           acc1);
   }
-  return simd::HorizontalSum(acc);
+  for (; b < blocks; ++b) {
+    const uint8_t* x = row + b * kBytes;
+    const uint8_t* y = act + b * kActBytes;
+    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(Half(x) * Half(y)), BlockProducts<kType>(x, y), acc0);
+  }
+  return simd::HorizontalSum(_mm256_add_ps(acc0, acc1));
 }
 
 // --- q4_1 / q5_1 against q8_1 ---------------------------------------------------------------
@@ -147,166 +173,220 @@ SUBSPACE_AVX2 inline Q8KView ViewQ8K(const uint8_t* p) {
   return v;
 }
 
-SUBSPACE_AVX2 float DotQ4K(const uint8_t* row, const uint8_t* act, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  float mins_total = 0.0f;
-  const __m256i low_mask = _mm256_set1_epi8(0xF);
-  for (int64_t b = 0; b < n / kSuperBlock; ++b) {
-    const uint8_t* x = row + b * sizeof(BlockQ4_K);
-    const Q8KView y = ViewQ8K(act + b * sizeof(BlockQ8_K));
-    uint8_t scale[8], min[8];
-    int mins = 0;
-    for (int s = 0; s < 8; ++s) {
-      UnpackScaleMinK4(s, x + 4, &scale[s], &min[s]);
-      mins += min[s] * (y.bsums[2 * s] + y.bsums[2 * s + 1]);
-    }
-    const uint8_t* qs = x + offsetof(BlockQ4_K, qs);
-    __m256i sumi = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      const __m256i bytes = Load256(qs + 32 * j);
-      const __m256i lo = _mm256_and_si256(bytes, low_mask);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
-      const __m256i p_lo = _mm256_maddubs_epi16(lo, Load256(y.qs + 64 * j));
-      const __m256i p_hi = _mm256_maddubs_epi16(hi, Load256(y.qs + 64 * j + 32));
-      sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p_lo, _mm256_set1_epi16(scale[2 * j])));
-      sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p_hi, _mm256_set1_epi16(scale[2 * j + 1])));
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(x) * y.d), _mm256_cvtepi32_ps(sumi), acc);
-    mins_total += Half(x + 2) * y.d * static_cast<float>(mins);
-  }
-  return simd::HorizontalSum(acc) - mins_total;
+// The 6-bit scales (bytes 0..7 of *scales) and mins (*mins) of a q4_K / q5_K block's 12 packed
+// bytes, four at a time in 32-bit words (UnpackScaleMinK4 one at a time).
+inline void UnpackScalesMinsK4(const uint8_t* packed, uint8_t* scales, uint8_t* mins) {
+  uint32_t w[3];
+  std::memcpy(w, packed, 12);
+  const uint32_t s_lo = w[0] & 0x3f3f3f3fu;
+  const uint32_t m_lo = w[1] & 0x3f3f3f3fu;
+  const uint32_t s_hi = (w[2] & 0x0f0f0f0fu) | ((w[0] >> 2) & 0x30303030u);
+  const uint32_t m_hi = ((w[2] >> 4) & 0x0f0f0f0fu) | ((w[1] >> 2) & 0x30303030u);
+  std::memcpy(scales, &s_lo, 4);
+  std::memcpy(scales + 4, &s_hi, 4);
+  std::memcpy(mins, &m_lo, 4);
+  std::memcpy(mins + 4, &m_hi, 4);
 }
 
-SUBSPACE_AVX2 float DotQ5K(const uint8_t* row, const uint8_t* act, int64_t n) {
+// Eight int32 partial sums of mins[s] * (bsums[2s] + bsums[2s + 1]) over the 8 sub-blocks.
+SUBSPACE_AVX2 inline __m256i MinsTimesSums(const uint8_t* mins, const uint8_t* bsums) {
+  uint64_t m8;
+  std::memcpy(&m8, mins, 8);
+  const __m128i m = _mm_cvtsi64_si128(static_cast<int64_t>(m8));
+  const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));  // m0 m0 m1 m1 ...
+  return _mm256_madd_epi16(m16, Load256(bsums));
+}
+
+// q4_K (kFifthBit false) and q5_K (true) against q8_K.
+template <bool kFifthBit>
+SUBSPACE_AVX2 float DotQ4KOrQ5K(const uint8_t* row, const uint8_t* act, int64_t n) {
+  using Block = std::conditional_t<kFifthBit, BlockQ5_K, BlockQ4_K>;
   __m256 acc = _mm256_setzero_ps();
-  float mins_total = 0.0f;
+  __m256 acc_mins = _mm256_setzero_ps();
   const __m256i low_mask = _mm256_set1_epi8(0xF);
   const __m256i one = _mm256_set1_epi8(1);
   for (int64_t b = 0; b < n / kSuperBlock; ++b) {
-    const uint8_t* x = row + b * sizeof(BlockQ5_K);
-    const Q8KView y = ViewQ8K(act + b * sizeof(BlockQ8_K));
-    uint8_t scale[8], min[8];
-    int mins = 0;
-    for (int s = 0; s < 8; ++s) {
-      UnpackScaleMinK4(s, x + 4, &scale[s], &min[s]);
-      mins += min[s] * (y.bsums[2 * s] + y.bsums[2 * s + 1]);
-    }
-    const uint8_t* qs = x + offsetof(BlockQ5_K, qs);
-    const __m256i qh = Load256(x + offsetof(BlockQ5_K, qh));
+    const uint8_t* x = row + b * sizeof(Block);
+    const uint8_t* y = act + b * sizeof(BlockQ8_K);
+    float yd;
+    std::memcpy(&yd, y, 4);
+    const int8_t* yq = reinterpret_cast<const int8_t*>(y + offsetof(BlockQ8_K, qs));
+    alignas(8) uint8_t scale[8], min[8];
+    UnpackScalesMinsK4(x + 4, scale, min);
+    const __m256i mins = MinsTimesSums(min, y + offsetof(BlockQ8_K, bsums));
+    acc_mins = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + 2) * yd), _mm256_cvtepi32_ps(mins),
+                               acc_mins);
+    const uint8_t* qs = x + offsetof(Block, qs);
+    __m256i qh;
+    if constexpr (kFifthBit) qh = Load256(x + offsetof(BlockQ5_K, qh));
     __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m256i bytes = Load256(qs + 32 * j);
-      // Fifth bits: bit 2j (low nibbles) and 2j + 1 (high) of each qh byte, moved to bit 4.
-      const __m256i h_lo =
-          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4);
-      const __m256i h_hi =
-          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4);
-      const __m256i lo = _mm256_or_si256(_mm256_and_si256(bytes, low_mask), h_lo);
-      const __m256i hi =
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask), h_hi);
-      const __m256i p_lo = _mm256_maddubs_epi16(lo, Load256(y.qs + 64 * j));
-      const __m256i p_hi = _mm256_maddubs_epi16(hi, Load256(y.qs + 64 * j + 32));
+      __m256i lo = _mm256_and_si256(bytes, low_mask);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
+      if constexpr (kFifthBit) {
+        // Fifth bits: bit 2j (low nibbles) and 2j + 1 (high) of each qh byte, moved to bit 4.
+        lo = _mm256_or_si256(
+            lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
+        hi = _mm256_or_si256(
+            hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+      }
+      const __m256i p_lo = _mm256_maddubs_epi16(lo, Load256(yq + 64 * j));
+      const __m256i p_hi = _mm256_maddubs_epi16(hi, Load256(yq + 64 * j + 32));
       sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p_lo, _mm256_set1_epi16(scale[2 * j])));
       sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p_hi, _mm256_set1_epi16(scale[2 * j + 1])));
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(x) * y.d), _mm256_cvtepi32_ps(sumi), acc);
-    mins_total += Half(x + 2) * y.d * static_cast<float>(mins);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(x) * yd), _mm256_cvtepi32_ps(sumi), acc);
   }
-  return simd::HorizontalSum(acc) - mins_total;
+  return simd::HorizontalSum(_mm256_sub_ps(acc, acc_mins));
+}
+
+// Shuffle controls that spread int16 scale 2k over the low 128 bits and 2k + 1 over the high
+// 128 bits of a vector holding 8 int16 scales in both halves (k = 0..3).
+SUBSPACE_AVX2 inline __m256i ScalePairShuffle(int k) {
+  const int8_t a = static_cast<int8_t>(4 * k), b = static_cast<int8_t>(4 * k + 2);
+  return _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a,
+                          a + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b,
+                          b + 1, b, b + 1);
 }
 
 SUBSPACE_AVX2 float DotQ6K(const uint8_t* row, const uint8_t* act, int64_t n) {
-  float sum = 0.0f;
+  __m256 acc = _mm256_setzero_ps();
   const __m256i low_mask = _mm256_set1_epi8(0xF);
   const __m256i two_bits = _mm256_set1_epi8(3);
+  const __m256i pair_shuffle[4] = {ScalePairShuffle(0), ScalePairShuffle(1), ScalePairShuffle(2),
+                                   ScalePairShuffle(3)};
   for (int64_t b = 0; b < n / kSuperBlock; ++b) {
     const uint8_t* x = row + b * sizeof(BlockQ6_K);
-    const Q8KView y = ViewQ8K(act + b * sizeof(BlockQ8_K));
-    int8_t scales[16];
-    std::memcpy(scales, x + offsetof(BlockQ6_K, scales), 16);
-    // Codes are stored +32: subtract 32 * scale * (sum of the sub-block's activations).
-    int offset = 0;
-    for (int s = 0; s < 16; ++s) offset += scales[s] * y.bsums[s];
+    const uint8_t* y = act + b * sizeof(BlockQ8_K);
+    float yd;
+    std::memcpy(&yd, y, 4);
+    const int8_t* yq = reinterpret_cast<const int8_t*>(y + offsetof(BlockQ8_K, qs));
+    const __m128i scale_bytes =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + offsetof(BlockQ6_K, scales)));
+    // Codes are stored +32: subtract 32 * scale * (sum of each sub-block's activations).
+    const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scale_bytes),
+                                             Load256(y + offsetof(BlockQ8_K, bsums)));
     __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
       const uint8_t* ql = x + 64 * half;
       const __m256i qh = Load256(x + offsetof(BlockQ6_K, qh) + 32 * half);
       const __m256i ql0 = Load256(ql);
       const __m256i ql1 = Load256(ql + 32);
+      const __m256i scales = _mm256_broadcastsi128_si256(
+          _mm_cvtepi8_epi16(half == 0 ? scale_bytes : _mm_srli_si128(scale_bytes, 8)));
+#pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
         const __m256i src = k % 2 == 0 ? ql0 : ql1;
         const __m256i low4 = k < 2 ? _mm256_and_si256(src, low_mask)
                                    : _mm256_and_si256(_mm256_srli_epi16(src, 4), low_mask);
         const __m256i high2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two_bits);
         const __m256i codes = _mm256_or_si256(low4, _mm256_slli_epi16(high2, 4));
-        const __m256i products = _mm256_maddubs_epi16(codes, Load256(y.qs + 128 * half + 32 * k));
-        const int s = 8 * half + 2 * k;
-        sumi = _mm256_add_epi32(sumi,
-                                _mm256_madd_epi16(products, PairScales(scales[s], scales[s + 1])));
+        const __m256i products = _mm256_maddubs_epi16(codes, Load256(yq + 128 * half + 32 * k));
+        sumi = _mm256_add_epi32(
+            sumi, _mm256_madd_epi16(products, _mm256_shuffle_epi8(scales, pair_shuffle[k])));
       }
     }
-    const int total = HorizontalSumI32(sumi) - 32 * offset;
-    sum += Half(x + offsetof(BlockQ6_K, d)) * y.d * static_cast<float>(total);
+    sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + offsetof(BlockQ6_K, d)) * yd),
+                          _mm256_cvtepi32_ps(sumi), acc);
   }
-  return sum;
+  return simd::HorizontalSum(acc);
 }
 
+// The 16 signed 6-bit scales of a q3_K block (UnpackScalesQ3K), four at a time in words.
+SUBSPACE_AVX2 inline __m128i UnpackScalesQ3KVector(const uint8_t* packed) {
+  uint32_t w[3];
+  std::memcpy(w, packed, 12);
+  const uint32_t low = 0x0f0f0f0fu, high = 0x03030303u;
+  const __m128i s = _mm_setr_epi32(
+      static_cast<int>((w[0] & low) | ((w[2] & high) << 4)),
+      static_cast<int>((w[1] & low) | (((w[2] >> 2) & high) << 4)),
+      static_cast<int>(((w[0] >> 4) & low) | (((w[2] >> 4) & high) << 4)),
+      static_cast<int>(((w[1] >> 4) & low) | (((w[2] >> 6) & high) << 4)));
+  return _mm_sub_epi8(s, _mm_set1_epi8(32));
+}
+
+// q3_K: code = low2 - 4 * !high = (low2 | high << 2) - 4; the -4 goes through the bsums.
 SUBSPACE_AVX2 float DotQ3K(const uint8_t* row, const uint8_t* act, int64_t n) {
-  float sum = 0.0f;
+  __m256 acc = _mm256_setzero_ps();
   const __m256i two_bits = _mm256_set1_epi8(3);
   const __m256i one = _mm256_set1_epi8(1);
+  const __m256i pair_shuffle[4] = {ScalePairShuffle(0), ScalePairShuffle(1), ScalePairShuffle(2),
+                                   ScalePairShuffle(3)};
   for (int64_t b = 0; b < n / kSuperBlock; ++b) {
     const uint8_t* x = row + b * sizeof(BlockQ3_K);
-    const Q8KView y = ViewQ8K(act + b * sizeof(BlockQ8_K));
-    int8_t scales[16];
-    UnpackScalesQ3K(x + offsetof(BlockQ3_K, scales), scales);
+    const uint8_t* y = act + b * sizeof(BlockQ8_K);
+    float yd;
+    std::memcpy(&yd, y, 4);
+    const int8_t* yq = reinterpret_cast<const int8_t*>(y + offsetof(BlockQ8_K, qs));
+    const __m128i scale_bytes = UnpackScalesQ3KVector(x + offsetof(BlockQ3_K, scales));
+    const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scale_bytes),
+                                             Load256(y + offsetof(BlockQ8_K, bsums)));
     const __m256i hmask = Load256(x);
     __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
       const __m256i qs = Load256(x + offsetof(BlockQ3_K, qs) + 32 * half);
+      const __m256i scales = _mm256_broadcastsi128_si256(
+          _mm_cvtepi8_epi16(half == 0 ? scale_bytes : _mm_srli_si128(scale_bytes, 8)));
+#pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
         const __m256i low2 = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * k), two_bits);
-        // 4 where the high bit is clear: code = low2 - 4 * !high.
         const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hmask, 4 * half + k), one);
-        const __m256i minus4 = _mm256_slli_epi16(_mm256_xor_si256(high, one), 2);
-        const __m256i yv = Load256(y.qs + 128 * half + 32 * k);
-        const __m256i products =
-            _mm256_sub_epi16(_mm256_maddubs_epi16(low2, yv), _mm256_maddubs_epi16(minus4, yv));
-        const int s = 8 * half + 2 * k;
-        sumi = _mm256_add_epi32(sumi,
-                                _mm256_madd_epi16(products, PairScales(scales[s], scales[s + 1])));
+        const __m256i codes = _mm256_or_si256(low2, _mm256_slli_epi16(high, 2));
+        const __m256i products = _mm256_maddubs_epi16(codes, Load256(yq + 128 * half + 32 * k));
+        sumi = _mm256_add_epi32(
+            sumi, _mm256_madd_epi16(products, _mm256_shuffle_epi8(scales, pair_shuffle[k])));
       }
     }
-    sum += Half(x + offsetof(BlockQ3_K, d)) * y.d * static_cast<float>(HorizontalSumI32(sumi));
+    sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 2));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + offsetof(BlockQ3_K, d)) * yd),
+                          _mm256_cvtepi32_ps(sumi), acc);
   }
-  return sum;
+  return simd::HorizontalSum(acc);
 }
 
 SUBSPACE_AVX2 float DotQ2K(const uint8_t* row, const uint8_t* act, int64_t n) {
-  float sum = 0.0f;
+  __m256 acc = _mm256_setzero_ps();
+  __m256 acc_mins = _mm256_setzero_ps();
   const __m256i two_bits = _mm256_set1_epi8(3);
+  const __m128i low_mask = _mm_set1_epi8(0xF);
+  const __m256i pair_shuffle[4] = {ScalePairShuffle(0), ScalePairShuffle(1), ScalePairShuffle(2),
+                                   ScalePairShuffle(3)};
   for (int64_t b = 0; b < n / kSuperBlock; ++b) {
     const uint8_t* x = row + b * sizeof(BlockQ2_K);
-    const Q8KView y = ViewQ8K(act + b * sizeof(BlockQ8_K));
-    const uint8_t* sc = x;
-    int mins = 0;
-    for (int s = 0; s < 16; ++s) mins += (sc[s] >> 4) * y.bsums[s];
+    const uint8_t* y = act + b * sizeof(BlockQ8_K);
+    float yd;
+    std::memcpy(&yd, y, 4);
+    const int8_t* yq = reinterpret_cast<const int8_t*>(y + offsetof(BlockQ8_K, qs));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+    const __m128i scale_bytes = _mm_and_si128(packed, low_mask);
+    const __m128i min_bytes = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
+    const __m256i mins = _mm256_madd_epi16(_mm256_cvtepu8_epi16(min_bytes),
+                                           Load256(y + offsetof(BlockQ8_K, bsums)));
+    acc_mins = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + offsetof(BlockQ2_K, dmin)) * yd),
+                               _mm256_cvtepi32_ps(mins), acc_mins);
     __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
       const __m256i qs = Load256(x + offsetof(BlockQ2_K, qs) + 32 * half);
+      const __m256i scales = _mm256_broadcastsi128_si256(
+          _mm_cvtepu8_epi16(half == 0 ? scale_bytes : _mm_srli_si128(scale_bytes, 8)));
+#pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
         const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * k), two_bits);
-        const __m256i products = _mm256_maddubs_epi16(codes, Load256(y.qs + 128 * half + 32 * k));
-        const int s = 8 * half + 2 * k;
+        const __m256i products = _mm256_maddubs_epi16(codes, Load256(yq + 128 * half + 32 * k));
         sumi = _mm256_add_epi32(
-            sumi, _mm256_madd_epi16(products, PairScales(sc[s] & 0xF, sc[s + 1] & 0xF)));
+            sumi, _mm256_madd_epi16(products, _mm256_shuffle_epi8(scales, pair_shuffle[k])));
       }
     }
-    const float d = Half(x + offsetof(BlockQ2_K, d)) * y.d;
-    const float dmin = Half(x + offsetof(BlockQ2_K, dmin)) * y.d;
-    sum += d * static_cast<float>(HorizontalSumI32(sumi)) - dmin * static_cast<float>(mins);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + offsetof(BlockQ2_K, d)) * yd),
+                          _mm256_cvtepi32_ps(sumi), acc);
   }
-  return sum;
+  return simd::HorizontalSum(_mm256_sub_ps(acc, acc_mins));
 }
 
 }  // namespace
@@ -330,9 +410,9 @@ QuantDotFn QuantDotKernelAvx2(GgmlType type) {
     case GgmlType::kQ3_K:
       return DotQ3K;
     case GgmlType::kQ4_K:
-      return DotQ4K;
+      return DotQ4KOrQ5K<false>;
     case GgmlType::kQ5_K:
-      return DotQ5K;
+      return DotQ4KOrQ5K<true>;
     case GgmlType::kQ6_K:
       return DotQ6K;
     default:

@@ -37,8 +37,80 @@ class _Cursor:
         return self.take(_SCALARS[vtype])
 
 
+_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                  dtype=np.float64)
+# ggml type id -> (values per block, bytes per block) of the block types.
+_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84),
+           11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 20: (32, 18)}
+
+
+def _f16(u8, lo):
+    """fp16 at byte offset lo of each row of u8 [n, block bytes] -> float64 [n, 1]."""
+    return u8[:, lo:lo + 2].copy().view("<f2").astype(np.float64)
+
+
+def _legacy_codes(u8, ggml_type):
+    """Blocks of 32 -> (codes [n, 32] as float64, d [n, 1], m [n, 1] or 0)."""
+    j = np.arange(32)
+    if ggml_type == 8:
+        return u8[:, 2:34].view(np.int8).astype(np.float64), _f16(u8, 0), 0.0
+    qs_at = {2: 2, 3: 4, 6: 6, 7: 8, 20: 2}[ggml_type]
+    qs = u8[:, qs_at:qs_at + 16]
+    nib = np.where(j < 16, qs[:, j % 16] & 15, qs[:, j % 16] >> 4).astype(np.int64)
+    if ggml_type == 20:
+        return _IQ4NL[nib], _f16(u8, 0), 0.0
+    if ggml_type in (6, 7):
+        qh_at = 2 if ggml_type == 6 else 4
+        qh = u8[:, qh_at:qh_at + 4].copy().view("<u4").astype(np.int64)  # [n, 1]
+        nib = nib | (((qh >> j) & 1) << 4)
+    if ggml_type == 2:
+        return nib - 8.0, _f16(u8, 0), 0.0
+    if ggml_type == 6:
+        return nib - 16.0, _f16(u8, 0), 0.0
+    return nib.astype(np.float64), _f16(u8, 0), _f16(u8, 2)   # q4_1, q5_1: d q + m
+
+
+def _k_values(u8, ggml_type):
+    """K-quant super-blocks [n, bytes] -> values [n, 256], from the formulas of ggml-common.h."""
+    v = np.arange(256)
+    half, j, l = v // 128, (v % 128) // 32, v % 32       # 2-bit / 6-bit layouts
+    s32, l32 = v // 32, v % 32                           # 4-bit / 5-bit layouts
+    if ggml_type == 10:    # q2_K: scales[16] qs[64] d dmin
+        sc = u8[:, 0:16][:, v // 16].astype(np.float64)
+        q = (u8[:, 16:80][:, 32 * half + l] >> (2 * j)) & 3
+        return _f16(u8, 80) * (sc % 16) * q - _f16(u8, 82) * (sc // 16)
+    if ggml_type == 11:    # q3_K: hmask[32] qs[64] scales[12] d
+        packed = u8[:, 96:108].astype(np.int64)
+        i = np.arange(16)
+        low = np.where(i < 8, packed[:, i % 8] & 15, packed[:, i % 8] >> 4)
+        high = (packed[:, 8 + i % 4] >> (2 * (i // 4))) & 3
+        sc = ((low | (high << 4)) - 32)[:, v // 16]
+        low2 = (u8[:, 32:96][:, 32 * half + l] >> (2 * j)) & 3
+        hbit = (u8[:, 0:32][:, l] >> (4 * half + j)) & 1
+        return _f16(u8, 108) * sc * (low2.astype(np.int64) - 4 * (1 - hbit))
+    if ggml_type in (12, 13):    # q4_K / q5_K: d dmin scales[12] (qh[32]) qs[128]
+        p = u8[:, 4:16].astype(np.int64)
+        k = np.arange(8)
+        sc = np.where(k < 4, p[:, k % 4] & 63, (p[:, 8 + k % 4] & 15) | ((p[:, k % 4] >> 6) << 4))
+        mn = np.where(k < 4, p[:, 4 + k % 4] & 63,
+                      (p[:, 8 + k % 4] >> 4) | ((p[:, 4 + k % 4] >> 6) << 4))
+        qs_at = 16 if ggml_type == 12 else 48
+        byte = u8[:, qs_at:qs_at + 128][:, 32 * (s32 // 2) + l32].astype(np.int64)
+        q = np.where(s32 % 2 == 0, byte & 15, byte >> 4)
+        if ggml_type == 13:
+            q = q | (((u8[:, 16:48][:, l32] >> s32) & 1) << 4)
+        return _f16(u8, 0) * sc[:, s32] * q - _f16(u8, 2) * mn[:, s32]
+    if ggml_type == 14:    # q6_K: ql[128] qh[64] scales[16] (int8) d
+        lo = u8[:, 0:128][:, 64 * half + 32 * (j % 2) + l].astype(np.int64)
+        low4 = np.where(j < 2, lo & 15, lo >> 4)
+        high2 = (u8[:, 128:192][:, 32 * half + l] >> (2 * j)) & 3
+        sc = u8[:, 192:208].view(np.int8).astype(np.float64)[:, v // 16]
+        return _f16(u8, 208) * sc * ((low4 | (high2 << 4)) - 32)
+    raise ValueError("not a K-quant type %d" % ggml_type)
+
+
 def _decode(raw, ggml_type, count):
-    """Tensor bytes -> float64 values (F32, F16, BF16, Q8_0)."""
+    """Tensor bytes -> float64 values (F32, F16, BF16 and the block types q4_0 .. iq4_nl)."""
     if ggml_type == 0:
         return np.frombuffer(raw, "<f4", count).astype(np.float64)
     if ggml_type == 1:
@@ -46,16 +118,28 @@ def _decode(raw, ggml_type, count):
     if ggml_type == 30:
         bits = np.frombuffer(raw, "<u2", count).astype(np.uint32) << 16
         return bits.view(np.float32).astype(np.float64)
-    if ggml_type == 8:  # blocks of 32: f16 scale + 32 int8
-        blocks = np.frombuffer(raw, np.dtype([("d", "<f2"), ("q", "i1", (32,))]), count // 32)
-        return (blocks["q"].astype(np.float64) * blocks["d"].astype(np.float64)[:, None]).ravel()
+    if ggml_type in _BLOCKS:
+        values, nbytes = _BLOCKS[ggml_type]
+        u8 = np.frombuffer(raw, np.uint8, count // values * nbytes).reshape(-1, nbytes)
+        if values == 256:
+            return _k_values(u8, ggml_type).ravel()
+        codes, d, m = _legacy_codes(u8, ggml_type)
+        return (codes * d + m).ravel()
     raise ValueError("unsupported ggml type %d" % ggml_type)
 
 
+def _nbytes(ggml_type, count):
+    if ggml_type in _BLOCKS:
+        values, nbytes = _BLOCKS[ggml_type]
+        return count // values * nbytes
+    return {0: 4 * count, 1: 2 * count, 30: 2 * count}[ggml_type]
+
+
 def _quantize_q8_0_rows(x):
-    """x [n, k] -> the values llama.cpp's CPU matmul multiplies quantized weights with: each
-    block of 32 activations scaled by d = max|x| / 127 (fp32, stored as fp16), rounded half away
-    from zero to int8, and read back as q * fp16(d). Arithmetic in fp32, as the engine does."""
+    """x [n, k] -> the values llama.cpp's CPU matmul multiplies q4_0 / q5_0 / q8_0 / iq4_nl
+    weights with: each block of 32 activations scaled by d = max|x| / 127 (fp32, stored as
+    fp16), rounded half away from zero to int8, and read back as q * fp16(d). q4_1 / q5_1 take
+    the same codes (q8_1). Arithmetic in fp32, as the engine does."""
     n, k = x.shape
     blocks = x.astype(np.float32).reshape(n, k // 32, 32)
     amax = np.abs(blocks).max(axis=2, keepdims=True)
@@ -66,23 +150,42 @@ def _quantize_q8_0_rows(x):
     return (q.astype(np.float64) * d.astype(np.float16).astype(np.float64)).reshape(n, k)
 
 
+def _quantize_q8_K_rows(x):
+    """x [n, k] -> what the K-quants are multiplied with: blocks of 256 scaled so that the
+    value of largest magnitude (first one if tied) maps to -127, codes rounded half to even and
+    capped at 127, read back as q * d with d = 1 / scale in fp32."""
+    n, k = x.shape
+    blocks = x.astype(np.float32).reshape(n, k // 256, 256)
+    idx = np.abs(blocks).argmax(axis=2)[..., None]
+    extreme = np.take_along_axis(blocks, idx, axis=2)
+    nonzero = extreme != 0
+    iscale = np.where(nonzero, np.float32(-127.0) / np.where(nonzero, extreme, 1),
+                      0).astype(np.float32)
+    q = np.minimum(np.rint((iscale * blocks).astype(np.float32)), 127)
+    d = np.where(nonzero, np.float32(1.0) / np.where(nonzero, iscale, 1), 0).astype(np.float32)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(n, k)
+
+
+_ACTIVATIONS = {2: _quantize_q8_0_rows, 3: _quantize_q8_0_rows, 6: _quantize_q8_0_rows,
+                7: _quantize_q8_0_rows, 8: _quantize_q8_0_rows, 20: _quantize_q8_0_rows,
+                10: _quantize_q8_K_rows, 11: _quantize_q8_K_rows, 12: _quantize_q8_K_rows,
+                13: _quantize_q8_K_rows, 14: _quantize_q8_K_rows}
+
+
 class _Matrix:
     """A weight matrix [rows, cols] in float64 and how the engine multiplies it: quantized
-    weights (Q8_0) take activations quantized to q8_0 per row, as in llama.cpp."""
+    weights take activations quantized per row to their dot-product partner (q8_0 / q8_1 /
+    q8_K), as in llama.cpp."""
 
     __array_ufunc__ = None  # so that `x @ matrix` calls __rmatmul__
 
     def __init__(self, values, ggml_type):
-        self.values, self.quantized = values, ggml_type == 8
+        self.values, self.activations = values, _ACTIVATIONS.get(ggml_type)
 
     def __rmatmul__(self, x):
-        if self.quantized:
-            x = _quantize_q8_0_rows(x)
+        if self.activations is not None:
+            x = self.activations(x)
         return x @ self.values.T
-
-
-def _nbytes(ggml_type, count):
-    return {0: 4 * count, 1: 2 * count, 30: 2 * count, 8: count // 32 * 34}[ggml_type]
 
 
 def read_gguf(path):
