@@ -3,10 +3,13 @@
 // matmul_avx2.cc.
 //
 // Design, from bench/matmul_bench.cc on the 2-core EPYC dev box:
-// - The decode kernel streams each weight row once against groups of up to 4 activation
-//   rows held in registers. Per core it matches converting + sgemm up to n of 32 (Q8_0) and
-//   64 (F32) and beats it through n = 128 for F16/BF16 (~100 vs ~80 GFLOP/s), hence
-//   DecodeMaxN; much past that, x no longer stays in cache between weight rows.
+// - The float decode kernel streams each weight row once against groups of up to 4 activation
+//   rows held in registers. Per core it matches converting + sgemm up to n of 64 (F32) and
+//   beats it through n = 128 for F16/BF16 (~100 vs ~80 GFLOP/s), hence DecodeMaxN; much past
+//   that, x no longer stays in cache between weight rows.
+// - Quantized weights (q4_0 ... q6_K, q8_0) decode as llama.cpp does: the activations are
+//   quantized to 8 bits once per call and each weight row is dotted with them in integers
+//   (quant_dot_avx2.cc), reading the weights in their stored size.
 // - Prefill: OpenMP threads claim panels of rows, convert them to fp32 and call a
 //   single-threaded sgemm each. With OpenBLAS threading sgemm itself, its pthread pool and
 //   the OpenMP pool of the ops between matmuls spun against each other (an RmsNorm before an
@@ -131,12 +134,23 @@ int64_t DecodeMaxN(GgmlType type) {
       return 128;  // converting for sgemm costs more than the kernel's shortfall
     case GgmlType::kF32:
       return 64;
+    // Quantized types: integer dots against quantized activations (one dot per weight row and
+    // activation row, compute-bound at ~70-115 GFLOP/s) up to the cross-over with dequantized
+    // panels + sgemm (~150 GFLOP/s at n = 128), measured with subspace-bench-matmul
+    // --paths=both on 8192x2048.
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K:
+    case GgmlType::kQ6_K:
+      return 32;
+    case GgmlType::kQ2_K:
+    case GgmlType::kQ3_K:
+      return 64;  // their panels are dequantized by the scalar code
+    case GgmlType::kQ8_0:
+      return 16;
     default:
       break;
   }
-  // Quantized types: integer dots against quantized activations, one pass over the weights
-  // per activation row; above this, dequantized panels + sgemm win.
-  return IsQuantizedGgmlType(type) ? 16 : 8;
+  return 8;  // q4_0, q4_1, q5_0, q5_1, iq4_nl: sgemm is ahead from n = 16
 }
 
 namespace {

@@ -1,6 +1,8 @@
-// AVX2/FMA/F16C kernels of MatMul: the decode kernel, which converts weight rows from their
-// stored type in registers and multiplies them with groups of up to 4 activation rows, and
-// the row converter the prefill path feeds to sgemm. Chosen at run time, hence target attributes.
+// AVX2/FMA/F16C kernels of MatMul for the float types: the decode kernel, which converts weight
+// rows from their stored type in registers and multiplies them with groups of up to 4
+// activation rows, and the row converter the prefill path feeds to sgemm (all types; the block
+// types through quant_dot_avx2.cc). Quantized weights decode with integer dots instead
+// (quant_dot_avx2.cc). Chosen at run time, hence target attributes.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -157,74 +159,12 @@ SUBSPACE_AVX2 void DecodeTile(const uint8_t* rows, uint64_t row_bytes, int64_t c
   }
 }
 
-// Q8_0 against one activation row (plain decode): each block's unscaled products are summed
-// first and scaled once, saving Sub()'s multiply per 8 weights; +40% on cached weights,
-// ~5% from DRAM. With two or more rows the extra accumulators cost more than they save.
-// rows: first of R weight rows, row_bytes apart; x: [N, x_stride];
-// y: [N, y_stride] (R consecutive columns written)
-template <int R, int N>
-SUBSPACE_AVX2 void DecodeTileQ8(const uint8_t* rows, uint64_t row_bytes, int64_t cols,
-                                const float* x, int64_t x_stride, float* y, int64_t y_stride) {
-  __m256 acc[R][N];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < N; ++j) acc[r][j] = _mm256_setzero_ps();
-  }
-  const int64_t blocks = cols / kChunk;
-  for (int64_t c = 0; c < blocks; ++c) {
-    const uint8_t* block[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) block[r] = rows + r * row_bytes + c * Q8Weights::kChunkBytes;
-    const float* xc = x + c * kChunk;
-    __m256 sum[R][N];
-#pragma GCC unroll 4
-    for (int s = 0; s < 4; ++s) {
-      __m256 wv[R];
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        wv[r] = simd::LoadI8(reinterpret_cast<const int8_t*>(block[r] + 2) + 8 * s);
-      }
-#pragma GCC unroll 2
-      for (int j = 0; j < N; ++j) {
-        const __m256 xv = _mm256_loadu_ps(xc + j * x_stride + 8 * s);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          sum[r][j] = s == 0 ? _mm256_mul_ps(wv[r], xv) : _mm256_fmadd_ps(wv[r], xv, sum[r][j]);
-        }
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      uint16_t scale;
-      std::memcpy(&scale, block[r], 2);
-      const __m256 d = _mm256_set1_ps(simd::F16ToF32(scale));
-#pragma GCC unroll 2
-      for (int j = 0; j < N; ++j) acc[r][j] = _mm256_fmadd_ps(sum[r][j], d, acc[r][j]);
-    }
-  }
-#pragma GCC unroll 2
-  for (int j = 0; j < N; ++j) {
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) y[j * y_stride + r] = HorizontalSum(acc[r][j]);
-  }
-}
-
 // Rows [row_begin, row_end) against N activation rows: full tiles, then single rows.
 template <typename W, int N>
 SUBSPACE_AVX2 void DecodeGroup(const WeightMatrix& w, int64_t row_begin, int64_t row_end,
                                const float* x, const float* x_tail, float* y) {
   const uint64_t row_bytes = w.row_bytes();
   int64_t r = row_begin;
-  if constexpr (std::is_same_v<W, Q8Weights> && N == 1) {
-    constexpr int kRows = 4;
-    for (; r + kRows <= row_end; r += kRows) {
-      DecodeTileQ8<kRows, N>(w.row(r), row_bytes, w.cols, x, w.cols, y + r, w.rows);
-    }
-    for (; r < row_end; ++r) {
-      DecodeTileQ8<1, N>(w.row(r), row_bytes, w.cols, x, w.cols, y + r, w.rows);
-    }
-    return;
-  }
   constexpr int R = RowsPerTile(N);
   for (; r + R <= row_end; r += R) {
     DecodeTile<W, R, N>(w.row(r), row_bytes, w.cols, x, w.cols, x_tail, y + r, w.rows);
@@ -312,10 +252,8 @@ void DecodeRowsAvx2(const WeightMatrix& w, const float* x, int64_t n, int64_t ro
       return DecodeRows<F16Weights>(w, x, n, row_begin, row_end, y);
     case GgmlType::kBF16:
       return DecodeRows<Bf16Weights>(w, x, n, row_begin, row_end, y);
-    case GgmlType::kQ8_0:
-      return DecodeRows<Q8Weights>(w, x, n, row_begin, row_end, y);
     default:
-      break;
+      break;  // quantized types take MatMulDecode's integer path (quant_dot_avx2.cc)
   }
   DecodeRowsScalar(w, x, n, row_begin, row_end, y);
 }
@@ -334,7 +272,9 @@ void ConvertRowsToF32Avx2(const WeightMatrix& w, int64_t first_row, int64_t num_
       break;
   }
   for (int64_t i = 0; i < num_rows; ++i) {
-    DequantizeRow(w.type, w.row(first_row + i), dst + i * w.cols, w.cols);
+    if (!DequantizeRowAvx2(w.type, w.row(first_row + i), dst + i * w.cols, w.cols)) {
+      DequantizeRow(w.type, w.row(first_row + i), dst + i * w.cols, w.cols);
+    }
   }
 }
 

@@ -76,6 +76,10 @@ using QuantDotFn = float (*)(const uint8_t* row, const uint8_t* act, int64_t n);
 QuantDotFn QuantDotKernel(GgmlType type);
 // The AVX2 kernel for `type`; nullptr where there is none (or no x86).
 QuantDotFn QuantDotKernelAvx2(GgmlType type);
+// Dequantizes n values of a row with AVX2 where written for `type` (q4_0, q5_0, iq4_nl, q4_K,
+// q5_K, q6_K), equal to DequantizeRow to fp32 rounding of the fused multiply-add; false (and
+// nothing written) for other types.
+bool DequantizeRowAvx2(GgmlType type, const uint8_t* row, float* out, int64_t n);
 
 }  // namespace subspace::cpu::internal
 

@@ -32,8 +32,7 @@ SUBSPACE_AVX2 inline __m256i Load256(const void* p) {
 // 32 4-bit codes of a nibble-packed block, in value order (low nibbles then high), 0..15.
 SUBSPACE_AVX2 inline __m256i Nibbles(const uint8_t* qs) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes),
-                          _mm256_set1_epi8(0xF));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0xF));
 }
 
 // Byte i = 0xFF where bit i of the 32-bit word is set, else 0.
@@ -118,10 +117,10 @@ SUBSPACE_AVX2 float DotQ8_0Partner(const uint8_t* row, const uint8_t* act, int64
     const __m256 p3 = BlockProducts<kType>(x + 3 * kBytes, y + 3 * kActBytes);
     acc0 = _mm256_fmadd_ps(_mm256_set1_ps(Half(x) * Half(y)), p0, acc0);
     acc1 = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + kBytes) * Half(y + kActBytes)), p1, acc1);
-    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + 2 * kBytes) * Half(y + 2 * kActBytes)), p2,
-                           acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + 3 * kBytes) * Half(y + 3 * kActBytes)), p3,
-                           acc1);
+    acc0 =
+        _mm256_fmadd_ps(_mm256_set1_ps(Half(x + 2 * kBytes) * Half(y + 2 * kActBytes)), p2, acc0);
+    acc1 =
+        _mm256_fmadd_ps(_mm256_set1_ps(Half(x + 3 * kBytes) * Half(y + 3 * kActBytes)), p3, acc1);
   }
   for (; b < blocks; ++b) {
     const uint8_t* x = row + b * kBytes;
@@ -214,8 +213,8 @@ SUBSPACE_AVX2 float DotQ4KOrQ5K(const uint8_t* row, const uint8_t* act, int64_t 
     alignas(8) uint8_t scale[8], min[8];
     UnpackScalesMinsK4(x + 4, scale, min);
     const __m256i mins = MinsTimesSums(min, y + offsetof(BlockQ8_K, bsums));
-    acc_mins = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + 2) * yd), _mm256_cvtepi32_ps(mins),
-                               acc_mins);
+    acc_mins =
+        _mm256_fmadd_ps(_mm256_set1_ps(Half(x + 2) * yd), _mm256_cvtepi32_ps(mins), acc_mins);
     const uint8_t* qs = x + offsetof(Block, qs);
     __m256i qh;
     if constexpr (kFifthBit) qh = Load256(x + offsetof(BlockQ5_K, qh));
@@ -301,11 +300,11 @@ SUBSPACE_AVX2 inline __m128i UnpackScalesQ3KVector(const uint8_t* packed) {
   uint32_t w[3];
   std::memcpy(w, packed, 12);
   const uint32_t low = 0x0f0f0f0fu, high = 0x03030303u;
-  const __m128i s = _mm_setr_epi32(
-      static_cast<int>((w[0] & low) | ((w[2] & high) << 4)),
-      static_cast<int>((w[1] & low) | (((w[2] >> 2) & high) << 4)),
-      static_cast<int>(((w[0] >> 4) & low) | (((w[2] >> 4) & high) << 4)),
-      static_cast<int>(((w[1] >> 4) & low) | (((w[2] >> 6) & high) << 4)));
+  const __m128i s =
+      _mm_setr_epi32(static_cast<int>((w[0] & low) | ((w[2] & high) << 4)),
+                     static_cast<int>((w[1] & low) | (((w[2] >> 2) & high) << 4)),
+                     static_cast<int>(((w[0] >> 4) & low) | (((w[2] >> 4) & high) << 4)),
+                     static_cast<int>(((w[1] >> 4) & low) | (((w[2] >> 6) & high) << 4)));
   return _mm_sub_epi8(s, _mm_set1_epi8(32));
 }
 
@@ -365,8 +364,8 @@ SUBSPACE_AVX2 float DotQ2K(const uint8_t* row, const uint8_t* act, int64_t n) {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
     const __m128i scale_bytes = _mm_and_si128(packed, low_mask);
     const __m128i min_bytes = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
-    const __m256i mins = _mm256_madd_epi16(_mm256_cvtepu8_epi16(min_bytes),
-                                           Load256(y + offsetof(BlockQ8_K, bsums)));
+    const __m256i mins =
+        _mm256_madd_epi16(_mm256_cvtepu8_epi16(min_bytes), Load256(y + offsetof(BlockQ8_K, bsums)));
     acc_mins = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + offsetof(BlockQ2_K, dmin)) * yd),
                                _mm256_cvtepi32_ps(mins), acc_mins);
     __m256i sumi = _mm256_setzero_si256();
@@ -389,7 +388,127 @@ SUBSPACE_AVX2 float DotQ2K(const uint8_t* row, const uint8_t* act, int64_t n) {
   return simd::HorizontalSum(_mm256_sub_ps(acc, acc_mins));
 }
 
+// --- Dequantization for the prefill path's sgemm panels --------------------------------------
+
+// out[0..32) = scale * codes + bias for 32 signed bytes.
+SUBSPACE_AVX2 inline void StoreSigned32(__m256i codes, float scale, float bias, float* out) {
+  const __m256 s = _mm256_set1_ps(scale), b = _mm256_set1_ps(bias);
+  const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i]));
+    _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(v, s, b));
+  }
+}
+
+// As StoreSigned32 for 16 values (the low 16 bytes of `codes`) and 16 more (the high 16) with
+// their own scales: the 16-value sub-blocks of q6_K.
+SUBSPACE_AVX2 inline void StoreSigned16x2(__m256i codes, float scale0, float scale1, float* out) {
+  const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+  const __m256 s0 = _mm256_set1_ps(scale0), s1 = _mm256_set1_ps(scale1);
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), s0));
+  _mm256_storeu_ps(
+      out + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), s0));
+  _mm256_storeu_ps(out + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), s1));
+  _mm256_storeu_ps(
+      out + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), s1));
+}
+
+template <GgmlType kType>
+SUBSPACE_AVX2 void DequantizeQ8_0Partner(const uint8_t* row, float* out, int64_t n) {
+  constexpr uint64_t kBytes = kType == GgmlType::kQ8_0   ? sizeof(BlockQ8_0)
+                              : kType == GgmlType::kQ5_0 ? sizeof(BlockQ5_0)
+                                                         : sizeof(BlockQ4_0);
+  for (int64_t b = 0; b < n / kQuantBlock; ++b) {
+    const uint8_t* x = row + b * kBytes;
+    StoreSigned32(SignedCodes<kType>(x), Half(x), 0.0f, out + b * kQuantBlock);
+  }
+}
+
+template <bool kFifthBit>
+SUBSPACE_AVX2 void DequantizeQ4KOrQ5K(const uint8_t* row, float* out, int64_t n) {
+  using Block = std::conditional_t<kFifthBit, BlockQ5_K, BlockQ4_K>;
+  const __m256i low_mask = _mm256_set1_epi8(0xF);
+  const __m256i one = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < n / kSuperBlock; ++b, out += kSuperBlock) {
+    const uint8_t* x = row + b * sizeof(Block);
+    const float d = Half(x), dmin = Half(x + 2);
+    alignas(8) uint8_t scale[8], min[8];
+    UnpackScalesMinsK4(x + 4, scale, min);
+    const uint8_t* qs = x + offsetof(Block, qs);
+    __m256i qh;
+    if constexpr (kFifthBit) qh = Load256(x + offsetof(BlockQ5_K, qh));
+    for (int j = 0; j < 4; ++j) {
+      const __m256i bytes = Load256(qs + 32 * j);
+      __m256i lo = _mm256_and_si256(bytes, low_mask);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
+      if constexpr (kFifthBit) {
+        lo = _mm256_or_si256(
+            lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
+        hi = _mm256_or_si256(
+            hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+      }
+      // Codes are 0..31: as signed bytes they read the same.
+      StoreSigned32(lo, d * scale[2 * j], -dmin * min[2 * j], out + 64 * j);
+      StoreSigned32(hi, d * scale[2 * j + 1], -dmin * min[2 * j + 1], out + 64 * j + 32);
+    }
+  }
+}
+
+SUBSPACE_AVX2 void DequantizeQ6K(const uint8_t* row, float* out, int64_t n) {
+  const __m256i low_mask = _mm256_set1_epi8(0xF);
+  const __m256i two_bits = _mm256_set1_epi8(3);
+  const __m256i offset = _mm256_set1_epi8(32);
+  for (int64_t b = 0; b < n / kSuperBlock; ++b, out += kSuperBlock) {
+    const uint8_t* x = row + b * sizeof(BlockQ6_K);
+    const float d = Half(x + offsetof(BlockQ6_K, d));
+    int8_t scales[16];
+    std::memcpy(scales, x + offsetof(BlockQ6_K, scales), 16);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i qh = Load256(x + offsetof(BlockQ6_K, qh) + 32 * half);
+      const __m256i ql0 = Load256(x + 64 * half);
+      const __m256i ql1 = Load256(x + 64 * half + 32);
+      for (int k = 0; k < 4; ++k) {
+        const __m256i src = k % 2 == 0 ? ql0 : ql1;
+        const __m256i low4 = k < 2 ? _mm256_and_si256(src, low_mask)
+                                   : _mm256_and_si256(_mm256_srli_epi16(src, 4), low_mask);
+        const __m256i high2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two_bits);
+        const __m256i codes =
+            _mm256_sub_epi8(_mm256_or_si256(low4, _mm256_slli_epi16(high2, 4)), offset);
+        const int s = 8 * half + 2 * k;
+        StoreSigned16x2(codes, d * scales[s], d * scales[s + 1], out + 128 * half + 32 * k);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+bool DequantizeRowAvx2(GgmlType type, const uint8_t* row, float* out, int64_t n) {
+  switch (type) {
+    case GgmlType::kQ4_0:
+      DequantizeQ8_0Partner<GgmlType::kQ4_0>(row, out, n);
+      return true;
+    case GgmlType::kQ5_0:
+      DequantizeQ8_0Partner<GgmlType::kQ5_0>(row, out, n);
+      return true;
+    case GgmlType::kIQ4_NL:
+      DequantizeQ8_0Partner<GgmlType::kIQ4_NL>(row, out, n);
+      return true;
+    case GgmlType::kQ4_K:
+      DequantizeQ4KOrQ5K<false>(row, out, n);
+      return true;
+    case GgmlType::kQ5_K:
+      DequantizeQ4KOrQ5K<true>(row, out, n);
+      return true;
+    case GgmlType::kQ6_K:
+      DequantizeQ6K(row, out, n);
+      return true;
+    default:
+      return false;
+  }
+}
 
 QuantDotFn QuantDotKernelAvx2(GgmlType type) {
   switch (type) {
@@ -423,6 +542,7 @@ QuantDotFn QuantDotKernelAvx2(GgmlType type) {
 #else  // !SUBSPACE_HAVE_X86
 
 QuantDotFn QuantDotKernelAvx2(GgmlType) { return nullptr; }
+bool DequantizeRowAvx2(GgmlType, const uint8_t*, float*, int64_t) { return false; }
 
 #endif  // SUBSPACE_HAVE_X86
 

@@ -146,6 +146,23 @@ TEST_P(GgmlQuantsTest, Avx2DotMatchesGgmlAndTheScalarTwin) {
   }
 }
 
+TEST_P(GgmlQuantsTest, Avx2DequantizationMatchesGgml) {
+  if (cpu::internal::DetectedIsa() < cpu::internal::Isa::kAvx2) GTEST_SKIP() << "no AVX2";
+  const Vectors v = Load(GetParam());
+  const uint64_t row_bytes = GgmlRowBytes(v.type, v.n);
+  std::vector<float> out(v.n);
+  for (int r = 0; r < v.rows; ++r) {
+    if (!cpu::internal::DequantizeRowAvx2(v.type, v.q.data() + r * row_bytes, out.data(), v.n)) {
+      GTEST_SKIP() << "no AVX2 dequantization for " << GetParam() << " (scalar is used)";
+    }
+    for (int i = 0; i < v.n; ++i) {
+      // q4_K / q5_K fuse scale * q - min into one rounding; the others are exact.
+      const float want = v.dequantized[r * v.n + i];
+      ASSERT_NEAR(out[i], want, 1e-6f * std::fabs(want) + 1e-9f) << GetParam() << " " << i;
+    }
+  }
+}
+
 TEST_P(GgmlQuantsTest, ActivationQuantizerMatchesGgmlBytes) {
   const Vectors v = Load(GetParam());
   std::vector<uint8_t> ours(v.act_q.size());
