@@ -118,7 +118,8 @@ void QuantizeActivationRow(GgmlType act_type, const float* x, void* dst, int64_t
 
 // x as a quantized weight type's dot product sees it: quantized to DotActivationType(weight_type)
 // and decoded back (q * d). The prefill path feeds these to sgemm so that a matmul gives the
-// same result whichever path computes it (the q8_1 sum term aside, see the .cc).
+// same result whichever path computes it (not for q4_1 / q5_1, whose dots use q8_1's fp16 sum:
+// MatMul keeps those on the integer path).
 void RoundTripActivations(GgmlType weight_type, const float* x, float* out, int64_t n);
 
 // dot(weight row, activation row) for n values: `row` holds n values of `type`, `act` n values

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <vector>
 
@@ -147,10 +148,16 @@ int64_t DecodeMaxN(GgmlType type) {
       return 64;  // their panels are dequantized by the scalar code
     case GgmlType::kQ8_0:
       return 16;
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_1:
+      // Always the integer path: it multiplies the weights' mins by q8_1's fp16 activation sum,
+      // which sgemm on the decoded activations cannot reproduce (2^-10 apart), and a token's
+      // logits must not depend on the size of the batch it ran in.
+      return std::numeric_limits<int64_t>::max();
     default:
       break;
   }
-  return 8;  // q4_0, q4_1, q5_0, q5_1, iq4_nl: sgemm is ahead from n = 16
+  return 8;  // q4_0, q5_0, iq4_nl: sgemm is ahead from n = 16
 }
 
 namespace {
@@ -267,8 +274,20 @@ void DecodeQuantized(const WeightMatrix& w, const float* x, int64_t n, float* y)
   }
   const uint8_t* act = act_buffer.data();
   const QuantDotFn dot = QuantDotKernel(w.type);
+  const QuantDot8Fn dot8 = ActiveIsa() >= Isa::kAvx2 ? QuantDot8KernelAvx2(w.type) : nullptr;
+  const uint64_t row_bytes = w.row_bytes();
   SplitDecodeRows(w, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+    int64_t r = begin;
+    if (dot8 != nullptr) {
+      for (; r + 8 <= end; r += 8) {
+        for (int64_t j = 0; j < n; ++j) {
+          float out[8];
+          dot8(w.row(r), row_bytes, act + j * act_bytes, w.cols, out);
+          std::copy_n(out, 8, y + j * w.rows + r);
+        }
+      }
+    }
+    for (; r < end; ++r) {
       const uint8_t* row = w.row(r);
       for (int64_t j = 0; j < n; ++j) y[j * w.rows + r] = dot(row, act + j * act_bytes, w.cols);
     }

@@ -199,7 +199,7 @@ SUBSPACE_AVX2 void DecodeRows(const WeightMatrix& w, const float* x, int64_t n, 
   // Row blocks outer, activation groups inner: a block of weight rows is read from memory
   // once and stays in L1/L2 while each group of activation rows passes over it, so the
   // weights cross the memory bus once whatever n is.
-  constexpr int64_t kRowBlock = kDecodeRowAlign;
+  constexpr int64_t kRowBlock = 12;  // divides kDecodeRowAlign
   for (int64_t rb = row_begin; rb < row_end; rb += kRowBlock) {
     const int64_t re = std::min(rb + kRowBlock, row_end);
     for (int64_t j0 = 0; j0 < n; j0 += kGroup) {

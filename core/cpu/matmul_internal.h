@@ -57,7 +57,7 @@ void ConvertRowsToF32(const WeightMatrix& w, int64_t first_row, int64_t num_rows
 void SetPrefillPanelRows(int64_t rows);
 
 // Decode kernels work on blocks of this many rows; MatMulDecode's thread split keeps to them.
-inline constexpr int64_t kDecodeRowAlign = 12;
+inline constexpr int64_t kDecodeRowAlign = 24;  // whole float tiles (3, 4) and 8-row groups
 
 // The decode kernels behind MatMulDecode, for output rows [row_begin, row_end) on the calling
 // thread; MatMulDecode splits the rows over threads.
@@ -76,6 +76,13 @@ using QuantDotFn = float (*)(const uint8_t* row, const uint8_t* act, int64_t n);
 QuantDotFn QuantDotKernel(GgmlType type);
 // The AVX2 kernel for `type`; nullptr where there is none (or no x86).
 QuantDotFn QuantDotKernelAvx2(GgmlType type);
+// Eight consecutive weight rows (row_bytes apart) against one activation row: out[r] =
+// dot(row r, act). Where a type has one (q4_0, iq4_nl), MatMul's decode path takes rows in
+// groups of eight.
+using QuantDot8Fn = void (*)(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act, int64_t n,
+                             float* out);
+QuantDot8Fn QuantDot8KernelAvx2(GgmlType type);
+
 // Dequantizes n values of a row with AVX2 where written for `type` (q4_0, q5_0, iq4_nl, q4_K,
 // q5_K, q6_K), equal to DequantizeRow to fp32 rounding of the fused multiply-add; false (and
 // nothing written) for other types.

@@ -270,6 +270,45 @@ TEST(GgmlQuantsRandomTest, Avx2DotEqualsScalarOnArbitraryBytes) {
   }
 }
 
+TEST(GgmlQuantsRandomTest, EightRowKernelsEqualTheOneRowKernels) {
+  if (cpu::internal::DetectedIsa() < cpu::internal::Isa::kAvx2) GTEST_SKIP() << "no AVX2";
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kIQ4_NL}) {
+    const cpu::internal::QuantDot8Fn dot8 = cpu::internal::QuantDot8KernelAvx2(type);
+    ASSERT_NE(dot8, nullptr);
+    for (int64_t n : {32, 96, 2048}) {
+      // Rows a stride apart that is not their length, as inside a larger matrix.
+      const uint64_t row_bytes = GgmlRowBytes(type, n), stride = row_bytes + 18 * 3;
+      std::vector<uint8_t> rows(8 * stride);
+      for (auto& b : rows) b = static_cast<uint8_t>(byte(rng));
+      for (int r = 0; r < 8; ++r) {
+        for (uint64_t off = 0; off < row_bytes; off += 18) {
+          const uint16_t d = Fp32ToFp16(0.01f * normal(rng));
+          std::memcpy(&rows[r * stride + off], &d, 2);
+        }
+      }
+      std::vector<float> act(n);
+      for (auto& a : act) a = normal(rng);
+      std::vector<uint8_t> act_q(GgmlRowBytes(GgmlType::kQ8_0, n));
+      QuantizeActivationRow(GgmlType::kQ8_0, act.data(), act_q.data(), n);
+      float out[8];
+      dot8(rows.data(), stride, act_q.data(), n, out);
+      for (int r = 0; r < 8; ++r) {
+        const uint8_t* row = rows.data() + r * stride;
+        std::vector<float> w(n);
+        DequantizeRow(type, row, w.data(), n);
+        double magnitude = 0.0;
+        for (int64_t i = 0; i < n; ++i) magnitude += std::fabs(w[i] * act[i]);
+        EXPECT_NEAR(out[r], DotQuantizedRowScalar(type, row, act_q.data(), n),
+                    1e-5 * magnitude + 1e-6)
+            << GgmlTypeName(type) << " n=" << n << " row " << r;
+      }
+    }
+  }
+}
+
 TEST(GgmlQuantsRandomTest, ActivationTypesAreNotLoadableTensorTypes) {
   EXPECT_FALSE(IsSupportedGgmlType(static_cast<uint32_t>(GgmlType::kQ8_1)));
   EXPECT_FALSE(IsSupportedGgmlType(static_cast<uint32_t>(GgmlType::kQ8_K)));
