@@ -77,8 +77,8 @@ QuantDotFn QuantDotKernel(GgmlType type);
 // The AVX2 kernel for `type`; nullptr where there is none (or no x86).
 QuantDotFn QuantDotKernelAvx2(GgmlType type);
 // Eight consecutive weight rows (row_bytes apart) against one activation row: out[r] =
-// dot(row r, act). Where a type has one (q4_0, iq4_nl), MatMul's decode path takes rows in
-// groups of eight.
+// dot(row r, act). Where a type has one (q4_0, q4_1, q5_0, q5_1, iq4_nl), MatMul's decode path
+// takes rows in groups of eight.
 using QuantDot8Fn = void (*)(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act, int64_t n,
                              float* out);
 QuantDot8Fn QuantDot8KernelAvx2(GgmlType type);

@@ -133,7 +133,8 @@ SUBSPACE_AVX2 float DotQ8_0Partner(const uint8_t* row, const uint8_t* act, int64
   return simd::HorizontalSum(_mm256_add_ps(acc0, acc1));
 }
 
-// --- Eight rows at once: q4_0 and iq4_nl --------------------------------------------------------
+// --- Eight rows at once: the 32-value types but q8_0
+// --------------------------------------------------------
 //
 // One row at a time, a 32-value block costs ~21 instructions, half of them for its two fp16
 // scales and the horizontal bookkeeping. Eight rows at a time (as llama.cpp's repacked q4_0
@@ -159,17 +160,52 @@ SUBSPACE_AVX2 inline void TransposeDwords8x4(const uint8_t* const p[8], __m256i 
   out[3] = _mm256_unpackhi_epi64(t1, t3);
 }
 
+// Where the parts of a 32-value block sit, per type (bytes from the block's start).
+template <GgmlType kType>
+struct Layout8 {
+  static constexpr bool kMin = kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1;
+  static constexpr bool kFifthBit = kType == GgmlType::kQ5_0 || kType == GgmlType::kQ5_1;
+  static constexpr uint64_t kBytes = kType == GgmlType::kQ4_1   ? sizeof(BlockQ4_1)
+                                     : kType == GgmlType::kQ5_0 ? sizeof(BlockQ5_0)
+                                     : kType == GgmlType::kQ5_1 ? sizeof(BlockQ5_1)
+                                                                : sizeof(BlockQ4_0);
+  static constexpr uint64_t kHighBits = kMin ? 4 : 2;  // qh (q5_0, q5_1)
+  static constexpr uint64_t kCodes = 2 + (kMin ? 2 : 0) + (kFifthBit ? 4 : 0);
+  static constexpr uint64_t kActBytes = kMin ? sizeof(BlockQ8_1) : sizeof(BlockQ8_0);
+  static constexpr uint64_t kActCodes = kMin ? 4 : 2;
+  // Codes are stored + kOffset (q4_0: 8, q5_0: 16); it comes off through the activation sum.
+  static constexpr int kOffset = kType == GgmlType::kQ4_0 ? 8 : kType == GgmlType::kQ5_0 ? 16 : 0;
+};
+
+// The eight fp16 values at byte `at` of blocks[0..7], as fp32.
+SUBSPACE_AVX2 inline __m256 Halves8(const uint8_t* const blocks[8], uint64_t at) {
+  uint16_t h[8];
+  for (int r = 0; r < 8; ++r) std::memcpy(&h[r], blocks[r] + at, 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// 0x10 in byte i of each 32-bit lane where bit (shift + i) of that lane's word is set, i = 0..3.
+SUBSPACE_AVX2 inline __m256i FifthBits(__m256i words, int shift) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0,
+                                          0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  const __m256i bit = _mm256_set1_epi32(0x08040201);
+  const __m256i bytes =
+      _mm256_shuffle_epi8(_mm256_srl_epi32(words, _mm_cvtsi32_si128(shift)), spread);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit),
+                          _mm256_set1_epi8(0x10));
+}
+
 // out[r] = dot(row r, act) for rows[r] = rows + r * row_bytes, r = 0..7.
 template <GgmlType kType>
 SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act, int64_t n,
                             float* out) {
-  static_assert(kType == GgmlType::kQ4_0 || kType == GgmlType::kIQ4_NL);
-  constexpr uint64_t kBytes = sizeof(BlockQ4_0);  // = sizeof(BlockIq4Nl)
+  using L = Layout8<kType>;
   const __m256i low_mask = _mm256_set1_epi8(0xF);
   const __m256i ones16 = _mm256_set1_epi16(1);
   const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues));
   const __m256i table2 = _mm256_set_m128i(table, table);
   __m256 acc = _mm256_setzero_ps();
+  __m256 acc_min = _mm256_setzero_ps();
   // The eight rows are one contiguous region, read as eight interleaved streams, which the
   // hardware prefetcher follows poorly when rows are short (2048 values: 1152 bytes). Prefetch
   // the next group's region in order instead, spread over this group's blocks.
@@ -184,55 +220,62 @@ SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8
     const uint8_t* blocks[8];
     const uint8_t* codes[8];
     for (int r = 0; r < 8; ++r) {
-      blocks[r] = rows + r * row_bytes + b * kBytes;
-      codes[r] = blocks[r] + 2;
+      blocks[r] = rows + r * row_bytes + b * L::kBytes;
+      codes[r] = blocks[r] + L::kCodes;
     }
     __m256i words[4];
     TransposeDwords8x4(codes, words);
-    const uint8_t* y = act + b * sizeof(BlockQ8_0);
-    const int8_t* yq = reinterpret_cast<const int8_t*>(y + 2);
-    __m256i sum16 = _mm256_setzero_si256();
+    __m256i high_bits;
+    if constexpr (L::kFifthBit) {
+      int32_t qh[8];
+      for (int r = 0; r < 8; ++r) std::memcpy(&qh[r], blocks[r] + L::kHighBits, 4);
+      high_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+    }
+    const uint8_t* y = act + b * L::kActBytes;
+    const int8_t* yq = reinterpret_cast<const int8_t*>(y + L::kActCodes);
+    __m256i dots = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
       // Byte j of a block holds value j (low nibble) and value j + 16 (high nibble).
-      const __m256i lo = _mm256_and_si256(words[k], low_mask);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(words[k], 4), low_mask);
+      __m256i lo = _mm256_and_si256(words[k], low_mask);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(words[k], 4), low_mask);
       int32_t y_lo, y_hi;
       std::memcpy(&y_lo, yq + 4 * k, 4);
       std::memcpy(&y_hi, yq + 16 + 4 * k, 4);
       const __m256i bl = _mm256_set1_epi32(y_lo), bh = _mm256_set1_epi32(y_hi);
-      if constexpr (kType == GgmlType::kQ4_0) {
-        // Unsigned codes 0..15 here; the -8 comes off below through the activation sum.
-        // Eight pair sums of at most 2 * 15 * 127 each stay inside int16.
-        sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(lo, bl));
-        sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(hi, bh));
-      } else {
-        // Signed values up to 127 in magnitude: pairs reach 2 * 127 * 127, so widen each step.
+      if constexpr (kType == GgmlType::kIQ4_NL) {
+        // Signed values up to 127 in magnitude: the sign trick, pairs widened at once.
         const __m256i vl = _mm256_shuffle_epi8(table2, lo);
         const __m256i vh = _mm256_shuffle_epi8(table2, hi);
         const __m256i pl = _mm256_maddubs_epi16(_mm256_sign_epi8(vl, vl), _mm256_sign_epi8(bl, vl));
         const __m256i ph = _mm256_maddubs_epi16(_mm256_sign_epi8(vh, vh), _mm256_sign_epi8(bh, vh));
-        sum16 = _mm256_add_epi32(
-            sum16, _mm256_add_epi32(_mm256_madd_epi16(pl, ones16), _mm256_madd_epi16(ph, ones16)));
+        dots = _mm256_add_epi32(
+            dots, _mm256_add_epi32(_mm256_madd_epi16(pl, ones16), _mm256_madd_epi16(ph, ones16)));
+      } else {
+        if constexpr (L::kFifthBit) {
+          lo = _mm256_or_si256(lo, FifthBits(high_bits, 4 * k));
+          hi = _mm256_or_si256(hi, FifthBits(high_bits, 16 + 4 * k));
+        }
+        // Unsigned codes (0..31) x signed activations: a pair is at most 2 * 31 * 127.
+        const __m256i pairs =
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, bl), _mm256_maddubs_epi16(hi, bh));
+        dots = _mm256_add_epi32(dots, _mm256_madd_epi16(pairs, ones16));
       }
     }
-    __m256i dots;
-    if constexpr (kType == GgmlType::kQ4_0) {
-      dots = _mm256_madd_epi16(sum16, ones16);
-      // sum((q - 8) y) = sum(q y) - 8 sum(y).
+    if constexpr (L::kOffset != 0) {
+      // sum((q - offset) y) = sum(q y) - offset sum(y).
       const __m256i ysum =
           _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), Load256(yq)), ones16);
-      dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(8 * HorizontalSumI32(ysum)));
-    } else {
-      dots = sum16;  // already int32
+      dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(L::kOffset * HorizontalSumI32(ysum)));
     }
-    uint16_t h[8];
-    for (int r = 0; r < 8; ++r) std::memcpy(&h[r], blocks[r], 2);
-    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
-    const __m256 scales = _mm256_mul_ps(_mm256_cvtph_ps(halves), _mm256_set1_ps(Half(y)));
+    const __m256 scales = _mm256_mul_ps(Halves8(blocks, 0), _mm256_set1_ps(Half(y)));
     acc = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(dots), acc);
+    if constexpr (L::kMin) {
+      // + m * s: the weights' mins times q8_1's stored activation sum.
+      acc_min = _mm256_fmadd_ps(Halves8(blocks, 2), _mm256_set1_ps(Half(y + 2)), acc_min);
+    }
   }
-  _mm256_storeu_ps(out, acc);
+  _mm256_storeu_ps(out, _mm256_add_ps(acc, acc_min));
 }
 
 // --- q4_1 / q5_1 against q8_1 ---------------------------------------------------------------
@@ -600,6 +643,12 @@ QuantDot8Fn QuantDot8KernelAvx2(GgmlType type) {
   switch (type) {
     case GgmlType::kQ4_0:
       return Dot8Rows<GgmlType::kQ4_0>;
+    case GgmlType::kQ4_1:
+      return Dot8Rows<GgmlType::kQ4_1>;
+    case GgmlType::kQ5_0:
+      return Dot8Rows<GgmlType::kQ5_0>;
+    case GgmlType::kQ5_1:
+      return Dot8Rows<GgmlType::kQ5_1>;
     case GgmlType::kIQ4_NL:
       return Dot8Rows<GgmlType::kIQ4_NL>;
     default:

@@ -275,24 +275,30 @@ TEST(GgmlQuantsRandomTest, EightRowKernelsEqualTheOneRowKernels) {
   std::mt19937 rng(11);
   std::uniform_int_distribution<int> byte(0, 255);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kIQ4_NL}) {
+  for (GgmlType type :
+       {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kIQ4_NL}) {
     const cpu::internal::QuantDot8Fn dot8 = cpu::internal::QuantDot8KernelAvx2(type);
     ASSERT_NE(dot8, nullptr);
     for (int64_t n : {32, 96, 2048}) {
       // Rows a stride apart that is not their length, as inside a larger matrix.
-      const uint64_t row_bytes = GgmlRowBytes(type, n), stride = row_bytes + 18 * 3;
+      const uint64_t block_bytes = GgmlBlockBytes(type);
+      const uint64_t row_bytes = GgmlRowBytes(type, n), stride = row_bytes + block_bytes * 3;
+      const bool with_min = type == GgmlType::kQ4_1 || type == GgmlType::kQ5_1;
       std::vector<uint8_t> rows(8 * stride);
       for (auto& b : rows) b = static_cast<uint8_t>(byte(rng));
       for (int r = 0; r < 8; ++r) {
-        for (uint64_t off = 0; off < row_bytes; off += 18) {
-          const uint16_t d = Fp32ToFp16(0.01f * normal(rng));
-          std::memcpy(&rows[r * stride + off], &d, 2);
+        for (uint64_t off = 0; off < row_bytes; off += block_bytes) {
+          for (int field = 0; field < (with_min ? 2 : 1); ++field) {
+            const uint16_t d = Fp32ToFp16(0.01f * normal(rng));
+            std::memcpy(&rows[r * stride + off + 2 * field], &d, 2);
+          }
         }
       }
       std::vector<float> act(n);
       for (auto& a : act) a = normal(rng);
-      std::vector<uint8_t> act_q(GgmlRowBytes(GgmlType::kQ8_0, n));
-      QuantizeActivationRow(GgmlType::kQ8_0, act.data(), act_q.data(), n);
+      const GgmlType act_type = DotActivationType(type);
+      std::vector<uint8_t> act_q(GgmlRowBytes(act_type, n));
+      QuantizeActivationRow(act_type, act.data(), act_q.data(), n);
       float out[8];
       dot8(rows.data(), stride, act_q.data(), n, out);
       for (int r = 0; r < 8; ++r) {
