@@ -135,10 +135,10 @@ int64_t DecodeMaxN(GgmlType type) {
       return 128;  // converting for sgemm costs more than the kernel's shortfall
     case GgmlType::kF32:
       return 64;
-    // Quantized types: integer dots against quantized activations (one dot per weight row and
-    // activation row, compute-bound at ~70-115 GFLOP/s) up to the cross-over with dequantized
-    // panels + sgemm (~150 GFLOP/s at n = 128), measured with subspace-bench-matmul
-    // --paths=both on 8192x2048.
+    // Quantized types: integer dots against quantized activations (compute-bound at ~90-115
+    // GFLOP/s one row at a time, 125-190 for the eight-row kernels) up to the cross-over with
+    // dequantized panels + sgemm (~150 GFLOP/s at n = 128), measured with
+    // subspace-bench-matmul --paths=both on 8192x2048.
     case GgmlType::kQ4_K:
     case GgmlType::kQ5_K:
     case GgmlType::kQ6_K:
@@ -154,10 +154,16 @@ int64_t DecodeMaxN(GgmlType type) {
       // which sgemm on the decoded activations cannot reproduce (2^-10 apart), and a token's
       // logits must not depend on the size of the batch it ran in.
       return std::numeric_limits<int64_t>::max();
+    case GgmlType::kQ4_0:
+      return std::numeric_limits<int64_t>::max();  // eight-row kernel: ~200 GFLOP/s at any n
+    case GgmlType::kIQ4_NL:
+      return 64;  // eight-row kernel: ~145 GFLOP/s; sgemm 148 at 128, 167 at 512
+    case GgmlType::kQ5_0:
+      return 128;
     default:
       break;
   }
-  return 8;  // q4_0, q5_0, iq4_nl: sgemm is ahead from n = 16
+  return 8;
 }
 
 namespace {
@@ -197,6 +203,15 @@ QuantDotFn QuantDotKernelScalar(GgmlType type) {
 }
 
 }  // namespace
+
+void ActivationBlockSums(const uint8_t* act, int64_t n, int32_t* sums) {
+  for (int64_t b = 0; b < n / kQuantBlock; ++b) {
+    const auto* q = reinterpret_cast<const int8_t*>(act + b * sizeof(BlockQ8_0) + 2);
+    int32_t sum = 0;
+    for (int i = 0; i < kQuantBlock; ++i) sum += q[i];
+    sums[b] = sum;
+  }
+}
 
 QuantDotFn QuantDotKernel(GgmlType type) {
   if (ActiveIsa() >= Isa::kAvx2) {
@@ -275,16 +290,23 @@ void DecodeQuantized(const WeightMatrix& w, const float* x, int64_t n, float* y)
   const uint8_t* act = act_buffer.data();
   const QuantDotFn dot = QuantDotKernel(w.type);
   const QuantDot8Fn dot8 = ActiveIsa() >= Isa::kAvx2 ? QuantDot8KernelAvx2(w.type) : nullptr;
+  // Block sums of the activation codes, for the eight-row kernels of offset types (q4_0, q5_0).
+  thread_local std::vector<int32_t> sums_buffer;
+  const int32_t* sums = nullptr;
+  if (dot8 != nullptr && act_type == GgmlType::kQ8_0) {
+    const int64_t blocks = w.cols / kQuantBlock;
+    sums_buffer.resize(static_cast<size_t>(n * blocks));
+    for (int64_t j = 0; j < n; ++j) {
+      ActivationBlockSums(act + j * act_bytes, w.cols, sums_buffer.data() + j * blocks);
+    }
+    sums = sums_buffer.data();
+  }
   const uint64_t row_bytes = w.row_bytes();
   SplitDecodeRows(w, [&](int64_t begin, int64_t end) {
     int64_t r = begin;
     if (dot8 != nullptr) {
       for (; r + 8 <= end; r += 8) {
-        for (int64_t j = 0; j < n; ++j) {
-          float out[8];
-          dot8(w.row(r), row_bytes, act + j * act_bytes, w.cols, out);
-          std::copy_n(out, 8, y + j * w.rows + r);
-        }
+        dot8(w.row(r), row_bytes, act, act_bytes, sums, n, w.cols, y + r, w.rows);
       }
     }
     for (; r < end; ++r) {

@@ -76,12 +76,17 @@ using QuantDotFn = float (*)(const uint8_t* row, const uint8_t* act, int64_t n);
 QuantDotFn QuantDotKernel(GgmlType type);
 // The AVX2 kernel for `type`; nullptr where there is none (or no x86).
 QuantDotFn QuantDotKernelAvx2(GgmlType type);
-// Eight consecutive weight rows (row_bytes apart) against one activation row: out[r] =
-// dot(row r, act). Where a type has one (q4_0, q4_1, q5_0, q5_1, iq4_nl), MatMul's decode path
-// takes rows in groups of eight.
-using QuantDot8Fn = void (*)(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act, int64_t n,
-                             float* out);
+// Eight consecutive weight rows (row_bytes apart) against n_act activation rows (act_stride
+// bytes apart): out[j * out_stride + r] = dot(row r, activation row j), r = 0..7. act_sums
+// [n_act, n / 32] holds each activation block's sum of codes (ActivationBlockSums); q4_0 and q5_0
+// read it, the others may pass nullptr. Where a type has one (q4_0, q4_1, q5_0, q5_1, iq4_nl),
+// MatMul's decode path takes rows in groups of eight.
+using QuantDot8Fn = void (*)(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act,
+                             uint64_t act_stride, const int32_t* act_sums, int64_t n_act, int64_t n,
+                             float* out, int64_t out_stride);
 QuantDot8Fn QuantDot8KernelAvx2(GgmlType type);
+// sums[b] = the sum of the int8 codes of block b of a q8_0 activation row of n values.
+void ActivationBlockSums(const uint8_t* act, int64_t n, int32_t* sums);
 
 // Dequantizes n values of a row with AVX2 where written for `type` (q4_0, q5_0, iq4_nl, q4_K,
 // q5_K, q6_K), equal to DequantizeRow to fp32 rounding of the fused multiply-add; false (and

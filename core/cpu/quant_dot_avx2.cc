@@ -195,17 +195,20 @@ SUBSPACE_AVX2 inline __m256i FifthBits(__m256i words, int shift) {
                           _mm256_set1_epi8(0x10));
 }
 
-// out[r] = dot(row r, act) for rows[r] = rows + r * row_bytes, r = 0..7.
-template <GgmlType kType>
-SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act, int64_t n,
-                            float* out) {
+// out[j * out_stride + r] = dot(row r, activation row j) for rows[r] = rows + r * row_bytes,
+// r = 0..7, and N activation rows act_stride bytes apart. The transposed, unpacked weight codes
+// of a block serve all N activation rows.
+template <GgmlType kType, int N>
+SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act,
+                            uint64_t act_stride, const int32_t* act_sums, int64_t n, float* out,
+                            int64_t out_stride) {
   using L = Layout8<kType>;
   const __m256i low_mask = _mm256_set1_epi8(0xF);
   const __m256i ones16 = _mm256_set1_epi16(1);
   const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues));
   const __m256i table2 = _mm256_set_m128i(table, table);
-  __m256 acc = _mm256_setzero_ps();
-  __m256 acc_min = _mm256_setzero_ps();
+  __m256 acc[N], acc_min[N];
+  for (int j = 0; j < N; ++j) acc[j] = acc_min[j] = _mm256_setzero_ps();
   // The eight rows are one contiguous region, read as eight interleaved streams, which the
   // hardware prefetcher follows poorly when rows are short (2048 values: 1152 bytes). Prefetch
   // the next group's region in order instead, spread over this group's blocks.
@@ -231,51 +234,94 @@ SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8
       for (int r = 0; r < 8; ++r) std::memcpy(&qh[r], blocks[r] + L::kHighBits, 4);
       high_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
     }
-    const uint8_t* y = act + b * L::kActBytes;
-    const int8_t* yq = reinterpret_cast<const int8_t*>(y + L::kActCodes);
-    __m256i dots = _mm256_setzero_si256();
+    // Each chunk's 4-bit (or 5-bit) codes in value order: chunk k holds values 4k..4k+3 (lo)
+    // and 16+4k..16+4k+3 (hi) of every row; iq4_nl's mapped to their signed values.
+    __m256i lo[4], hi[4];
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
-      // Byte j of a block holds value j (low nibble) and value j + 16 (high nibble).
-      __m256i lo = _mm256_and_si256(words[k], low_mask);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(words[k], 4), low_mask);
-      int32_t y_lo, y_hi;
-      std::memcpy(&y_lo, yq + 4 * k, 4);
-      std::memcpy(&y_hi, yq + 16 + 4 * k, 4);
-      const __m256i bl = _mm256_set1_epi32(y_lo), bh = _mm256_set1_epi32(y_hi);
+      lo[k] = _mm256_and_si256(words[k], low_mask);
+      hi[k] = _mm256_and_si256(_mm256_srli_epi16(words[k], 4), low_mask);
       if constexpr (kType == GgmlType::kIQ4_NL) {
-        // Signed values up to 127 in magnitude: the sign trick, pairs widened at once.
-        const __m256i vl = _mm256_shuffle_epi8(table2, lo);
-        const __m256i vh = _mm256_shuffle_epi8(table2, hi);
-        const __m256i pl = _mm256_maddubs_epi16(_mm256_sign_epi8(vl, vl), _mm256_sign_epi8(bl, vl));
-        const __m256i ph = _mm256_maddubs_epi16(_mm256_sign_epi8(vh, vh), _mm256_sign_epi8(bh, vh));
-        dots = _mm256_add_epi32(
-            dots, _mm256_add_epi32(_mm256_madd_epi16(pl, ones16), _mm256_madd_epi16(ph, ones16)));
-      } else {
-        if constexpr (L::kFifthBit) {
-          lo = _mm256_or_si256(lo, FifthBits(high_bits, 4 * k));
-          hi = _mm256_or_si256(hi, FifthBits(high_bits, 16 + 4 * k));
-        }
-        // Unsigned codes (0..31) x signed activations: a pair is at most 2 * 31 * 127.
-        const __m256i pairs =
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo, bl), _mm256_maddubs_epi16(hi, bh));
-        dots = _mm256_add_epi32(dots, _mm256_madd_epi16(pairs, ones16));
+        lo[k] = _mm256_shuffle_epi8(table2, lo[k]);
+        hi[k] = _mm256_shuffle_epi8(table2, hi[k]);
+      } else if constexpr (L::kFifthBit) {
+        lo[k] = _mm256_or_si256(lo[k], FifthBits(high_bits, 4 * k));
+        hi[k] = _mm256_or_si256(hi[k], FifthBits(high_bits, 16 + 4 * k));
       }
     }
-    if constexpr (L::kOffset != 0) {
-      // sum((q - offset) y) = sum(q y) - offset sum(y).
-      const __m256i ysum =
-          _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), Load256(yq)), ones16);
-      dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(L::kOffset * HorizontalSumI32(ysum)));
-    }
-    const __m256 scales = _mm256_mul_ps(Halves8(blocks, 0), _mm256_set1_ps(Half(y)));
-    acc = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(dots), acc);
-    if constexpr (L::kMin) {
-      // + m * s: the weights' mins times q8_1's stored activation sum.
-      acc_min = _mm256_fmadd_ps(Halves8(blocks, 2), _mm256_set1_ps(Half(y + 2)), acc_min);
+    const __m256 d8 = Halves8(blocks, 0);
+    __m256 m8;
+    if constexpr (L::kMin) m8 = Halves8(blocks, 2);
+#pragma GCC unroll 4
+    for (int j = 0; j < N; ++j) {
+      const uint8_t* y = act + j * act_stride + b * L::kActBytes;
+      const int8_t* yq = reinterpret_cast<const int8_t*>(y + L::kActCodes);
+      __m256i dots = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        int32_t y_lo, y_hi;
+        std::memcpy(&y_lo, yq + 4 * k, 4);
+        std::memcpy(&y_hi, yq + 16 + 4 * k, 4);
+        const __m256i bl = _mm256_set1_epi32(y_lo), bh = _mm256_set1_epi32(y_hi);
+        __m256i pairs;
+        if constexpr (kType == GgmlType::kIQ4_NL) {
+          // Signed values up to 127 in magnitude: the sign trick, pairs widened at once.
+          const __m256i pl =
+              _mm256_maddubs_epi16(_mm256_sign_epi8(lo[k], lo[k]), _mm256_sign_epi8(bl, lo[k]));
+          const __m256i ph =
+              _mm256_maddubs_epi16(_mm256_sign_epi8(hi[k], hi[k]), _mm256_sign_epi8(bh, hi[k]));
+          dots = _mm256_add_epi32(
+              dots, _mm256_add_epi32(_mm256_madd_epi16(pl, ones16), _mm256_madd_epi16(ph, ones16)));
+          continue;
+        } else {
+          // Unsigned codes (0..31) x signed activations: a pair is at most 2 * 31 * 127.
+          pairs =
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], bl), _mm256_maddubs_epi16(hi[k], bh));
+        }
+        dots = _mm256_add_epi32(dots, _mm256_madd_epi16(pairs, ones16));
+      }
+      if constexpr (L::kOffset != 0) {
+        // sum((q - offset) y) = sum(q y) - offset sum(y).
+        dots = _mm256_sub_epi32(dots,
+                                _mm256_set1_epi32(L::kOffset * act_sums[j * blocks_per_row + b]));
+      }
+      acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(Half(y))), _mm256_cvtepi32_ps(dots),
+                               acc[j]);
+      if constexpr (L::kMin) {
+        // + m * s: the weights' mins times q8_1's stored activation sum.
+        acc_min[j] = _mm256_fmadd_ps(m8, _mm256_set1_ps(Half(y + 2)), acc_min[j]);
+      }
     }
   }
-  _mm256_storeu_ps(out, _mm256_add_ps(acc, acc_min));
+  for (int j = 0; j < N; ++j) {
+    _mm256_storeu_ps(out + j * out_stride, _mm256_add_ps(acc[j], acc_min[j]));
+  }
+}
+
+// Dot8Rows over any number of activation rows, four at a time.
+template <GgmlType kType>
+SUBSPACE_AVX2 void Dot8RowsAnyN(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act,
+                                uint64_t act_stride, const int32_t* act_sums, int64_t n_act,
+                                int64_t n, float* out, int64_t out_stride) {
+  const int64_t blocks = n / kQuantBlock;
+  int64_t j = 0;
+  for (; j + 4 <= n_act; j += 4) {
+    Dot8Rows<kType, 4>(rows, row_bytes, act + j * act_stride, act_stride, act_sums + j * blocks, n,
+                       out + j * out_stride, out_stride);
+  }
+  const uint8_t* a = act + j * act_stride;
+  const int32_t* sums = act_sums + j * blocks;
+  float* o = out + j * out_stride;
+  switch (n_act - j) {
+    case 3:
+      return Dot8Rows<kType, 3>(rows, row_bytes, a, act_stride, sums, n, o, out_stride);
+    case 2:
+      return Dot8Rows<kType, 2>(rows, row_bytes, a, act_stride, sums, n, o, out_stride);
+    case 1:
+      return Dot8Rows<kType, 1>(rows, row_bytes, a, act_stride, sums, n, o, out_stride);
+    default:
+      return;
+  }
 }
 
 // --- q4_1 / q5_1 against q8_1 ---------------------------------------------------------------
@@ -642,15 +688,15 @@ SUBSPACE_AVX2 void DequantizeQ6K(const uint8_t* row, float* out, int64_t n) {
 QuantDot8Fn QuantDot8KernelAvx2(GgmlType type) {
   switch (type) {
     case GgmlType::kQ4_0:
-      return Dot8Rows<GgmlType::kQ4_0>;
+      return Dot8RowsAnyN<GgmlType::kQ4_0>;
     case GgmlType::kQ4_1:
-      return Dot8Rows<GgmlType::kQ4_1>;
+      return Dot8RowsAnyN<GgmlType::kQ4_1>;
     case GgmlType::kQ5_0:
-      return Dot8Rows<GgmlType::kQ5_0>;
+      return Dot8RowsAnyN<GgmlType::kQ5_0>;
     case GgmlType::kQ5_1:
-      return Dot8Rows<GgmlType::kQ5_1>;
+      return Dot8RowsAnyN<GgmlType::kQ5_1>;
     case GgmlType::kIQ4_NL:
-      return Dot8Rows<GgmlType::kIQ4_NL>;
+      return Dot8RowsAnyN<GgmlType::kIQ4_NL>;
     default:
       return nullptr;
   }

@@ -294,22 +294,43 @@ TEST(GgmlQuantsRandomTest, EightRowKernelsEqualTheOneRowKernels) {
           }
         }
       }
-      std::vector<float> act(n);
-      for (auto& a : act) a = normal(rng);
-      const GgmlType act_type = DotActivationType(type);
-      std::vector<uint8_t> act_q(GgmlRowBytes(act_type, n));
-      QuantizeActivationRow(act_type, act.data(), act_q.data(), n);
-      float out[8];
-      dot8(rows.data(), stride, act_q.data(), n, out);
-      for (int r = 0; r < 8; ++r) {
-        const uint8_t* row = rows.data() + r * stride;
-        std::vector<float> w(n);
-        DequantizeRow(type, row, w.data(), n);
-        double magnitude = 0.0;
-        for (int64_t i = 0; i < n; ++i) magnitude += std::fabs(w[i] * act[i]);
-        EXPECT_NEAR(out[r], DotQuantizedRowScalar(type, row, act_q.data(), n),
-                    1e-5 * magnitude + 1e-6)
-            << GgmlTypeName(type) << " n=" << n << " row " << r;
+      // 1..6 activation rows: the kernel's groups of four and every remainder.
+      for (int n_act = 1; n_act <= 6; ++n_act) {
+        std::vector<float> act(n * n_act);
+        for (auto& a : act) a = normal(rng);
+        const GgmlType act_type = DotActivationType(type);
+        const uint64_t act_bytes = GgmlRowBytes(act_type, n);
+        std::vector<uint8_t> act_q(act_bytes * n_act);
+        for (int j = 0; j < n_act; ++j) {
+          QuantizeActivationRow(act_type, act.data() + j * n, act_q.data() + j * act_bytes, n);
+        }
+        std::vector<int32_t> sums(n_act * (n / 32));
+        if (act_type == GgmlType::kQ8_0) {
+          for (int j = 0; j < n_act; ++j) {
+            cpu::internal::ActivationBlockSums(act_q.data() + j * act_bytes, n,
+                                               sums.data() + j * (n / 32));
+          }
+        }
+        const int64_t out_stride = 11;
+        std::vector<float> out(out_stride * n_act, -1.0f);
+        dot8(rows.data(), stride, act_q.data(), act_bytes, sums.data(), n_act, n, out.data(),
+             out_stride);
+        for (int j = 0; j < n_act; ++j) {
+          for (int r = 0; r < 8; ++r) {
+            const uint8_t* row = rows.data() + r * stride;
+            std::vector<float> w(n);
+            DequantizeRow(type, row, w.data(), n);
+            double magnitude = 0.0;
+            for (int64_t i = 0; i < n; ++i) magnitude += std::fabs(w[i] * act[j * n + i]);
+            const uint8_t* a = act_q.data() + j * act_bytes;
+            EXPECT_NEAR(out[j * out_stride + r], DotQuantizedRowScalar(type, row, a, n),
+                        1e-5 * magnitude + 1e-6)
+                << GgmlTypeName(type) << " n=" << n << " act row " << j << " row " << r;
+          }
+          for (int64_t c = 8; c < out_stride; ++c) {
+            EXPECT_EQ(out[j * out_stride + c], -1.0f) << "wrote past the eight outputs";
+          }
+        }
       }
     }
   }
