@@ -143,9 +143,12 @@ int64_t DecodeMaxN(GgmlType type) {
     case GgmlType::kQ5_K:
     case GgmlType::kQ6_K:
       return 32;
-    case GgmlType::kQ2_K:
     case GgmlType::kQ3_K:
-      return 64;  // their panels are dequantized by the scalar code
+      return 16;
+    case GgmlType::kQ2_K:
+      // Its panels are dequantized by the scalar code; the integer path (~127 GFLOP/s) stays
+      // ahead of that at any n.
+      return std::numeric_limits<int64_t>::max();
     case GgmlType::kQ8_0:
       return 16;
     case GgmlType::kQ4_1:

@@ -88,8 +88,8 @@ QuantDot8Fn QuantDot8KernelAvx2(GgmlType type);
 // sums[b] = the sum of the int8 codes of block b of a q8_0 activation row of n values.
 void ActivationBlockSums(const uint8_t* act, int64_t n, int32_t* sums);
 
-// Dequantizes n values of a row with AVX2 where written for `type` (q4_0, q5_0, iq4_nl, q4_K,
-// q5_K, q6_K), equal to DequantizeRow to fp32 rounding of the fused multiply-add; false (and
+// Dequantizes n values of a row with AVX2 where written for `type` (q4_0, q5_0, iq4_nl, q3_K ..
+// q6_K), equal to DequantizeRow to fp32 rounding of the fused multiply-add; false (and
 // nothing written) for other types.
 bool DequantizeRowAvx2(GgmlType type, const uint8_t* row, float* out, int64_t n);
 

@@ -683,6 +683,33 @@ SUBSPACE_AVX2 void DequantizeQ6K(const uint8_t* row, float* out, int64_t n) {
   }
 }
 
+// q3_K: x = d (scale - 32) (low2 - 4 !high), scale per 16 values.
+SUBSPACE_AVX2 void DequantizeQ3K(const uint8_t* row, float* out, int64_t n) {
+  const __m256i two_bits = _mm256_set1_epi8(3);
+  const __m256i one = _mm256_set1_epi8(1);
+  const __m256i four = _mm256_set1_epi8(4);
+  for (int64_t b = 0; b < n / kSuperBlock; ++b, out += kSuperBlock) {
+    const uint8_t* x = row + b * sizeof(BlockQ3_K);
+    const float d = Half(x + offsetof(BlockQ3_K, d));
+    alignas(16) int8_t scales[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(scales),
+                    UnpackScalesQ3KVector(x + offsetof(BlockQ3_K, scales)));
+    const __m256i hmask = Load256(x);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i qs = Load256(x + offsetof(BlockQ3_K, qs) + 32 * half);
+      for (int k = 0; k < 4; ++k) {
+        const __m256i low2 = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * k), two_bits);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hmask, 4 * half + k), one);
+        // low2 - 4 (1 - high) = (low2 | high << 2) - 4
+        const __m256i codes =
+            _mm256_sub_epi8(_mm256_or_si256(low2, _mm256_slli_epi16(high, 2)), four);
+        const int s = 8 * half + 2 * k;
+        StoreSigned16x2(codes, d * scales[s], d * scales[s + 1], out + 128 * half + 32 * k);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 QuantDot8Fn QuantDot8KernelAvx2(GgmlType type) {
@@ -721,6 +748,9 @@ bool DequantizeRowAvx2(GgmlType type, const uint8_t* row, float* out, int64_t n)
       return true;
     case GgmlType::kQ6_K:
       DequantizeQ6K(row, out, n);
+      return true;
+    case GgmlType::kQ3_K:
+      DequantizeQ3K(row, out, n);
       return true;
     default:
       return false;
