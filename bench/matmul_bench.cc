@@ -92,25 +92,6 @@ bool ParseType(absl::string_view name, GgmlType* type) {
   return false;
 }
 
-// Byte offsets of a quantized block's fp16 fields.
-std::vector<uint64_t> HalfFields(GgmlType type) {
-  switch (type) {
-    case GgmlType::kQ4_1:
-    case GgmlType::kQ5_1:
-    case GgmlType::kQ4_K:
-    case GgmlType::kQ5_K:
-      return {0, 2};
-    case GgmlType::kQ2_K:
-      return {offsetof(BlockQ2_K, d), offsetof(BlockQ2_K, dmin)};
-    case GgmlType::kQ3_K:
-      return {offsetof(BlockQ3_K, d)};
-    case GgmlType::kQ6_K:
-      return {offsetof(BlockQ6_K, d)};
-    default:
-      return {0};
-  }
-}
-
 // Copies of one random matrix laid end to end, at least `min_bytes` in all.
 class WeightPool {
  public:
@@ -139,8 +120,10 @@ class WeightPool {
         for (uint64_t i = 0; i < row_bytes; ++i) row[i] = static_cast<uint8_t>(rng());
         const uint64_t block_bytes = GgmlBlockBytes(type);
         const uint16_t scale = Fp32ToFp16(0.01f);
+        uint64_t fields[2];
+        const int num_fields = BlockHalfFields(type, fields);
         for (uint64_t off = 0; off < row_bytes; off += block_bytes) {
-          for (uint64_t field : HalfFields(type)) std::memcpy(row + off + field, &scale, 2);
+          for (int f = 0; f < num_fields; ++f) std::memcpy(row + off + fields[f], &scale, 2);
         }
         continue;
       }

@@ -208,6 +208,36 @@ void UnpackScalesQ3K(const uint8_t* packed, int8_t* scales) {
   }
 }
 
+int BlockHalfFields(GgmlType type, uint64_t offsets[2]) {
+  switch (type) {
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_1:
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K:
+      offsets[0] = 0;
+      offsets[1] = 2;
+      return 2;
+    case GgmlType::kQ2_K:
+      offsets[0] = offsetof(BlockQ2_K, d);
+      offsets[1] = offsetof(BlockQ2_K, dmin);
+      return 2;
+    case GgmlType::kQ3_K:
+      offsets[0] = offsetof(BlockQ3_K, d);
+      return 1;
+    case GgmlType::kQ6_K:
+      offsets[0] = offsetof(BlockQ6_K, d);
+      return 1;
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ5_0:
+    case GgmlType::kQ8_0:
+    case GgmlType::kIQ4_NL:
+      offsets[0] = 0;
+      return 1;
+    default:
+      return 0;
+  }
+}
+
 bool IsQuantizedGgmlType(GgmlType type) {
   switch (type) {
     case GgmlType::kQ4_0:

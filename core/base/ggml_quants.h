@@ -130,6 +130,11 @@ float DotQuantizedRowScalar(GgmlType type, const void* row, const void* act, int
 // Dequantizes n values of a quantized type (called by DequantizeRow).
 void DequantizeQuantizedRow(GgmlType type, const uint8_t* src, float* dst, int64_t n);
 
+// Byte offsets, inside one block of a quantized type, of its fp16 fields: the scale, and the min
+// (q4_1, q5_1) or the super-block scale of the mins (q2_K, q4_K, q5_K) where there is one.
+// Returns how many (1 or 2); 0 for other types. For tests and benchmarks that write blocks.
+int BlockHalfFields(GgmlType type, uint64_t offsets[2]);
+
 // The 6-bit scale and min of sub-block j (0..7) of a q4_K / q5_K block's 12 scale bytes.
 inline void UnpackScaleMinK4(int j, const uint8_t* scales, uint8_t* scale, uint8_t* min) {
   if (j < 4) {

@@ -447,12 +447,32 @@ SUBSPACE_AVX2 inline __m256i ScalePairShuffle(int k) {
                           b + 1, b, b + 1);
 }
 
+// sum over the 16 sub-blocks s of 16 values of a K-quant super-block of scale[s] * dot(codes of
+// s, activations), as eight int32 partial sums. codes(half, k) gives the 32 unsigned codes of
+// values 128 half + 32 k .. + 31 (two sub-blocks); scales16 the 16 scales as int16; yq the
+// super-block's activation codes.
+template <typename Codes>
+SUBSPACE_AVX2 inline __m256i SubBlockDots16(__m256i scales16, const int8_t* yq, Codes codes) {
+  __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 2
+  for (int half = 0; half < 2; ++half) {
+    const __m256i scales = _mm256_broadcastsi128_si256(
+        half == 0 ? _mm256_castsi256_si128(scales16) : _mm256_extracti128_si256(scales16, 1));
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m256i products =
+          _mm256_maddubs_epi16(codes(half, k), Load256(yq + 128 * half + 32 * k));
+      sumi = _mm256_add_epi32(
+          sumi, _mm256_madd_epi16(products, _mm256_shuffle_epi8(scales, ScalePairShuffle(k))));
+    }
+  }
+  return sumi;
+}
+
 SUBSPACE_AVX2 float DotQ6K(const uint8_t* row, const uint8_t* act, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   const __m256i low_mask = _mm256_set1_epi8(0xF);
   const __m256i two_bits = _mm256_set1_epi8(3);
-  const __m256i pair_shuffle[4] = {ScalePairShuffle(0), ScalePairShuffle(1), ScalePairShuffle(2),
-                                   ScalePairShuffle(3)};
   for (int64_t b = 0; b < n / kSuperBlock; ++b) {
     const uint8_t* x = row + b * sizeof(BlockQ6_K);
     for (int i = 0; i < 4; ++i) {
@@ -465,29 +485,16 @@ SUBSPACE_AVX2 float DotQ6K(const uint8_t* row, const uint8_t* act, int64_t n) {
     const __m128i scale_bytes =
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + offsetof(BlockQ6_K, scales)));
     // Codes are stored +32: subtract 32 * scale * (sum of each sub-block's activations).
-    const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scale_bytes),
-                                             Load256(y + offsetof(BlockQ8_K, bsums)));
-    __m256i sumi = _mm256_setzero_si256();
-#pragma GCC unroll 2
-    for (int half = 0; half < 2; ++half) {
-      const uint8_t* ql = x + 64 * half;
+    const __m256i scales16 = _mm256_cvtepi8_epi16(scale_bytes);
+    const __m256i offset = _mm256_madd_epi16(scales16, Load256(y + offsetof(BlockQ8_K, bsums)));
+    __m256i sumi = SubBlockDots16(scales16, yq, [&](int half, int k) SUBSPACE_AVX2 {
+      const __m256i src = Load256(x + 64 * half + 32 * (k % 2));
+      const __m256i low4 = k < 2 ? _mm256_and_si256(src, low_mask)
+                                 : _mm256_and_si256(_mm256_srli_epi16(src, 4), low_mask);
       const __m256i qh = Load256(x + offsetof(BlockQ6_K, qh) + 32 * half);
-      const __m256i ql0 = Load256(ql);
-      const __m256i ql1 = Load256(ql + 32);
-      const __m256i scales = _mm256_broadcastsi128_si256(
-          _mm_cvtepi8_epi16(half == 0 ? scale_bytes : _mm_srli_si128(scale_bytes, 8)));
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        const __m256i src = k % 2 == 0 ? ql0 : ql1;
-        const __m256i low4 = k < 2 ? _mm256_and_si256(src, low_mask)
-                                   : _mm256_and_si256(_mm256_srli_epi16(src, 4), low_mask);
-        const __m256i high2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two_bits);
-        const __m256i codes = _mm256_or_si256(low4, _mm256_slli_epi16(high2, 4));
-        const __m256i products = _mm256_maddubs_epi16(codes, Load256(yq + 128 * half + 32 * k));
-        sumi = _mm256_add_epi32(
-            sumi, _mm256_madd_epi16(products, _mm256_shuffle_epi8(scales, pair_shuffle[k])));
-      }
-    }
+      const __m256i high2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two_bits);
+      return _mm256_or_si256(low4, _mm256_slli_epi16(high2, 4));
+    });
     sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + offsetof(BlockQ6_K, d)) * yd),
                           _mm256_cvtepi32_ps(sumi), acc);
@@ -513,8 +520,6 @@ SUBSPACE_AVX2 float DotQ3K(const uint8_t* row, const uint8_t* act, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   const __m256i two_bits = _mm256_set1_epi8(3);
   const __m256i one = _mm256_set1_epi8(1);
-  const __m256i pair_shuffle[4] = {ScalePairShuffle(0), ScalePairShuffle(1), ScalePairShuffle(2),
-                                   ScalePairShuffle(3)};
   for (int64_t b = 0; b < n / kSuperBlock; ++b) {
     const uint8_t* x = row + b * sizeof(BlockQ3_K);
     const uint8_t* y = act + b * sizeof(BlockQ8_K);
@@ -522,25 +527,15 @@ SUBSPACE_AVX2 float DotQ3K(const uint8_t* row, const uint8_t* act, int64_t n) {
     std::memcpy(&yd, y, 4);
     const int8_t* yq = reinterpret_cast<const int8_t*>(y + offsetof(BlockQ8_K, qs));
     const __m128i scale_bytes = UnpackScalesQ3KVector(x + offsetof(BlockQ3_K, scales));
-    const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scale_bytes),
-                                             Load256(y + offsetof(BlockQ8_K, bsums)));
+    const __m256i scales16 = _mm256_cvtepi8_epi16(scale_bytes);
+    const __m256i offset = _mm256_madd_epi16(scales16, Load256(y + offsetof(BlockQ8_K, bsums)));
     const __m256i hmask = Load256(x);
-    __m256i sumi = _mm256_setzero_si256();
-#pragma GCC unroll 2
-    for (int half = 0; half < 2; ++half) {
+    __m256i sumi = SubBlockDots16(scales16, yq, [&](int half, int k) SUBSPACE_AVX2 {
       const __m256i qs = Load256(x + offsetof(BlockQ3_K, qs) + 32 * half);
-      const __m256i scales = _mm256_broadcastsi128_si256(
-          _mm_cvtepi8_epi16(half == 0 ? scale_bytes : _mm_srli_si128(scale_bytes, 8)));
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        const __m256i low2 = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * k), two_bits);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hmask, 4 * half + k), one);
-        const __m256i codes = _mm256_or_si256(low2, _mm256_slli_epi16(high, 2));
-        const __m256i products = _mm256_maddubs_epi16(codes, Load256(yq + 128 * half + 32 * k));
-        sumi = _mm256_add_epi32(
-            sumi, _mm256_madd_epi16(products, _mm256_shuffle_epi8(scales, pair_shuffle[k])));
-      }
-    }
+      const __m256i low2 = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * k), two_bits);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hmask, 4 * half + k), one);
+      return _mm256_or_si256(low2, _mm256_slli_epi16(high, 2));
+    });
     sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 2));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + offsetof(BlockQ3_K, d)) * yd),
                           _mm256_cvtepi32_ps(sumi), acc);
@@ -553,8 +548,6 @@ SUBSPACE_AVX2 float DotQ2K(const uint8_t* row, const uint8_t* act, int64_t n) {
   __m256 acc_mins = _mm256_setzero_ps();
   const __m256i two_bits = _mm256_set1_epi8(3);
   const __m128i low_mask = _mm_set1_epi8(0xF);
-  const __m256i pair_shuffle[4] = {ScalePairShuffle(0), ScalePairShuffle(1), ScalePairShuffle(2),
-                                   ScalePairShuffle(3)};
   for (int64_t b = 0; b < n / kSuperBlock; ++b) {
     const uint8_t* x = row + b * sizeof(BlockQ2_K);
     const uint8_t* y = act + b * sizeof(BlockQ8_K);
@@ -568,20 +561,11 @@ SUBSPACE_AVX2 float DotQ2K(const uint8_t* row, const uint8_t* act, int64_t n) {
         _mm256_madd_epi16(_mm256_cvtepu8_epi16(min_bytes), Load256(y + offsetof(BlockQ8_K, bsums)));
     acc_mins = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + offsetof(BlockQ2_K, dmin)) * yd),
                                _mm256_cvtepi32_ps(mins), acc_mins);
-    __m256i sumi = _mm256_setzero_si256();
-#pragma GCC unroll 2
-    for (int half = 0; half < 2; ++half) {
-      const __m256i qs = Load256(x + offsetof(BlockQ2_K, qs) + 32 * half);
-      const __m256i scales = _mm256_broadcastsi128_si256(
-          _mm_cvtepu8_epi16(half == 0 ? scale_bytes : _mm_srli_si128(scale_bytes, 8)));
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * k), two_bits);
-        const __m256i products = _mm256_maddubs_epi16(codes, Load256(yq + 128 * half + 32 * k));
-        sumi = _mm256_add_epi32(
-            sumi, _mm256_madd_epi16(products, _mm256_shuffle_epi8(scales, pair_shuffle[k])));
-      }
-    }
+    const __m256i sumi =
+        SubBlockDots16(_mm256_cvtepu8_epi16(scale_bytes), yq, [&](int half, int k) SUBSPACE_AVX2 {
+          const __m256i qs = Load256(x + offsetof(BlockQ2_K, qs) + 32 * half);
+          return _mm256_and_si256(_mm256_srli_epi16(qs, 2 * k), two_bits);
+        });
     acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + offsetof(BlockQ2_K, d)) * yd),
                           _mm256_cvtepi32_ps(sumi), acc);
   }

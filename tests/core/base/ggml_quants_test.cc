@@ -222,32 +222,15 @@ TEST(GgmlQuantsRandomTest, Avx2DotEqualsScalarOnArbitraryBytes) {
       for (uint64_t off = 0; off < row.size(); off += block_bytes) {
         const uint16_t d = Fp32ToFp16(0.01f * normal(rng));
         const uint16_t m = Fp32ToFp16(0.01f * normal(rng));
-        switch (v.type) {
-          case GgmlType::kQ2_K:
-            std::memcpy(&row[off + offsetof(BlockQ2_K, d)], &d, 2);
-            std::memcpy(&row[off + offsetof(BlockQ2_K, dmin)], &m, 2);
-            break;
-          case GgmlType::kQ3_K:
-            std::memcpy(&row[off + offsetof(BlockQ3_K, d)], &d, 2);
-            break;
-          case GgmlType::kQ6_K:
-            std::memcpy(&row[off + offsetof(BlockQ6_K, d)], &d, 2);
-            break;
-          default:  // d first; q4_1, q5_1, q4_K and q5_K have a second half next
-            std::memcpy(&row[off], &d, 2);
-            std::memcpy(&row[off + 2], &m, 2);
-            break;
-        }
-        if (v.type == GgmlType::kQ4_0 || v.type == GgmlType::kQ5_0 || v.type == GgmlType::kIQ4_NL ||
-            v.type == GgmlType::kQ8_0) {
-          // No second half: the two bytes after d are codes; re-randomize them.
-          row[off + 2] = static_cast<uint8_t>(byte(rng));
-          row[off + 3] = static_cast<uint8_t>(byte(rng));
-          if (v.type == GgmlType::kQ8_0) {
-            // q8_0 codes are -127..127 as ggml writes them.
-            for (int i = 0; i < 32; ++i) {
-              if (row[off + 2 + i] == 0x80) row[off + 2 + i] = 0x81;
-            }
+        uint64_t fields[2];
+        const int num_fields = BlockHalfFields(v.type, fields);
+        ASSERT_GE(num_fields, 1) << name;
+        std::memcpy(&row[off + fields[0]], &d, 2);
+        if (num_fields == 2) std::memcpy(&row[off + fields[1]], &m, 2);
+        if (v.type == GgmlType::kQ8_0) {
+          // q8_0 codes are -127..127 as ggml writes them.
+          for (int i = 0; i < 32; ++i) {
+            if (row[off + 2 + i] == 0x80) row[off + 2 + i] = 0x81;
           }
         }
       }

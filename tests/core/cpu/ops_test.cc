@@ -76,25 +76,6 @@ struct TestWeight {
   std::vector<double> values;  // [rows, cols]
 };
 
-// Byte offsets of the fp16 scale fields inside one block of a quantized type.
-std::vector<uint64_t> HalfFieldOffsets(GgmlType type) {
-  switch (type) {
-    case GgmlType::kQ4_1:
-    case GgmlType::kQ5_1:
-    case GgmlType::kQ4_K:
-    case GgmlType::kQ5_K:
-      return {0, 2};
-    case GgmlType::kQ2_K:
-      return {offsetof(BlockQ2_K, d), offsetof(BlockQ2_K, dmin)};
-    case GgmlType::kQ3_K:
-      return {offsetof(BlockQ3_K, d)};
-    case GgmlType::kQ6_K:
-      return {offsetof(BlockQ6_K, d)};
-    default:
-      return {0};
-  }
-}
-
 TestWeight MakeWeight(GgmlType type, int64_t rows, int64_t cols, uint32_t seed, int64_t offset) {
   std::mt19937 rng(seed);
   TestWeight t;
@@ -154,10 +135,12 @@ TestWeight MakeWeight(GgmlType type, int64_t rows, int64_t cols, uint32_t seed, 
           row[i] = static_cast<uint8_t>(std::uniform_int_distribution<int>(0, 255)(rng));
         }
         const uint64_t block_bytes = GgmlBlockBytes(type);
+        uint64_t fields[2];
+        const int num_fields = BlockHalfFields(type, fields);
         for (uint64_t off = 0; off < row_bytes; off += block_bytes) {
-          for (uint64_t field : HalfFieldOffsets(type)) {
+          for (int f = 0; f < num_fields; ++f) {
             const uint16_t h = RandomHalf(rng, 5, 10);
-            std::memcpy(row + off + field, &h, 2);
+            std::memcpy(row + off + fields[f], &h, 2);
           }
         }
         std::vector<float> decoded(cols);
