@@ -35,6 +35,12 @@ ABSL_FLAG(std::string, ppl, "", "print the perplexity of this text file instead 
 ABSL_FLAG(int32_t, ppl_window, 0, "perplexity window in tokens; 0 = model context");
 ABSL_FLAG(int64_t, kv_cache_bytes, 256ll << 20, "KV cache pool size in bytes");
 ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens");
+ABSL_FLAG(std::string, tokenize, "",
+          "print the token ids of this text (space-separated, BOS as the model's metadata says) "
+          "and exit; reads only the tokenizer, so vocab-only GGUF files work");
+ABSL_FLAG(bool, parse_special, true,
+          "--tokenize: text like <s> becomes the special token (as llama-tokenize does); "
+          "--noparse_special keeps it as text");
 
 namespace subspace {
 namespace {
@@ -155,9 +161,26 @@ absl::Status RunGenerate(LlamaModel& model, KvCache& cache, const Tokenizer& tok
   return absl::OkStatus();
 }
 
+// --tokenize: the ids of the text, like llama.cpp's llama-tokenize --ids, from the tokenizer in
+// the GGUF metadata alone.
+absl::Status RunTokenize(const std::string& path) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(path);
+  if (!file.ok()) return file.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromGguf(**file);
+  if (!tokenizer.ok()) return tokenizer.status();
+  const std::vector<int32_t> ids = (*tokenizer)->Encode(
+      absl::GetFlag(FLAGS_tokenize),
+      {.add_bos = (*tokenizer)->add_bos(), .parse_special = absl::GetFlag(FLAGS_parse_special)});
+  std::string line;
+  for (int32_t id : ids) absl::StrAppend(&line, line.empty() ? "" : " ", id);
+  std::printf("%s\n", line.c_str());
+  return absl::OkStatus();
+}
+
 absl::Status Run() {
   const std::string path = absl::GetFlag(FLAGS_model);
   if (path.empty()) return absl::InvalidArgumentError("--model is required");
+  if (!absl::GetFlag(FLAGS_tokenize).empty()) return RunTokenize(path);
   absl::StatusOr<ModelFile> files = OpenModelFile(path);
   if (!files.ok()) return files.status();
   LlamaModel& model = *files->model;
@@ -181,7 +204,8 @@ int main(int argc, char** argv) {
   subspace::cli::ParseFlags(
       argc, argv,
       "subspace-run --model M.gguf --prompt TEXT -n N [--temperature T --seed S ...]\n"
-      "  or: subspace-run --model M.gguf --ppl FILE");
+      "  or: subspace-run --model M.gguf --ppl FILE\n"
+      "  or: subspace-run --model M.gguf --tokenize TEXT [--noparse_special]");
   absl::Status status = subspace::Run();
   if (!status.ok()) {
     std::fprintf(stderr, "subspace-run: %s\n", status.ToString().c_str());
