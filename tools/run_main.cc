@@ -168,9 +168,11 @@ absl::Status RunTokenize(const std::string& path) {
   if (!file.ok()) return file.status();
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromGguf(**file);
   if (!tokenizer.ok()) return tokenizer.status();
-  const std::vector<int32_t> ids = (*tokenizer)->Encode(
-      absl::GetFlag(FLAGS_tokenize),
-      {.add_bos = (*tokenizer)->add_bos(), .parse_special = absl::GetFlag(FLAGS_parse_special)});
+  const std::vector<int32_t> ids =
+      (*tokenizer)
+          ->Encode(absl::GetFlag(FLAGS_tokenize),
+                   {.add_bos = (*tokenizer)->add_bos(),
+                    .parse_special = absl::GetFlag(FLAGS_parse_special)});
   std::string line;
   for (int32_t id : ids) absl::StrAppend(&line, line.empty() ? "" : " ", id);
   std::printf("%s\n", line.c_str());

@@ -79,8 +79,8 @@ QuantDotFn QuantDotKernelAvx2(GgmlType type);
 // Eight consecutive weight rows (row_bytes apart) against n_act activation rows (act_stride
 // bytes apart): out[j * out_stride + r] = dot(row r, activation row j), r = 0..7. act_sums
 // [n_act, n / 32] holds each activation block's sum of codes (ActivationBlockSums); q4_0 and q5_0
-// read it, the others may pass nullptr. Where a type has one (q4_0, q4_1, q5_0, q5_1, iq4_nl),
-// MatMul's decode path takes rows in groups of eight.
+// read it, the others may pass nullptr. Where a type has one (q4_0, q4_1, q5_0, q5_1, iq4_nl;
+// q8_0 from two activation rows on), MatMul's decode path takes rows in groups of eight.
 using QuantDot8Fn = void (*)(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act,
                              uint64_t act_stride, const int32_t* act_sums, int64_t n_act, int64_t n,
                              float* out, int64_t out_stride);

@@ -298,6 +298,77 @@ SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8
   }
 }
 
+// q8_0, eight rows at once: the 32 code bytes of each row's block transposed into eight vectors
+// of one dword per row, each multiplied (sign trick) with a broadcast activation dword.
+template <int N>
+SUBSPACE_AVX2 void Dot8RowsQ8_0(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act,
+                                uint64_t act_stride, const int32_t* /*act_sums*/, int64_t n,
+                                float* out, int64_t out_stride) {
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  __m256 acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+  const int64_t blocks_per_row = n / kQuantBlock;
+  const char* next = reinterpret_cast<const char*>(rows + 8 * row_bytes);
+  const int64_t next_lines = static_cast<int64_t>(8 * row_bytes / 64);
+  const int64_t lines_per_block = (next_lines + blocks_per_row - 1) / blocks_per_row;
+  for (int64_t b = 0; b < blocks_per_row; ++b) {
+    for (int64_t i = 0; i < lines_per_block; ++i) {
+      _mm_prefetch(next + (b * lines_per_block + i) * 64, _MM_HINT_T0);
+    }
+    const uint8_t* blocks[8];
+    const uint8_t* codes[8];
+    for (int r = 0; r < 8; ++r) {
+      blocks[r] = rows + r * row_bytes + b * sizeof(BlockQ8_0);
+      codes[r] = blocks[r] + 2;
+    }
+    __m256i words[8];
+    TransposeDwords8x4(codes, words);
+    for (int r = 0; r < 8; ++r) codes[r] += 16;
+    TransposeDwords8x4(codes, words + 4);
+    __m256i abs_words[8];
+    for (int k = 0; k < 8; ++k) abs_words[k] = _mm256_sign_epi8(words[k], words[k]);
+    const __m256 d8 = Halves8(blocks, 0);
+#pragma GCC unroll 4
+    for (int j = 0; j < N; ++j) {
+      const uint8_t* y = act + j * act_stride + b * sizeof(BlockQ8_0);
+      __m256i dots = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        int32_t yk;
+        std::memcpy(&yk, y + 2 + 4 * k, 4);
+        const __m256i products =
+            _mm256_maddubs_epi16(abs_words[k], _mm256_sign_epi8(_mm256_set1_epi32(yk), words[k]));
+        dots = _mm256_add_epi32(dots, _mm256_madd_epi16(products, ones16));
+      }
+      acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(Half(y))), _mm256_cvtepi32_ps(dots),
+                               acc[j]);
+    }
+  }
+  for (int j = 0; j < N; ++j) _mm256_storeu_ps(out + j * out_stride, acc[j]);
+}
+
+SUBSPACE_AVX2 void Dot8RowsQ8_0AnyN(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act,
+                                    uint64_t act_stride, const int32_t* act_sums, int64_t n_act,
+                                    int64_t n, float* out, int64_t out_stride) {
+  int64_t j = 0;
+  for (; j + 4 <= n_act; j += 4) {
+    Dot8RowsQ8_0<4>(rows, row_bytes, act + j * act_stride, act_stride, nullptr, n,
+                    out + j * out_stride, out_stride);
+  }
+  const uint8_t* a = act + j * act_stride;
+  float* o = out + j * out_stride;
+  switch (n_act - j) {
+    case 3:
+      return Dot8RowsQ8_0<3>(rows, row_bytes, a, act_stride, act_sums, n, o, out_stride);
+    case 2:
+      return Dot8RowsQ8_0<2>(rows, row_bytes, a, act_stride, act_sums, n, o, out_stride);
+    case 1:
+      return Dot8RowsQ8_0<1>(rows, row_bytes, a, act_stride, act_sums, n, o, out_stride);
+    default:
+      return;
+  }
+}
+
 // Dot8Rows over any number of activation rows, four at a time.
 template <GgmlType kType>
 SUBSPACE_AVX2 void Dot8RowsAnyN(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act,
@@ -698,6 +769,8 @@ SUBSPACE_AVX2 void DequantizeQ3K(const uint8_t* row, float* out, int64_t n) {
 
 QuantDot8Fn QuantDot8KernelAvx2(GgmlType type) {
   switch (type) {
+    case GgmlType::kQ8_0:
+      return Dot8RowsQ8_0AnyN;
     case GgmlType::kQ4_0:
       return Dot8RowsAnyN<GgmlType::kQ4_0>;
     case GgmlType::kQ4_1:
