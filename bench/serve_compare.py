@@ -48,14 +48,14 @@ def subspace_caller(address, output_tokens):
     tmp = tempfile.mkdtemp()
     pb, pbg = load_stubs(tmp)
     channel = grpc.insecure_channel(address)
-    stub = pbg.SubspaceStub(channel)
+    client = pbg.SubspaceStub(channel)
 
     def call(prompt):
         request = pb.GenerateRequest(
             tokens=pb.TokenIds(ids=prompt),
             sampling=pb.SamplingParams(max_new_tokens=output_tokens, temperature=0.0,
                                        ignore_eos=True))
-        response = stub.Generate(request, timeout=600)
+        response = client.Generate(request, timeout=600)
         return len(response.token_ids)
     return call
 
