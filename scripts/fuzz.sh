@@ -21,6 +21,7 @@ declare -A corpus=(
   [gguf_fuzzer]=gguf
   [basis_file_fuzzer]=basis_file
   [tokenizer_fuzzer]=tokenizer
+  [bpe_tokenizer_fuzzer]=bpe_tokenizer
   [request_fuzzer]=request
 )
 # The GGUF targets get a dictionary of the format's magic and the keys the parsers look for.
@@ -30,7 +31,7 @@ declare -A dict=(
 )
 
 failed=()
-for target in gguf_fuzzer basis_file_fuzzer tokenizer_fuzzer request_fuzzer; do
+for target in gguf_fuzzer basis_file_fuzzer tokenizer_fuzzer bpe_tokenizer_fuzzer request_fuzzer; do
   dir="$work/${corpus[$target]}"
   cp -r "fuzz/corpus/${corpus[$target]}" "$dir"
   args=(-max_total_time="$seconds" -max_len=65536 -timeout=10 -rss_limit_mb=2048

@@ -1,6 +1,7 @@
-// Llama (SentencePiece BPE) tokenizer built from GGUF metadata. Encoding reproduces llama.cpp's
-// llm_tokenizer_spm token for token (the fixture tests hold it to llama.cpp's own vectors);
-// decoding is byte-exact and the stream decoder only ever emits whole UTF-8 code points.
+// Tokenizers built from GGUF metadata. SentencePiece encoding reproduces llama.cpp's
+// llm_tokenizer_spm and byte-level BPE its llm_tokenizer_bpe token for token (the fixture tests
+// hold both to llama.cpp's vocab test vectors); decoding is byte-exact and the stream decoder
+// only ever emits whole UTF-8 code points.
 #include "core/tokenizer/tokenizer.h"
 
 #include <algorithm>
@@ -24,6 +25,13 @@ constexpr std::string_view kModelKey = "tokenizer.ggml.model";
 constexpr std::string_view kTokensKey = "tokenizer.ggml.tokens";
 constexpr std::string_view kScoresKey = "tokenizer.ggml.scores";
 constexpr std::string_view kTypesKey = "tokenizer.ggml.token_type";
+constexpr std::string_view kMergesKey = "tokenizer.ggml.merges";
+constexpr std::string_view kPreKey = "tokenizer.ggml.pre";
+
+// Token texts that end a turn in the common chat formats; llama.cpp treats them as
+// end-of-generation (and as control tokens) whatever the metadata says.
+constexpr std::string_view kEndOfGenerationTexts[] = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>"};
 
 // The system Abseil is built with its own absl::string_view (ABSL_OPTION_USE_STD_STRING_VIEW
 // is 0), which does not convert from std::string_view.
@@ -200,12 +208,24 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& f
 
   absl::StatusOr<std::string> model = file.GetString(kModelKey);
   if (!model.ok()) return Invalid(kModelKey, model.status());
-  if (*model != "llama") {
+  if (*model != "llama" && *model != "gpt2") {
     return absl::InvalidArgumentError(
-        absl::StrCat("unsupported tokenizer model '", *model,
-                     "': only 'llama' (SentencePiece BPE) is implemented"));
+        absl::StrCat("tokenizer.ggml.model: unsupported tokenizer model '", *model,
+                     "': 'llama' (SentencePiece BPE) and 'gpt2' (byte-level BPE) are implemented"));
   }
   tok->model_name_ = *model;
+  const bool spm = *model == "llama";
+  if (!spm) {
+    absl::StatusOr<std::string> pre = file.GetString(kPreKey);
+    if (absl::IsNotFound(pre.status())) {
+      pre = std::string("default");  // llama.cpp's choice for files that name none
+    } else if (!pre.ok()) {
+      return Invalid(kPreKey, pre.status());
+    }
+    absl::StatusOr<Pretokenizer> pretokenizer = Pretokenizer::ForName(*pre);
+    if (!pretokenizer.ok()) return pretokenizer.status();
+    tok->pretokenizer_ = *std::move(pretokenizer);
+  }
 
   absl::StatusOr<std::vector<std::string>> pieces = file.GetStringArray(kTokensKey);
   if (!pieces.ok()) return Invalid(kTokensKey, pieces.status());
@@ -258,23 +278,41 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& f
   }
 
   const auto vocab = static_cast<int64_t>(n);
-  absl::Status status = ReadTokenId(file, "tokenizer.ggml.bos_token_id", 1, vocab, &tok->bos_id_);
+  // Absent ids take llama.cpp's SentencePiece defaults; a gpt2 vocabulary has no such
+  // convention (llama.cpp's 11 is a leftover), so there an absent id means none.
+  absl::Status status =
+      ReadTokenId(file, "tokenizer.ggml.bos_token_id", spm ? 1 : -1, vocab, &tok->bos_id_);
   if (status.ok()) {
-    status = ReadTokenId(file, "tokenizer.ggml.eos_token_id", 2, vocab, &tok->eos_id_);
+    status = ReadTokenId(file, "tokenizer.ggml.eos_token_id", spm ? 2 : -1, vocab, &tok->eos_id_);
   }
   if (status.ok()) {
-    status = ReadTokenId(file, "tokenizer.ggml.unknown_token_id", 0, vocab, &tok->unk_id_);
+    status =
+        ReadTokenId(file, "tokenizer.ggml.unknown_token_id", spm ? 0 : -1, vocab, &tok->unk_id_);
   }
   if (status.ok()) {
     status = ReadTokenId(file, "tokenizer.ggml.eot_token_id", -1, vocab, &tok->eot_id_);
   }
-  if (status.ok()) status = ReadFlag(file, "tokenizer.ggml.add_bos_token", true, &tok->add_bos_);
+  if (status.ok()) {
+    status = ReadTokenId(file, "tokenizer.ggml.eom_token_id", -1, vocab, &tok->eom_id_);
+  }
+  if (status.ok()) {
+    // A family's default asks for BOS only where the vocabulary has one; the key itself must.
+    const bool bos_default = spm || (tok->pretokenizer_->add_bos_by_default() && tok->bos_id_ >= 0);
+    status = ReadFlag(file, "tokenizer.ggml.add_bos_token", bos_default, &tok->add_bos_);
+  }
+  if (status.ok()) status = ReadFlag(file, "tokenizer.ggml.add_eos_token", false, &tok->add_eos_);
   if (status.ok()) {
     status = ReadFlag(file, "tokenizer.ggml.add_space_prefix", true, &tok->add_space_prefix_);
   }
   if (!status.ok()) return status;
+  // Only SentencePiece adds the dummy prefix (llama.cpp reads the key for every model but its
+  // BPE tokenizer ignores it).
+  if (!spm) tok->add_space_prefix_ = false;
   if (tok->add_bos_ && tok->bos_id_ < 0) {
     return absl::InvalidArgumentError("tokenizer.ggml.add_bos_token is set but there is no BOS");
+  }
+  if (tok->add_eos_ && tok->eos_id_ < 0) {
+    return absl::InvalidArgumentError("tokenizer.ggml.add_eos_token is set but there is no EOS");
   }
 
   // Later duplicates win, as in llama.cpp's token_to_id.
@@ -291,6 +329,38 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& f
     if (id < 0) id = tok->LookupPiece(std::string(1, static_cast<char>(b)));
     tok->byte_to_id_[b] = id;
   }
+  for (std::string_view text : kEndOfGenerationTexts) {
+    const int32_t id = tok->LookupPiece(text);
+    if (id < 0) continue;
+    tok->eog_ids_.push_back(id);
+    tok->types_[id] = TokenType::kControl;
+  }
+  for (int32_t id : {tok->eos_id_, tok->eot_id_, tok->eom_id_}) {
+    if (id >= 0) tok->eog_ids_.push_back(id);
+  }
+  std::sort(tok->eog_ids_.begin(), tok->eog_ids_.end());
+  tok->eog_ids_.erase(std::unique(tok->eog_ids_.begin(), tok->eog_ids_.end()), tok->eog_ids_.end());
+
+  if (!spm) {
+    absl::StatusOr<std::vector<std::string>> merges = file.GetStringArray(kMergesKey);
+    if (absl::IsNotFound(merges.status())) {
+      return absl::InvalidArgumentError(
+          "tokenizer.ggml.merges is missing: a gpt2 (byte-level BPE) tokenizer needs its merges");
+    }
+    if (!merges.ok()) return Invalid(kMergesKey, merges.status());
+    std::vector<bool> in_model(n);
+    for (size_t i = 0; i < n; ++i) {
+      in_model[i] =
+          tok->types_[i] != TokenType::kUserDefined && tok->types_[i] != TokenType::kControl;
+    }
+    absl::StatusOr<ByteLevelBpe> bpe = ByteLevelBpe::Build(tok->pieces_, in_model, *merges);
+    if (!bpe.ok()) return bpe.status();
+    tok->bpe_ = *std::move(bpe);
+  }
+
+  tok->token_bytes_.resize(n);
+  for (size_t i = 0; i < n; ++i)
+    tok->token_bytes_[i] = tok->ComputeTokenBytes(static_cast<int32_t>(i));
 
   for (size_t i = 0; i < n; ++i) {
     const TokenType t = tok->types_[i];
@@ -313,7 +383,15 @@ int32_t Tokenizer::LookupPiece(std::string_view piece) const {
 std::vector<int32_t> Tokenizer::Encode(std::string_view text, const EncodeOptions& options) const {
   std::vector<int32_t> out;
   if (options.add_bos && bos_id_ >= 0) out.push_back(bos_id_);
-  if (text.empty()) return out;
+  EncodeText(text, options.parse_special, &out);
+  if (options.add_eos && eos_id_ >= 0) out.push_back(eos_id_);
+  return out;
+}
+
+void Tokenizer::EncodeText(std::string_view text, bool parse_special,
+                           std::vector<int32_t>* out_ids) const {
+  std::vector<int32_t>& out = *out_ids;
+  if (text.empty()) return;
 
   // Cut the text around special-token texts the way llama.cpp's tokenizer_st_partition does:
   // longest token text first over the whole input, each occurrence left to right.
@@ -325,7 +403,7 @@ std::vector<int32_t> Tokenizer::Encode(std::string_view text, const EncodeOption
   std::vector<Fragment> fragments = {{-1, 0, text.size()}};
   std::vector<Fragment> next;
   for (int32_t id : special_ids_) {
-    if (!options.parse_special && types_[id] != TokenType::kUserDefined) continue;
+    if (!parse_special && types_[id] != TokenType::kUserDefined) continue;
     const std::string& special = pieces_[id];
     if (text.find(special) == std::string_view::npos) continue;
     next.clear();
@@ -359,11 +437,21 @@ std::vector<int32_t> Tokenizer::Encode(std::string_view text, const EncodeOption
       after_special = false;
     }
   }
-  return out;
 }
 
-void Tokenizer::EncodeSegment(std::string_view raw, bool add_space_prefix,
+void Tokenizer::EncodeSegment(std::string_view text, bool add_space_prefix,
                               std::vector<int32_t>* out) const {
+  if (!bpe_) {
+    EncodeSentencePiece(text, add_space_prefix, out);
+    return;
+  }
+  for (const ByteSpan& word : pretokenizer_->Split(text)) {
+    bpe_->EncodeWord(text.substr(word.offset, word.length), pretokenizer_->ignore_merges(), out);
+  }
+}
+
+void Tokenizer::EncodeSentencePiece(std::string_view raw, bool add_space_prefix,
+                                    std::vector<int32_t>* out) const {
   std::string text;
   text.reserve(raw.size() + raw.size() / 2 + kSpaceMarker.size());
   if (add_space_prefix) text.append(kSpaceMarker);
@@ -440,11 +528,16 @@ void Tokenizer::EncodeSegment(std::string_view raw, bool add_space_prefix,
   }
 }
 
-std::string Tokenizer::TokenToBytes(int32_t id) const {
-  if (id < 0 || id >= vocab_size()) return "";
+const std::string& Tokenizer::TokenToBytes(int32_t id) const {
+  static const std::string kEmpty;
+  return id < 0 || id >= vocab_size() ? kEmpty : token_bytes_[id];
+}
+
+std::string Tokenizer::ComputeTokenBytes(int32_t id) const {
   const std::string& piece = pieces_[id];
   switch (types_[id]) {
     case TokenType::kNormal: {
+      if (bpe_) return ByteLevelBpe::TextToBytes(piece);
       std::string bytes;
       bytes.reserve(piece.size());
       for (size_t pos = 0; pos < piece.size();) {
@@ -484,7 +577,7 @@ bool Tokenizer::IsControl(int32_t id) const {
 }
 
 bool Tokenizer::IsEndOfGeneration(int32_t id) const {
-  return id >= 0 && (id == eos_id_ || id == eot_id_);
+  return std::binary_search(eog_ids_.begin(), eog_ids_.end(), id);
 }
 
 std::string StreamDecoder::Push(int32_t id) {

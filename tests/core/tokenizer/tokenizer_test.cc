@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "core/gguf/gguf.h"
+#include "tests/core/tokenizer/vocab_cases.h"
 #include "tests/test_util.h"
 
 namespace subspace {
@@ -25,6 +26,7 @@ namespace {
 using ::subspace::testing::FileExists;
 using ::subspace::testing::FixturePath;
 using ::subspace::testing::ReadFileOrDie;
+using ::subspace::testing::VocabCase;
 
 constexpr int32_t kLlamaBos = 1;
 constexpr int32_t kLlamaEos = 2;
@@ -38,36 +40,7 @@ constexpr int32_t kLlamaFirstByte = 3;  // <0x00>; <0xHH> is 3 + 0xHH
 std::string VocabPath() { return FixturePath("gguf/ggml-vocab-llama-spm.gguf"); }
 std::string TinyModelPath() { return FixturePath("gguf/llama-2-tiny-random.gguf"); }
 
-struct VocabCase {
-  std::string input;
-  std::vector<int32_t> ids;
-};
-
-// The .inp/.out pair as llama.cpp's tests/test-tokenizer-0 reads it: inputs are the bytes
-// between occurrences of "\n__ggml_vocab_test__\n" (every input, the last one included, is
-// followed by one), so an input keeps its own inner and leading newlines and may be empty;
-// .out has one line of space-separated ids per input.
-std::vector<VocabCase> ReadVocabCases() {
-  const std::string raw = ReadFileOrDie(VocabPath() + ".inp");
-  const std::string sep = "\n__ggml_vocab_test__\n";
-  std::vector<VocabCase> cases;
-  for (size_t pos = 0; pos < raw.size();) {
-    size_t next = raw.find(sep, pos);
-    if (next == std::string::npos) next = raw.size();
-    cases.push_back({raw.substr(pos, next - pos), {}});
-    pos = next + sep.size();
-  }
-  std::istringstream out(ReadFileOrDie(VocabPath() + ".out"));
-  std::string line;
-  size_t i = 0;
-  for (; std::getline(out, line); ++i) {
-    if (i >= cases.size()) break;
-    std::istringstream ids(line);
-    for (int32_t id; ids >> id;) cases[i].ids.push_back(id);
-  }
-  EXPECT_EQ(i, cases.size()) << ".inp and .out disagree on the number of cases";
-  return cases;
-}
+std::vector<VocabCase> ReadVocabCases() { return ::subspace::testing::ReadVocabCases(VocabPath()); }
 
 // Strict UTF-8 check, written independently of the tokenizer's own scanner.
 bool IsValidUtf8(std::string_view s) {
@@ -526,6 +499,30 @@ TEST(ToyVocabTest, UnknownWithoutByteTokensAndUserDefinedAlwaysParsed) {
   // User-defined tokens are split out even without parse_special, and decode verbatim.
   EXPECT_EQ((*tok)->Encode("a<tool>b", {.add_bos = false}), (std::vector<int32_t>{4, 9, 5}));
   EXPECT_EQ((*tok)->Decode(std::vector<int32_t>{4, 9, 5}), "a<tool>b");
+}
+
+// Phi-3's SentencePiece vocabulary (Llama 2's plus chat tokens such as <|end|>, which ends
+// generation): llama.cpp's vectors too.
+TEST(Phi3VocabTest, MatchesLlamaCppVectors) {
+  const std::string path = FixturePath("gguf/ggml-vocab-phi-3.gguf");
+  SUBSPACE_ASSERT_FIXTURE(path);
+  std::string error;
+  std::unique_ptr<Tokenizer> tok = LoadTokenizer(path, &error);
+  ASSERT_NE(tok, nullptr) << error;
+  EXPECT_EQ(tok->model_name(), "llama");
+  EXPECT_EQ(tok->pre_name(), "");
+  const std::vector<VocabCase> cases = ::subspace::testing::ReadVocabCases(path);
+  ASSERT_GE(cases.size(), 40u);
+  for (const VocabCase& c : cases) {
+    EXPECT_EQ(tok->Encode(c.input, {.add_bos = false}), c.ids) << "input " << Printable(c.input);
+    EXPECT_EQ(tok->Decode(c.ids), c.input) << "input " << Printable(c.input);
+  }
+  constexpr int32_t kEnd = 32007;  // <|end|>
+  EXPECT_EQ(tok->piece(kEnd), "<|end|>");
+  EXPECT_TRUE(tok->IsEndOfGeneration(kEnd));
+  EXPECT_TRUE(tok->IsEndOfGeneration(tok->eos_id()));
+  EXPECT_EQ(tok->Encode("<|end|>", {.add_bos = false, .parse_special = true}),
+            std::vector<int32_t>{kEnd});
 }
 
 TEST(ToyVocabTest, Defaults) {
