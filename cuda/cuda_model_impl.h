@@ -314,8 +314,9 @@ struct CudaLlamaModel::Impl {
       if (st.ok()) st = UploadMatrices({{&src.w_down, "ffn_down"}}, dst.w_down, at);
       if (!st.ok()) return st;
     }
-    const std::vector<float> table =
-        RopeCosSinTable(config.context_length, config.rope_dim, config.rope_theta);
+    absl::StatusOr<RopeSchedule> rope = config.rope();
+    if (!rope.ok()) return rope.status();
+    const std::vector<float> table = RopeCosSinTable(config.context_length, *rope);
     return Upload(rope_table, table.data(), static_cast<int64_t>(table.size() * 4), "rope table");
   }
 

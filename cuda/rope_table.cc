@@ -1,6 +1,6 @@
-// The host-built cos/sin table the RoPE kernel reads: the angles of core/cpu/ops.cc Rope
-// (pos * theta^(-2p/rope_dim) in double, cos and sin in double rounded to float), computed once
-// per model so the device rotates bit-identically to the CPU backend.
+// The host-built cos/sin table the RoPE kernel reads: the angles of cpu::Rope (pos times the
+// schedule's inverse frequency in double, cos and sin in double rounded to float), computed
+// once per model so the device rotates bit-identically to the CPU backend.
 #include "cuda/rope_table.h"
 
 #include <cmath>
@@ -10,25 +10,26 @@
 
 namespace subspace::cuda {
 
-std::vector<float> RopeCosSinTable(int32_t max_position, int32_t rope_dim, float theta) {
-  if (max_position <= 0 || rope_dim <= 0) return {};
-  const int pairs = rope_dim / 2;
-  // The exact expressions of cpu::Rope: any reassociation here would move some angles by an
-  // ulp and break the bit-for-bit agreement the twin test checks.
-  std::vector<double> inv_freq(static_cast<size_t>(pairs));
-  for (int p = 0; p < pairs; ++p) {
-    inv_freq[static_cast<size_t>(p)] = std::pow(static_cast<double>(theta), -2.0 * p / rope_dim);
-  }
+std::vector<float> RopeCosSinTable(int32_t max_position, const RopeSchedule& rope) {
+  if (max_position <= 0 || rope.dim <= 0) return {};
+  const int pairs = rope.dim / 2;
   std::vector<float> table(static_cast<size_t>(max_position) * static_cast<size_t>(pairs) * 2);
   for (int32_t pos = 0; pos < max_position; ++pos) {
     float* row = table.data() + static_cast<size_t>(pos) * static_cast<size_t>(pairs) * 2;
     for (int p = 0; p < pairs; ++p) {
-      const double angle = static_cast<double>(pos) * inv_freq[static_cast<size_t>(p)];
+      // The exact expression of cpu::Rope: any reassociation would move some angles by an ulp
+      // and break the bit-for-bit agreement the twin test checks.
+      const double angle = static_cast<double>(pos) * rope.inv_freq[static_cast<size_t>(p)];
       row[2 * p] = static_cast<float>(std::cos(angle));
       row[2 * p + 1] = static_cast<float>(std::sin(angle));
     }
   }
   return table;
+}
+
+std::vector<float> RopeCosSinTable(int32_t max_position, int32_t rope_dim, float theta) {
+  absl::StatusOr<RopeSchedule> rope = RopeSchedule::Make({.dim = rope_dim, .theta = theta});
+  return rope.ok() ? RopeCosSinTable(max_position, *rope) : std::vector<float>{};
 }
 
 }  // namespace subspace::cuda

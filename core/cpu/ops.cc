@@ -157,14 +157,13 @@ void RmsNorm(const float* x, const float* weight, int64_t n, int64_t dim, float 
   }
 }
 
-void Rope(float* x, int64_t n, int n_heads, int head_dim, int rope_dim, const int64_t* positions,
-          float theta) {
-  const int pairs = std::min(rope_dim, head_dim) / 2;
-  // Angles in double: pos * freq in fp32 loses ~1e-4 rad by position 4096.
-  std::vector<double> inv_freq(pairs);
-  for (int p = 0; p < pairs; ++p) {
-    inv_freq[p] = std::pow(static_cast<double>(theta), -2.0 * p / rope_dim);
-  }
+void Rope(float* x, int64_t n, int n_heads, int head_dim, const RopeSchedule& rope,
+          const int64_t* positions) {
+  const int pairs = std::min(rope.dim, head_dim) / 2;
+  // With kHalves, pair p is (p, p + dim/2); with kAdjacentPairs (2p, 2p + 1).
+  const bool halves = rope.layout == RopeLayout::kHalves;
+  const int stride = halves ? 1 : 2;
+  const int offset = halves ? rope.dim / 2 : 1;
   // Each element costs a few flops more here than in the other ops (and a sincos per pair).
   const bool parallel = n > 1 && n * n_heads * pairs >= kMinParallelElems / 4;
 #pragma omp parallel num_threads(internal::NumThreads()) if (parallel)
@@ -173,7 +172,7 @@ void Rope(float* x, int64_t n, int n_heads, int head_dim, int rope_dim, const in
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
       for (int p = 0; p < pairs; ++p) {
-        const double angle = static_cast<double>(positions[i]) * inv_freq[p];
+        const double angle = static_cast<double>(positions[i]) * rope.inv_freq[p];
         cos_sin[2 * p] = static_cast<float>(std::cos(angle));
         cos_sin[2 * p + 1] = static_cast<float>(std::sin(angle));
       }
@@ -183,13 +182,22 @@ void Rope(float* x, int64_t n, int n_heads, int head_dim, int rope_dim, const in
         for (int p = 0; p < pairs; ++p) {
           const float c = cos_sin[2 * p];
           const float s = cos_sin[2 * p + 1];
-          const float x0 = head[2 * p];
-          const float x1 = head[2 * p + 1];
-          head[2 * p] = x0 * c - x1 * s;
-          head[2 * p + 1] = x0 * s + x1 * c;
+          float* a = head + p * stride;
+          float* b = a + offset;
+          const float x0 = *a;
+          const float x1 = *b;
+          *a = x0 * c - x1 * s;
+          *b = x0 * s + x1 * c;
         }
       }
     }
+  }
+}
+
+void AddBias(float* x, const float* bias, int64_t n, int64_t width) {
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = x + i * width;
+    for (int64_t j = 0; j < width; ++j) row[j] += bias[j];
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "core/base/rope.h"
 #include "core/base/weight.h"
 
 namespace subspace::cpu {
@@ -28,11 +29,14 @@ void Embed(const WeightMatrix& table, const int32_t* tokens, int64_t n, float* o
 // out[i, :] = x[i, :] / rms(x[i, :]) * weight.   x, out: [n, dim]; weight: [dim]
 void RmsNorm(const float* x, const float* weight, int64_t n, int64_t dim, float eps, float* out);
 
-// In-place rotary embedding of the first `rope_dim` dims of every head, adjacent pairs
-// (x[2i], x[2i+1]) rotated by pos * theta^(-2i/rope_dim) (GGUF "llama" convention).
-// x: [n, n_heads, head_dim]; positions: [n]
-void Rope(float* x, int64_t n, int n_heads, int head_dim, int rope_dim, const int64_t* positions,
-          float theta);
+// In-place rotary embedding of the first rope.dim dims of every head: pair i -- (x[2i],
+// x[2i+1]) or (x[i], x[i + dim/2]) by rope.layout -- rotated by pos * rope.inv_freq[i].
+// x: [n, n_heads, head_dim]; positions: [n]; rope.dim <= head_dim.
+void Rope(float* x, int64_t n, int n_heads, int head_dim, const RopeSchedule& rope,
+          const int64_t* positions);
+
+// x[i, :] += bias.   x: [n, width]; bias: [width]
+void AddBias(float* x, const float* bias, int64_t n, int64_t width);
 
 // out[i] = silu(gate[i]) * up[i].   all [n]
 void SwiGlu(const float* gate, const float* up, int64_t n, float* out);

@@ -114,31 +114,33 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(std::shared_ptr<con
   const GgufFile& f = *m->file_;
   const ModelConfig& c = m->config_;
 
-  // A norm weight [dim] as fp32: in place when stored F32 (and aligned), else a copy.
-  const auto map_norm = [&](const std::string& name) -> absl::StatusOr<const float*> {
+  // A vector weight (norm, bias) of `n` values as fp32: in place when stored F32 (and
+  // aligned), else a copy.
+  const auto map_vector = [&](const std::string& name, int64_t n) -> absl::StatusOr<const float*> {
     const GgufTensorInfo* t = f.FindTensor(name);
     if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat("missing tensor ", name));
-    if (t->dims.size() != 1 || t->dims[0] != c.dim) {
+    if (t->dims.size() != 1 || t->dims[0] != n) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("tensor %s must be 1-D of %d elements", name, c.dim));
+          absl::StrFormat("tensor %s must be 1-D of %d elements", name, n));
     }
     if (t->type != GgmlType::kF32 && t->type != GgmlType::kF16 && t->type != GgmlType::kBF16) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "tensor %s has type %s; norms must be F32, F16 or BF16", name, GgmlTypeName(t->type)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tensor %s has type %s; norms and biases must be F32, F16 or BF16", name,
+                          GgmlTypeName(t->type)));
     }
-    if (t->data == nullptr || t->num_bytes != GgmlRowBytes(t->type, c.dim)) {
+    if (t->data == nullptr || t->num_bytes != GgmlRowBytes(t->type, n)) {
       return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has the wrong size"));
     }
     if (t->type == GgmlType::kF32 && reinterpret_cast<uintptr_t>(t->data) % alignof(float) == 0) {
       return reinterpret_cast<const float*>(t->data);
     }
-    std::vector<float>& copy = m->f32_copies_.emplace_back(static_cast<size_t>(c.dim));
-    DequantizeRow(t->type, t->data, copy.data(), c.dim);
+    std::vector<float>& copy = m->f32_copies_.emplace_back(static_cast<size_t>(n));
+    DequantizeRow(t->type, t->data, copy.data(), n);
     return copy.data();
   };
 
-  const int64_t q_width = static_cast<int64_t>(c.n_heads) * c.head_dim;
-  const int64_t kv_width = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
+  const int64_t q_width = c.q_width();
+  const int64_t kv_width = c.kv_width();
   absl::Status status;
   const auto take_matrix = [&](const std::string& name, int64_t rows, int64_t cols,
                                WeightMatrix* out) {
@@ -150,39 +152,79 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(std::shared_ptr<con
       status = w.status();
     }
   };
-  const auto take_norm = [&](const std::string& name, const float** out) {
+  const auto take_vector = [&](const std::string& name, int64_t n, const float** out) {
     if (!status.ok()) return;
-    absl::StatusOr<const float*> p = map_norm(name);
+    absl::StatusOr<const float*> p = map_vector(name, n);
     if (p.ok()) {
       *out = *p;
     } else {
       status = p.status();
     }
   };
+  // Rows [first, first + rows) of a fused matrix, as a view.
+  const auto slice = [](const WeightMatrix& fused, int64_t first, int64_t rows) {
+    WeightMatrix w = fused;
+    w.rows = rows;
+    w.data = static_cast<const uint8_t*>(fused.data) + first * fused.row_bytes();
+    return w;
+  };
 
-  m->f32_copies_.reserve(static_cast<size_t>(2 * c.n_layers + 1));
+  // Norms, biases and copies: reserve so the pointers handed out stay put.
+  m->f32_copies_.reserve(static_cast<size_t>(7 * c.n_layers + 1));
   take_matrix("token_embd.weight", c.n_vocab, c.dim, &m->token_embd_);
   m->layers_.resize(static_cast<size_t>(c.n_layers));
   for (int l = 0; l < c.n_layers; ++l) {
     Layer& layer = m->layers_[static_cast<size_t>(l)];
     const std::string p = absl::StrCat("blk.", l, ".");
-    take_norm(p + "attn_norm.weight", &layer.attn_norm);
-    take_matrix(p + "attn_q.weight", q_width, c.dim, &layer.wq);
-    take_matrix(p + "attn_k.weight", kv_width, c.dim, &layer.wk);
-    take_matrix(p + "attn_v.weight", kv_width, c.dim, &layer.wv);
+    take_vector(p + "attn_norm.weight", c.dim, &layer.attn_norm);
+    if (f.FindTensor(p + "attn_qkv.weight") != nullptr) {  // Phi-3: [q | k | v] rows
+      WeightMatrix qkv;
+      take_matrix(p + "attn_qkv.weight", q_width + 2 * kv_width, c.dim, &qkv);
+      if (status.ok()) {
+        layer.wq = slice(qkv, 0, q_width);
+        layer.wk = slice(qkv, q_width, kv_width);
+        layer.wv = slice(qkv, q_width + kv_width, kv_width);
+      }
+    } else {
+      take_matrix(p + "attn_q.weight", q_width, c.dim, &layer.wq);
+      take_matrix(p + "attn_k.weight", kv_width, c.dim, &layer.wk);
+      take_matrix(p + "attn_v.weight", kv_width, c.dim, &layer.wv);
+    }
+    if (c.qkv_bias) {
+      take_vector(p + "attn_q.bias", q_width, &layer.bq);
+      take_vector(p + "attn_k.bias", kv_width, &layer.bk);
+      take_vector(p + "attn_v.bias", kv_width, &layer.bv);
+    }
+    if (c.qk_norm) {
+      take_vector(p + "attn_q_norm.weight", c.head_dim, &layer.q_norm);
+      take_vector(p + "attn_k_norm.weight", c.head_dim, &layer.k_norm);
+    }
     take_matrix(p + "attn_output.weight", c.dim, q_width, &layer.wo);
-    take_norm(p + "ffn_norm.weight", &layer.ffn_norm);
-    take_matrix(p + "ffn_gate.weight", c.ffn_dim, c.dim, &layer.w_gate);
-    take_matrix(p + "ffn_up.weight", c.ffn_dim, c.dim, &layer.w_up);
+    take_vector(p + "ffn_norm.weight", c.dim, &layer.ffn_norm);
+    if (f.FindTensor(p + "ffn_gate.weight") == nullptr && c.architecture == "phi3") {
+      // Phi-3: ffn_up holds [gate | up] rows.
+      WeightMatrix gate_up;
+      take_matrix(p + "ffn_up.weight", 2 * static_cast<int64_t>(c.ffn_dim), c.dim, &gate_up);
+      if (status.ok()) {
+        layer.w_gate = slice(gate_up, 0, c.ffn_dim);
+        layer.w_up = slice(gate_up, c.ffn_dim, c.ffn_dim);
+      }
+    } else {
+      take_matrix(p + "ffn_gate.weight", c.ffn_dim, c.dim, &layer.w_gate);
+      take_matrix(p + "ffn_up.weight", c.ffn_dim, c.dim, &layer.w_up);
+    }
     take_matrix(p + "ffn_down.weight", c.dim, c.ffn_dim, &layer.w_down);
   }
-  take_norm("output_norm.weight", &m->output_norm_);
+  take_vector("output_norm.weight", c.dim, &m->output_norm_);
   if (c.tied_output) {
     m->output_ = m->token_embd_;
   } else {
     take_matrix("output.weight", c.n_vocab, c.dim, &m->output_);
   }
   if (!status.ok()) return status;
+  absl::StatusOr<RopeSchedule> rope = c.rope();
+  if (!rope.ok()) return rope.status();
+  m->rope_ = *std::move(rope);
   return m;
 }
 
@@ -226,8 +268,8 @@ absl::Status LlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBa
     row += n;
   }
   const int64_t dim = c.dim;
-  const int64_t q_width = static_cast<int64_t>(c.n_heads) * c.head_dim;
-  const int64_t kv_width = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
+  const int64_t q_width = c.q_width();
+  const int64_t kv_width = c.kv_width();
   for (size_t ci = 0; ci < batch.size(); ++ci) {
     const int64_t first = ws.chunk_first[ci];
     ws.requests.push_back({batch[ci].seq, batch[ci].pos,
@@ -247,11 +289,21 @@ absl::Status LlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBa
     cpu::MatMul(layer.wq, xn, t_rows, ws.q.data());
     cpu::MatMul(layer.wk, xn, t_rows, ws.k.data());
     cpu::MatMul(layer.wv, xn, t_rows, ws.v.data());
-    // GGUF stores Q/K rows permuted for adjacent-pair RoPE, so no un-permute here.
-    cpu::Rope(ws.q.data(), t_rows, c.n_heads, c.head_dim, c.rope_dim, ws.positions.data(),
-              c.rope_theta);
-    cpu::Rope(ws.k.data(), t_rows, c.n_kv_heads, c.head_dim, c.rope_dim, ws.positions.data(),
-              c.rope_theta);
+    if (layer.bq != nullptr) {
+      cpu::AddBias(ws.q.data(), layer.bq, t_rows, q_width);
+      cpu::AddBias(ws.k.data(), layer.bk, t_rows, kv_width);
+      cpu::AddBias(ws.v.data(), layer.bv, t_rows, kv_width);
+    }
+    if (layer.q_norm != nullptr) {  // per head, in place
+      cpu::RmsNorm(ws.q.data(), layer.q_norm, t_rows * c.n_heads, c.head_dim, c.rms_eps,
+                   ws.q.data());
+      cpu::RmsNorm(ws.k.data(), layer.k_norm, t_rows * c.n_kv_heads, c.head_dim, c.rms_eps,
+                   ws.k.data());
+    }
+    // GGUF "llama" files store Q/K rows permuted for adjacent-pair RoPE, the other families
+    // rotate halves: the schedule knows which.
+    cpu::Rope(ws.q.data(), t_rows, c.n_heads, c.head_dim, rope_, ws.positions.data());
+    cpu::Rope(ws.k.data(), t_rows, c.n_kv_heads, c.head_dim, rope_, ws.positions.data());
     for (size_t ci = 0; ci < batch.size(); ++ci) {
       const int64_t first = ws.chunk_first[ci];
       cache.Write(l, batch[ci].seq, batch[ci].pos, static_cast<int64_t>(batch[ci].tokens.size()),

@@ -1,5 +1,7 @@
 // Llama-family decoder forward pass on the CPU backend (the ModelRunner of --device cpu):
-// RMSNorm, RoPE, GQA attention through a KvCache, SwiGLU, tied or separate output. One Forward
+// RMSNorm, RoPE, GQA attention through a KvCache, SwiGLU, tied or separate output; with
+// Qwen2's Q/K/V biases, Qwen3's per-head Q/K norms and Phi-3's fused QKV and gate-up tensors
+// (read as row slices of the fused matrix, no copy). One Forward
 // call is one engine step: any mix of prefill chunks and single-token decodes of many
 // sequences, batched through every matmul.
 #ifndef SUBSPACE_CORE_MODEL_MODEL_H_
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/base/rope.h"
 #include "core/base/weight.h"
 #include "core/gguf/gguf.h"
 #include "core/kvcache/kv_cache.h"
@@ -33,6 +36,11 @@ class LlamaModel final : public ModelRunner {
   struct Layer {
     const float* attn_norm = nullptr;   // [dim]
     WeightMatrix wq, wk, wv, wo;        // [n_heads*hd, dim], [n_kv*hd, dim] x2, [dim, n_heads*hd]
+    const float* bq = nullptr;          // [n_heads*hd] (Qwen2), or null
+    const float* bk = nullptr;          // [n_kv*hd], or null
+    const float* bv = nullptr;          // [n_kv*hd], or null
+    const float* q_norm = nullptr;      // [hd] (Qwen3), or null
+    const float* k_norm = nullptr;      // [hd], or null
     const float* ffn_norm = nullptr;    // [dim]
     WeightMatrix w_gate, w_up, w_down;  // [ffn, dim] x2, [dim, ffn]
   };
@@ -58,6 +66,7 @@ class LlamaModel final : public ModelRunner {
   const float* output_norm_ = nullptr;
   WeightMatrix output_;
   std::vector<Layer> layers_;
+  RopeSchedule rope_;
   std::vector<std::vector<float>> f32_copies_;  // norm weights stored as F16/BF16 in the file
   std::unique_ptr<Workspace> ws_;
 };

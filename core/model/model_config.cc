@@ -1,4 +1,4 @@
-// ModelConfig::FromGguf: the llama.* hyper-parameters of a GGUF file, with the defaults
+// ModelConfig::FromGguf: the <arch>.* hyper-parameters of a GGUF file, with the defaults
 // llama.cpp applies and the consistency checks the forward pass relies on (so a bad file is
 // an INVALID_ARGUMENT naming the key, never an out-of-bounds read later).
 #include <cmath>
@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/base/ggml_types.h"
 #include "core/gguf/gguf.h"
 #include "core/model/model.h"
 
@@ -62,72 +63,128 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
     return absl::InvalidArgumentError(
         absl::StrCat("general.architecture: ", arch.status().message()));
   }
-  if (*arch != "llama") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("general.architecture is \"", *arch, "\"; only \"llama\" is supported"));
+  // The decoder families the forward pass runs: the Llama block, plus Qwen2's Q/K/V biases,
+  // Qwen3's per-head Q/K norms and Phi-3's fused tensors (model.cc), all but Llama's with the
+  // halves RoPE layout (their converters do not permute Q/K for adjacent pairs).
+  if (*arch == "llama") {
+    c.rope_layout = RopeLayout::kAdjacentPairs;
+  } else if (*arch == "qwen2") {
+    c.rope_layout = RopeLayout::kHalves;
+    c.qkv_bias = true;
+  } else if (*arch == "qwen3") {
+    c.rope_layout = RopeLayout::kHalves;
+    c.qk_norm = true;
+  } else if (*arch == "phi3") {
+    c.rope_layout = RopeLayout::kHalves;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "general.architecture is \"", *arch,
+        "\"; supported: \"llama\" (Llama 1-3, Mistral), \"qwen2\", \"qwen3\", \"phi3\""));
   }
   c.architecture = *arch;
+  const std::string k = *arch + ".";
+  // Q/K/V biases: Qwen2 always has them; any other Llama-style file may.
+  c.qkv_bias = c.qkv_bias || file.FindTensor("blk.0.attn_q.bias") != nullptr;
   if (absl::StatusOr<std::string> name = file.GetString("general.name"); name.ok()) {
     c.name = *name;
   }
 
-  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.dim, PositiveInt(file, "llama.embedding_length"));
-  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.n_layers, PositiveInt(file, "llama.block_count"));
-  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.ffn_dim, PositiveInt(file, "llama.feed_forward_length"));
-  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.n_heads, PositiveInt(file, "llama.attention.head_count"));
+  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.dim, PositiveInt(file, k + "embedding_length"));
+  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.n_layers, PositiveInt(file, k + "block_count"));
+  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.ffn_dim, PositiveInt(file, k + "feed_forward_length"));
+  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.n_heads, PositiveInt(file, k + "attention.head_count"));
   SUBSPACE_ASSIGN_OR_RETURN_CFG(c.n_kv_heads,
-                                PositiveInt(file, "llama.attention.head_count_kv", c.n_heads));
-  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.context_length, PositiveInt(file, "llama.context_length"));
-  if (c.dim % c.n_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "llama.attention.head_count = %d does not divide llama.embedding_length = %d", c.n_heads,
-        c.dim));
+                                PositiveInt(file, k + "attention.head_count_kv", c.n_heads));
+  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.context_length, PositiveInt(file, k + "context_length"));
+  // Sliding-window attention (Mistral v0.1, Phi-3): the attention kernels see every cached
+  // token, so the context is capped at the window, inside which the results are exact. Old
+  // Phi-3 4k files lack the key; llama.cpp's default for them is 2047.
+  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.sliding_window,
+                                PositiveInt(file, k + "attention.sliding_window", 0));
+  if (*arch == "phi3" && c.sliding_window == 0 && c.context_length == 4096) {
+    int layers = c.n_layers;
+    if (layers == 32 || layers == 40) c.sliding_window = 2047;
+  }
+  if (c.sliding_window > 0 && c.sliding_window < c.context_length) {
+    c.context_length = c.sliding_window;
   }
   if (c.n_heads % c.n_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "llama.attention.head_count_kv = %d does not divide llama.attention.head_count = %d",
-        c.n_kv_heads, c.n_heads));
+        "%sattention.head_count_kv = %d does not divide %sattention.head_count = %d", k,
+        c.n_kv_heads, k, c.n_heads));
   }
-  c.head_dim = c.dim / c.n_heads;
-  // Models whose head width is not dim / n_heads (Gemma-style) need a different layout.
-  for (const char* key : {"llama.attention.key_length", "llama.attention.value_length"}) {
-    int width = 0;
-    SUBSPACE_ASSIGN_OR_RETURN_CFG(width, PositiveInt(file, key, c.head_dim));
-    if (width != c.head_dim) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s = %d differs from embedding_length / head_count = %d", key, width, c.head_dim));
-    }
+  // The head width: key_length where given (Qwen3's 128 with 1024 / 16 = 64), else
+  // embedding_length / head_count, which must then divide evenly.
+  const bool has_key_length = file.Find(k + "attention.key_length") != nullptr;
+  if (!has_key_length && c.dim % c.n_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%sattention.head_count = %d does not divide %sembedding_length = %d", k,
+                        c.n_heads, k, c.dim));
+  }
+  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.head_dim, PositiveInt(file, k + "attention.key_length",
+                                                        has_key_length ? -1 : c.dim / c.n_heads));
+  int value_length = 0;
+  SUBSPACE_ASSIGN_OR_RETURN_CFG(value_length,
+                                PositiveInt(file, k + "attention.value_length", c.head_dim));
+  if (value_length != c.head_dim) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%sattention.value_length = %d differs from key_length = %d (MLA-style heads are not "
+        "supported)",
+        k, value_length, c.head_dim));
+  }
+  if (static_cast<int64_t>(c.n_heads) * c.head_dim > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("attention width overflows");
   }
   SUBSPACE_ASSIGN_OR_RETURN_CFG(c.rope_dim,
-                                PositiveInt(file, "llama.rope.dimension_count", c.head_dim));
+                                PositiveInt(file, k + "rope.dimension_count", c.head_dim));
   if (c.rope_dim > c.head_dim || c.rope_dim % 2 != 0) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("llama.rope.dimension_count = %d must be even and at most head_dim = %d",
+        absl::StrFormat("%srope.dimension_count = %d must be even and at most head_dim = %d", k,
                         c.rope_dim, c.head_dim));
   }
-  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.rope_theta, PositiveFloat(file, "llama.rope.freq_base", 1e4f));
-  SUBSPACE_ASSIGN_OR_RETURN_CFG(
-      c.rms_eps, PositiveFloat(file, "llama.attention.layer_norm_rms_epsilon", 1e-5f));
+  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.rope_theta, PositiveFloat(file, k + "rope.freq_base", 1e4f));
+  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.rms_eps,
+                                PositiveFloat(file, k + "attention.layer_norm_rms_epsilon", 1e-5f));
 
-  // Position scaling (linear, YaRN, Llama-3 frequency factors) changes the rotation angles;
-  // the CPU Rope implements the plain schedule only, so refuse rather than mis-rotate.
-  if (absl::StatusOr<std::string> scaling = file.GetString("llama.rope.scaling.type");
+  // Position scaling: linear interpolation divides every angle by the factor; YaRN and
+  // LongRoPE blend per-frequency and are refused rather than mis-rotated.
+  if (absl::StatusOr<std::string> scaling = file.GetString(k + "rope.scaling.type");
       scaling.ok() && *scaling != "none") {
     float factor = 1.0f;
-    SUBSPACE_ASSIGN_OR_RETURN_CFG(factor, PositiveFloat(file, "llama.rope.scaling.factor", 1.0f));
-    if (factor != 1.0f) {
+    SUBSPACE_ASSIGN_OR_RETURN_CFG(factor, PositiveFloat(file, k + "rope.scaling.factor", 1.0f));
+    if (*scaling == "linear") {
+      c.rope_freq_scale = 1.0f / factor;
+    } else if (factor != 1.0f) {
       return absl::UnimplementedError(absl::StrFormat(
-          "llama.rope.scaling.type = %s (factor %g) is not supported", *scaling, factor));
+          "%srope.scaling.type = %s (factor %g) is not supported; linear is", k, *scaling, factor));
     }
   }
-  if (file.FindTensor("rope_freqs.weight") != nullptr) {
-    return absl::UnimplementedError("rope_freqs.weight (RoPE frequency factors) is not supported");
+  for (const char* longrope : {"rope_factors_long.weight", "rope_factors_short.weight"}) {
+    if (file.FindTensor(longrope) != nullptr) {
+      return absl::UnimplementedError(
+          absl::StrCat(longrope, ": LongRoPE (Phi-3 128k) is not supported"));
+    }
+  }
+  // Llama 3.x: per-pair frequency divisors in a tensor of rope_dim / 2 values.
+  if (const GgufTensorInfo* t = file.FindTensor("rope_freqs.weight"); t != nullptr) {
+    if (t->dims.size() != 1 || t->dims[0] != c.rope_dim / 2 ||
+        (t->type != GgmlType::kF32 && t->type != GgmlType::kF16) || t->data == nullptr ||
+        t->num_bytes != GgmlRowBytes(t->type, c.rope_dim / 2)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rope_freqs.weight must be F32 or F16 with rope.dimension_count / 2 = %d values",
+          c.rope_dim / 2));
+    }
+    c.rope_freq_factors.resize(static_cast<size_t>(c.rope_dim / 2));
+    DequantizeRow(t->type, t->data, c.rope_freq_factors.data(), c.rope_dim / 2);
+  }
+  if (absl::StatusOr<RopeSchedule> rope = c.rope(); !rope.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(k, "rope: ", rope.status().message()));
   }
 
-  // The vocabulary is the embedding's row count; llama.vocab_size, when present, must agree.
+  // The vocabulary is the embedding's row count; <arch>.vocab_size, when present, must agree.
   const GgufTensorInfo* embd = file.FindTensor("token_embd.weight");
   int vocab_key = 0;
-  SUBSPACE_ASSIGN_OR_RETURN_CFG(vocab_key, PositiveInt(file, "llama.vocab_size", 0));
+  SUBSPACE_ASSIGN_OR_RETURN_CFG(vocab_key, PositiveInt(file, k + "vocab_size", 0));
   if (embd != nullptr) {
     if (embd->dims.size() != 2 || embd->dims[1] <= 0 ||
         embd->dims[1] > std::numeric_limits<int32_t>::max()) {
@@ -136,17 +193,25 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
     c.n_vocab = static_cast<int>(embd->dims[1]);
     if (vocab_key != 0 && vocab_key != c.n_vocab) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "llama.vocab_size = %d differs from token_embd.weight rows = %d", vocab_key, c.n_vocab));
+          "%svocab_size = %d differs from token_embd.weight rows = %d", k, vocab_key, c.n_vocab));
     }
   } else {
     c.n_vocab = vocab_key;
   }
   if (c.n_vocab <= 0) {
     return absl::InvalidArgumentError(
-        "vocabulary size unknown: no token_embd.weight and no llama.vocab_size");
+        absl::StrCat("vocabulary size unknown: no token_embd.weight and no ", k, "vocab_size"));
   }
   c.tied_output = file.FindTensor("output.weight") == nullptr;
   return c;
+}
+
+absl::StatusOr<RopeSchedule> ModelConfig::rope() const {
+  return RopeSchedule::Make({.dim = rope_dim,
+                             .theta = rope_theta,
+                             .layout = rope_layout,
+                             .freq_scale = rope_freq_scale,
+                             .freq_factors = rope_freq_factors});
 }
 
 #undef SUBSPACE_ASSIGN_OR_RETURN_CFG

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/base/rope.h"
 #include "core/gguf/gguf.h"
 #include "core/kvcache/kv_cache.h"
 #include "core/model/sampler.h"
@@ -18,24 +19,36 @@
 namespace subspace {
 
 struct ModelConfig {
-  std::string architecture;  // "llama"
+  // general.architecture: "llama" (also Mistral, Llama 3), "qwen2", "qwen3" or "phi3".
+  std::string architecture;
   std::string name;
   int n_vocab = 0;
   int dim = 0;  // embedding width
   int n_layers = 0;
   int n_heads = 0;
   int n_kv_heads = 0;
-  int head_dim = 0;  // dim / n_heads
+  int head_dim = 0;  // attention.key_length; dim / n_heads when absent (Qwen3 differs)
   int ffn_dim = 0;
-  int context_length = 0;
-  int rope_dim = 0;  // dims rotated per head (rope.dimension_count, default head_dim)
+  int context_length = 0;  // capped at sliding_window when that is smaller
+  int sliding_window = 0;  // attention.sliding_window, 0 for none
+  int rope_dim = 0;        // dims rotated per head (rope.dimension_count, default head_dim)
   float rope_theta = 10000.0f;
+  RopeLayout rope_layout = RopeLayout::kAdjacentPairs;  // kHalves for qwen2, qwen3, phi3
+  float rope_freq_scale = 1.0f;                         // 1 / rope.scaling.factor (linear)
+  std::vector<float> rope_freq_factors;                 // rope_freqs.weight (Llama 3.x), or none
   float rms_eps = 1e-5f;
   bool tied_output = false;  // output.weight absent: reuse token_embd
+  bool qkv_bias = false;     // attn_{q,k,v}.bias (Qwen2)
+  bool qk_norm = false;      // attn_{q,k}_norm.weight: RMSNorm per head before RoPE (Qwen3)
 
-  // Reads llama.* metadata; INVALID_ARGUMENT naming the key when missing or inconsistent.
+  // Reads <arch>.* metadata; INVALID_ARGUMENT naming the key when missing or inconsistent,
+  // UNIMPLEMENTED for what the forward pass does not do (another architecture, YaRN).
   static absl::StatusOr<ModelConfig> FromGguf(const GgufFile& file);
   KvCacheGeometry cache_geometry() const { return {n_layers, n_kv_heads, head_dim}; }
+  int q_width() const { return n_heads * head_dim; }
+  int kv_width() const { return n_kv_heads * head_dim; }
+  // The RoPE schedule both backends rotate by (FromGguf has checked it can be made).
+  absl::StatusOr<RopeSchedule> rope() const;
 };
 
 // One sequence's part of a step: tokens at positions [pos, pos + tokens.size()).

@@ -161,8 +161,9 @@ TEST(LayerOpsRefTest, RopeSplitQkvMatchesCpuRopeBitForBit) {
       std::memcpy(want_v.data() + i * nkv, row + nq + nkv, sizeof(float) * nkv);
     }
     const std::vector<int64_t> pos64(c.positions.begin(), c.positions.end());
-    cpu::Rope(want_q.data(), n, s.n_heads, s.head_dim, s.rope_dim, pos64.data(), s.theta);
-    cpu::Rope(want_k.data(), n, s.n_kv, s.head_dim, s.rope_dim, pos64.data(), s.theta);
+    const RopeSchedule rope = *RopeSchedule::Make({.dim = s.rope_dim, .theta = s.theta});
+    cpu::Rope(want_q.data(), n, s.n_heads, s.head_dim, rope, pos64.data());
+    cpu::Rope(want_k.data(), n, s.n_kv, s.head_dim, rope, pos64.data());
 
     std::vector<float> q(want_q.size(), -7.0f), k(want_k.size(), -7.0f), v(want_v.size(), -7.0f);
     RopeSplitQkvRef({c.qkv.data(), c.positions.data(), c.table.data(), q.data(), k.data(), v.data(),
@@ -197,13 +198,14 @@ TEST(LayerOpsRefTest, RopeCosSinTableHoldsCpuRopeAngles) {
   for (const auto& [rope_dim, theta] :
        {std::pair{128, 10000.0f}, std::pair{64, 500000.0f}, std::pair{6, 1e6f}}) {
     const int max_position = 4100, pairs = rope_dim / 2;
-    const std::vector<float> table = cuda::RopeCosSinTable(max_position, rope_dim, theta);
+    const RopeSchedule rope = *RopeSchedule::Make({.dim = rope_dim, .theta = theta});
+    const std::vector<float> table = cuda::RopeCosSinTable(max_position, rope);
     ASSERT_EQ(table.size(), static_cast<size_t>(max_position) * rope_dim);
     std::vector<int64_t> positions(max_position);
     for (int i = 0; i < max_position; ++i) positions[i] = i;
     std::vector<float> unit(static_cast<size_t>(max_position) * rope_dim, 0.0f);
     for (size_t j = 0; j < unit.size(); j += 2) unit[j] = 1.0f;
-    cpu::Rope(unit.data(), max_position, 1, rope_dim, rope_dim, positions.data(), theta);
+    cpu::Rope(unit.data(), max_position, 1, rope_dim, rope, positions.data());
     ASSERT_EQ(0, std::memcmp(unit.data(), table.data(), table.size() * sizeof(float)))
         << "rope_dim " << rope_dim;
     // Spot values against long double: position 0 is the identity, the last pair turns slowest.

@@ -221,20 +221,33 @@ def read_gguf(path):
 
 
 class LlamaNumpy:
-    """The model as float64 arrays; forward(tokens) -> logits [n, n_vocab]."""
+    """The model as float64 arrays; forward(tokens) -> logits [n, n_vocab].
+
+    Architectures: "llama" (RoPE on adjacent pairs, the GGUF converter's permuted Q/K; Llama 3
+    frequency factors, linear scaling), "qwen2" (Q/K/V biases), "qwen3" (per-head Q/K RMSNorm,
+    key_length heads), "phi3" (fused attn_qkv and ffn_up = [gate | up]); all but llama rotate
+    halves (x[i], x[i + rope_dim/2]).
+    """
 
     def __init__(self, path):
         meta, t, types = read_gguf(path)
-        if meta["general.architecture"] != "llama":
-            raise ValueError("not a llama model")
-        self.dim = int(meta["llama.embedding_length"])
-        self.n_layers = int(meta["llama.block_count"])
-        self.n_heads = int(meta["llama.attention.head_count"])
-        self.n_kv = int(meta.get("llama.attention.head_count_kv", self.n_heads))
-        self.head_dim = self.dim // self.n_heads
-        self.rope_dim = int(meta.get("llama.rope.dimension_count", self.head_dim))
-        self.theta = float(meta.get("llama.rope.freq_base", 10000.0))
-        self.eps = float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5))
+        arch = meta["general.architecture"]
+        if arch not in ("llama", "qwen2", "qwen3", "phi3"):
+            raise ValueError("unsupported architecture %s" % arch)
+        k = arch + "."
+        self.dim = int(meta[k + "embedding_length"])
+        self.n_layers = int(meta[k + "block_count"])
+        self.n_heads = int(meta[k + "attention.head_count"])
+        self.n_kv = int(meta.get(k + "attention.head_count_kv", self.n_heads))
+        self.head_dim = int(meta.get(k + "attention.key_length", self.dim // self.n_heads))
+        self.rope_dim = int(meta.get(k + "rope.dimension_count", self.head_dim))
+        self.theta = float(meta.get(k + "rope.freq_base", 10000.0))
+        self.eps = float(meta.get(k + "attention.layer_norm_rms_epsilon", 1e-5))
+        self.halves = arch != "llama"
+        self.freq_scale = 1.0
+        if meta.get(k + "rope.scaling.type") == "linear":
+            self.freq_scale = 1.0 / float(meta[k + "rope.scaling.factor"])
+        self.freq_factors = t.get("rope_freqs.weight")                  # [rope_dim / 2] or None
         self.embd = t["token_embd.weight"]                     # [vocab, dim]
         out_name = "output.weight" if "output.weight" in t else "token_embd.weight"  # tied
         self.output = _Matrix(t[out_name], types[out_name])    # [vocab, dim]
@@ -242,25 +255,37 @@ class LlamaNumpy:
         self.layers = []
         for i in range(self.n_layers):
             p = "blk.%d." % i
-            layer = {k: t[p + k + ".weight"] for k in ("attn_norm", "ffn_norm")}
-            for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                      "ffn_down"):
-                layer[k] = _Matrix(t[p + k + ".weight"], types[p + k + ".weight"])
+            layer = {k2: t[p + k2 + ".weight"] for k2 in ("attn_norm", "ffn_norm")}
+            names = ["attn_output", "ffn_down"]
+            names += ["attn_qkv"] if p + "attn_qkv.weight" in t else ["attn_q", "attn_k", "attn_v"]
+            names += ["ffn_gate", "ffn_up"] if p + "ffn_gate.weight" in t else ["ffn_gate_up"]
+            for k2 in names:
+                tensor = "ffn_up" if k2 == "ffn_gate_up" else k2
+                layer[k2] = _Matrix(t[p + tensor + ".weight"], types[p + tensor + ".weight"])
+            for k2 in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight",
+                       "attn_k_norm.weight"):
+                layer[k2] = t.get(p + k2)
             self.layers.append(layer)
 
     def _rms_norm(self, x, w):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
 
     def _rope(self, x, positions):
-        """x: [n, heads, head_dim]; rotates adjacent pairs (2i, 2i+1) of the first rope_dim."""
+        """x: [n, heads, head_dim]; rotates pairs of the first rope_dim dims by pos * freq."""
         half = self.rope_dim // 2
-        inv_freq = self.theta ** (-2.0 * np.arange(half) / self.rope_dim)   # [half]
+        inv_freq = self.freq_scale * self.theta ** (-2.0 * np.arange(half) / self.rope_dim)
+        if self.freq_factors is not None:
+            inv_freq = inv_freq / self.freq_factors
         ang = positions[:, None].astype(np.float64) * inv_freq[None, :]     # [n, half]
         cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
         out = x.copy()
-        x0, x1 = x[..., 0:self.rope_dim:2], x[..., 1:self.rope_dim:2]
-        out[..., 0:self.rope_dim:2] = x0 * cos - x1 * sin
-        out[..., 1:self.rope_dim:2] = x0 * sin + x1 * cos
+        if self.halves:
+            a, b = slice(0, half), slice(half, self.rope_dim)
+        else:
+            a, b = slice(0, self.rope_dim, 2), slice(1, self.rope_dim, 2)
+        x0, x1 = x[..., a], x[..., b]
+        out[..., a] = x0 * cos - x1 * sin
+        out[..., b] = x0 * sin + x1 * cos
         return out
 
     def forward(self, tokens):
@@ -268,13 +293,24 @@ class LlamaNumpy:
         n = len(tokens)
         pos = np.arange(n)
         hd, group = self.head_dim, self.n_heads // self.n_kv
+        qw, kvw = self.n_heads * hd, self.n_kv * hd
         causal = np.tril(np.ones((n, n), dtype=bool))
         x = self.embd[tokens]                                               # [n, dim]
         for L in self.layers:
             h = self._rms_norm(x, L["attn_norm"])
-            q = self._rope((h @ L["attn_q"]).reshape(n, self.n_heads, hd), pos)
-            k = self._rope((h @ L["attn_k"]).reshape(n, self.n_kv, hd), pos)
-            v = (h @ L["attn_v"]).reshape(n, self.n_kv, hd)
+            if "attn_qkv" in L:
+                qkv = h @ L["attn_qkv"]
+                q, k, v = qkv[:, :qw], qkv[:, qw:qw + kvw], qkv[:, qw + kvw:]
+            else:
+                q, k, v = h @ L["attn_q"], h @ L["attn_k"], h @ L["attn_v"]
+            if L["attn_q.bias"] is not None:
+                q, k, v = q + L["attn_q.bias"], k + L["attn_k.bias"], v + L["attn_v.bias"]
+            q, k = q.reshape(n, self.n_heads, hd), k.reshape(n, self.n_kv, hd)
+            if L["attn_q_norm.weight"] is not None:
+                q = self._rms_norm(q, L["attn_q_norm.weight"])
+                k = self._rms_norm(k, L["attn_k_norm.weight"])
+            q, k = self._rope(q, pos), self._rope(k, pos)
+            v = v.reshape(n, self.n_kv, hd)
             attn = np.empty((n, self.n_heads, hd))
             for head in range(self.n_heads):
                 kv = head // group
@@ -282,8 +318,13 @@ class LlamaNumpy:
                 s = np.where(causal, s, -np.inf)
                 s = np.exp(s - s.max(axis=1, keepdims=True))
                 attn[:, head, :] = (s / s.sum(axis=1, keepdims=True)) @ v[:, kv, :]
-            x = x + attn.reshape(n, self.dim) @ L["attn_output"]
+            x = x + attn.reshape(n, qw) @ L["attn_output"]
             h = self._rms_norm(x, L["ffn_norm"])
-            gate, up = h @ L["ffn_gate"], h @ L["ffn_up"]
+            if "ffn_gate_up" in L:
+                gate_up = h @ L["ffn_gate_up"]
+                half = gate_up.shape[1] // 2
+                gate, up = gate_up[:, :half], gate_up[:, half:]
+            else:
+                gate, up = h @ L["ffn_gate"], h @ L["ffn_up"]
             x = x + (gate / (1.0 + np.exp(-gate)) * up) @ L["ffn_down"]
         return self._rms_norm(x, self.output_norm) @ self.output           # [n, vocab]

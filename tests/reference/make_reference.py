@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes the fixtures of the model reference tests: small random-weight Llama GGUFs (written
+"""Writes the fixtures of the model reference tests: small random-weight Llama, Qwen2, Qwen3 and
+Phi-3 GGUFs (written
 with tools/gguf_writer.py) and their float64 NumPy logits (tests/reference/llama_numpy.py).
 
     make_reference.py --out DIR
@@ -75,6 +76,21 @@ MODELS = {
                                                 "token_embd": TensorType.Q8_0},
                        TensorType.F32, QTOL),
 }
+# The other architectures (general.architecture and what comes with it): the halves RoPE
+# layout with Qwen2's biases and a tied output, Qwen3's per-head Q/K norms on heads wider than
+# dim / n_heads, Phi-3's fused QKV and gate-up, Llama 3's RoPE frequency factors, linear RoPE
+# scaling.
+MODELS.update({
+    "qwen2_f32": (dict(arch="qwen2", theta=1e6, tied=True, eps=1e-6), TensorType.F32,
+                  TensorType.F32, 1e-4),
+    "qwen2_q8_0": (dict(arch="qwen2", theta=1e6), TensorType.Q8_0, TensorType.F32, QTOL),
+    "qwen3_f16": (dict(arch="qwen3", key_length=32, rope_dim=32, theta=1e6, eps=1e-6),
+                  TensorType.F16, TensorType.F32, 1e-4),
+    "phi3_f32": (dict(arch="phi3", n_kv=4), TensorType.F32, TensorType.F32, 1e-4),
+    "llama3_freqs_f32": (dict(theta=500000.0, rope_freqs=True), TensorType.F32, TensorType.F32,
+                         1e-4),
+    "llama_linear_f32": (dict(linear_scale=4.0), TensorType.F32, TensorType.F32, 1e-4),
+})
 PROMPT_LENGTHS = {"long": 48, "short": 11}
 GREEDY_PROMPT, GREEDY_STEPS = 6, 10
 
@@ -94,7 +110,9 @@ def tokenizer_metadata(w, vocab):
 
 def write_model(path, name, cfg, mtype, ntype, seed):
     rng = np.random.default_rng(seed)
-    hd = cfg["dim"] // cfg["n_heads"]
+    arch = cfg.get("arch", "llama")
+    hd = cfg.get("key_length", cfg["dim"] // cfg["n_heads"])
+    qw, kvw = cfg["n_heads"] * hd, cfg["n_kv"] * hd
     types = mtype if isinstance(mtype, dict) else {"default": mtype}
 
     def mtype_of(role):
@@ -106,39 +124,70 @@ def write_model(path, name, cfg, mtype, ntype, seed):
         std *= np.sqrt(64.0 / cols)
         return (rng.standard_normal((rows, cols)) * std).astype(np.float32)
 
-    def norm():
-        return (1.0 + 0.2 * rng.standard_normal(cfg["dim"])).astype(np.float32)
+    def norm(n=None):
+        return (1.0 + 0.2 * rng.standard_normal(n or cfg["dim"])).astype(np.float32)
 
+    def vec(n, std):
+        return (rng.standard_normal(n) * std).astype(np.float32)
+
+    k = arch + "."
     w = GgufWriter(path)
-    w.add_string("general.architecture", "llama")
+    w.add_string("general.architecture", arch)
     w.add_string("general.name", name)
-    w.add_uint32("llama.context_length", cfg["ctx"])
-    w.add_uint32("llama.embedding_length", cfg["dim"])
-    w.add_uint32("llama.block_count", cfg["n_layers"])
-    w.add_uint32("llama.feed_forward_length", cfg["ffn"])
-    w.add_uint32("llama.attention.head_count", cfg["n_heads"])
-    w.add_uint32("llama.attention.head_count_kv", cfg["n_kv"])
-    w.add_uint32("llama.rope.dimension_count", cfg["rope_dim"])
-    w.add_float32("llama.rope.freq_base", cfg["theta"])
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg["eps"])
-    w.add_uint32("llama.vocab_size", cfg["vocab"])
+    w.add_uint32(k + "context_length", cfg["ctx"])
+    w.add_uint32(k + "embedding_length", cfg["dim"])
+    w.add_uint32(k + "block_count", cfg["n_layers"])
+    w.add_uint32(k + "feed_forward_length", cfg["ffn"])
+    w.add_uint32(k + "attention.head_count", cfg["n_heads"])
+    w.add_uint32(k + "attention.head_count_kv", cfg["n_kv"])
+    if "key_length" in cfg:
+        w.add_uint32(k + "attention.key_length", hd)
+        w.add_uint32(k + "attention.value_length", hd)
+    w.add_uint32(k + "rope.dimension_count", cfg["rope_dim"])
+    w.add_float32(k + "rope.freq_base", cfg["theta"])
+    if "linear_scale" in cfg:
+        w.add_string(k + "rope.scaling.type", "linear")
+        w.add_float32(k + "rope.scaling.factor", cfg["linear_scale"])
+    w.add_float32(k + "attention.layer_norm_rms_epsilon", cfg["eps"])
+    w.add_uint32(k + "vocab_size", cfg["vocab"])
     tokenizer_metadata(w, cfg["vocab"])
     w.add_tensor("token_embd.weight", mat(cfg["vocab"], cfg["dim"], 0.5),
                  mtype_of("token_embd"))
+    if cfg.get("rope_freqs"):
+        # Llama 3.x-style divisors: 1 for the fast pairs, growing to 8 for the slow ones.
+        w.add_tensor("rope_freqs.weight",
+                     np.linspace(1.0, 8.0, cfg["rope_dim"] // 2).astype(np.float32),
+                     TensorType.F32)
     for i in range(cfg["n_layers"]):
         p = "blk.%d." % i
         w.add_tensor(p + "attn_norm.weight", norm(), ntype)
-        w.add_tensor(p + "attn_q.weight", mat(cfg["n_heads"] * hd, cfg["dim"], 0.2),
-                     mtype_of("attn_q"))
-        w.add_tensor(p + "attn_k.weight", mat(cfg["n_kv"] * hd, cfg["dim"], 0.2),
-                     mtype_of("attn_k"))
-        w.add_tensor(p + "attn_v.weight", mat(cfg["n_kv"] * hd, cfg["dim"], 0.15),
-                     mtype_of("attn_v"))
-        w.add_tensor(p + "attn_output.weight", mat(cfg["dim"], cfg["n_heads"] * hd, 0.1),
+        if arch == "phi3":
+            qkv = np.concatenate([mat(qw, cfg["dim"], 0.2), mat(kvw, cfg["dim"], 0.2),
+                                  mat(kvw, cfg["dim"], 0.15)])
+            w.add_tensor(p + "attn_qkv.weight", qkv, mtype_of("attn_qkv"))
+        else:
+            w.add_tensor(p + "attn_q.weight", mat(qw, cfg["dim"], 0.2), mtype_of("attn_q"))
+            w.add_tensor(p + "attn_k.weight", mat(kvw, cfg["dim"], 0.2), mtype_of("attn_k"))
+            w.add_tensor(p + "attn_v.weight", mat(kvw, cfg["dim"], 0.15), mtype_of("attn_v"))
+        if arch == "qwen2":
+            w.add_tensor(p + "attn_q.bias", vec(qw, 0.3), TensorType.F32)
+            w.add_tensor(p + "attn_k.bias", vec(kvw, 0.3), TensorType.F32)
+            w.add_tensor(p + "attn_v.bias", vec(kvw, 0.1), TensorType.F32)
+        if arch == "qwen3":
+            w.add_tensor(p + "attn_q_norm.weight", norm(hd), TensorType.F32)
+            w.add_tensor(p + "attn_k_norm.weight", norm(hd), TensorType.F32)
+        w.add_tensor(p + "attn_output.weight", mat(cfg["dim"], qw, 0.1),
                      mtype_of("attn_output"))
         w.add_tensor(p + "ffn_norm.weight", norm(), ntype)
-        w.add_tensor(p + "ffn_gate.weight", mat(cfg["ffn"], cfg["dim"], 0.15), mtype_of("ffn_gate"))
-        w.add_tensor(p + "ffn_up.weight", mat(cfg["ffn"], cfg["dim"], 0.15), mtype_of("ffn_up"))
+        if arch == "phi3":
+            gate_up = np.concatenate([mat(cfg["ffn"], cfg["dim"], 0.15),
+                                      mat(cfg["ffn"], cfg["dim"], 0.15)])
+            w.add_tensor(p + "ffn_up.weight", gate_up, mtype_of("ffn_up"))
+        else:
+            w.add_tensor(p + "ffn_gate.weight", mat(cfg["ffn"], cfg["dim"], 0.15),
+                         mtype_of("ffn_gate"))
+            w.add_tensor(p + "ffn_up.weight", mat(cfg["ffn"], cfg["dim"], 0.15),
+                         mtype_of("ffn_up"))
         w.add_tensor(p + "ffn_down.weight", mat(cfg["dim"], cfg["ffn"], 0.1), mtype_of("ffn_down"))
     w.add_tensor("output_norm.weight", norm(), ntype)
     if not cfg["tied"]:

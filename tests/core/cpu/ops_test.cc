@@ -498,12 +498,23 @@ struct RopeCase {
   int head_dim;
   int rope_dim;
   float theta;
+  RopeLayout layout = RopeLayout::kAdjacentPairs;
+  double freq_scale = 1.0;
+  bool factors = false;  // Llama-3-style per-pair divisors
 };
 
 TEST(RopeTest, MatchesFloat64Reference) {
   const RopeCase cases[] = {
-      {1, 1, 64, 64, 10000.0f},  {3, 4, 128, 128, 10000.0f}, {67, 8, 64, 64, 500000.0f},
-      {5, 3, 128, 64, 10000.0f}, {2, 2, 6, 4, 10000.0f},     {67, 32, 128, 128, 1e6f},
+      {1, 1, 64, 64, 10000.0f},
+      {3, 4, 128, 128, 10000.0f},
+      {67, 8, 64, 64, 500000.0f},
+      {5, 3, 128, 64, 10000.0f},
+      {2, 2, 6, 4, 10000.0f},
+      {67, 32, 128, 128, 1e6f},
+      {9, 4, 64, 64, 1e6f, RopeLayout::kHalves},
+      {9, 2, 128, 96, 10000.0f, RopeLayout::kHalves},
+      {7, 4, 64, 64, 500000.0f, RopeLayout::kAdjacentPairs, 1.0, true},
+      {7, 4, 64, 32, 10000.0f, RopeLayout::kHalves, 0.25, true},
   };
   for (const RopeCase& c : cases) {
     const int64_t width = static_cast<int64_t>(c.n_heads) * c.head_dim;
@@ -513,25 +524,37 @@ TEST(RopeTest, MatchesFloat64Reference) {
     for (int64_t i = 0; i < c.n; ++i) {
       positions[i] = i == 0 ? 0 : std::uniform_int_distribution<int64_t>(0, 32767)(rng);
     }
+    RopeParams params{
+        .dim = c.rope_dim, .theta = c.theta, .layout = c.layout, .freq_scale = c.freq_scale};
+    if (c.factors) {
+      for (int p = 0; p < c.rope_dim / 2; ++p) params.freq_factors.push_back(1.0f + 0.37f * p);
+    }
+    absl::StatusOr<RopeSchedule> rope = RopeSchedule::Make(params);
+    ASSERT_TRUE(rope.ok()) << rope.status();
+    const bool halves = c.layout == RopeLayout::kHalves;
     std::vector<double> want(x.begin(), x.end()), scale(x.size());
     for (int64_t i = 0; i < c.n; ++i) {
       for (int h = 0; h < c.n_heads; ++h) {
         const int64_t base = i * width + static_cast<int64_t>(h) * c.head_dim;
         for (int d = 0; d < c.head_dim; ++d) scale[base + d] = std::fabs(x[base + d]);
         for (int p = 0; p < c.rope_dim / 2; ++p) {
-          const double angle =
-              positions[i] * std::pow(static_cast<double>(c.theta), -2.0 * p / c.rope_dim);
-          const double x0 = x[base + 2 * p], x1 = x[base + 2 * p + 1];
-          want[base + 2 * p] = x0 * std::cos(angle) - x1 * std::sin(angle);
-          want[base + 2 * p + 1] = x0 * std::sin(angle) + x1 * std::cos(angle);
-          scale[base + 2 * p] = scale[base + 2 * p + 1] = std::hypot(x0, x1);
+          double angle = positions[i] * c.freq_scale *
+                         std::pow(static_cast<double>(c.theta), -2.0 * p / c.rope_dim);
+          if (c.factors) angle /= 1.0f + 0.37f * p;
+          const int64_t a = base + (halves ? p : 2 * p);
+          const int64_t b = a + (halves ? c.rope_dim / 2 : 1);
+          const double x0 = x[a], x1 = x[b];
+          want[a] = x0 * std::cos(angle) - x1 * std::sin(angle);
+          want[b] = x0 * std::sin(angle) + x1 * std::cos(angle);
+          scale[a] = scale[b] = std::hypot(x0, x1);
         }
       }
     }
-    SCOPED_TRACE("n=" + std::to_string(c.n) + " heads=" + std::to_string(c.n_heads) + " head_dim=" +
-                 std::to_string(c.head_dim) + " rope_dim=" + std::to_string(c.rope_dim));
+    SCOPED_TRACE("n=" + std::to_string(c.n) + " heads=" + std::to_string(c.n_heads) +
+                 " head_dim=" + std::to_string(c.head_dim) +
+                 " rope_dim=" + std::to_string(c.rope_dim) + " halves=" + std::to_string(halves));
     std::vector<float> out = x;
-    Rope(out.data(), c.n, c.n_heads, c.head_dim, c.rope_dim, positions.data(), c.theta);
+    Rope(out.data(), c.n, c.n_heads, c.head_dim, *rope, positions.data());
     // Dims past rope_dim are left alone exactly (scale = |x|, tolerance 0).
     ExpectClose(out.data(), want, scale, kTol);
     for (int64_t i = 0; i < c.n; ++i) {
@@ -548,6 +571,15 @@ TEST(RopeTest, MatchesFloat64Reference) {
 // ---------------------------------------------------------------------------------------------
 // SwiGlu, AddInPlace, Softmax
 
+TEST(RopeTest, ScheduleRejectsBadParams) {
+  EXPECT_FALSE(RopeSchedule::Make({.dim = 63}).ok());
+  EXPECT_FALSE(RopeSchedule::Make({.dim = 0}).ok());
+  EXPECT_FALSE(RopeSchedule::Make({.dim = 64, .theta = 0.0}).ok());
+  EXPECT_FALSE(RopeSchedule::Make({.dim = 64, .freq_scale = -1.0}).ok());
+  EXPECT_FALSE(RopeSchedule::Make({.dim = 8, .freq_factors = {1.0f, 2.0f}}).ok());
+  EXPECT_FALSE(RopeSchedule::Make({.dim = 4, .freq_factors = {1.0f, 0.0f}}).ok());
+  EXPECT_TRUE(RopeSchedule::Make({.dim = 4, .freq_factors = {1.0f, 8.0f}}).ok());
+}
 TEST(SwiGluTest, MatchesFloat64Reference) {
   for (int64_t n : {1, 7, 64, 1000, 100003}) {
     std::vector<float> gate = RandomFloats(n, static_cast<uint32_t>(n), -20.0f, 20.0f);

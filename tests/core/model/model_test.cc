@@ -228,13 +228,29 @@ TEST(ModelConfigTest, RejectsBadMetadata) {
   ExpectInvalid(ConfigStatus(s), "layer_norm_rms_epsilon");
   s.extra = [](GgufBuilder& b) { b.AddUint32("llama.vocab_size", 33); };
   ExpectInvalid(ConfigStatus(s), "llama.vocab_size");
+  // Heads wider than embedding_length / head_count (Qwen3) are fine; K and V of different
+  // widths are not.
   s.extra = [](GgufBuilder& b) { b.AddUint32("llama.attention.key_length", 8); };
-  ExpectInvalid(ConfigStatus(s), "key_length");
+  EXPECT_TRUE(ConfigStatus(s).ok()) << ConfigStatus(s);
+  s.extra = [](GgufBuilder& b) {
+    b.AddUint32("llama.attention.key_length", 8);
+    b.AddUint32("llama.attention.value_length", 4);
+  };
+  EXPECT_EQ(ConfigStatus(s).code(), absl::StatusCode::kUnimplemented);
+  s.extra = [](GgufBuilder& b) {
+    b.AddString("llama.rope.scaling.type", "yarn");
+    b.AddFloat32("llama.rope.scaling.factor", 4.0f);
+  };
+  EXPECT_EQ(ConfigStatus(s).code(), absl::StatusCode::kUnimplemented);
   s.extra = [](GgufBuilder& b) {
     b.AddString("llama.rope.scaling.type", "linear");
     b.AddFloat32("llama.rope.scaling.factor", 4.0f);
   };
-  EXPECT_EQ(ConfigStatus(s).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_TRUE(ConfigStatus(s).ok()) << ConfigStatus(s);
+  s.extra = [](GgufBuilder& b) { b.AddString("general.architecture", "gpt-j"); };
+  s.skip_keys = {"general.architecture"};
+  ExpectInvalid(ConfigStatus(s), "gpt-j");
+  s.skip_keys = {};
   s = Spec();
   s.skip_tensors = {"token_embd.weight"};
   ExpectInvalid(ConfigStatus(s), "vocabulary size unknown");
