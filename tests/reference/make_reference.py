@@ -86,7 +86,10 @@ MODELS.update({
     "qwen2_q8_0": (dict(arch="qwen2", theta=1e6), TensorType.Q8_0, TensorType.F32, QTOL),
     "qwen3_f16": (dict(arch="qwen3", key_length=32, rope_dim=32, theta=1e6, eps=1e-6),
                   TensorType.F16, TensorType.F32, 1e-4),
-    "phi3_f32": (dict(arch="phi3", n_kv=4), TensorType.F32, TensorType.F32, 1e-4),
+    # llama.cpp insists on Phi-3's sliding_window key (one as long as the context changes
+    # nothing), and a general.name with "phi3" in it would make it look for Phi-3's tokens.
+    "phi3_f32": (dict(arch="phi3", n_kv=4, sliding_window=64, general_name="fused-qkv"),
+                 TensorType.F32, TensorType.F32, 1e-4),
     "llama3_freqs_f32": (dict(theta=500000.0, rope_freqs=True), TensorType.F32, TensorType.F32,
                          1e-4),
     "llama_linear_f32": (dict(linear_scale=4.0), TensorType.F32, TensorType.F32, 1e-4),
@@ -133,13 +136,15 @@ def write_model(path, name, cfg, mtype, ntype, seed):
     k = arch + "."
     w = GgufWriter(path)
     w.add_string("general.architecture", arch)
-    w.add_string("general.name", name)
+    w.add_string("general.name", cfg.get("general_name", name))
     w.add_uint32(k + "context_length", cfg["ctx"])
     w.add_uint32(k + "embedding_length", cfg["dim"])
     w.add_uint32(k + "block_count", cfg["n_layers"])
     w.add_uint32(k + "feed_forward_length", cfg["ffn"])
     w.add_uint32(k + "attention.head_count", cfg["n_heads"])
     w.add_uint32(k + "attention.head_count_kv", cfg["n_kv"])
+    if "sliding_window" in cfg:
+        w.add_uint32(k + "attention.sliding_window", cfg["sliding_window"])
     if "key_length" in cfg:
         w.add_uint32(k + "attention.key_length", hd)
         w.add_uint32(k + "attention.value_length", hd)

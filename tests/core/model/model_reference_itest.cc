@@ -69,17 +69,18 @@ std::vector<double> ReadF64(const std::string& file) {
 }
 
 // Models load once per process; Forward runs from one thread, as in the engine.
-LlamaModel& Model(const std::string& gguf) {
+LlamaModel& ModelAt(const std::string& path) {
   static std::map<std::string, std::unique_ptr<LlamaModel>> models;
-  std::unique_ptr<LlamaModel>& m = models[gguf];
+  std::unique_ptr<LlamaModel>& m = models[path];
   if (m == nullptr) {
-    absl::StatusOr<std::unique_ptr<LlamaModel>> loaded = LlamaModel::Open(TestDataPath(gguf));
+    absl::StatusOr<std::unique_ptr<LlamaModel>> loaded = LlamaModel::Open(path);
     EXPECT_TRUE(loaded.ok()) << loaded.status();
     if (!loaded.ok()) std::abort();
     m = *std::move(loaded);
   }
   return *m;
 }
+LlamaModel& Model(const std::string& gguf) { return ModelAt(TestDataPath(gguf)); }
 
 std::unique_ptr<PagedKvCache> MakeCache(const LlamaModel& m, int block_size) {
   absl::StatusOr<std::unique_ptr<PagedKvCache>> cache =
@@ -309,6 +310,47 @@ TEST_F(ModelReferenceTest, BatchedStepEqualsEachSequenceAlone) {
       EXPECT_LE(res.worst_rel, 1e-6);
     }
   }
+}
+
+// The same random-weight files run by llama.cpp (tests/data/llamacpp/, written by
+// tools/llama_ref/build.sh with llama.cpp c392e509): Llama, Llama 3 frequency factors, Qwen2
+// (biases, halves RoPE, tied output; F32 and Q8_0) and Phi-3 (fused tensors). Every position's
+// logits within the reference's tolerance, and llama.cpp's greedy continuation token for token.
+TEST(LlamaCppReferenceTest, LogitsAndGreedyMatchLlamaCpp) {
+  const std::string manifest = ::subspace::testing::FixturePath("llamacpp/manifest.txt");
+  SUBSPACE_ASSERT_FIXTURE(manifest);
+  int checked = 0;
+  for (absl::string_view line :
+       absl::StrSplit(::subspace::testing::ReadFileOrDie(manifest), '\n', absl::SkipEmpty())) {
+    if (line[0] == '#') continue;
+    std::map<std::string, std::string> r;
+    for (absl::string_view part : absl::StrSplit(line, ' ', absl::SkipEmpty())) {
+      std::vector<std::string> kv = absl::StrSplit(part, absl::MaxSplits('=', 1));
+      r[kv[0]] = kv.size() > 1 ? kv[1] : "";
+    }
+    SCOPED_TRACE(r["model"]);
+    LlamaModel& m = ModelAt(::subspace::testing::FixturePath("llamacpp/" + r["gguf"]));
+    const int vocab = m.config().n_vocab;
+    const std::vector<int32_t> tokens = ParseTokens(r["tokens"]);
+    const std::string raw = ::subspace::testing::ReadFileOrDie(
+        ::subspace::testing::FixturePath("llamacpp/" + r["logits"]));
+    ASSERT_EQ(raw.size(), tokens.size() * vocab * sizeof(float));
+    std::vector<float> ref32(tokens.size() * vocab);
+    std::memcpy(ref32.data(), raw.data(), raw.size());
+    const std::vector<double> ref(ref32.begin(), ref32.end());
+    double tol = 0;
+    ASSERT_TRUE(absl::SimpleAtod(r["tol"], &tol));
+    auto cache = MakeCache(m, 4);
+    const std::vector<float> got = RunChunked(m, *cache, tokens, {7, 1, 16}, true);
+    const double err = WorstRowError(got, ref, 0, static_cast<int64_t>(tokens.size()), vocab);
+    std::cout << absl::StrFormat("%-18s vs llama.cpp: worst row rel error %.2e (tol %g)\n",
+                                 r["model"], err, tol);
+    EXPECT_LE(err, tol);
+    const std::vector<int32_t> greedy = ParseTokens(r["greedy"]);
+    EXPECT_EQ(Greedy(m, tokens, static_cast<int>(greedy.size())), greedy);
+    ++checked;
+  }
+  EXPECT_EQ(checked, 5);
 }
 
 // A GGUF written by another project (ollama's test data): loads and yields finite logits.
