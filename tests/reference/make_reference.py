@@ -81,17 +81,25 @@ MODELS = {
 # dim / n_heads, Phi-3's fused QKV and gate-up, Llama 3's RoPE frequency factors, linear RoPE
 # scaling.
 MODELS.update({
-    "qwen2_f32": (dict(arch="qwen2", theta=1e6, tied=True, eps=1e-6), TensorType.F32,
+    "qwen2_f32": (dict(arch="qwen2", theta=1e6, tied=True, eps=1e-6, ctx=256), TensorType.F32,
                   TensorType.F32, 1e-4),
     "qwen2_q8_0": (dict(arch="qwen2", theta=1e6), TensorType.Q8_0, TensorType.F32, QTOL),
-    "qwen3_f16": (dict(arch="qwen3", key_length=32, rope_dim=32, theta=1e6, eps=1e-6),
-                  TensorType.F16, TensorType.F32, 1e-4),
+    "qwen3_f16": (dict(arch="qwen3", key_length=32, rope_dim=32, theta=1e6, eps=1e-6,
+                       ctx=256), TensorType.F16, TensorType.F32, 1e-4),
     # llama.cpp insists on Phi-3's sliding_window key (one as long as the context changes
     # nothing), and a general.name with "phi3" in it would make it look for Phi-3's tokens.
-    "phi3_f32": (dict(arch="phi3", n_kv=4, sliding_window=64, general_name="fused-qkv"),
-                 TensorType.F32, TensorType.F32, 1e-4),
-    "llama3_freqs_f32": (dict(theta=500000.0, rope_freqs=True), TensorType.F32, TensorType.F32,
-                         1e-4),
+    "phi3_f32": (dict(arch="phi3", n_kv=4, sliding_window=256, general_name="fused-qkv",
+                      ctx=256), TensorType.F32, TensorType.F32, 1e-4),
+    "llama3_freqs_f32": (dict(theta=500000.0, rope_freqs=True, ctx=256), TensorType.F32,
+                         TensorType.F32, 1e-4),
+    # The head widths of real models, for the compressed cache over these families
+    # (server_cache_itest): Qwen2 with 64-wide heads, Qwen3 with 128-wide heads on a 256-wide
+    # model (q_width 512).
+    "qwen2_hd64_f16": (dict(arch="qwen2", dim=256, n_heads=4, n_kv=2, ffn=512, rope_dim=64,
+                            theta=1e6, ctx=256), TensorType.F16, TensorType.F32, 1e-4),
+    "qwen3_hd128_f16": (dict(arch="qwen3", dim=256, n_heads=4, n_kv=2, ffn=512, key_length=128,
+                             rope_dim=128, theta=1e6, ctx=256), TensorType.F16, TensorType.F32,
+                        1e-4),
     "llama_linear_f32": (dict(linear_scale=4.0), TensorType.F32, TensorType.F32, 1e-4),
 })
 PROMPT_LENGTHS = {"long": 48, "short": 11}

@@ -511,6 +511,95 @@ TEST(CompressedCacheServerTest, BasesFileIsInstalledAndMismatchesAreRejected) {
   for (const std::string& p : {good, other, geometry}) std::remove(p.c_str());
 }
 
+// The compressed cache on every architecture the forward pass runs (random-weight fixtures of
+// tests/reference/make_reference.py): Qwen2 with 64-wide heads and biases, Qwen3 with 128-wide
+// heads and Q/K norms, Phi-3's fused tensors, Llama 3's RoPE factors. At full rank with fp32
+// codes greedy tokens equal the full cache's; a basis calibrated on the model (subspace-
+// calibrate's code path) is installed and serves, and a session's online refresh publishes
+// epochs without failures.
+TEST(CompressedCacheServerTest, EveryArchitectureFullRankEqualsFullCalibrationAndRefreshWork) {
+  struct Arch {
+    const char* gguf;
+    int head_dim;
+  };
+  for (const Arch& arch : {Arch{"qwen2_hd64_f16.gguf", 64}, Arch{"qwen3_hd128_f16.gguf", 128},
+                           Arch{"phi3_f32.gguf", 16}, Arch{"llama3_freqs_f32.gguf", 16}}) {
+    SCOPED_TRACE(arch.gguf);
+    const std::string model_path = testing::TestDataPath(arch.gguf);
+    SUBSPACE_REQUIRE_FILE(model_path);
+    const std::vector<int32_t> prompt = {1, 40, 41, 42, 43, 44, 45, 50, 51};
+    server::ServerAppConfig full = FullConfig();
+    full.model_path = model_path;
+    std::vector<int32_t> expected;
+    {
+      Server s(full);
+      ASSERT_TRUE(s.ok());
+      expected = Ids(s.Generate(TokensRequest(prompt, 100)));
+    }
+    server::ServerAppConfig config =
+        CompressedConfig(arch.head_dim, CoeffDtype::kFp32, CoeffDtype::kFp32);
+    config.model_path = model_path;
+    {
+      Server s(config);
+      ASSERT_TRUE(s.ok());
+      const std::string session = s.CreateSession();
+      EXPECT_EQ(Ids(s.Generate(TokensRequest(prompt, 100), session)), expected);
+      EXPECT_GT(s.CacheStats().bytes_used_compressed(), 0u);
+    }
+
+    // Calibrate a basis on the model and serve with it, refreshing online.
+    absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(model_path);
+    ASSERT_TRUE(file.ok()) << file.status();
+    const std::shared_ptr<const GgufFile> gguf(*std::move(file));
+    absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(gguf);
+    ASSERT_TRUE(model.ok()) << model.status();
+    std::vector<int32_t> tokens;
+    for (int i = 0; i < 200; ++i) tokens.push_back(3 + (i * 37) % 90);
+    absl::StatusOr<CalibrationStats> stats = CollectCalibrationStats(
+        **model, tokens, {.window = 64, .max_tokens = 0, .bos = 1, .progress = {}});
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    absl::StatusOr<CalibratedBasis> basis = ComputeCalibratedBasis(*stats, {.energy = 0.9});
+    ASSERT_TRUE(basis.ok()) << basis.status();
+    const std::string bases = ::testing::TempDir() + "/bases_" + arch.gguf;
+    ASSERT_TRUE(WriteBasisFile(bases,
+                               {.method_k = "kqsvd",
+                                .method_v = "kqsvd",
+                                .energy = 0.9,
+                                .calibration_tokens = static_cast<uint64_t>(stats->key_tokens),
+                                .model_checksum = ModelChecksum(*gguf)},
+                               basis->basis)
+                    .ok());
+    config = CompressedConfig(/*rank=*/0, CoeffDtype::kInt8);
+    config.model_path = model_path;
+    config.kv_cache.bases_path = bases;
+    {
+      Server s(config);
+      ASSERT_TRUE(s.ok());
+      auto stub = v1::Subspace::NewStub(ChannelTo(s.app().port()));
+      v1::Session session;
+      grpc::ClientContext context;
+      v1::CreateSessionRequest request;
+      request.mutable_refresh()->set_method("oja");
+      request.mutable_refresh()->set_every_tokens(8);
+      ASSERT_TRUE(stub->CreateSession(&context, request, &session).ok());
+      const v1::GenerateResponse r = s.Generate(TokensRequest(prompt, 100), session.session_id());
+      EXPECT_EQ(r.token_ids_size(), 100);
+      // A new epoch is installed at a later commit of the session; give the refresher's thread
+      // a few more short turns (as in SessionsChooseTheirOnlineRefresh).
+      v1::CacheStats held = s.CacheStats();
+      for (int turn = 0; turn < 10 && held.refreshes_total() == 0; ++turn) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        s.Generate(TokensRequest({60}, 4), session.session_id());
+        held = s.CacheStats();
+      }
+      EXPECT_GT(held.bytes_used_compressed(), 0u);
+      EXPECT_GT(held.refreshes_total(), 0u);
+      EXPECT_EQ(held.refresh_failures_total(), 0u);
+    }
+    std::remove(bases.c_str());
+  }
+}
+
 // --kv-cache quantized on the default model (head_dim 64): reported, sized by its format, and
 // serving; refused, naming the reason, on a model whose head_dim is not whole q8_0 blocks.
 TEST(QuantizedCacheServerTest, ServesTheDefaultModelInItsFormat) {
