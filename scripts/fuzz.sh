@@ -22,6 +22,7 @@ declare -A corpus=(
   [basis_file_fuzzer]=basis_file
   [tokenizer_fuzzer]=tokenizer
   [bpe_tokenizer_fuzzer]=bpe_tokenizer
+  [chat_template_fuzzer]=chat_template
   [request_fuzzer]=request
 )
 # The GGUF targets get a dictionary of the format's magic and the keys the parsers look for.
@@ -31,7 +32,7 @@ declare -A dict=(
 )
 
 failed=()
-for target in gguf_fuzzer basis_file_fuzzer tokenizer_fuzzer bpe_tokenizer_fuzzer request_fuzzer; do
+for target in gguf_fuzzer basis_file_fuzzer tokenizer_fuzzer bpe_tokenizer_fuzzer chat_template_fuzzer request_fuzzer; do
   dir="$work/${corpus[$target]}"
   cp -r "fuzz/corpus/${corpus[$target]}" "$dir"
   args=(-max_total_time="$seconds" -max_len=65536 -timeout=10 -rss_limit_mb=2048

@@ -14,7 +14,7 @@ BUILD_PACKAGES=(
 PACKAGES=("${BUILD_PACKAGES[@]}"
   python3 python3-numpy python3-torch python3-sentencepiece python3-grpcio python3-matplotlib
   prometheus curl openssl
-  nginx python3-yaml python3-regex
+  nginx python3-yaml python3-regex python3-jinja2
   clang libclang-rt-14-dev libomp-dev clang-format
 )
 if [ "${1:-}" = "build" ]; then PACKAGES=("${BUILD_PACKAGES[@]}"); fi

@@ -1,0 +1,2300 @@
+// Lexer (Jinja2's whitespace rules under trim_blocks and lstrip_blocks), a recursive-descent
+// parser with Jinja2's operator precedence, and a tree-walking renderer with Python value
+// semantics. Errors travel as absl::Status (no exceptions).
+#include "core/chat/jinja.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <limits>
+#include <optional>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace subspace::jinja {
+
+// ---- Values ---------------------------------------------------------------------------------
+
+Value Value::None() {
+  Value v;
+  v.kind_ = Kind::kNone;
+  return v;
+}
+Value Value::Bool(bool b) {
+  Value v;
+  v.kind_ = Kind::kBool;
+  v.b_ = b;
+  return v;
+}
+Value Value::Int(int64_t i) {
+  Value v;
+  v.kind_ = Kind::kInt;
+  v.i_ = i;
+  return v;
+}
+Value Value::Float(double d) {
+  Value v;
+  v.kind_ = Kind::kFloat;
+  v.d_ = d;
+  return v;
+}
+Value Value::String(std::string s) {
+  Value v;
+  v.kind_ = Kind::kString;
+  v.s_ = std::make_shared<const std::string>(std::move(s));
+  return v;
+}
+Value Value::MakeList(List items) {
+  Value v;
+  v.kind_ = Kind::kList;
+  v.list_ = std::make_shared<List>(std::move(items));
+  return v;
+}
+Value Value::MakeTuple(List items) {
+  Value v = MakeList(std::move(items));
+  v.tuple_ = true;
+  return v;
+}
+Value Value::MakeDict(Dict items) {
+  Value v;
+  v.kind_ = Kind::kDict;
+  v.dict_ = std::make_shared<Dict>(std::move(items));
+  return v;
+}
+Value Value::Function(std::string name) {
+  Value v = String(std::move(name));
+  v.kind_ = Kind::kFunction;
+  return v;
+}
+Value Value::MakeNamespace(Dict items) {
+  Value v = MakeDict(std::move(items));
+  v.kind_ = Kind::kNamespace;
+  return v;
+}
+
+bool Value::Truthy() const {
+  switch (kind_) {
+    case Kind::kUndefined:
+    case Kind::kNone:
+      return false;
+    case Kind::kBool:
+      return b_;
+    case Kind::kInt:
+      return i_ != 0;
+    case Kind::kFloat:
+      return d_ != 0.0;
+    case Kind::kString:
+      return !s_->empty();
+    case Kind::kList:
+      return !list_->empty();
+    case Kind::kDict:
+      return !dict_->empty();
+    case Kind::kNamespace:
+    case Kind::kFunction:
+      return true;
+  }
+  return false;
+}
+
+Value Value::Get(std::string_view key) const {
+  if (!is_mapping()) return Value();
+  for (const auto& [k, v] : *dict_) {
+    if (k == key) return v;
+  }
+  return Value();
+}
+
+namespace {
+
+absl::string_view AsAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+#define JINJA_RETURN_IF_ERROR(expr)    \
+  do {                                 \
+    absl::Status status_ = (expr);     \
+    if (!status_.ok()) return status_; \
+  } while (0)
+#define JINJA_ASSIGN_OR_RETURN(lhs, expr)           \
+  do {                                              \
+    auto value_or_ = (expr);                        \
+    if (!value_or_.ok()) return value_or_.status(); \
+    lhs = *std::move(value_or_);                    \
+  } while (0)
+
+bool IsSpace(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
+
+// Python's repr of a float (shortest round trip, ".0" on integral values, "inf", "nan").
+std::string FloatRepr(double d) {
+  if (std::isnan(d)) return "nan";
+  if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
+  char buf[64];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), d);
+  std::string s(buf, end);
+  // Python switches to exponent notation at 1e16 and below 1e-4; to_chars' shortest form picks
+  // whichever is shorter, so redo the formatting around Python's thresholds.
+  const double a = std::fabs(d);
+  if (a != 0 && (a >= 1e16 || a < 1e-4)) {
+    auto [e2, ec2] = std::to_chars(buf, buf + sizeof(buf), d, std::chars_format::scientific);
+    s.assign(buf, e2);
+    // Python writes e+16 / e-05 with at least two exponent digits.
+    const size_t e = s.find('e');
+    std::string mant = s.substr(0, e), exp = s.substr(e + 1);
+    const char sign = exp[0] == '-' ? '-' : '+';
+    if (exp[0] == '-' || exp[0] == '+') exp = exp.substr(1);
+    while (exp.size() < 2) exp = "0" + exp;
+    return mant + "e" + sign + exp;
+  }
+  auto [e3, ec3] = std::to_chars(buf, buf + sizeof(buf), d, std::chars_format::fixed);
+  s.assign(buf, e3);
+  if (s.find('.') == std::string::npos) s += ".0";
+  return s;
+}
+
+void JsonString(const std::string& s, std::string* out) {
+  out->push_back('"');
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"':
+        *out += "\\\"";
+        break;
+      case '\\':
+        *out += "\\\\";
+        break;
+      case '\n':
+        *out += "\\n";
+        break;
+      case '\r':
+        *out += "\\r";
+        break;
+      case '\t':
+        *out += "\\t";
+        break;
+      case '\b':
+        *out += "\\b";
+        break;
+      case '\f':
+        *out += "\\f";
+        break;
+      default:
+        if (c < 0x20 || c == 0x7f) {
+          if (c == 0x7f) {
+            out->push_back(static_cast<char>(c));  // json.dumps keeps DEL as is
+          } else {
+            *out += absl::StrFormat("\\u%04x", c);
+          }
+        } else {
+          out->push_back(static_cast<char>(c));
+        }
+    }
+  }
+  out->push_back('"');
+}
+
+void ToJsonInto(const Value& v, int indent, int depth, std::string* out) {
+  const auto newline = [&](int d) {
+    out->push_back('\n');
+    out->append(static_cast<size_t>(indent * d), ' ');
+  };
+  switch (v.kind()) {
+    case Value::Kind::kUndefined:
+    case Value::Kind::kNone:
+      *out += "null";
+      return;
+    case Value::Kind::kBool:
+      *out += v.bool_value() ? "true" : "false";
+      return;
+    case Value::Kind::kInt:
+      *out += absl::StrCat(v.int_value());
+      return;
+    case Value::Kind::kFloat: {
+      const double d = v.float_value();
+      *out += std::isnan(d)   ? "NaN"
+              : std::isinf(d) ? (d > 0 ? "Infinity" : "-Infinity")
+                              : FloatRepr(d);
+      return;
+    }
+    case Value::Kind::kString:
+    case Value::Kind::kFunction:
+      JsonString(v.string_value(), out);
+      return;
+    case Value::Kind::kList: {
+      if (v.list().empty()) {
+        *out += "[]";
+        return;
+      }
+      out->push_back('[');
+      bool first = true;
+      for (const Value& item : v.list()) {
+        if (!first) *out += indent >= 0 ? "," : ", ";
+        first = false;
+        if (indent >= 0) newline(depth + 1);
+        ToJsonInto(item, indent, depth + 1, out);
+      }
+      if (indent >= 0) newline(depth);
+      out->push_back(']');
+      return;
+    }
+    case Value::Kind::kDict:
+    case Value::Kind::kNamespace: {
+      if (v.dict().empty()) {
+        *out += "{}";
+        return;
+      }
+      out->push_back('{');
+      bool first = true;
+      for (const auto& [k, item] : v.dict()) {
+        if (!first) *out += indent >= 0 ? "," : ", ";
+        first = false;
+        if (indent >= 0) newline(depth + 1);
+        JsonString(k, out);
+        *out += ": ";
+        ToJsonInto(item, indent, depth + 1, out);
+      }
+      if (indent >= 0) newline(depth);
+      out->push_back('}');
+      return;
+    }
+  }
+}
+
+// Python's str() of a value, as {{ }} prints it.
+std::string Str(const Value& v);
+
+std::string Repr(const Value& v) {
+  if (v.is_string()) {
+    // Python's repr: single quotes unless the text has a single quote and no double quote.
+    const std::string& s = v.string_value();
+    const char q =
+        s.find('\'') != std::string::npos && s.find('"') == std::string::npos ? '"' : '\'';
+    std::string out(1, q);
+    for (char c : s) {
+      if (c == q || c == '\\') {
+        out.push_back('\\');
+        out.push_back(c);
+      } else if (c == '\n') {
+        out += "\\n";
+      } else if (c == '\r') {
+        out += "\\r";
+      } else if (c == '\t') {
+        out += "\\t";
+      } else {
+        out.push_back(c);
+      }
+    }
+    out.push_back(q);
+    return out;
+  }
+  return Str(v);
+}
+
+std::string Str(const Value& v) {
+  switch (v.kind()) {
+    case Value::Kind::kUndefined:
+      return "";
+    case Value::Kind::kNone:
+      return "None";
+    case Value::Kind::kBool:
+      return v.bool_value() ? "True" : "False";
+    case Value::Kind::kInt:
+      return absl::StrCat(v.int_value());
+    case Value::Kind::kFloat:
+      return FloatRepr(v.float_value());
+    case Value::Kind::kString:
+      return v.string_value();
+    case Value::Kind::kFunction:
+      return "<built-in function " + v.string_value() + ">";
+    case Value::Kind::kList: {
+      std::string out = v.is_tuple() ? "(" : "[";
+      for (size_t i = 0; i < v.list().size(); ++i) {
+        if (i) out += ", ";
+        out += Repr(v.list()[i]);
+      }
+      if (v.is_tuple()) return out + (v.list().size() == 1 ? ",)" : ")");
+      return out + "]";
+    }
+    case Value::Kind::kDict:
+    case Value::Kind::kNamespace: {
+      std::string out = v.kind() == Value::Kind::kNamespace ? "<Namespace {" : "{";
+      bool first = true;
+      for (const auto& [k, item] : v.dict()) {
+        if (!first) out += ", ";
+        first = false;
+        out += Repr(Value::String(k)) + ": " + Repr(item);
+      }
+      return out + (v.kind() == Value::Kind::kNamespace ? "}>" : "}");
+    }
+  }
+  return "";
+}
+
+// ---- Lexer ----------------------------------------------------------------------------------
+
+enum class Tok { kName, kString, kInt, kFloat, kOp, kEnd };
+
+struct Token {
+  Tok type;
+  std::string text;  // name, decoded string, number text or operator
+  int line;
+};
+
+enum class SegKind { kText, kVar, kStmt };
+
+struct Segment {
+  SegKind kind;
+  std::string text;           // kText
+  std::vector<Token> tokens;  // kVar, kStmt
+  int line;
+};
+
+absl::Status SyntaxError(int line, std::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("template line ", line, ": ", AsAbsl(what)));
+}
+absl::Status Unsupported(int line, std::string_view what) {
+  return absl::UnimplementedError(
+      absl::StrCat("template line ", line, ": ", AsAbsl(what), " is not supported"));
+}
+
+class Lexer {
+ public:
+  explicit Lexer(std::string source) : src_(std::move(source)) {}
+
+  absl::StatusOr<std::vector<Segment>> Run() {
+    std::vector<Segment> out;
+    bool line_starting = true;
+    while (pos_ < src_.size()) {
+      size_t open = std::string::npos;
+      for (const char* o : {"{{", "{%", "{#"}) open = std::min(open, src_.find(o, pos_));
+      if (open == std::string::npos) {
+        Emit(&out, src_.substr(pos_));
+        pos_ = src_.size();
+        break;
+      }
+      const char kind = src_[open + 1];
+      std::string text = src_.substr(pos_, open - pos_);
+      const int tag_line = line_ + static_cast<int>(std::count(text.begin(), text.end(), '\n'));
+      size_t p = open + 2;
+      const char sign = p < src_.size() && (src_[p] == '-' || src_[p] == '+') ? src_[p] : 0;
+      if (sign != 0) ++p;
+      if (sign == '-') {
+        size_t keep = text.size();
+        while (keep > 0 && IsSpace(text[keep - 1])) --keep;
+        text.resize(keep);
+      } else if (sign != '+' && kind != '{') {
+        // lstrip_blocks: spaces alone between the line start and a block or comment tag go.
+        const size_t nl = text.rfind('\n');
+        const size_t l_pos = nl == std::string::npos ? 0 : nl + 1;
+        if ((l_pos > 0 || line_starting) && l_pos < text.size() &&
+            std::all_of(text.begin() + static_cast<ptrdiff_t>(l_pos), text.end(), IsSpace)) {
+          text.resize(l_pos);
+        }
+      }
+      Emit(&out, text);
+      line_ = tag_line;
+      pos_ = p;
+      if (kind == '#') {
+        JINJA_RETURN_IF_ERROR(SkipComment(&line_starting));
+        continue;
+      }
+      Segment seg{kind == '{' ? SegKind::kVar : SegKind::kStmt, "", {}, tag_line};
+      JINJA_RETURN_IF_ERROR(LexTag(kind == '{', &seg.tokens, &line_starting));
+      if (seg.kind == SegKind::kStmt && !seg.tokens.empty() && seg.tokens[0].text == "raw") {
+        return Unsupported(tag_line, "{% raw %}");
+      }
+      out.push_back(std::move(seg));
+    }
+    return out;
+  }
+
+ private:
+  void Emit(std::vector<Segment>* out, std::string text) {
+    line_ += static_cast<int>(std::count(text.begin(), text.end(), '\n'));
+    if (!text.empty()) out->push_back({SegKind::kText, std::move(text), {}, line_});
+  }
+
+  // After the closing %} or #}: "-" strips all following white space, trim_blocks one newline.
+  void AfterBlockEnd(char sign, bool* line_starting) {
+    size_t start = pos_;
+    if (sign == '-') {
+      while (pos_ < src_.size() && IsSpace(src_[pos_])) ++pos_;
+    } else if (sign != '+' && pos_ < src_.size() && src_[pos_] == '\n') {
+      ++pos_;
+    }
+    line_ += static_cast<int>(std::count(src_.begin() + static_cast<ptrdiff_t>(start),
+                                         src_.begin() + static_cast<ptrdiff_t>(pos_), '\n'));
+    *line_starting = pos_ > 0 && src_[pos_ - 1] == '\n';
+  }
+
+  absl::Status SkipComment(bool* line_starting) {
+    const size_t end = src_.find("#}", pos_);
+    if (end == std::string::npos) return SyntaxError(line_, "unclosed comment");
+    const char sign =
+        end > pos_ && (src_[end - 1] == '-' || src_[end - 1] == '+') ? src_[end - 1] : 0;
+    line_ += static_cast<int>(std::count(src_.begin() + static_cast<ptrdiff_t>(pos_),
+                                         src_.begin() + static_cast<ptrdiff_t>(end), '\n'));
+    pos_ = end + 2;
+    AfterBlockEnd(sign, line_starting);
+    return absl::OkStatus();
+  }
+
+  absl::Status LexTag(bool variable, std::vector<Token>* tokens, bool* line_starting) {
+    while (true) {
+      while (pos_ < src_.size() && IsSpace(src_[pos_])) {
+        if (src_[pos_] == '\n') ++line_;
+        ++pos_;
+      }
+      if (pos_ >= src_.size()) return SyntaxError(line_, "unclosed tag");
+      const std::string_view rest = std::string_view(src_).substr(pos_);
+      const std::string_view close = variable ? "}}" : "%}";
+      for (const char sign : {'-', '+', '\0'}) {
+        if (sign == '+' && variable) continue;
+        const std::string marker =
+            sign ? std::string(1, sign) + std::string(close) : std::string(close);
+        if (rest.substr(0, marker.size()) == marker) {
+          pos_ += marker.size();
+          if (variable) {
+            if (sign == '-') {
+              while (pos_ < src_.size() && IsSpace(src_[pos_])) {
+                if (src_[pos_] == '\n') ++line_;
+                ++pos_;
+              }
+            }
+            *line_starting = pos_ > 0 && src_[pos_ - 1] == '\n';
+          } else {
+            AfterBlockEnd(sign, line_starting);
+          }
+          return absl::OkStatus();
+        }
+      }
+      Token tok{Tok::kOp, "", line_};
+      const char c = src_[pos_];
+      if (std::isalpha(static_cast<unsigned char>(c)) || c == '_') {
+        size_t e = pos_;
+        while (e < src_.size() &&
+               (std::isalnum(static_cast<unsigned char>(src_[e])) || src_[e] == '_')) {
+          ++e;
+        }
+        tok = {Tok::kName, src_.substr(pos_, e - pos_), line_};
+        pos_ = e;
+      } else if (std::isdigit(static_cast<unsigned char>(c))) {
+        size_t e = pos_;
+        bool is_float = false;
+        while (e < src_.size() &&
+               (std::isdigit(static_cast<unsigned char>(src_[e])) || src_[e] == '_')) {
+          ++e;
+        }
+        if (e + 1 < src_.size() && src_[e] == '.' &&
+            std::isdigit(static_cast<unsigned char>(src_[e + 1]))) {
+          is_float = true;
+          ++e;
+          while (e < src_.size() && std::isdigit(static_cast<unsigned char>(src_[e]))) ++e;
+        }
+        // An exponent: 1e20, 2.5e-3.
+        if (e < src_.size() && (src_[e] == 'e' || src_[e] == 'E')) {
+          size_t x = e + 1;
+          if (x < src_.size() && (src_[x] == '+' || src_[x] == '-')) ++x;
+          if (x < src_.size() && std::isdigit(static_cast<unsigned char>(src_[x]))) {
+            is_float = true;
+            e = x;
+            while (e < src_.size() && std::isdigit(static_cast<unsigned char>(src_[e]))) ++e;
+          }
+        }
+        std::string text = src_.substr(pos_, e - pos_);
+        text.erase(std::remove(text.begin(), text.end(), '_'), text.end());
+        tok = {is_float ? Tok::kFloat : Tok::kInt, text, line_};
+        pos_ = e;
+      } else if (c == '\'' || c == '"') {
+        std::string s;
+        size_t e = pos_ + 1;
+        while (e < src_.size() && src_[e] != c) {
+          if (src_[e] == '\\' && e + 1 < src_.size()) {
+            const char n = src_[++e];
+            switch (n) {
+              case 'n':
+                s.push_back('\n');
+                break;
+              case 't':
+                s.push_back('\t');
+                break;
+              case 'r':
+                s.push_back('\r');
+                break;
+              case '\\':
+              case '\'':
+              case '"':
+                s.push_back(n);
+                break;
+              case '\n':
+                break;
+              default:
+                // Python keeps unknown escapes as written; \x, \u and \N forms are refused.
+                if (n == 'x' || n == 'u' || n == 'U' || n == 'N' || n == 'b' || n == 'f' ||
+                    n == 'v' || n == 'a' || (n >= '0' && n <= '7')) {
+                  return Unsupported(line_,
+                                     absl::StrCat("the string escape \\", std::string(1, n)));
+                }
+                s.push_back('\\');
+                s.push_back(n);
+            }
+            ++e;
+            continue;
+          }
+          if (src_[e] == '\n') ++line_;
+          s.push_back(src_[e++]);
+        }
+        if (e >= src_.size()) return SyntaxError(line_, "unclosed string");
+        tok = {Tok::kString, std::move(s), line_};
+        pos_ = e + 1;
+      } else {
+        static constexpr std::string_view kOps[] = {
+            "//", "**", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%", "~", "<",
+            ">",  "=",  "(",  ")",  "[",  "]",  "{", "}", ",", ".", ":", "|"};
+        bool found = false;
+        for (std::string_view op : kOps) {
+          if (rest.substr(0, op.size()) == op) {
+            tok = {Tok::kOp, std::string(op), line_};
+            pos_ += op.size();
+            found = true;
+            break;
+          }
+        }
+        if (!found)
+          return SyntaxError(line_, absl::StrCat("unexpected character '", std::string(1, c), "'"));
+      }
+      tokens->push_back(std::move(tok));
+    }
+  }
+
+  std::string src_;
+  size_t pos_ = 0;
+  int line_ = 1;
+};
+
+}  // namespace
+
+// ---- AST ------------------------------------------------------------------------------------
+
+enum class NodeKind {
+  // expressions
+  kLiteral,
+  kName,
+  kGetAttr,
+  kGetItem,
+  kSlice,
+  kCall,
+  kFilter,
+  kTest,
+  kNeg,
+  kPos,
+  kNot,
+  kBinary,
+  kAnd,
+  kOr,
+  kCompare,
+  kCond,
+  kListLit,
+  kDictLit,
+  // statements
+  kText,
+  kOutput,
+  kIf,
+  kFor,
+  kSet,
+  kBreak,
+  kContinue,
+};
+
+struct Node {
+  NodeKind kind;
+  int line = 0;
+  Value literal;                            // kLiteral
+  std::string name;                         // names, attributes, filters, tests, operators
+  std::vector<std::unique_ptr<Node>> kids;  // operands, arguments, bodies' items
+  std::vector<std::string> kwarg_names;     // trailing kids are keyword arguments
+  std::vector<std::string> ops;             // kCompare: one per comparison
+  bool negated = false;                     // kTest "is not"
+  // Statements.
+  std::vector<std::unique_ptr<Node>> body;       // kIf: alternating cond / block nodes
+  std::vector<std::unique_ptr<Node>> else_body;  // kIf, kFor
+  std::vector<std::string> targets;              // kFor, kSet (kSet: {name} or {ns, attr})
+  std::unique_ptr<Node> filter;                  // kFor's "if"
+  bool has_else = false;
+};
+
+namespace {
+
+using NodeList = std::vector<std::unique_ptr<Node>>;
+
+std::unique_ptr<Node> MakeNode(NodeKind kind, int line) {
+  auto n = std::make_unique<Node>();
+  n->kind = kind;
+  n->line = line;
+  return n;
+}
+
+// ---- Parser ---------------------------------------------------------------------------------
+
+class ExprParser {
+ public:
+  ExprParser(const std::vector<Token>& tokens, size_t start, int line)
+      : t_(tokens), pos_(start), line_(line) {}
+
+  size_t pos() const { return pos_; }
+  bool AtEnd() const { return pos_ >= t_.size(); }
+  const Token* Peek(size_t ahead = 0) const {
+    return pos_ + ahead < t_.size() ? &t_[pos_ + ahead] : nullptr;
+  }
+  bool IsOp(std::string_view op, size_t ahead = 0) const {
+    const Token* t = Peek(ahead);
+    return t != nullptr && t->type == Tok::kOp && t->text == op;
+  }
+  bool IsName(std::string_view name, size_t ahead = 0) const {
+    const Token* t = Peek(ahead);
+    return t != nullptr && t->type == Tok::kName && t->text == name;
+  }
+  absl::Status Expect(std::string_view op) {
+    if (!IsOp(op)) return SyntaxError(line_, absl::StrCat("expected '", AsAbsl(op), "'"));
+    ++pos_;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> ExpectName() {
+    const Token* t = Peek();
+    if (t == nullptr || t->type != Tok::kName) return SyntaxError(line_, "expected a name");
+    ++pos_;
+    return t->text;
+  }
+
+  // expression := or ["if" or ["else" expression]]
+  absl::StatusOr<std::unique_ptr<Node>> Expression(bool allow_cond = true) {
+    // Nesting is bounded so that neither this parser nor the renderer can run out of stack.
+    if (++depth_ > kMaxDepth) return SyntaxError(line_, "expression nested too deeply");
+    struct Leave {
+      int* d;
+      ~Leave() { --*d; }
+    } leave{&depth_};
+    std::unique_ptr<Node> e;
+    JINJA_ASSIGN_OR_RETURN(e, Or());
+    while (allow_cond && IsName("if")) {
+      ++pos_;
+      auto cond = MakeNode(NodeKind::kCond, line_);
+      std::unique_ptr<Node> test;
+      JINJA_ASSIGN_OR_RETURN(test, Or());
+      std::unique_ptr<Node> otherwise;
+      if (IsName("else")) {
+        ++pos_;
+        JINJA_ASSIGN_OR_RETURN(otherwise, Expression());
+      } else {
+        otherwise = MakeNode(NodeKind::kLiteral, line_);  // undefined
+      }
+      cond->kids.push_back(std::move(e));
+      cond->kids.push_back(std::move(test));
+      cond->kids.push_back(std::move(otherwise));
+      e = std::move(cond);
+    }
+    return e;
+  }
+
+ private:
+  absl::StatusOr<std::unique_ptr<Node>> Or() {
+    std::unique_ptr<Node> l;
+    JINJA_ASSIGN_OR_RETURN(l, And());
+    while (IsName("or")) {
+      ++pos_;
+      auto n = MakeNode(NodeKind::kOr, line_);
+      std::unique_ptr<Node> r;
+      JINJA_ASSIGN_OR_RETURN(r, And());
+      n->kids.push_back(std::move(l));
+      n->kids.push_back(std::move(r));
+      l = std::move(n);
+    }
+    return l;
+  }
+  absl::StatusOr<std::unique_ptr<Node>> And() {
+    std::unique_ptr<Node> l;
+    JINJA_ASSIGN_OR_RETURN(l, Not());
+    while (IsName("and")) {
+      ++pos_;
+      auto n = MakeNode(NodeKind::kAnd, line_);
+      std::unique_ptr<Node> r;
+      JINJA_ASSIGN_OR_RETURN(r, Not());
+      n->kids.push_back(std::move(l));
+      n->kids.push_back(std::move(r));
+      l = std::move(n);
+    }
+    return l;
+  }
+  absl::StatusOr<std::unique_ptr<Node>> Not() {
+    if (IsName("not")) {
+      ++pos_;
+      auto n = MakeNode(NodeKind::kNot, line_);
+      std::unique_ptr<Node> operand;
+      JINJA_ASSIGN_OR_RETURN(operand, Not());
+      n->kids.push_back(std::move(operand));
+      return n;
+    }
+    return Compare();
+  }
+  absl::StatusOr<std::unique_ptr<Node>> Compare() {
+    std::unique_ptr<Node> l;
+    JINJA_ASSIGN_OR_RETURN(l, Math1());
+    std::unique_ptr<Node> cmp;
+    while (true) {
+      std::string op;
+      if (IsOp("==") || IsOp("!=") || IsOp("<") || IsOp(">") || IsOp("<=") || IsOp(">=")) {
+        op = Peek()->text;
+        ++pos_;
+      } else if (IsName("in")) {
+        op = "in";
+        ++pos_;
+      } else if (IsName("not") && IsName("in", 1)) {
+        op = "notin";
+        pos_ += 2;
+      } else {
+        break;
+      }
+      if (cmp == nullptr) {
+        cmp = MakeNode(NodeKind::kCompare, line_);
+        cmp->kids.push_back(std::move(l));
+      }
+      std::unique_ptr<Node> r;
+      JINJA_ASSIGN_OR_RETURN(r, Math1());
+      cmp->kids.push_back(std::move(r));
+      cmp->ops.push_back(op);
+    }
+    return cmp != nullptr ? std::move(cmp) : std::move(l);
+  }
+  absl::StatusOr<std::unique_ptr<Node>> Binary(
+      const std::vector<std::string_view>& ops,
+      absl::StatusOr<std::unique_ptr<Node>> (ExprParser::*next)()) {
+    std::unique_ptr<Node> l;
+    JINJA_ASSIGN_OR_RETURN(l, (this->*next)());
+    while (true) {
+      std::string op;
+      for (std::string_view o : ops) {
+        if (IsOp(o)) op = std::string(o);
+      }
+      if (op.empty()) break;
+      ++pos_;
+      auto n = MakeNode(NodeKind::kBinary, line_);
+      n->name = op;
+      std::unique_ptr<Node> r;
+      JINJA_ASSIGN_OR_RETURN(r, (this->*next)());
+      n->kids.push_back(std::move(l));
+      n->kids.push_back(std::move(r));
+      l = std::move(n);
+    }
+    return l;
+  }
+  absl::StatusOr<std::unique_ptr<Node>> Math1() { return Binary({"+", "-"}, &ExprParser::Concat); }
+  absl::StatusOr<std::unique_ptr<Node>> Concat() { return Binary({"~"}, &ExprParser::Math2); }
+  absl::StatusOr<std::unique_ptr<Node>> Math2() {
+    return Binary({"*", "/", "//", "%"}, &ExprParser::Pow);
+  }
+  absl::StatusOr<std::unique_ptr<Node>> Pow() { return Binary({"**"}, &ExprParser::Unary); }
+  absl::StatusOr<std::unique_ptr<Node>> Unary() { return UnaryExpr(/*with_filter=*/true); }
+  // As Jinja2: the sign binds tighter than filters and tests (-3|abs is abs(-3)).
+  absl::StatusOr<std::unique_ptr<Node>> UnaryExpr(bool with_filter) {
+    std::unique_ptr<Node> e;
+    if (IsOp("-") || IsOp("+")) {
+      const bool neg = IsOp("-");
+      ++pos_;
+      e = MakeNode(neg ? NodeKind::kNeg : NodeKind::kPos, line_);
+      std::unique_ptr<Node> operand;
+      if (++depth_ > kMaxDepth) return SyntaxError(line_, "expression nested too deeply");
+      JINJA_ASSIGN_OR_RETURN(operand, UnaryExpr(/*with_filter=*/false));
+      --depth_;
+      e->kids.push_back(std::move(operand));
+    } else {
+      JINJA_ASSIGN_OR_RETURN(e, Primary());
+      JINJA_ASSIGN_OR_RETURN(e, Postfix(std::move(e)));
+    }
+    if (!with_filter) return e;
+    return FilterExpr(std::move(e));
+  }
+
+  absl::Status Arguments(Node* call) {
+    JINJA_RETURN_IF_ERROR(Expect("("));
+    while (!IsOp(")")) {
+      if (Peek() != nullptr && Peek()->type == Tok::kName && IsOp("=", 1)) {
+        call->kwarg_names.push_back(Peek()->text);
+        pos_ += 2;
+      } else if (!call->kwarg_names.empty()) {
+        return SyntaxError(line_, "positional argument after a keyword argument");
+      }
+      std::unique_ptr<Node> arg;
+      JINJA_ASSIGN_OR_RETURN(arg, Expression());
+      call->kids.push_back(std::move(arg));
+      if (!IsOp(",")) break;
+      ++pos_;
+    }
+    return Expect(")");
+  }
+
+  absl::StatusOr<std::unique_ptr<Node>> Postfix(std::unique_ptr<Node> e) {
+    while (true) {
+      if (IsOp(".")) {
+        ++pos_;
+        auto n = MakeNode(NodeKind::kGetAttr, line_);
+        const Token* t = Peek();
+        if (t == nullptr || (t->type != Tok::kName && t->type != Tok::kInt)) {
+          return SyntaxError(line_, "expected an attribute name after '.'");
+        }
+        n->name = t->text;
+        ++pos_;
+        n->kids.push_back(std::move(e));
+        e = std::move(n);
+      } else if (IsOp("[")) {
+        ++pos_;
+        // Index or slice.
+        std::unique_ptr<Node> parts[3];
+        int colons = 0;
+        while (!IsOp("]")) {
+          if (IsOp(":")) {
+            if (++colons > 2) return SyntaxError(line_, "bad slice");
+            ++pos_;
+            continue;
+          }
+          if (parts[colons] != nullptr) return SyntaxError(line_, "bad subscript");
+          JINJA_ASSIGN_OR_RETURN(parts[colons], Expression());
+        }
+        ++pos_;
+        if (colons == 0) {
+          if (parts[0] == nullptr) return SyntaxError(line_, "empty subscript");
+          auto n = MakeNode(NodeKind::kGetItem, line_);
+          n->kids.push_back(std::move(e));
+          n->kids.push_back(std::move(parts[0]));
+          e = std::move(n);
+        } else {
+          auto n = MakeNode(NodeKind::kSlice, line_);
+          n->kids.push_back(std::move(e));
+          for (auto& p : parts) n->kids.push_back(std::move(p));  // may be null
+          e = std::move(n);
+        }
+      } else if (IsOp("(")) {
+        auto n = MakeNode(NodeKind::kCall, line_);
+        n->kids.push_back(std::move(e));
+        JINJA_RETURN_IF_ERROR(Arguments(n.get()));
+        e = std::move(n);
+      } else {
+        return e;
+      }
+    }
+  }
+
+  absl::StatusOr<std::unique_ptr<Node>> FilterExpr(std::unique_ptr<Node> e) {
+    while (true) {
+      if (IsOp("|")) {
+        ++pos_;
+        auto n = MakeNode(NodeKind::kFilter, line_);
+        JINJA_ASSIGN_OR_RETURN(n->name, ExpectName());
+        n->kids.push_back(std::move(e));
+        if (IsOp("(")) JINJA_RETURN_IF_ERROR(Arguments(n.get()));
+        e = std::move(n);
+      } else if (IsName("is")) {
+        ++pos_;
+        auto n = MakeNode(NodeKind::kTest, line_);
+        if (IsName("not")) {
+          n->negated = true;
+          ++pos_;
+        }
+        const Token* t = Peek();
+        if (t != nullptr && t->type == Tok::kName) {
+          n->name = t->text;
+          ++pos_;
+        } else if (t != nullptr && t->type == Tok::kOp &&
+                   (t->text == "==" || t->text == "!=" || t->text == "<" || t->text == ">" ||
+                    t->text == "<=" || t->text == ">=")) {
+          n->name = t->text;
+          ++pos_;
+        } else {
+          return SyntaxError(line_, "expected a test name after 'is'");
+        }
+        n->kids.push_back(std::move(e));
+        if (IsOp("(")) {
+          JINJA_RETURN_IF_ERROR(Arguments(n.get()));
+        } else if (Peek() != nullptr && !IsName("and") && !IsName("or") && !IsName("if") &&
+                   !IsName("else") && !IsName("is") && !IsName("in") && !IsName("not") &&
+                   (Peek()->type != Tok::kOp ||
+                    (Peek()->text != ")" && Peek()->text != "]" && Peek()->text != "}" &&
+                     Peek()->text != "," && Peek()->text != ":" && Peek()->text != "|" &&
+                     Peek()->text != "==" && Peek()->text != "!=" && Peek()->text != "+" &&
+                     Peek()->text != "-" && Peek()->text != "~"))) {
+          // A test with one argument without parentheses: `x is divisibleby 3`.
+          std::unique_ptr<Node> arg;
+          JINJA_ASSIGN_OR_RETURN(arg, Primary());
+          JINJA_ASSIGN_OR_RETURN(arg, Postfix(std::move(arg)));
+          n->kids.push_back(std::move(arg));
+        }
+        e = std::move(n);
+      } else {
+        return e;
+      }
+    }
+  }
+
+  absl::StatusOr<std::unique_ptr<Node>> Primary() {
+    const Token* t = Peek();
+    if (t == nullptr) return SyntaxError(line_, "unexpected end of expression");
+    ++pos_;
+    switch (t->type) {
+      case Tok::kString: {
+        std::string s = t->text;
+        // Adjacent literals concatenate, as in Python.
+        while (Peek() != nullptr && Peek()->type == Tok::kString) s += t_[pos_++].text;
+        auto n = MakeNode(NodeKind::kLiteral, line_);
+        n->literal = Value::String(std::move(s));
+        return n;
+      }
+      case Tok::kInt: {
+        auto n = MakeNode(NodeKind::kLiteral, line_);
+        int64_t v = 0;
+        auto [p, ec] = std::from_chars(t->text.data(), t->text.data() + t->text.size(), v);
+        if (ec != std::errc()) return SyntaxError(line_, "integer out of range");
+        n->literal = Value::Int(v);
+        return n;
+      }
+      case Tok::kFloat: {
+        auto n = MakeNode(NodeKind::kLiteral, line_);
+        double v = 0;
+        std::from_chars(t->text.data(), t->text.data() + t->text.size(), v);
+        n->literal = Value::Float(v);
+        return n;
+      }
+      case Tok::kName: {
+        auto n = MakeNode(NodeKind::kLiteral, line_);
+        if (t->text == "true" || t->text == "True") {
+          n->literal = Value::Bool(true);
+        } else if (t->text == "false" || t->text == "False") {
+          n->literal = Value::Bool(false);
+        } else if (t->text == "none" || t->text == "None") {
+          n->literal = Value::None();
+        } else {
+          n->kind = NodeKind::kName;
+          n->name = t->text;
+        }
+        return n;
+      }
+      case Tok::kOp:
+        if (t->text == "(") {
+          std::unique_ptr<Node> e;
+          JINJA_ASSIGN_OR_RETURN(e, Expression());
+          if (IsOp(",")) return Unsupported(line_, "tuple literals");
+          JINJA_RETURN_IF_ERROR(Expect(")"));
+          return e;
+        }
+        if (t->text == "[") {
+          auto n = MakeNode(NodeKind::kListLit, line_);
+          while (!IsOp("]")) {
+            std::unique_ptr<Node> item;
+            JINJA_ASSIGN_OR_RETURN(item, Expression());
+            n->kids.push_back(std::move(item));
+            if (!IsOp(",")) break;
+            ++pos_;
+          }
+          JINJA_RETURN_IF_ERROR(Expect("]"));
+          return n;
+        }
+        if (t->text == "{") {
+          auto n = MakeNode(NodeKind::kDictLit, line_);
+          while (!IsOp("}")) {
+            std::unique_ptr<Node> key, value;
+            JINJA_ASSIGN_OR_RETURN(key, Expression());
+            JINJA_RETURN_IF_ERROR(Expect(":"));
+            JINJA_ASSIGN_OR_RETURN(value, Expression());
+            n->kids.push_back(std::move(key));
+            n->kids.push_back(std::move(value));
+            if (!IsOp(",")) break;
+            ++pos_;
+          }
+          JINJA_RETURN_IF_ERROR(Expect("}"));
+          return n;
+        }
+        break;
+      default:
+        break;
+    }
+    return SyntaxError(line_, absl::StrCat("unexpected '", t->text, "'"));
+  }
+
+  static constexpr int kMaxDepth = 64;
+  const std::vector<Token>& t_;
+  size_t pos_;
+  int line_;
+  int depth_ = 0;
+};
+
+class Parser {
+ public:
+  explicit Parser(std::vector<Segment> segments) : segs_(std::move(segments)) {}
+
+  absl::Status Run(NodeList* out) {
+    std::string end;
+    JINJA_RETURN_IF_ERROR(Block(out, {}, &end));
+    if (!end.empty()) return SyntaxError(line_, absl::StrCat("unexpected {% ", end, " %}"));
+    return absl::OkStatus();
+  }
+
+ private:
+  // Parses nodes until a statement whose keyword is in `ends` (returned in *end, the segment
+  // left current) or the end of input (*end empty).
+  absl::Status Block(NodeList* out, const std::vector<std::string>& ends, std::string* end) {
+    end->clear();
+    while (i_ < segs_.size()) {
+      const Segment& s = segs_[i_];
+      line_ = s.line;
+      if (s.kind == SegKind::kText) {
+        auto n = MakeNode(NodeKind::kText, s.line);
+        n->name = s.text;
+        out->push_back(std::move(n));
+        ++i_;
+        continue;
+      }
+      if (s.kind == SegKind::kVar) {
+        ExprParser p(s.tokens, 0, s.line);
+        auto n = MakeNode(NodeKind::kOutput, s.line);
+        std::unique_ptr<Node> e;
+        JINJA_ASSIGN_OR_RETURN(e, p.Expression());
+        if (!p.AtEnd()) return SyntaxError(s.line, "unexpected tokens in {{ }}");
+        n->kids.push_back(std::move(e));
+        out->push_back(std::move(n));
+        ++i_;
+        continue;
+      }
+      if (s.tokens.empty() || s.tokens[0].type != Tok::kName) {
+        return SyntaxError(s.line, "empty or malformed {% %}");
+      }
+      const std::string& kw = s.tokens[0].text;
+      if (std::find(ends.begin(), ends.end(), kw) != ends.end()) {
+        *end = kw;
+        return absl::OkStatus();
+      }
+      ++i_;
+      if ((kw == "if" || kw == "for") && depth_ >= kMaxBlockDepth) {
+        return SyntaxError(s.line, "blocks nested too deeply");
+      }
+      if (kw == "if") {
+        ++depth_;
+        absl::Status st = If(s, out);
+        --depth_;
+        JINJA_RETURN_IF_ERROR(st);
+      } else if (kw == "for") {
+        ++depth_;
+        absl::Status st = For(s, out);
+        --depth_;
+        JINJA_RETURN_IF_ERROR(st);
+      } else if (kw == "set") {
+        JINJA_RETURN_IF_ERROR(Set(s, out));
+      } else if (kw == "break" || kw == "continue") {
+        if (s.tokens.size() != 1) return SyntaxError(s.line, "unexpected tokens");
+        out->push_back(MakeNode(kw == "break" ? NodeKind::kBreak : NodeKind::kContinue, s.line));
+      } else if (kw == "elif" || kw == "else" || kw == "endif" || kw == "endfor") {
+        return SyntaxError(s.line, absl::StrCat("unexpected {% ", kw, " %}"));
+      } else {
+        return Unsupported(s.line, absl::StrCat("the {% ", kw, " %} statement"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::unique_ptr<Node>> WholeExpression(const Segment& s, size_t start) {
+    ExprParser p(s.tokens, start, s.line);
+    std::unique_ptr<Node> e;
+    JINJA_ASSIGN_OR_RETURN(e, p.Expression());
+    if (!p.AtEnd()) return SyntaxError(s.line, "unexpected tokens after the expression");
+    return e;
+  }
+
+  absl::Status If(const Segment& first, NodeList* out) {
+    auto n = MakeNode(NodeKind::kIf, first.line);
+    const Segment* s = &first;
+    while (true) {
+      std::unique_ptr<Node> cond;
+      JINJA_ASSIGN_OR_RETURN(cond, WholeExpression(*s, 1));
+      auto block = MakeNode(NodeKind::kText, s->line);  // holder of the branch body
+      std::string end;
+      JINJA_RETURN_IF_ERROR(Block(&block->kids, {"elif", "else", "endif"}, &end));
+      n->body.push_back(std::move(cond));
+      n->body.push_back(std::move(block));
+      if (end.empty()) return SyntaxError(first.line, "{% if %} without {% endif %}");
+      s = &segs_[i_++];
+      if (end == "elif") continue;
+      if (end == "else") {
+        n->has_else = true;
+        JINJA_RETURN_IF_ERROR(Block(&n->else_body, {"endif"}, &end));
+        if (end.empty()) return SyntaxError(first.line, "{% if %} without {% endif %}");
+        ++i_;
+      }
+      break;
+    }
+    out->push_back(std::move(n));
+    return absl::OkStatus();
+  }
+
+  absl::Status For(const Segment& s, NodeList* out) {
+    auto n = MakeNode(NodeKind::kFor, s.line);
+    ExprParser p(s.tokens, 1, s.line);
+    while (true) {
+      std::string target;
+      JINJA_ASSIGN_OR_RETURN(target, p.ExpectName());
+      n->targets.push_back(target);
+      if (!p.IsOp(",")) break;
+      JINJA_RETURN_IF_ERROR(p.Expect(","));
+    }
+    if (!p.IsName("in")) return SyntaxError(s.line, "expected 'in' in {% for %}");
+    JINJA_RETURN_IF_ERROR(absl::OkStatus());
+    // Skip "in".
+    ExprParser q(s.tokens, p.pos() + 1, s.line);
+    std::unique_ptr<Node> iter;
+    JINJA_ASSIGN_OR_RETURN(iter, q.Expression(/*allow_cond=*/false));
+    n->kids.push_back(std::move(iter));
+    if (q.IsName("if")) {
+      ExprParser f(s.tokens, q.pos() + 1, s.line);
+      JINJA_ASSIGN_OR_RETURN(n->filter, f.Expression(/*allow_cond=*/false));
+      if (f.IsName("recursive")) return Unsupported(s.line, "recursive loops");
+      if (!f.AtEnd()) return SyntaxError(s.line, "unexpected tokens in {% for %}");
+    } else if (q.IsName("recursive")) {
+      return Unsupported(s.line, "recursive loops");
+    } else if (!q.AtEnd()) {
+      return SyntaxError(s.line, "unexpected tokens in {% for %}");
+    }
+    std::string end;
+    JINJA_RETURN_IF_ERROR(Block(&n->body, {"else", "endfor"}, &end));
+    if (end.empty()) return SyntaxError(s.line, "{% for %} without {% endfor %}");
+    ++i_;
+    if (end == "else") {
+      n->has_else = true;
+      JINJA_RETURN_IF_ERROR(Block(&n->else_body, {"endfor"}, &end));
+      if (end.empty()) return SyntaxError(s.line, "{% for %} without {% endfor %}");
+      ++i_;
+    }
+    out->push_back(std::move(n));
+    return absl::OkStatus();
+  }
+
+  absl::Status Set(const Segment& s, NodeList* out) {
+    auto n = MakeNode(NodeKind::kSet, s.line);
+    ExprParser p(s.tokens, 1, s.line);
+    std::string name;
+    JINJA_ASSIGN_OR_RETURN(name, p.ExpectName());
+    n->targets.push_back(name);
+    if (p.IsOp(".")) {
+      JINJA_RETURN_IF_ERROR(p.Expect("."));
+      JINJA_ASSIGN_OR_RETURN(name, p.ExpectName());
+      n->targets.push_back(name);
+    }
+    if (p.IsOp(",")) return Unsupported(s.line, "{% set %} of several names");
+    if (p.AtEnd()) return Unsupported(s.line, "{% set %} blocks");
+    JINJA_RETURN_IF_ERROR(p.Expect("="));
+    std::unique_ptr<Node> value;
+    JINJA_ASSIGN_OR_RETURN(value, WholeExpression(s, p.pos()));
+    n->kids.push_back(std::move(value));
+    out->push_back(std::move(n));
+    return absl::OkStatus();
+  }
+
+  static constexpr int kMaxBlockDepth = 64;
+  std::vector<Segment> segs_;
+  size_t i_ = 0;
+  int line_ = 1;
+  int depth_ = 0;
+};
+
+// ---- Renderer -------------------------------------------------------------------------------
+
+enum class Flow { kNormal, kBreak, kContinue };
+
+absl::Status TypeError(int line, std::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("template line ", line, ": ", AsAbsl(what)));
+}
+
+std::string KindName(const Value& v) {
+  switch (v.kind()) {
+    case Value::Kind::kUndefined:
+      return "undefined";
+    case Value::Kind::kNone:
+      return "NoneType";
+    case Value::Kind::kBool:
+      return "bool";
+    case Value::Kind::kInt:
+      return "int";
+    case Value::Kind::kFloat:
+      return "float";
+    case Value::Kind::kString:
+      return "str";
+    case Value::Kind::kList:
+      return "list";
+    case Value::Kind::kDict:
+      return "dict";
+    case Value::Kind::kNamespace:
+      return "Namespace";
+    case Value::Kind::kFunction:
+      return "builtin_function_or_method";
+  }
+  return "?";
+}
+
+// Python ==.
+bool Equal(const Value& a, const Value& b) {
+  if (a.is_number() && b.is_number()) return a.float_value() == b.float_value();
+  if ((a.kind() == Value::Kind::kBool) != (b.kind() == Value::Kind::kBool)) {
+    // True == 1 in Python.
+    const Value& x = a.kind() == Value::Kind::kBool ? a : b;
+    const Value& y = a.kind() == Value::Kind::kBool ? b : a;
+    return y.is_number() && y.float_value() == (x.bool_value() ? 1.0 : 0.0);
+  }
+  if (a.kind() != b.kind()) return false;
+  switch (a.kind()) {
+    case Value::Kind::kUndefined:
+    case Value::Kind::kNone:
+      return true;
+    case Value::Kind::kBool:
+      return a.bool_value() == b.bool_value();
+    case Value::Kind::kString:
+      return a.string_value() == b.string_value();
+    case Value::Kind::kList:
+      if (a.is_tuple() != b.is_tuple() || a.list().size() != b.list().size()) return false;
+      for (size_t i = 0; i < a.list().size(); ++i) {
+        if (!Equal(a.list()[i], b.list()[i])) return false;
+      }
+      return true;
+    case Value::Kind::kDict:
+      if (a.dict().size() != b.dict().size()) return false;
+      for (const auto& [k, v] : a.dict()) {
+        const Value other = b.Get(k);
+        if (other.is_undefined() || !Equal(v, other)) return false;
+      }
+      return true;
+    case Value::Kind::kNamespace:
+      return &a.dict() == &b.dict();
+    default:
+      return false;
+  }
+}
+
+class Renderer {
+ public:
+  explicit Renderer(const Value& context) {
+    scopes_.emplace_back();
+    for (const char* f : {"raise_exception", "namespace", "range", "dict", "strftime_now"}) {
+      scopes_.back().emplace_back(f, Value::Function(f));
+    }
+    if (context.is_mapping()) {
+      for (const auto& [k, v] : context.dict()) scopes_.back().emplace_back(k, v);
+    }
+  }
+
+  absl::StatusOr<Flow> Run(const NodeList& nodes, std::string* out) {
+    for (const auto& n : nodes) {
+      Flow flow = Flow::kNormal;
+      JINJA_ASSIGN_OR_RETURN(flow, Exec(*n, out));
+      if (flow != Flow::kNormal) return flow;
+    }
+    return Flow::kNormal;
+  }
+
+ private:
+  using Scope = std::vector<std::pair<std::string, Value>>;
+
+  Value Lookup(const std::string& name) const {
+    for (auto s = scopes_.rbegin(); s != scopes_.rend(); ++s) {
+      for (auto it = s->rbegin(); it != s->rend(); ++it) {
+        if (it->first == name) return it->second;
+      }
+    }
+    return Value();
+  }
+  void Assign(const std::string& name, Value v) {
+    for (auto& [k, old] : scopes_.back()) {
+      if (k == name) {
+        old = std::move(v);
+        return;
+      }
+    }
+    scopes_.back().emplace_back(name, std::move(v));
+  }
+
+  // Bounds on the work and output of one render: templates come from model files and
+  // --chat-template, and a loop over range(100000) inside another must not hang the server.
+  static constexpr int64_t kMaxSteps = 5'000'000;
+  static constexpr size_t kMaxOutput = size_t{16} << 20;
+  absl::Status Budget(int line, const std::string& out) {
+    if (++steps_ > kMaxSteps || out.size() > kMaxOutput) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("template line ", line, ": rendering exceeds ", kMaxSteps, " steps or ",
+                       kMaxOutput >> 20, " MiB of output"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<Flow> Exec(const Node& n, std::string* out) {
+    JINJA_RETURN_IF_ERROR(Budget(n.line, *out));
+    switch (n.kind) {
+      case NodeKind::kText:
+        *out += n.name;
+        return Flow::kNormal;
+      case NodeKind::kOutput: {
+        Value v;
+        JINJA_ASSIGN_OR_RETURN(v, Eval(*n.kids[0]));
+        *out += Str(v);
+        return Flow::kNormal;
+      }
+      case NodeKind::kIf:
+        for (size_t b = 0; b + 1 < n.body.size(); b += 2) {
+          Value cond;
+          JINJA_ASSIGN_OR_RETURN(cond, Eval(*n.body[b]));
+          if (cond.Truthy()) return Run(n.body[b + 1]->kids, out);
+        }
+        return Run(n.else_body, out);
+      case NodeKind::kFor:
+        return For(n, out);
+      case NodeKind::kSet: {
+        Value v;
+        JINJA_ASSIGN_OR_RETURN(v, Eval(*n.kids[0]));
+        if (n.targets.size() == 1) {
+          Assign(n.targets[0], std::move(v));
+          return Flow::kNormal;
+        }
+        const Value ns = Lookup(n.targets[0]);
+        if (ns.kind() != Value::Kind::kNamespace) {
+          return TypeError(n.line, "can only set attributes of a namespace");
+        }
+        Dict& d = ns.mutable_dict();
+        for (auto& [k, old] : d) {
+          if (k == n.targets[1]) {
+            old = std::move(v);
+            return Flow::kNormal;
+          }
+        }
+        d.emplace_back(n.targets[1], std::move(v));
+        return Flow::kNormal;
+      }
+      case NodeKind::kBreak:
+        return Flow::kBreak;
+      case NodeKind::kContinue:
+        return Flow::kContinue;
+      default:
+        return absl::InternalError("expression node in statement position");
+    }
+  }
+
+  absl::StatusOr<List> Iterate(const Value& v, int line) {
+    switch (v.kind()) {
+      case Value::Kind::kUndefined:
+        return List();
+      case Value::Kind::kList:
+        return v.list();
+      case Value::Kind::kDict: {
+        List keys;
+        for (const auto& [k, item] : v.dict()) keys.push_back(Value::String(k));
+        return keys;
+      }
+      case Value::Kind::kString: {
+        List chars;
+        const std::string& s = v.string_value();
+        for (size_t i = 0; i < s.size();) {
+          size_t len = 1;
+          const auto c = static_cast<unsigned char>(s[i]);
+          if (c >= 0xF0) {
+            len = 4;
+          } else if (c >= 0xE0) {
+            len = 3;
+          } else if (c >= 0xC0) {
+            len = 2;
+          }
+          chars.push_back(Value::String(s.substr(i, len)));
+          i += len;
+        }
+        return chars;
+      }
+      default:
+        return TypeError(line, absl::StrCat("'", KindName(v), "' object is not iterable"));
+    }
+  }
+
+  absl::StatusOr<Flow> For(const Node& n, std::string* out) {
+    Value seq;
+    JINJA_ASSIGN_OR_RETURN(seq, Eval(*n.kids[0]));
+    List items;
+    JINJA_ASSIGN_OR_RETURN(items, Iterate(seq, n.line));
+    scopes_.emplace_back();
+    const auto bind = [&](const Value& item) -> absl::Status {
+      if (n.targets.size() == 1) {
+        Assign(n.targets[0], item);
+        return absl::OkStatus();
+      }
+      List parts;
+      JINJA_ASSIGN_OR_RETURN(parts, Iterate(item, n.line));
+      if (parts.size() != n.targets.size()) {
+        return TypeError(n.line, "cannot unpack the loop item into the loop variables");
+      }
+      for (size_t i = 0; i < parts.size(); ++i) Assign(n.targets[i], parts[i]);
+      return absl::OkStatus();
+    };
+    if (n.filter != nullptr) {
+      List kept;
+      for (const Value& item : items) {
+        JINJA_RETURN_IF_ERROR(bind(item));
+        Value keep;
+        JINJA_ASSIGN_OR_RETURN(keep, Eval(*n.filter));
+        if (keep.Truthy()) kept.push_back(item);
+      }
+      items = std::move(kept);
+      scopes_.back().clear();
+    }
+    const auto count = static_cast<int64_t>(items.size());
+    absl::StatusOr<Flow> result = Flow::kNormal;
+    for (int64_t i = 0; i < count; ++i) {
+      scopes_.back().clear();
+      Dict loop = {{"index", Value::Int(i + 1)},
+                   {"index0", Value::Int(i)},
+                   {"revindex", Value::Int(count - i)},
+                   {"revindex0", Value::Int(count - i - 1)},
+                   {"first", Value::Bool(i == 0)},
+                   {"last", Value::Bool(i == count - 1)},
+                   {"length", Value::Int(count)},
+                   {"previtem", i > 0 ? items[i - 1] : Value()},
+                   {"nextitem", i + 1 < count ? items[i + 1] : Value()}};
+      Assign("loop", Value::MakeDict(std::move(loop)));
+      if (absl::Status st = bind(items[i]); !st.ok()) {
+        result = st;
+        break;
+      }
+      result = Run(n.body, out);
+      if (!result.ok() || *result == Flow::kBreak) break;
+    }
+    scopes_.pop_back();
+    if (!result.ok()) return result.status();
+    if (count == 0 && n.has_else) return Run(n.else_body, out);
+    return Flow::kNormal;
+  }
+
+  absl::StatusOr<Value> Eval(const Node& n) {
+    if (++steps_ > kMaxSteps) return Budget(n.line, std::string());
+    switch (n.kind) {
+      case NodeKind::kLiteral:
+        return n.literal;
+      case NodeKind::kName:
+        return Lookup(n.name);
+      case NodeKind::kGetAttr:
+      case NodeKind::kGetItem: {
+        Value obj;
+        JINJA_ASSIGN_OR_RETURN(obj, Eval(*n.kids[0]));
+        Value key = Value::String(n.name);
+        if (n.kind == NodeKind::kGetItem) JINJA_ASSIGN_OR_RETURN(key, Eval(*n.kids[1]));
+        return Subscript(obj, key, n.line);
+      }
+      case NodeKind::kSlice:
+        return Slice(n);
+      case NodeKind::kCall:
+        return Call(n);
+      case NodeKind::kFilter:
+        return Filter(n);
+      case NodeKind::kTest: {
+        bool r = false;
+        JINJA_ASSIGN_OR_RETURN(r, Test(n));
+        return Value::Bool(r != n.negated);
+      }
+      case NodeKind::kNeg:
+      case NodeKind::kPos: {
+        Value v;
+        JINJA_ASSIGN_OR_RETURN(v, Eval(*n.kids[0]));
+        if (!v.is_number()) return TypeError(n.line, "bad operand type for unary -");
+        if (n.kind == NodeKind::kPos) return v;
+        return v.kind() == Value::Kind::kInt ? Value::Int(-v.int_value())
+                                             : Value::Float(-v.float_value());
+      }
+      case NodeKind::kNot: {
+        Value v;
+        JINJA_ASSIGN_OR_RETURN(v, Eval(*n.kids[0]));
+        return Value::Bool(!v.Truthy());
+      }
+      case NodeKind::kAnd:
+      case NodeKind::kOr: {
+        Value l;
+        JINJA_ASSIGN_OR_RETURN(l, Eval(*n.kids[0]));
+        if ((n.kind == NodeKind::kAnd) != l.Truthy()) return l;
+        return Eval(*n.kids[1]);
+      }
+      case NodeKind::kBinary:
+        return BinaryOp(n);
+      case NodeKind::kCompare:
+        return CompareOp(n);
+      case NodeKind::kCond: {
+        Value cond;
+        JINJA_ASSIGN_OR_RETURN(cond, Eval(*n.kids[1]));
+        return Eval(*n.kids[cond.Truthy() ? 0 : 2]);
+      }
+      case NodeKind::kListLit: {
+        List items;
+        for (const auto& k : n.kids) {
+          Value v;
+          JINJA_ASSIGN_OR_RETURN(v, Eval(*k));
+          items.push_back(std::move(v));
+        }
+        return Value::MakeList(std::move(items));
+      }
+      case NodeKind::kDictLit: {
+        Dict items;
+        for (size_t i = 0; i + 1 < n.kids.size(); i += 2) {
+          Value k, v;
+          JINJA_ASSIGN_OR_RETURN(k, Eval(*n.kids[i]));
+          JINJA_ASSIGN_OR_RETURN(v, Eval(*n.kids[i + 1]));
+          if (!k.is_string()) return Unsupported(n.line, "dict keys other than strings");
+          items.emplace_back(k.string_value(), std::move(v));
+        }
+        return Value::MakeDict(std::move(items));
+      }
+      default:
+        return absl::InternalError("statement node in expression position");
+    }
+  }
+
+  // obj.attr / obj[key]: mappings by key, lists and strings by (negative) index; a missing one
+  // is undefined. Looking into an undefined value is an error, as in Jinja2.
+  absl::StatusOr<Value> Subscript(const Value& obj, const Value& key, int line) {
+    if (obj.is_undefined()) {
+      return TypeError(
+          line, absl::StrCat("'", Str(key), "' of an undefined value (Jinja2: UndefinedError)"));
+    }
+    if (obj.is_mapping()) return key.is_string() ? obj.Get(key.string_value()) : Value();
+    if ((obj.is_list() || obj.is_string()) && key.kind() == Value::Kind::kInt) {
+      const int64_t size = obj.is_list() ? static_cast<int64_t>(obj.list().size())
+                                         : static_cast<int64_t>(obj.string_value().size());
+      int64_t i = key.int_value();
+      if (i < 0) i += size;
+      if (i < 0 || i >= size) return Value();
+      if (obj.is_list()) return obj.list()[static_cast<size_t>(i)];
+      List chars;
+      JINJA_ASSIGN_OR_RETURN(chars, Iterate(obj, line));
+      int64_t ci = key.int_value();
+      if (ci < 0) ci += static_cast<int64_t>(chars.size());
+      if (ci < 0 || ci >= static_cast<int64_t>(chars.size())) return Value();
+      return chars[static_cast<size_t>(ci)];
+    }
+    return Value();
+  }
+
+  absl::StatusOr<Value> Slice(const Node& n) {
+    Value obj;
+    JINJA_ASSIGN_OR_RETURN(obj, Eval(*n.kids[0]));
+    std::optional<int64_t> bound[3];
+    for (int i = 0; i < 3; ++i) {
+      if (n.kids[i + 1] == nullptr) continue;
+      Value b;
+      JINJA_ASSIGN_OR_RETURN(b, Eval(*n.kids[i + 1]));
+      if (b.is_none()) continue;
+      if (b.kind() != Value::Kind::kInt) return TypeError(n.line, "slice indices must be integers");
+      bound[i] = b.int_value();
+    }
+    List items;
+    if (obj.is_list()) {
+      items = obj.list();
+    } else if (obj.is_string()) {
+      JINJA_ASSIGN_OR_RETURN(items, Iterate(obj, n.line));
+    } else {
+      return TypeError(n.line, absl::StrCat("'", KindName(obj), "' object is not subscriptable"));
+    }
+    const int64_t size = static_cast<int64_t>(items.size());
+    const int64_t step = bound[2].value_or(1);
+    if (step == 0) return TypeError(n.line, "slice step cannot be zero");
+    auto clamp = [&](std::optional<int64_t> b, int64_t dflt) {
+      if (!b) return dflt;
+      int64_t v = *b;
+      if (v < 0) v += size;
+      if (step > 0) return std::clamp<int64_t>(v, 0, size);
+      return std::clamp<int64_t>(v, -1, size - 1);
+    };
+    const int64_t start = clamp(bound[0], step > 0 ? 0 : size - 1);
+    const int64_t stop = clamp(bound[1], step > 0 ? size : -1);
+    List out;
+    for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+      out.push_back(items[static_cast<size_t>(i)]);
+    }
+    if (obj.is_list()) return Value::MakeList(std::move(out));
+    std::string s;
+    for (const Value& c : out) s += c.string_value();
+    return Value::String(std::move(s));
+  }
+
+  absl::StatusOr<Value> BinaryOp(const Node& n) {
+    Value a, b;
+    JINJA_ASSIGN_OR_RETURN(a, Eval(*n.kids[0]));
+    JINJA_ASSIGN_OR_RETURN(b, Eval(*n.kids[1]));
+    const std::string& op = n.name;
+    if (op == "~") return Value::String(Str(a) + Str(b));
+    if (op == "+") {
+      if (a.is_string() && b.is_string()) return Value::String(a.string_value() + b.string_value());
+      if (a.is_list() && b.is_list()) {
+        List items = a.list();
+        items.insert(items.end(), b.list().begin(), b.list().end());
+        return Value::MakeList(std::move(items));
+      }
+    }
+    if (op == "*" && ((a.is_string() && b.kind() == Value::Kind::kInt) ||
+                      (b.is_string() && a.kind() == Value::Kind::kInt))) {
+      const Value& s = a.is_string() ? a : b;
+      const int64_t times = a.is_string() ? b.int_value() : a.int_value();
+      std::string out;
+      for (int64_t i = 0; i < times && out.size() < (1u << 24); ++i) out += s.string_value();
+      return Value::String(std::move(out));
+    }
+    if (op == "%" && a.is_string()) return Unsupported(n.line, "'%' string formatting");
+    const auto num = [](const Value& v) { return v.is_number() || v.kind() == Value::Kind::kBool; };
+    if (!num(a) || !num(b)) {
+      return TypeError(n.line, absl::StrCat("unsupported operand types for ", op, ": '",
+                                            KindName(a), "' and '", KindName(b), "'"));
+    }
+    const auto as_int = [](const Value& v) {
+      return v.kind() == Value::Kind::kBool ? (v.bool_value() ? 1 : 0) : v.int_value();
+    };
+    const bool ints = a.kind() != Value::Kind::kFloat && b.kind() != Value::Kind::kFloat;
+    const double x = a.kind() == Value::Kind::kBool ? as_int(a) : a.float_value();
+    const double y = b.kind() == Value::Kind::kBool ? as_int(b) : b.float_value();
+    if (op == "/") {
+      if (y == 0) return TypeError(n.line, "division by zero");
+      return Value::Float(x / y);
+    }
+    if (ints) {
+      const int64_t i = as_int(a), j = as_int(b);
+      if (op == "+") return Value::Int(i + j);
+      if (op == "-") return Value::Int(i - j);
+      if (op == "*") return Value::Int(i * j);
+      if (op == "//" || op == "%") {
+        if (j == 0) return TypeError(n.line, "integer division or modulo by zero");
+        int64_t q = i / j, r = i % j;
+        if (r != 0 && ((r < 0) != (j < 0))) {  // Python floors
+          --q;
+          r += j;
+        }
+        return Value::Int(op == "//" ? q : r);
+      }
+      if (op == "**" && j >= 0) {
+        int64_t r = 1;
+        for (int64_t k = 0; k < j && k < 64; ++k) r *= i;
+        return Value::Int(r);
+      }
+    }
+    if (op == "+") return Value::Float(x + y);
+    if (op == "-") return Value::Float(x - y);
+    if (op == "*") return Value::Float(x * y);
+    if (op == "**") return Value::Float(std::pow(x, y));
+    if (op == "//" || op == "%") {
+      if (y == 0) return TypeError(n.line, "float division or modulo by zero");
+      const double q = std::floor(x / y);
+      return Value::Float(op == "//" ? q : x - q * y);
+    }
+    return TypeError(n.line, absl::StrCat("unknown operator ", op));
+  }
+
+  absl::StatusOr<bool> Contains(const Value& container, const Value& item, int line) {
+    if (container.is_string()) {
+      if (!item.is_string()) return TypeError(line, "'in <string>' requires a string");
+      return container.string_value().find(item.string_value()) != std::string::npos;
+    }
+    if (container.is_list()) {
+      for (const Value& v : container.list()) {
+        if (Equal(v, item)) return true;
+      }
+      return false;
+    }
+    if (container.is_mapping())
+      return item.is_string() && !container.Get(item.string_value()).is_undefined();
+    if (container.is_undefined()) return false;
+    return TypeError(line,
+                     absl::StrCat("argument of type '", KindName(container), "' is not iterable"));
+  }
+
+  absl::StatusOr<bool> Less(const Value& a, const Value& b, int line) {
+    if ((a.is_number() || a.kind() == Value::Kind::kBool) &&
+        (b.is_number() || b.kind() == Value::Kind::kBool)) {
+      const double x = a.kind() == Value::Kind::kBool ? a.bool_value() : a.float_value();
+      const double y = b.kind() == Value::Kind::kBool ? b.bool_value() : b.float_value();
+      return x < y;
+    }
+    if (a.is_string() && b.is_string()) return a.string_value() < b.string_value();
+    return TypeError(line, absl::StrCat("'<' not supported between '", KindName(a), "' and '",
+                                        KindName(b), "'"));
+  }
+
+  absl::StatusOr<Value> CompareOp(const Node& n) {
+    Value left;
+    JINJA_ASSIGN_OR_RETURN(left, Eval(*n.kids[0]));
+    for (size_t i = 0; i < n.ops.size(); ++i) {
+      Value right;
+      JINJA_ASSIGN_OR_RETURN(right, Eval(*n.kids[i + 1]));
+      const std::string& op = n.ops[i];
+      bool r = false;
+      if (op == "==") {
+        r = Equal(left, right);
+      } else if (op == "!=") {
+        r = !Equal(left, right);
+      } else if (op == "in" || op == "notin") {
+        JINJA_ASSIGN_OR_RETURN(r, Contains(right, left, n.line));
+        if (op == "notin") r = !r;
+      } else if (op == "<") {
+        JINJA_ASSIGN_OR_RETURN(r, Less(left, right, n.line));
+      } else if (op == ">") {
+        JINJA_ASSIGN_OR_RETURN(r, Less(right, left, n.line));
+      } else if (op == "<=") {
+        JINJA_ASSIGN_OR_RETURN(r, Less(right, left, n.line));
+        r = !r;
+      } else if (op == ">=") {
+        JINJA_ASSIGN_OR_RETURN(r, Less(left, right, n.line));
+        r = !r;
+      }
+      if (!r) return Value::Bool(false);
+      left = std::move(right);
+    }
+    return Value::Bool(true);
+  }
+
+  struct Args {
+    List positional;
+    Dict keyword;
+    Value Get(size_t i, std::string_view name, Value fallback = Value()) const {
+      if (i < positional.size()) return positional[i];
+      for (const auto& [k, v] : keyword) {
+        if (k == name) return v;
+      }
+      return fallback;
+    }
+  };
+
+  // Arguments of a call, filter or test node, from kids[first] on.
+  absl::StatusOr<Args> EvalArgs(const Node& n, size_t first) {
+    Args args;
+    const size_t n_kw = n.kwarg_names.size();
+    const size_t n_pos = n.kids.size() - first - n_kw;
+    for (size_t i = first; i < n.kids.size(); ++i) {
+      Value v;
+      JINJA_ASSIGN_OR_RETURN(v, Eval(*n.kids[i]));
+      if (i - first < n_pos) {
+        args.positional.push_back(std::move(v));
+      } else {
+        args.keyword.emplace_back(n.kwarg_names[i - first - n_pos], std::move(v));
+      }
+    }
+    return args;
+  }
+
+  absl::StatusOr<Value> Call(const Node& n) {
+    Args args;
+    JINJA_ASSIGN_OR_RETURN(args, EvalArgs(n, 1));
+    const Node& callee = *n.kids[0];
+    if (callee.kind == NodeKind::kName) {
+      const Value fn = Lookup(callee.name);
+      if (fn.kind() != Value::Kind::kFunction) {
+        return fn.is_undefined()
+                   ? TypeError(n.line, absl::StrCat("'", callee.name, "' is undefined"))
+                   : TypeError(n.line, absl::StrCat("'", callee.name, "' is not callable"));
+      }
+      const std::string& f = fn.string_value();
+      if (f == "raise_exception") {
+        return absl::AbortedError(Str(args.Get(0, "message")));
+      }
+      if (f == "namespace") {
+        Dict d;
+        if (!args.positional.empty()) return TypeError(n.line, "namespace() takes keywords");
+        for (auto& kv : args.keyword) d.push_back(kv);
+        return Value::MakeNamespace(std::move(d));
+      }
+      if (f == "dict") {
+        if (!args.positional.empty()) return Unsupported(n.line, "dict() of positional values");
+        return Value::MakeDict(args.keyword);
+      }
+      if (f == "range") {
+        int64_t start = 0, stop = 0, step = 1;
+        for (const Value& a : args.positional) {
+          if (a.kind() != Value::Kind::kInt) return TypeError(n.line, "range() needs integers");
+        }
+        if (args.positional.size() == 1) {
+          stop = args.positional[0].int_value();
+        } else if (args.positional.size() >= 2) {
+          start = args.positional[0].int_value();
+          stop = args.positional[1].int_value();
+          if (args.positional.size() == 3) step = args.positional[2].int_value();
+        }
+        if (step == 0) return TypeError(n.line, "range() step must not be zero");
+        List items;
+        for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+          items.push_back(Value::Int(i));
+          if (items.size() > 100000) return TypeError(n.line, "range() too long");
+        }
+        return Value::MakeList(std::move(items));
+      }
+      if (f == "strftime_now") {
+        const Value fmt = args.Get(0, "format");
+        if (!fmt.is_string()) return TypeError(n.line, "strftime_now() needs a format string");
+        const std::time_t now = std::time(nullptr);
+        std::tm tm{};
+        localtime_r(&now, &tm);
+        char buf[256];
+        const size_t len = std::strftime(buf, sizeof(buf), fmt.string_value().c_str(), &tm);
+        return Value::String(std::string(buf, len));
+      }
+      return Unsupported(n.line, absl::StrCat("the function ", f, "()"));
+    }
+    if (callee.kind == NodeKind::kGetAttr) {
+      Value obj;
+      JINJA_ASSIGN_OR_RETURN(obj, Eval(*callee.kids[0]));
+      return Method(obj, callee.name, args, n.line);
+    }
+    return Unsupported(n.line, "calling this expression");
+  }
+
+  static std::string Strip(const std::string& s, const Value& chars, bool left, bool right) {
+    const auto strip_char = [&](char c) {
+      if (chars.is_string()) return chars.string_value().find(c) != std::string::npos;
+      return IsSpace(c);
+    };
+    size_t b = 0, e = s.size();
+    if (left) {
+      while (b < e && strip_char(s[b])) ++b;
+    }
+    if (right) {
+      while (e > b && strip_char(s[e - 1])) --e;
+    }
+    return s.substr(b, e - b);
+  }
+
+  absl::StatusOr<Value> Method(const Value& obj, const std::string& m, const Args& args, int line) {
+    if (obj.is_string()) {
+      const std::string& s = obj.string_value();
+      if (m == "strip" || m == "lstrip" || m == "rstrip") {
+        return Value::String(Strip(s, args.Get(0, "chars"), m != "rstrip", m != "lstrip"));
+      }
+      if (m == "upper" || m == "lower") {
+        std::string out = s;
+        for (char& c : out) {
+          c = static_cast<char>(m == "upper" ? std::toupper(static_cast<unsigned char>(c))
+                                             : std::tolower(static_cast<unsigned char>(c)));
+        }
+        return Value::String(std::move(out));
+      }
+      if (m == "startswith" || m == "endswith") {
+        const Value p = args.Get(0, "prefix");
+        if (!p.is_string()) return Unsupported(line, absl::StrCat(m, "() of a non-string"));
+        const std::string& x = p.string_value();
+        const bool r = m == "startswith" ? s.compare(0, x.size(), x) == 0
+                                         : s.size() >= x.size() &&
+                                               s.compare(s.size() - x.size(), x.size(), x) == 0;
+        return Value::Bool(r);
+      }
+      if (m == "split") {
+        const Value sep = args.Get(0, "sep");
+        const Value max = args.Get(1, "maxsplit", Value::Int(-1));
+        List parts;
+        int64_t left = max.kind() == Value::Kind::kInt ? max.int_value() : -1;
+        if (sep.is_string() && !sep.string_value().empty()) {
+          size_t pos = 0;
+          while (left != 0) {
+            const size_t at = s.find(sep.string_value(), pos);
+            if (at == std::string::npos) break;
+            parts.push_back(Value::String(s.substr(pos, at - pos)));
+            pos = at + sep.string_value().size();
+            --left;
+          }
+          parts.push_back(Value::String(s.substr(pos)));
+        } else if (sep.is_undefined() || sep.is_none()) {
+          size_t pos = 0;
+          while (pos < s.size()) {
+            while (pos < s.size() && IsSpace(s[pos])) ++pos;
+            if (pos >= s.size()) break;
+            size_t end = pos;
+            if (left == 0) {
+              end = s.size();
+              while (end > pos && IsSpace(s[end - 1])) --end;
+            } else {
+              while (end < s.size() && !IsSpace(s[end])) ++end;
+            }
+            parts.push_back(Value::String(s.substr(pos, end - pos)));
+            --left;
+            pos = end;
+          }
+        } else {
+          return TypeError(line, "empty separator");
+        }
+        return Value::MakeList(std::move(parts));
+      }
+      if (m == "replace") {
+        const Value a = args.Get(0, "old"), b = args.Get(1, "new");
+        if (!a.is_string() || !b.is_string()) return TypeError(line, "replace() needs strings");
+        return Value::String(ReplaceAll(s, a.string_value(), b.string_value()));
+      }
+      if (m == "title" || m == "capitalize") return StringFilter(m, obj, line);
+      return Unsupported(line, absl::StrCat("the string method ", m, "()"));
+    }
+    if (obj.is_mapping()) {
+      if (m == "get") {
+        const Value k = args.Get(0, "key");
+        const Value v = k.is_string() ? obj.Get(k.string_value()) : Value();
+        return v.is_undefined() ? args.Get(1, "default", Value::None()) : v;
+      }
+      if (m == "items" || m == "keys" || m == "values") {
+        List out;
+        for (const auto& [k, v] : obj.dict()) {
+          if (m == "items") {
+            out.push_back(Value::MakeTuple({Value::String(k), v}));
+          } else {
+            out.push_back(m == "keys" ? Value::String(k) : v);
+          }
+        }
+        return Value::MakeList(std::move(out));
+      }
+    }
+    if (obj.is_undefined()) {
+      return TypeError(line,
+                       absl::StrCat("'", m, "' of an undefined value (Jinja2: UndefinedError)"));
+    }
+    if (obj.is_list() && (m == "append" || m == "pop" || m == "insert" || m == "extend")) {
+      return Unsupported(line, "modifying a list (Jinja2's sandbox forbids it)");
+    }
+    return Unsupported(line, absl::StrCat("the method ", m, "() of ", KindName(obj)));
+  }
+
+  static std::string ReplaceAll(const std::string& s, const std::string& a, const std::string& b) {
+    if (a.empty()) {
+      std::string out = b;
+      for (char c : s) {
+        out.push_back(c);
+        out += b;
+      }
+      return out;
+    }
+    std::string out;
+    size_t pos = 0;
+    while (true) {
+      const size_t at = s.find(a, pos);
+      if (at == std::string::npos) break;
+      out.append(s, pos, at - pos);
+      out += b;
+      pos = at + a.size();
+    }
+    out.append(s, pos, std::string::npos);
+    return out;
+  }
+
+  absl::StatusOr<Value> StringFilter(const std::string& f, const Value& v, int line) {
+    std::string s = Str(v);
+    if (f == "upper" || f == "lower") {
+      for (char& c : s) {
+        c = static_cast<char>(f == "upper" ? std::toupper(static_cast<unsigned char>(c))
+                                           : std::tolower(static_cast<unsigned char>(c)));
+      }
+    } else if (f == "capitalize") {
+      for (size_t i = 0; i < s.size(); ++i) {
+        s[i] = static_cast<char>(i == 0 ? std::toupper(static_cast<unsigned char>(s[i]))
+                                        : std::tolower(static_cast<unsigned char>(s[i])));
+      }
+    } else if (f == "title") {
+      bool start = true;
+      for (char& c : s) {
+        const bool alpha = std::isalpha(static_cast<unsigned char>(c)) != 0;
+        if (alpha) {
+          c = static_cast<char>(start ? std::toupper(static_cast<unsigned char>(c))
+                                      : std::tolower(static_cast<unsigned char>(c)));
+        }
+        start = !alpha && !std::isdigit(static_cast<unsigned char>(c)) && c != '\'';
+        if (!alpha &&
+            (c == ' ' || c == '-' || c == '\n' || c == '\t' || c == '(' || c == '[' || c == '{')) {
+          start = true;
+        }
+      }
+    } else {
+      return Unsupported(line, absl::StrCat("the filter ", f));
+    }
+    return Value::String(std::move(s));
+  }
+
+  absl::StatusOr<bool> ApplyTest(const std::string& t, const Value& v, const Args& args, int line) {
+    if (t == "defined") return !v.is_undefined();
+    if (t == "undefined") return v.is_undefined();
+    if (t == "none") return v.is_none();
+    if (t == "string") return v.is_string();
+    if (t == "number") return v.is_number();
+    if (t == "integer") return v.kind() == Value::Kind::kInt;
+    if (t == "float") return v.kind() == Value::Kind::kFloat;
+    if (t == "boolean") return v.kind() == Value::Kind::kBool;
+    if (t == "true") return v.kind() == Value::Kind::kBool && v.bool_value();
+    if (t == "false") return v.kind() == Value::Kind::kBool && !v.bool_value();
+    if (t == "mapping") return v.kind() == Value::Kind::kDict;
+    if (t == "sequence") return v.is_list() || v.is_string() || v.kind() == Value::Kind::kDict;
+    if (t == "iterable") return v.is_list() || v.is_string() || v.is_mapping() || v.is_undefined();
+    if (t == "callable") return v.kind() == Value::Kind::kFunction;
+    if (t == "odd" || t == "even") {
+      if (v.kind() != Value::Kind::kInt) return TypeError(line, "odd/even need an integer");
+      return (v.int_value() % 2 != 0) == (t == "odd");
+    }
+    if (t == "divisibleby") {
+      const Value d = args.Get(0, "num");
+      if (v.kind() != Value::Kind::kInt || d.kind() != Value::Kind::kInt || d.int_value() == 0) {
+        return TypeError(line, "divisibleby needs non-zero integers");
+      }
+      return v.int_value() % d.int_value() == 0;
+    }
+    if (t == "lower" || t == "upper") {
+      if (!v.is_string()) return false;
+      const std::string& s = v.string_value();
+      bool cased = false;
+      for (char c : s) {
+        if (std::isalpha(static_cast<unsigned char>(c))) {
+          cased = true;
+          if ((t == "lower") != (std::islower(static_cast<unsigned char>(c)) != 0)) return false;
+        }
+      }
+      return cased;
+    }
+    const Value other = args.Get(0, "other");
+    if (t == "equalto" || t == "eq" || t == "==" || t == "sameas") return Equal(v, other);
+    if (t == "ne" || t == "!=") return !Equal(v, other);
+    if (t == "lt" || t == "lessthan" || t == "<") return Less(v, other, line);
+    if (t == "gt" || t == "greaterthan" || t == ">") return Less(other, v, line);
+    if (t == "le" || t == "<=") {
+      absl::StatusOr<bool> r = Less(other, v, line);
+      if (!r.ok()) return r;
+      return !*r;
+    }
+    if (t == "ge" || t == ">=") {
+      absl::StatusOr<bool> r = Less(v, other, line);
+      if (!r.ok()) return r;
+      return !*r;
+    }
+    if (t == "in") return Contains(other, v, line);
+    return Unsupported(line, absl::StrCat("the test '", t, "'"));
+  }
+
+  absl::StatusOr<bool> Test(const Node& n) {
+    Value v;
+    JINJA_ASSIGN_OR_RETURN(v, Eval(*n.kids[0]));
+    Args args;
+    JINJA_ASSIGN_OR_RETURN(args, EvalArgs(n, 1));
+    return ApplyTest(n.name, v, args, n.line);
+  }
+
+  absl::StatusOr<int64_t> Length(const Value& v, int line) {
+    if (v.is_string()) {
+      int64_t n = 0;
+      for (char c : v.string_value()) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+      return n;
+    }
+    if (v.is_list()) return static_cast<int64_t>(v.list().size());
+    if (v.is_mapping()) return static_cast<int64_t>(v.dict().size());
+    if (v.is_undefined()) return 0;
+    return TypeError(line, absl::StrCat("object of type '", KindName(v), "' has no len()"));
+  }
+
+  absl::StatusOr<Value> Filter(const Node& n) {
+    Value v;
+    JINJA_ASSIGN_OR_RETURN(v, Eval(*n.kids[0]));
+    Args args;
+    JINJA_ASSIGN_OR_RETURN(args, EvalArgs(n, 1));
+    const std::string& f = n.name;
+    if (f == "trim") return Value::String(Strip(Str(v), args.Get(0, "chars"), true, true));
+    if (f == "length" || f == "count") {
+      int64_t len = 0;
+      JINJA_ASSIGN_OR_RETURN(len, Length(v, n.line));
+      return Value::Int(len);
+    }
+    if (f == "string") return Value::String(Str(v));
+    if (f == "safe" || f == "e" || f == "escape") {
+      if (f != "safe") return Unsupported(n.line, "HTML escaping");
+      return v;
+    }
+    if (f == "tojson") {
+      if (v.is_undefined()) return TypeError(n.line, "tojson of an undefined value");
+      const Value indent = args.Get(0, "indent");
+      return Value::String(ToJson(
+          v, indent.kind() == Value::Kind::kInt ? static_cast<int>(indent.int_value()) : -1));
+    }
+    if (f == "upper" || f == "lower" || f == "capitalize" || f == "title") {
+      return StringFilter(f, v, n.line);
+    }
+    if (f == "default" || f == "d") {
+      const bool boolean = args.Get(1, "boolean", Value::Bool(false)).Truthy();
+      if (v.is_undefined() || (boolean && !v.Truthy())) {
+        return args.Get(0, "default_value", Value::String(""));
+      }
+      return v;
+    }
+    if (f == "int") {
+      if (v.kind() == Value::Kind::kInt) return v;
+      if (v.kind() == Value::Kind::kFloat) return Value::Int(static_cast<int64_t>(v.float_value()));
+      if (v.kind() == Value::Kind::kBool) return Value::Int(v.bool_value() ? 1 : 0);
+      if (v.is_string()) {
+        int64_t i = 0;
+        const std::string s = Strip(v.string_value(), Value(), true, true);
+        auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), i);
+        return Value::Int(ec == std::errc() && p == s.data() + s.size() ? i : 0);
+      }
+      return Value::Int(0);
+    }
+    if (f == "abs") {
+      if (v.kind() == Value::Kind::kInt)
+        return Value::Int(v.int_value() < 0 ? -v.int_value() : v.int_value());
+      if (v.kind() == Value::Kind::kFloat) return Value::Float(std::fabs(v.float_value()));
+      return TypeError(n.line, "abs() of a non-number");
+    }
+    if (f == "list") {
+      List items;
+      JINJA_ASSIGN_OR_RETURN(items, Iterate(v, n.line));
+      return Value::MakeList(std::move(items));
+    }
+    if (f == "first" || f == "last") {
+      List items;
+      JINJA_ASSIGN_OR_RETURN(items, Iterate(v, n.line));
+      if (items.empty()) return Value();
+      return f == "first" ? items.front() : items.back();
+    }
+    if (f == "join") {
+      List items;
+      JINJA_ASSIGN_OR_RETURN(items, Iterate(v, n.line));
+      const Value sep = args.Get(0, "d", Value::String(""));
+      const Value attr = args.Get(1, "attribute");
+      std::string out;
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (i) out += Str(sep);
+        Value item = items[i];
+        if (attr.is_string()) JINJA_ASSIGN_OR_RETURN(item, Subscript(item, attr, n.line));
+        out += Str(item);
+      }
+      return Value::String(std::move(out));
+    }
+    if (f == "replace") {
+      const Value a = args.Get(0, "old"), b = args.Get(1, "new");
+      if (!a.is_string() || !b.is_string()) return TypeError(n.line, "replace needs strings");
+      return Value::String(ReplaceAll(Str(v), a.string_value(), b.string_value()));
+    }
+    if (f == "items") {
+      if (v.is_undefined()) return Value::MakeList({});
+      if (!v.is_mapping()) return TypeError(n.line, "items of a non-mapping");
+      return Method(v, "items", Args(), n.line);
+    }
+    if (f == "indent") {
+      const Value width = args.Get(0, "width", Value::Int(4));
+      const bool first = args.Get(1, "first", Value::Bool(false)).Truthy();
+      const bool blank = args.Get(2, "blank", Value::Bool(false)).Truthy();
+      const std::string pad =
+          width.is_string()
+              ? width.string_value()
+              : std::string(static_cast<size_t>(std::max<int64_t>(0, width.int_value())), ' ');
+      const std::string s = Str(v);
+      std::string out;
+      size_t pos = 0;
+      bool is_first = true;
+      while (pos <= s.size()) {
+        size_t nl = s.find('\n', pos);
+        const std::string line =
+            s.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
+        if ((!is_first || first) && (blank || !line.empty())) out += pad;
+        out += line;
+        if (nl == std::string::npos) break;
+        out += "\n";
+        pos = nl + 1;
+        is_first = false;
+      }
+      return Value::String(std::move(out));
+    }
+    if (f == "selectattr" || f == "rejectattr" || f == "select" || f == "reject") {
+      List items;
+      JINJA_ASSIGN_OR_RETURN(items, Iterate(v, n.line));
+      const bool by_attr = f == "selectattr" || f == "rejectattr";
+      const bool keep_if = f == "selectattr" || f == "select";
+      const size_t test_at = by_attr ? 1 : 0;
+      Value attr;
+      if (by_attr) {
+        if (args.positional.empty() || !args.positional[0].is_string()) {
+          return TypeError(n.line, absl::StrCat(f, " needs an attribute name"));
+        }
+        attr = args.positional[0];
+      }
+      const Value test = test_at < args.positional.size() ? args.positional[test_at] : Value();
+      if (!test.is_undefined() && !test.is_string()) return TypeError(n.line, "bad test name");
+      Args test_args;
+      for (size_t i = test_at + 1; i < args.positional.size(); ++i) {
+        test_args.positional.push_back(args.positional[i]);
+      }
+      List out;
+      for (const Value& item : items) {
+        Value subject = item;
+        if (by_attr) JINJA_ASSIGN_OR_RETURN(subject, Subscript(item, attr, n.line));
+        bool r = false;
+        if (test.is_undefined()) {
+          r = subject.Truthy();
+        } else {
+          JINJA_ASSIGN_OR_RETURN(r, ApplyTest(test.string_value(), subject, test_args, n.line));
+        }
+        if (r == keep_if) out.push_back(item);
+      }
+      return Value::MakeList(std::move(out));
+    }
+    if (f == "map") {
+      List items;
+      JINJA_ASSIGN_OR_RETURN(items, Iterate(v, n.line));
+      const Value attr = args.Get(99, "attribute");
+      if (!attr.is_string()) return Unsupported(n.line, "map() other than map(attribute=...)");
+      List out;
+      for (const Value& item : items) {
+        Value sub;
+        JINJA_ASSIGN_OR_RETURN(sub, Subscript(item, attr, n.line));
+        if (sub.is_undefined()) sub = args.Get(99, "default");
+        out.push_back(sub);
+      }
+      return Value::MakeList(std::move(out));
+    }
+    return Unsupported(n.line, absl::StrCat("the filter '", f, "'"));
+  }
+
+  std::vector<Scope> scopes_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace
+
+std::string ToJson(const Value& v, int indent) {
+  std::string out;
+  ToJsonInto(v, indent, 0, &out);
+  return out;
+}
+
+Template::Template() = default;
+Template::Template(Template&&) noexcept = default;
+Template& Template::operator=(Template&&) noexcept = default;
+Template::~Template() = default;
+
+absl::StatusOr<Template> Template::Parse(std::string_view source) {
+  // Newlines normalised to \n, one trailing newline dropped (keep_trailing_newline=False).
+  std::string src;
+  src.reserve(source.size());
+  for (size_t i = 0; i < source.size(); ++i) {
+    if (source[i] == '\r') {
+      src.push_back('\n');
+      if (i + 1 < source.size() && source[i + 1] == '\n') ++i;
+    } else {
+      src.push_back(source[i]);
+    }
+  }
+  if (!src.empty() && src.back() == '\n') src.pop_back();
+  absl::StatusOr<std::vector<Segment>> segments = Lexer(std::move(src)).Run();
+  if (!segments.ok()) return segments.status();
+  Template t;
+  JINJA_RETURN_IF_ERROR(Parser(*std::move(segments)).Run(&t.nodes_));
+  return t;
+}
+
+absl::StatusOr<std::string> Template::Render(const Value& context) const {
+  Renderer r(context);
+  std::string out;
+  absl::StatusOr<Flow> flow = r.Run(nodes_, &out);
+  if (!flow.ok()) return flow.status();
+  return out;
+}
+
+#undef JINJA_RETURN_IF_ERROR
+#undef JINJA_ASSIGN_OR_RETURN
+
+}  // namespace subspace::jinja
