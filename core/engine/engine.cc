@@ -290,7 +290,21 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
           "session %s is busy with request %d", request.session_id, session->active_request));
     }
   }
-  const int64_t history = session == nullptr ? 0 : static_cast<int64_t>(session->tokens.size());
+  const bool replaces = session != nullptr && request.prompt_replaces_history;
+  // Tokens of the session's cache the new conversation keeps: its common prefix with the old
+  // history, short of the prompt's last token (generation needs that token's logits).
+  int64_t kept = session == nullptr ? 0 : session->cached;
+  int64_t shared = 0;
+  if (replaces) {
+    const size_t limit = std::min(session->tokens.size(), request.prompt.size() - 1);
+    while (static_cast<size_t>(shared) < limit && session->tokens[static_cast<size_t>(shared)] ==
+                                                      request.prompt[static_cast<size_t>(shared)]) {
+      ++shared;
+    }
+    kept = std::min(kept, shared);
+  }
+  const int64_t history =
+      session == nullptr || replaces ? 0 : static_cast<int64_t>(session->tokens.size());
   const int64_t total = history + static_cast<int64_t>(request.prompt.size());
   if (total >= mc.context_length) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -302,7 +316,7 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
 
   std::vector<int32_t> tokens;
   tokens.reserve(static_cast<size_t>(total + max_new));
-  if (session != nullptr) tokens = session->tokens;
+  if (session != nullptr && !replaces) tokens = session->tokens;
   tokens.insert(tokens.end(), request.prompt.begin(), request.prompt.end());
   // The decoder strips the dummy-prefix space only when the output starts the text, i.e.
   // nothing before it produced any bytes (e.g. the prompt is just BOS).
@@ -313,7 +327,7 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
   // The longest the sequence gets in the cache: the last generated token is never written.
   absl::Status added =
       scheduler_->Add(id, total, total + max_new - 1, session == nullptr ? -1 : session->seq,
-                      session == nullptr ? 0 : session->cached,
+                      session == nullptr || session->seq < 0 ? 0 : kept,
                       session != nullptr && session->refresh ? &*session->refresh : nullptr);
   if (!added.ok()) return added;
   ++next_id_;
@@ -323,7 +337,8 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
   r->observer = std::move(observer);
   r->session_id = std::move(request.session_id);
   r->tokens = std::move(tokens);
-  r->prompt_tokens = static_cast<int64_t>(request.prompt.size());
+  // A replaced conversation counts what it added past the shared prefix as its prompt.
+  r->prompt_tokens = static_cast<int64_t>(request.prompt.size()) - (replaces ? shared : 0);
   r->max_new = max_new;
   r->ignore_eos = request.ignore_eos;
   r->deadline = request.deadline;

@@ -56,6 +56,11 @@ struct GenerateRequest {
   std::vector<std::string> stop;
   bool ignore_eos = false;
   absl::Time deadline = absl::InfiniteFuture();
+  // With a session: `prompt` is the whole conversation (a chat re-rendered by its template),
+  // not a continuation. The session's cached tokens that prompt shares as a prefix are kept,
+  // the rest of its history is dropped, and only the prompt past the shared prefix is
+  // prefilled (at least its last token, whose logits start generation).
+  bool prompt_replaces_history = false;
 };
 
 struct GeneratedTokenEvent {

@@ -182,6 +182,13 @@ bool Scheduler::ReserveForAdmission(Entry& e) {
       (void)st;
     }
   }
+  if (!fresh && cache_->Length(e.seq) > e.num_computed) {
+    // A session whose conversation was replaced past part of what its sequence holds (a chat
+    // re-rendered by its template): the tokens after the kept prefix go.
+    const absl::Status st = cache_->Truncate(e.seq, e.num_computed);
+    assert(st.ok());
+    (void)st;
+  }
   const int64_t need = e.num_tokens - e.num_computed;
   while (!cache_->Reserve(e.seq, need).ok()) {
     if (reclaim_idle_ && reclaim_idle_()) continue;

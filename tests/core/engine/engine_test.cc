@@ -470,6 +470,57 @@ TEST(EngineTest, SessionContinuationIsExact) {
   EXPECT_EQ(stats.sessions, 0);
 }
 
+// A chat re-rendered whole on its session (prompt_replaces_history): the cached prefix it
+// shares with the session's history is reused -- all of it when the new conversation extends
+// the old, up to the first difference when it rewrites the past -- and the output equals a
+// fresh run of the same conversation.
+TEST(EngineTest, ReplacedHistoryKeepsTheSharedPrefix) {
+  auto engine = MakeEngine();
+  ASSERT_NE(engine, nullptr);
+  absl::StatusOr<SessionInfo> session = engine->CreateSession();
+  ASSERT_TRUE(session.ok()) << session.status();
+  const int32_t vocab = engine->model_config().n_vocab;
+  const std::vector<int32_t> a = RandomPrompt(11, 40, vocab);
+  constexpr int kN = 6, kM = 7;
+  Output first = Generate(*engine, Greedy(a, kN, session->id));
+  ASSERT_EQ(first.tokens.size(), static_cast<size_t>(kN));
+
+  // The whole conversation again, with a new turn: only the new tokens are prefilled.
+  const std::vector<int32_t> turn = {testing::kTinyFirstByte + 40, testing::kTinyFirstByte + 41};
+  std::vector<int32_t> whole = Concat(Concat(a, first.tokens), turn);
+  GenerateRequest extend = Greedy(whole, kM, session->id);
+  extend.prompt_replaces_history = true;
+  Output second = Generate(*engine, extend);
+  EXPECT_EQ(second.result.usage.reused_tokens, static_cast<int64_t>(a.size()) + kN - 1);
+  EXPECT_EQ(second.result.usage.prompt_tokens, static_cast<int64_t>(turn.size()));
+  EXPECT_EQ(second.tokens, Generate(*engine, Greedy(whole, kM)).tokens);
+  absl::StatusOr<SessionInfo> info = engine->GetSession(session->id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->tokens, static_cast<int64_t>(whole.size()) + kM);
+
+  // A conversation that differs from token 25 on: the session keeps 25 cached tokens, drops
+  // the rest (blocks included) and continues exactly as a fresh run would.
+  std::vector<int32_t> rewritten(whole.begin(), whole.begin() + 25);
+  for (int i = 0; i < 12; ++i) rewritten.push_back(testing::kTinyFirstByte + 50 + i);
+  GenerateRequest rewrite = Greedy(rewritten, kM, session->id);
+  rewrite.prompt_replaces_history = true;
+  Output third = Generate(*engine, rewrite);
+  EXPECT_EQ(third.result.usage.reused_tokens, 25);
+  EXPECT_EQ(third.tokens, Generate(*engine, Greedy(rewritten, kM)).tokens);
+  info = engine->GetSession(session->id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->tokens, static_cast<int64_t>(rewritten.size()) + kM);
+  EXPECT_EQ(info->cached_tokens, info->tokens - 1);
+
+  // The same conversation once more: everything but the last token is reused.
+  std::vector<int32_t> same = Concat(rewritten, third.tokens);
+  GenerateRequest again = Greedy(same, 3, session->id);
+  again.prompt_replaces_history = true;
+  Output fourth = Generate(*engine, again);
+  EXPECT_EQ(fourth.result.usage.reused_tokens, static_cast<int64_t>(same.size()) - 1);
+  EXPECT_EQ(fourth.tokens, Generate(*engine, Greedy(same, 3)).tokens);
+}
+
 TEST(EngineTest, SessionEvictedFromThePoolIsRecomputed) {
   // 36 blocks = 18 per layer = 144 tokens; the big request grows to 16 per layer, so the idle
   // session's 4 per layer must go.
