@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <iostream>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -59,6 +60,12 @@ ABSL_FLAG(std::vector<std::string>, stop, {},
 ABSL_FLAG(int32_t, logprobs, 0, "top alternatives to return per token, [0, 20]");
 ABSL_FLAG(bool, ignore_eos, false, "keep generating past the end-of-sequence token");
 ABSL_FLAG(std::string, session, "", "session id to continue");
+ABSL_FLAG(std::string, system, "", "chat: a system message before the conversation");
+ABSL_FLAG(bool, interactive, false,
+          "chat: read one user message per line from stdin and stream each reply, keeping the "
+          "conversation (and a session, so only new tokens are prefilled)");
+ABSL_FLAG(std::vector<std::string>, template_kwargs, {},
+          "chat: extra template variables NAME=JSON, e.g. enable_thinking=false");
 ABSL_FLAG(uint32_t, ttl_seconds, 0, "session create: idle TTL; 0 = the server's default");
 ABSL_FLAG(std::string, refresh, "",
           "session create: online basis refresh, none|pca|kqsvd|oja|fd; empty = the server's");
@@ -95,6 +102,9 @@ Commands:
            --repetition-penalty R --seed S --stop A,B --logprobs N --ignore-eos
            --session ID --request JSON --json]
   stream   (the flags of generate) prints tokens as they arrive, then usage on stderr
+  chat     --prompt TEXT [--system TEXT --template-kwargs enable_thinking=false
+           --interactive] (and the sampling flags of generate): the conversation rendered
+           with the model's chat template, the reply streamed
   session create [--ttl-seconds N] [--id ID] [--refresh METHOD] [--refresh-every-tokens N]
          | get ID | list | delete ID
   info     model description
@@ -107,7 +117,7 @@ Commands:
 )";
 
 constexpr const char* kCommands[] = {"generate", "stream", "session", "info",
-                                     "stats",    "health", "bench"};
+                                     "stats",    "health", "bench",   "chat"};
 
 bool IsCommand(const std::string& arg) {
   for (const char* c : kCommands) {
@@ -185,6 +195,8 @@ void PrintUsageLine(const std::string& request_id, v1::FinishReason finish, cons
                1e3 * timings.time_to_first_token_seconds(), 1e3 * timings.total_seconds(), rate);
 }
 
+absl::Status FillSampling(const std::vector<std::string>& stops, v1::SamplingParams* sampling);
+
 absl::StatusOr<v1::GenerateRequest> BuildRequest(const std::vector<std::string>& stops) {
   v1::GenerateRequest request;
   if (const std::string json = absl::GetFlag(FLAGS_request); !json.empty()) {
@@ -202,7 +214,13 @@ absl::StatusOr<v1::GenerateRequest> BuildRequest(const std::vector<std::string>&
   if (const std::string session = absl::GetFlag(FLAGS_session); !session.empty()) {
     request.set_session_id(session);
   }
-  v1::SamplingParams& s = *request.mutable_sampling();
+  if (absl::Status st = FillSampling(stops, request.mutable_sampling()); !st.ok()) return st;
+  return request;
+}
+
+// The sampling flags over `s` (a request's own values stay where a flag is not given).
+absl::Status FillSampling(const std::vector<std::string>& stops, v1::SamplingParams* sampling) {
+  v1::SamplingParams& s = *sampling;
   if (auto v = absl::GetFlag(FLAGS_max_new_tokens)) {
     if (*v < 0) return absl::InvalidArgumentError("--max-new-tokens must be >= 0");
     s.set_max_new_tokens(static_cast<uint32_t>(*v));
@@ -222,7 +240,75 @@ absl::StatusOr<v1::GenerateRequest> BuildRequest(const std::vector<std::string>&
     s.set_logprobs(static_cast<uint32_t>(n));
   }
   if (absl::GetFlag(FLAGS_ignore_eos)) s.set_ignore_eos(true);
-  return request;
+  return absl::OkStatus();
+}
+
+// One streamed chat turn: prints the reply as it arrives and returns its text.
+absl::StatusOr<std::string> StreamChatTurn(SubspaceClient& client, const v1::ChatRequest& request) {
+  std::string reply;
+  absl::StatusOr<StreamResult> result =
+      client.ChatStream(request, [&](const v1::GenerateStreamResponse& message) {
+        std::fputs(message.chunk().text().c_str(), stdout);
+        std::fflush(stdout);
+        reply += message.chunk().text();
+        return true;
+      });
+  std::fputs("\n", stdout);
+  std::fflush(stdout);
+  if (!result.ok()) return result.status();
+  PrintUsageLine(result->request_id, result->final.finish_reason(), result->final.usage(),
+                 result->final.timings());
+  return reply;
+}
+
+absl::Status RunChat(SubspaceClient& client, const std::vector<std::string>& stops) {
+  v1::ChatRequest request;
+  if (const std::string system = absl::GetFlag(FLAGS_system); !system.empty()) {
+    v1::ChatMessage* m = request.add_messages();
+    m->set_role("system");
+    m->set_content(system);
+  }
+  if (absl::Status st = FillSampling(stops, request.mutable_sampling()); !st.ok()) return st;
+  for (const std::string& kv : absl::GetFlag(FLAGS_template_kwargs)) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--template-kwargs: '", kv, "' is not NAME=JSON"));
+    }
+    (*request.mutable_template_kwargs())[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  std::string session = absl::GetFlag(FLAGS_session);
+  const bool interactive = absl::GetFlag(FLAGS_interactive);
+  if (!interactive) {
+    const std::string prompt = absl::GetFlag(FLAGS_prompt);
+    if (prompt.empty()) return absl::InvalidArgumentError("chat needs --prompt or --interactive");
+    v1::ChatMessage* m = request.add_messages();
+    m->set_role("user");
+    m->set_content(prompt);
+    request.set_session_id(session);
+    return StreamChatTurn(client, request).status();
+  }
+  // The conversation lives here and is sent whole each turn; the session keeps its cache, so
+  // the server prefills only what each turn adds.
+  if (session.empty()) {
+    absl::StatusOr<v1::Session> created = client.CreateSession();
+    if (!created.ok()) return created.status();
+    session = created->session_id();
+  }
+  request.set_session_id(session);
+  std::fprintf(stderr, "session %s; one message per line, end with Ctrl-D\n", session.c_str());
+  for (std::string line; std::getline(std::cin, line);) {
+    if (line.empty()) continue;
+    v1::ChatMessage* m = request.add_messages();
+    m->set_role("user");
+    m->set_content(line);
+    absl::StatusOr<std::string> reply = StreamChatTurn(client, request);
+    if (!reply.ok()) return reply.status();
+    v1::ChatMessage* a = request.add_messages();
+    a->set_role("assistant");
+    a->set_content(*reply);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status RunGenerate(SubspaceClient& client, const std::vector<std::string>& stops) {
@@ -511,6 +597,7 @@ absl::Status Run(const std::vector<char*>& positional, const std::vector<std::st
 
   if (command == "generate") return RunGenerate(client, stops);
   if (command == "stream") return RunStream(client, stops);
+  if (command == "chat") return RunChat(client, stops);
   if (command == "session") return RunSession(client, args);
   if (command == "info") return RunInfo(client);
   if (command == "stats") return RunStats(client);

@@ -95,17 +95,18 @@ absl::StatusOr<v1::GenerateResponse> SubspaceClient::Generate(const v1::Generate
   return response;
 }
 
-absl::StatusOr<StreamResult> SubspaceClient::Stream(const v1::GenerateRequest& request,
-                                                    const ChunkCallback& on_chunk) {
-  grpc::ClientContext context;
-  Prepare(context, request.session_id());
-  std::unique_ptr<grpc::ClientReader<v1::GenerateStreamResponse>> reader =
-      stub_->GenerateStream(&context, request);
+namespace {
+
+// Reads a Generate or Chat stream to its end: chunks to `on_chunk` (false cancels), the final
+// message into the result.
+absl::StatusOr<StreamResult> ReadStream(grpc::ClientContext& context,
+                                        grpc::ClientReader<v1::GenerateStreamResponse>& reader,
+                                        const ChunkCallback& on_chunk) {
   StreamResult result;
   bool have_final = false;
   bool cancelled = false;
   v1::GenerateStreamResponse message;
-  while (reader->Read(&message)) {
+  while (reader.Read(&message)) {
     if (result.request_id.empty()) result.request_id = message.request_id();
     if (message.has_chunk()) {
       if (on_chunk && !on_chunk(message)) {
@@ -120,15 +121,44 @@ absl::StatusOr<StreamResult> SubspaceClient::Stream(const v1::GenerateRequest& r
   }
   if (cancelled) {
     // Drain so Finish() does not block on unread messages; reads fail fast after TryCancel().
-    while (reader->Read(&message)) {
+    while (reader.Read(&message)) {
     }
-    (void)reader->Finish();  // CANCELLED, by us
+    (void)reader.Finish();  // CANCELLED, by us
     return absl::CancelledError("stream cancelled by the client");
   }
-  grpc::Status status = reader->Finish();
+  grpc::Status status = reader.Finish();
   if (!status.ok()) return FromGrpcStatus(status);
   if (!have_final) return absl::DataLossError("stream ended without its final message");
   return result;
+}
+
+}  // namespace
+
+absl::StatusOr<StreamResult> SubspaceClient::Stream(const v1::GenerateRequest& request,
+                                                    const ChunkCallback& on_chunk) {
+  grpc::ClientContext context;
+  Prepare(context, request.session_id());
+  std::unique_ptr<grpc::ClientReader<v1::GenerateStreamResponse>> reader =
+      stub_->GenerateStream(&context, request);
+  return ReadStream(context, *reader, on_chunk);
+}
+
+absl::StatusOr<v1::GenerateResponse> SubspaceClient::Chat(const v1::ChatRequest& request) {
+  grpc::ClientContext context;
+  Prepare(context, request.session_id());
+  v1::GenerateResponse response;
+  grpc::Status status = stub_->Chat(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<StreamResult> SubspaceClient::ChatStream(const v1::ChatRequest& request,
+                                                        const ChunkCallback& on_chunk) {
+  grpc::ClientContext context;
+  Prepare(context, request.session_id());
+  std::unique_ptr<grpc::ClientReader<v1::GenerateStreamResponse>> reader =
+      stub_->ChatStream(&context, request);
+  return ReadStream(context, *reader, on_chunk);
 }
 
 absl::StatusOr<v1::Session> SubspaceClient::CreateSession(

@@ -91,6 +91,10 @@ class SubspaceClient {
   // returned. A stream that ends without its final message is a DATA_LOSS error.
   absl::StatusOr<StreamResult> Stream(const v1::GenerateRequest& request,
                                       const ChunkCallback& on_chunk);
+  // The same for a conversation rendered with the model's chat template.
+  absl::StatusOr<v1::GenerateResponse> Chat(const v1::ChatRequest& request);
+  absl::StatusOr<StreamResult> ChatStream(const v1::ChatRequest& request,
+                                          const ChunkCallback& on_chunk);
 
   // idle_ttl_seconds = 0 takes the server's default. The session's id is made here
   // (NewSessionId()) unless `session_id` is given, and is sent both in the request and as the

@@ -91,6 +91,8 @@ ABSL_FLAG(std::string, tls_cert, "",
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle; set = mutual TLS: clients must present a certificate it signed");
+ABSL_FLAG(std::string, chat_template, "",
+          "Jinja chat template for the Chat RPCs, overriding the model's tokenizer.chat_template");
 ABSL_FLAG(std::string, auth_tokens, "",
           "file of bearer tokens, one per line ('#' comments); set = every Subspace RPC needs "
           "'authorization: Bearer <token>' (health does not)");
@@ -184,6 +186,7 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.tls.key_path = absl::GetFlag(FLAGS_tls_key);
   c.tls.client_ca_path = absl::GetFlag(FLAGS_tls_client_ca);
   c.auth_tokens_path = absl::GetFlag(FLAGS_auth_tokens);
+  c.chat_template_path = absl::GetFlag(FLAGS_chat_template);
   return c;
 }
 

@@ -137,6 +137,14 @@ absl::Status ServerApp::Init() {
   if (!files.ok()) return files.status();
   const std::shared_ptr<const GgufFile> gguf = files->gguf;
   const ModelConfig model_config = files->model->config();
+  absl::StatusOr<ChatSetup> chat = LoadChatSetup(config_.chat_template_path, *gguf);
+  if (!chat.ok()) return chat.status();
+  if (chat->chat_template == nullptr) {
+    spdlog::warn("Chat is unavailable: {}", std::string(chat->unavailable.message()));
+  } else {
+    spdlog::info("chat template from {}",
+                 chat->source == "file" ? config_.chat_template_path : "the model's GGUF");
+  }
 
   std::shared_ptr<const Basis> bases;
   if (!config_.kv_cache.bases_path.empty()) {
@@ -175,9 +183,11 @@ absl::Status ServerApp::Init() {
   engine_ = *std::move(engine);
 
   const KvCacheStats cache_stats = engine_->Stats().cache;
-  service_->AttachEngine(engine_.get(), CacheDescription{.options = cache_options,
-                                                         .pool_bytes = cache_stats.bytes_total,
-                                                         .block_size = config_.block_size});
+  service_->AttachEngine(engine_.get(),
+                         CacheDescription{.options = cache_options,
+                                          .pool_bytes = cache_stats.bytes_total,
+                                          .block_size = config_.block_size},
+                         *std::move(chat));
   metrics_registry_->AttachEngine(engine_.get());
   SetServing(true);
   spdlog::info(

@@ -39,8 +39,9 @@ struct ServerAppConfig {
   absl::Duration drain_timeout = absl::Seconds(30);
   int max_message_bytes = 4 << 20;  // largest request accepted
   RequestLimits limits;
-  TlsConfig tls;                 // plaintext unless a certificate is set
-  std::string auth_tokens_path;  // bearer tokens, one per line (server/auth.h); empty: no auth
+  TlsConfig tls;                   // plaintext unless a certificate is set
+  std::string auth_tokens_path;    // bearer tokens, one per line (server/auth.h); empty: no auth
+  std::string chat_template_path;  // --chat-template: overrides the GGUF's chat template
 };
 
 class ServerApp {

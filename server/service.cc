@@ -64,12 +64,13 @@ absl::StatusOr<RefreshConfig> SessionRefresh(const v1::CreateSessionRequest& req
 }
 
 // Deserializes a raw request; on failure says which field is to blame.
-absl::Status ParseRequest(const grpc::ByteBuffer& wire, v1::GenerateRequest* out) {
+template <typename Message>
+absl::Status ParseRequest(const grpc::ByteBuffer& wire, Message* out) {
   grpc::ByteBuffer copy(wire);  // Deserialize consumes its buffer; slices are shared, not copied
   {
     // protobuf logs every string that is not UTF-8; the client is told instead.
     google::protobuf::LogSilencer silence;
-    if (grpc::SerializationTraits<v1::GenerateRequest>::Deserialize(&copy, out).ok()) {
+    if (grpc::SerializationTraits<Message>::Deserialize(&copy, out).ok()) {
       return absl::OkStatus();
     }
   }
@@ -80,7 +81,7 @@ absl::Status ParseRequest(const grpc::ByteBuffer& wire, v1::GenerateRequest* out
       bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
     }
   }
-  return DiagnoseUnparsable(bytes, *v1::GenerateRequest::descriptor());
+  return DiagnoseUnparsable(bytes, *Message::descriptor());
 }
 
 absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
@@ -94,8 +95,9 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
 SubspaceService::SubspaceService(Metrics* metrics, RequestLimits limits, Authenticator auth)
     : metrics_(metrics), limits_(std::move(limits)), auth_(std::move(auth)) {}
 
-void SubspaceService::AttachEngine(Engine* engine, CacheDescription cache) {
+void SubspaceService::AttachEngine(Engine* engine, CacheDescription cache, ChatSetup chat) {
   cache_ = std::move(cache);
+  chat_ = std::move(chat);
   engine_.store(engine, std::memory_order_release);
 }
 
@@ -142,12 +144,39 @@ absl::StatusOr<GenerateRequest> SubspaceService::Prepare(const grpc::ByteBuffer&
   return out;
 }
 
-void SubspaceService::LogRejected(const v1::GenerateRequest& request,
+absl::StatusOr<GenerateRequest> SubspaceService::PrepareChat(
+    const grpc::ByteBuffer& wire, const grpc::CallbackServerContext& context,
+    v1::ChatRequest* request_out, Engine** engine_out) const {
+  std::string caller;
+  absl::StatusOr<Engine*> engine = Admit(context, &caller);
+  if (!engine.ok()) return engine.status();
+  if (absl::Status s = ParseRequest(wire, request_out); !s.ok()) return s;
+  const v1::ChatRequest& request = *request_out;
+  *engine_out = *engine;
+  if (draining_.load(std::memory_order_acquire)) {
+    return absl::UnavailableError("the server is draining and accepts no new requests");
+  }
+  if (absl::Status s = ValidateChatRequest(request, limits_); !s.ok()) return s;
+  if (!request.session_id().empty()) {
+    absl::StatusOr<SessionInfo> session = (*engine)->GetSession(request.session_id(), caller);
+    if (!session.ok()) return session.status();
+  }
+  absl::StatusOr<GenerateRequest> out = ChatToEngineRequest(request, chat_, (*engine)->tokenizer(),
+                                                            (*engine)->model_config(), limits_);
+  if (!out.ok()) return out.status();
+  out->session_owner = std::move(caller);
+  out->deadline = DeadlineOf(context);
+  if (out->deadline <= absl::Now()) {
+    return absl::DeadlineExceededError("the deadline passed before the request was scheduled");
+  }
+  return out;
+}
+
+void SubspaceService::LogRejected(std::string_view request_id, std::string_view session_id,
                                   const absl::Status& status) const {
   metrics_->RecordRejected(status.code());
-  spdlog::info("request {} session={} rejected: {}",
-               request.request_id().empty() ? "-" : request.request_id(),
-               request.session_id().empty() ? "-" : request.session_id(), status.ToString());
+  spdlog::info("request {} session={} rejected: {}", request_id.empty() ? "-" : request_id,
+               session_id.empty() ? "-" : session_id, status.ToString());
 }
 
 grpc::ServerUnaryReactor* SubspaceService::Generate(grpc::CallbackServerContext* context,
@@ -157,10 +186,35 @@ grpc::ServerUnaryReactor* SubspaceService::Generate(grpc::CallbackServerContext*
   Engine* engine = nullptr;
   absl::StatusOr<GenerateRequest> prepared = Prepare(*wire, *context, &request, &engine);
   if (!prepared.ok()) {
-    LogRejected(request, prepared.status());
+    LogRejected(request.request_id(), request.session_id(), prepared.status());
     return FinishUnary(context, prepared.status());
   }
   return StartGenerate(engine, metrics_, *std::move(prepared), response);
+}
+
+grpc::ServerUnaryReactor* SubspaceService::Chat(grpc::CallbackServerContext* context,
+                                                const grpc::ByteBuffer* wire,
+                                                grpc::ByteBuffer* response) {
+  v1::ChatRequest request;
+  Engine* engine = nullptr;
+  absl::StatusOr<GenerateRequest> prepared = PrepareChat(*wire, *context, &request, &engine);
+  if (!prepared.ok()) {
+    LogRejected(request.request_id(), request.session_id(), prepared.status());
+    return FinishUnary(context, prepared.status());
+  }
+  return StartGenerate(engine, metrics_, *std::move(prepared), response);
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* SubspaceService::ChatStream(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire) {
+  v1::ChatRequest request;
+  Engine* engine = nullptr;
+  absl::StatusOr<GenerateRequest> prepared = PrepareChat(*wire, *context, &request, &engine);
+  if (!prepared.ok()) {
+    LogRejected(request.request_id(), request.session_id(), prepared.status());
+    return RejectStream(prepared.status());
+  }
+  return StartGenerateStream(engine, metrics_, *std::move(prepared));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* SubspaceService::GenerateStream(
@@ -169,7 +223,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* SubspaceService::GenerateStream(
   Engine* engine = nullptr;
   absl::StatusOr<GenerateRequest> prepared = Prepare(*wire, *context, &request, &engine);
   if (!prepared.ok()) {
-    LogRejected(request, prepared.status());
+    LogRejected(request.request_id(), request.session_id(), prepared.status());
     return RejectStream(prepared.status());
   }
   return StartGenerateStream(engine, metrics_, *std::move(prepared));
@@ -257,6 +311,13 @@ grpc::ServerUnaryReactor* SubspaceService::GetModelInfo(grpc::CallbackServerCont
   response->set_tokenizer_model(t.model_name());
   response->set_bos_token_id(t.bos_id());
   response->set_eos_token_id(t.eos_id());
+  response->set_tokenizer_pre(t.pre_name());
+  response->set_add_bos_token(t.add_bos());
+  for (int32_t id : t.end_of_generation_ids()) response->add_end_of_generation_token_ids(id);
+  response->set_chat_template(chat_.chat_template != nullptr ? chat_.source : "");
+  if (!chat_.unavailable.ok() && !chat_.source.empty()) {
+    response->set_chat_template_error(std::string(chat_.unavailable.message()));
+  }
   v1::CacheConfig* cache = response->mutable_cache();
   const KvCacheOptions& o = cache_.options;
   cache->set_kind(KvCacheKindName(o.kind));

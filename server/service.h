@@ -16,6 +16,7 @@
 #include "core/engine/engine.h"
 #include "proto/subspace.grpc.pb.h"
 #include "server/auth.h"
+#include "server/chat_request.h"
 #include "server/kv_cache_options.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
@@ -29,11 +30,12 @@ struct CacheDescription {
   int block_size = 0;
 };
 
-// Generate and GenerateStream take raw bytes: protobuf refuses a request whose text is not
-// UTF-8 before a typed handler runs, and gRPC then answers a bare UNIMPLEMENTED; parsing here
-// turns that into INVALID_ARGUMENT naming the field.
+// Generate, GenerateStream, Chat and ChatStream take raw bytes: protobuf refuses a request
+// whose text is not UTF-8 before a typed handler runs, and gRPC then answers a bare
+// UNIMPLEMENTED; parsing here turns that into INVALID_ARGUMENT naming the field.
 using SubspaceServiceBase = v1::Subspace::WithRawCallbackMethod_Generate<
-    v1::Subspace::WithRawCallbackMethod_GenerateStream<v1::Subspace::CallbackService>>;
+    v1::Subspace::WithRawCallbackMethod_GenerateStream<v1::Subspace::WithRawCallbackMethod_Chat<
+        v1::Subspace::WithRawCallbackMethod_ChatStream<v1::Subspace::CallbackService>>>>;
 
 class SubspaceService final : public SubspaceServiceBase {
  public:
@@ -42,7 +44,7 @@ class SubspaceService final : public SubspaceServiceBase {
   SubspaceService(Metrics* metrics, RequestLimits limits, Authenticator auth = {});
 
   // Starts serving with `engine`, which must outlive the gRPC server. Call once.
-  void AttachEngine(Engine* engine, CacheDescription cache);
+  void AttachEngine(Engine* engine, CacheDescription cache, ChatSetup chat = {});
   // From now on Generate and GenerateStream answer UNAVAILABLE; the rest keeps working so
   // clients can still inspect or delete their sessions while the server drains.
   void BeginDrain() { draining_.store(true, std::memory_order_release); }
@@ -54,6 +56,14 @@ class SubspaceService final : public SubspaceServiceBase {
   // GenerateRequest in, GenerateStreamResponse messages out, serialized.
   grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerateStream(
       grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
+
+  // ChatRequest in, GenerateResponse out, serialized.
+  grpc::ServerUnaryReactor* Chat(grpc::CallbackServerContext* context,
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+  // ChatRequest in, GenerateStreamResponse messages out, serialized.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* ChatStream(grpc::CallbackServerContext* context,
+                                                         const grpc::ByteBuffer* request) override;
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
                                           const v1::CreateSessionRequest* request,
@@ -87,13 +97,19 @@ class SubspaceService final : public SubspaceServiceBase {
   absl::StatusOr<GenerateRequest> Prepare(const grpc::ByteBuffer& wire,
                                           const grpc::CallbackServerContext& context,
                                           v1::GenerateRequest* request, Engine** engine) const;
-  void LogRejected(const v1::GenerateRequest& request, const absl::Status& status) const;
+  // The same for Chat: the conversation rendered with the chat template and encoded.
+  absl::StatusOr<GenerateRequest> PrepareChat(const grpc::ByteBuffer& wire,
+                                              const grpc::CallbackServerContext& context,
+                                              v1::ChatRequest* request, Engine** engine) const;
+  void LogRejected(std::string_view request_id, std::string_view session_id,
+                   const absl::Status& status) const;
 
   Metrics* const metrics_;
   const RequestLimits limits_;
   const Authenticator auth_;
   std::atomic<Engine*> engine_{nullptr};
   CacheDescription cache_;  // written before engine_ is published, read after
+  ChatSetup chat_;          // likewise
   std::atomic<bool> draining_{false};
 };
 
