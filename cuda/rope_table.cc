@@ -20,8 +20,8 @@ std::vector<float> RopeCosSinTable(int32_t max_position, const RopeSchedule& rop
       // The exact expression of cpu::Rope: any reassociation would move some angles by an ulp
       // and break the bit-for-bit agreement the twin test checks.
       const double angle = static_cast<double>(pos) * rope.inv_freq[static_cast<size_t>(p)];
-      row[2 * p] = static_cast<float>(std::cos(angle));
-      row[2 * p + 1] = static_cast<float>(std::sin(angle));
+      row[2 * p] = static_cast<float>(std::cos(angle) * rope.mscale);
+      row[2 * p + 1] = static_cast<float>(std::sin(angle) * rope.mscale);
     }
   }
   return table;

@@ -31,14 +31,28 @@ struct RopeParams {
   double freq_scale = 1.0;
   // Per-pair divisors of the frequency (Llama 3.x's rope_freqs tensor); empty for none.
   std::vector<float> freq_factors;
+  // YaRN (rope.scaling.type = yarn): pairs that turn fewer than beta_slow times over the
+  // original context are interpolated by freq_scale, those that turn more than beta_fast
+  // times are left alone, with a linear ramp between (times ext_factor); cos and sin grow by
+  // 1 + 0.1 ln(1 / freq_scale). The formulas of the YaRN paper as ggml implements them.
+  bool yarn = false;
+  int yarn_original_context = 0;
+  double yarn_ext_factor = 1.0;
+  double yarn_beta_fast = 32.0;
+  double yarn_beta_slow = 1.0;
+  // Multiplies cos and sin (rope.scaling.attn_factor); YaRN's own factor comes on top.
+  double attn_factor = 1.0;
 };
 
 struct RopeSchedule {
   int dim = 0;
   RopeLayout layout = RopeLayout::kAdjacentPairs;
-  // Radians per position of pair i: freq_scale * theta^(-2i/dim) / freq_factors[i], in double
-  // (pos * freq in fp32 loses ~1e-4 rad by position 4096).
+  // Radians per position of pair i: freq_scale * theta^(-2i/dim) / freq_factors[i] (with YaRN,
+  // the scale blends towards 1 for the fast pairs), in double (pos * freq in fp32 loses ~1e-4
+  // rad by position 4096).
   std::vector<double> inv_freq;  // [dim / 2]
+  // cos and sin are multiplied by this (1 but for YaRN and rope.scaling.attn_factor).
+  double mscale = 1.0;
 
   // INVALID_ARGUMENT for an odd or non-positive dim, a non-positive theta or scale, or factors
   // that are not dim / 2 positive finite numbers.

@@ -173,8 +173,8 @@ void Rope(float* x, int64_t n, int n_heads, int head_dim, const RopeSchedule& ro
     for (int64_t i = 0; i < n; ++i) {
       for (int p = 0; p < pairs; ++p) {
         const double angle = static_cast<double>(positions[i]) * rope.inv_freq[p];
-        cos_sin[2 * p] = static_cast<float>(std::cos(angle));
-        cos_sin[2 * p + 1] = static_cast<float>(std::sin(angle));
+        cos_sin[2 * p] = static_cast<float>(std::cos(angle) * rope.mscale);
+        cos_sin[2 * p + 1] = static_cast<float>(std::sin(angle) * rope.mscale);
       }
       float* row = x + i * n_heads * head_dim;
       for (int h = 0; h < n_heads; ++h) {

@@ -105,6 +105,7 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
     int layers = c.n_layers;
     if (layers == 32 || layers == 40) c.sliding_window = 2047;
   }
+  const int trained_context = c.context_length;
   if (c.sliding_window > 0 && c.sliding_window < c.context_length) {
     c.context_length = c.sliding_window;
   }
@@ -146,19 +147,28 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
   SUBSPACE_ASSIGN_OR_RETURN_CFG(c.rms_eps,
                                 PositiveFloat(file, k + "attention.layer_norm_rms_epsilon", 1e-5f));
 
-  // Position scaling: linear interpolation divides every angle by the factor; YaRN and
-  // LongRoPE blend per-frequency and are refused rather than mis-rotated.
+  // Position scaling: linear interpolation divides every angle by the factor; YaRN blends
+  // that with the unscaled angles per frequency (core/base/rope.h). LongRoPE is refused below.
   if (absl::StatusOr<std::string> scaling = file.GetString(k + "rope.scaling.type");
       scaling.ok() && *scaling != "none") {
     float factor = 1.0f;
     SUBSPACE_ASSIGN_OR_RETURN_CFG(factor, PositiveFloat(file, k + "rope.scaling.factor", 1.0f));
     if (*scaling == "linear") {
       c.rope_freq_scale = 1.0f / factor;
+    } else if (*scaling == "yarn") {
+      c.rope_freq_scale = 1.0f / factor;
+      c.rope_yarn = true;
+      SUBSPACE_ASSIGN_OR_RETURN_CFG(
+          c.rope_yarn_original_context,
+          PositiveInt(file, k + "rope.scaling.original_context_length", trained_context));
     } else if (factor != 1.0f) {
       return absl::UnimplementedError(absl::StrFormat(
-          "%srope.scaling.type = %s (factor %g) is not supported; linear is", k, *scaling, factor));
+          "%srope.scaling.type = %s (factor %g) is not supported; linear and yarn are", k, *scaling,
+          factor));
     }
   }
+  SUBSPACE_ASSIGN_OR_RETURN_CFG(c.rope_attn_factor,
+                                PositiveFloat(file, k + "rope.scaling.attn_factor", 1.0f));
   for (const char* longrope : {"rope_factors_long.weight", "rope_factors_short.weight"}) {
     if (file.FindTensor(longrope) != nullptr) {
       return absl::UnimplementedError(
@@ -211,7 +221,10 @@ absl::StatusOr<RopeSchedule> ModelConfig::rope() const {
                              .theta = rope_theta,
                              .layout = rope_layout,
                              .freq_scale = rope_freq_scale,
-                             .freq_factors = rope_freq_factors});
+                             .freq_factors = rope_freq_factors,
+                             .yarn = rope_yarn,
+                             .yarn_original_context = rope_yarn_original_context,
+                             .attn_factor = rope_attn_factor});
 }
 
 #undef SUBSPACE_ASSIGN_OR_RETURN_CFG

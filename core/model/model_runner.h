@@ -36,6 +36,9 @@ struct ModelConfig {
   RopeLayout rope_layout = RopeLayout::kAdjacentPairs;  // kHalves for qwen2, qwen3, phi3
   float rope_freq_scale = 1.0f;                         // 1 / rope.scaling.factor (linear)
   std::vector<float> rope_freq_factors;                 // rope_freqs.weight (Llama 3.x), or none
+  bool rope_yarn = false;                               // rope.scaling.type = yarn
+  int rope_yarn_original_context = 0;                   // rope.scaling.original_context_length
+  float rope_attn_factor = 1.0f;                        // rope.scaling.attn_factor
   float rms_eps = 1e-5f;
   bool tied_output = false;  // output.weight absent: reuse token_embd
   bool qkv_bias = false;     // attn_{q,k,v}.bias (Qwen2)

@@ -245,8 +245,14 @@ class LlamaNumpy:
         self.eps = float(meta.get(k + "attention.layer_norm_rms_epsilon", 1e-5))
         self.halves = arch != "llama"
         self.freq_scale = 1.0
-        if meta.get(k + "rope.scaling.type") == "linear":
+        self.yarn_orig_ctx = None
+        scaling = meta.get(k + "rope.scaling.type")
+        if scaling in ("linear", "yarn"):
             self.freq_scale = 1.0 / float(meta[k + "rope.scaling.factor"])
+        if scaling == "yarn":
+            self.yarn_orig_ctx = int(meta.get(k + "rope.scaling.original_context_length",
+                                              meta[k + "context_length"]))
+        self.attn_factor = float(meta.get(k + "rope.scaling.attn_factor", 1.0))
         self.freq_factors = t.get("rope_freqs.weight")                  # [rope_dim / 2] or None
         self.embd = t["token_embd.weight"]                     # [vocab, dim]
         out_name = "output.weight" if "output.weight" in t else "token_embd.weight"  # tied
@@ -273,11 +279,26 @@ class LlamaNumpy:
     def _rope(self, x, positions):
         """x: [n, heads, head_dim]; rotates pairs of the first rope_dim dims by pos * freq."""
         half = self.rope_dim // 2
-        inv_freq = self.freq_scale * self.theta ** (-2.0 * np.arange(half) / self.rope_dim)
+        scale = np.full(half, self.freq_scale)
+        mscale = self.attn_factor
+        if self.yarn_orig_ctx is not None:
+            # YaRN (Peng et al. 2023): pairs turning more than beta_fast = 32 times over the
+            # original context keep their frequency, those turning fewer than beta_slow = 1
+            # times are interpolated, a linear ramp between; cos/sin grow by 1 + 0.1 ln(factor).
+            def corr_dim(rotations):
+                return (self.rope_dim * np.log(self.yarn_orig_ctx / (rotations * 2 * np.pi)) /
+                        (2 * np.log(self.theta)))
+            low = max(0.0, np.floor(corr_dim(32.0)))
+            high = min(self.rope_dim - 1.0, np.ceil(corr_dim(1.0)))
+            ramp = 1.0 - np.clip((np.arange(half) - low) / max(0.001, high - low), 0.0, 1.0)
+            scale = self.freq_scale * (1.0 - ramp) + ramp
+            mscale *= 1.0 + 0.1 * np.log(1.0 / self.freq_scale)
+        inv_freq = scale * self.theta ** (-2.0 * np.arange(half) / self.rope_dim)
         if self.freq_factors is not None:
             inv_freq = inv_freq / self.freq_factors
         ang = positions[:, None].astype(np.float64) * inv_freq[None, :]     # [n, half]
-        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        cos = np.cos(ang)[:, None, :] * mscale
+        sin = np.sin(ang)[:, None, :] * mscale
         out = x.copy()
         if self.halves:
             a, b = slice(0, half), slice(half, self.rope_dim)

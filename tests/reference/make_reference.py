@@ -78,8 +78,8 @@ MODELS = {
 }
 # The other architectures (general.architecture and what comes with it): the halves RoPE
 # layout with Qwen2's biases and a tied output, Qwen3's per-head Q/K norms on heads wider than
-# dim / n_heads, Phi-3's fused QKV and gate-up, Llama 3's RoPE frequency factors, linear RoPE
-# scaling.
+# dim / n_heads, Phi-3's fused QKV and gate-up, Llama 3's RoPE frequency factors, linear and
+# YaRN RoPE scaling.
 MODELS.update({
     "qwen2_f32": (dict(arch="qwen2", theta=1e6, tied=True, eps=1e-6, ctx=256), TensorType.F32,
                   TensorType.F32, 1e-4),
@@ -101,6 +101,10 @@ MODELS.update({
                              rope_dim=128, theta=1e6, ctx=256), TensorType.F16, TensorType.F32,
                         1e-4),
     "llama_linear_f32": (dict(linear_scale=4.0), TensorType.F32, TensorType.F32, 1e-4),
+    # YaRN as Qwen2.5 long-context configs use it (factor 4 over the original context), with
+    # a small original context so the 48-token prompts reach interpolated frequencies.
+    "qwen2_yarn_f32": (dict(arch="qwen2", theta=1e6, yarn_factor=4.0, yarn_orig_ctx=16,
+                            rope_dim=16, ctx=256), TensorType.F32, TensorType.F32, 1e-4),
 })
 PROMPT_LENGTHS = {"long": 48, "short": 11}
 GREEDY_PROMPT, GREEDY_STEPS = 6, 10
@@ -161,6 +165,10 @@ def write_model(path, name, cfg, mtype, ntype, seed):
     if "linear_scale" in cfg:
         w.add_string(k + "rope.scaling.type", "linear")
         w.add_float32(k + "rope.scaling.factor", cfg["linear_scale"])
+    if "yarn_factor" in cfg:
+        w.add_string(k + "rope.scaling.type", "yarn")
+        w.add_float32(k + "rope.scaling.factor", cfg["yarn_factor"])
+        w.add_uint32(k + "rope.scaling.original_context_length", cfg["yarn_orig_ctx"])
     w.add_float32(k + "attention.layer_norm_rms_epsilon", cfg["eps"])
     w.add_uint32(k + "vocab_size", cfg["vocab"])
     tokenizer_metadata(w, cfg["vocab"])

@@ -571,6 +571,58 @@ TEST(RopeTest, MatchesFloat64Reference) {
 // ---------------------------------------------------------------------------------------------
 // SwiGlu, AddInPlace, Softmax
 
+// YaRN against its formulas written out here (ggml's rope_yarn and rope_yarn_corr_dims):
+// frequencies between the two correction dims blend from unscaled to interpolated, and cos
+// and sin grow by 1 + 0.1 ln(factor) times the attention factor.
+TEST(RopeTest, YarnMatchesItsFormulas) {
+  const int dim = 64;
+  const double theta = 1e6, factor = 4.0, attn = 1.25;
+  const int orig = 4096;
+  absl::StatusOr<RopeSchedule> rope = RopeSchedule::Make({.dim = dim,
+                                                          .theta = theta,
+                                                          .layout = RopeLayout::kHalves,
+                                                          .freq_scale = 1.0 / factor,
+                                                          .yarn = true,
+                                                          .yarn_original_context = orig,
+                                                          .attn_factor = attn});
+  ASSERT_TRUE(rope.ok()) << rope.status();
+  const auto corr = [&](double rotations) {
+    return dim * std::log(orig / (rotations * 2 * M_PI)) / (2 * std::log(theta));
+  };
+  const double low = std::max(0.0, std::floor(corr(32.0)));
+  const double high = std::min(dim - 1.0, std::ceil(corr(1.0)));
+  ASSERT_LT(low, high);
+  for (int i = 0; i < dim / 2; ++i) {
+    const double base = std::pow(theta, -2.0 * i / dim);
+    double want = base / factor;  // interpolated
+    if (i <= low) want = base;    // extrapolated: turns fast enough to keep its frequency
+    if (i > low && i < high) {
+      const double mix = 1.0 - (i - low) / (high - low);
+      want = base * ((1.0 - mix) / factor + mix);
+    }
+    EXPECT_NEAR(rope->inv_freq[i] / want, 1.0, 1e-12) << "pair " << i;
+  }
+  EXPECT_NEAR(rope->mscale, attn * (1.0 + 0.1 * std::log(factor)), 1e-12);
+  // The rotation carries the magnitude factor.
+  std::vector<float> x(dim, 0.0f);
+  x[0] = 1.0f;
+  const int64_t pos = 7;
+  Rope(x.data(), 1, 1, dim, *rope, &pos);
+  EXPECT_NEAR(x[0], std::cos(7 * rope->inv_freq[0]) * rope->mscale, 1e-6);
+  EXPECT_NEAR(x[dim / 2], std::sin(7 * rope->inv_freq[0]) * rope->mscale, 1e-6);
+  // Without YaRN (or with ext_factor 0) it is plain linear interpolation.
+  absl::StatusOr<RopeSchedule> off = RopeSchedule::Make({.dim = dim,
+                                                         .theta = theta,
+                                                         .freq_scale = 0.25,
+                                                         .yarn = true,
+                                                         .yarn_original_context = orig,
+                                                         .yarn_ext_factor = 0.0});
+  ASSERT_TRUE(off.ok());
+  EXPECT_EQ(off->mscale, 1.0);
+  EXPECT_NEAR(off->inv_freq[0], 0.25, 1e-15);
+  EXPECT_FALSE(RopeSchedule::Make({.dim = dim, .yarn = true}).ok());  // no original context
+}
+
 TEST(RopeTest, ScheduleRejectsBadParams) {
   EXPECT_FALSE(RopeSchedule::Make({.dim = 63}).ok());
   EXPECT_FALSE(RopeSchedule::Make({.dim = 0}).ok());

@@ -238,10 +238,16 @@ TEST(ModelConfigTest, RejectsBadMetadata) {
   };
   EXPECT_EQ(ConfigStatus(s).code(), absl::StatusCode::kUnimplemented);
   s.extra = [](GgufBuilder& b) {
-    b.AddString("llama.rope.scaling.type", "yarn");
+    b.AddString("llama.rope.scaling.type", "longrope");
     b.AddFloat32("llama.rope.scaling.factor", 4.0f);
   };
   EXPECT_EQ(ConfigStatus(s).code(), absl::StatusCode::kUnimplemented);
+  s.extra = [](GgufBuilder& b) {
+    b.AddString("llama.rope.scaling.type", "yarn");
+    b.AddFloat32("llama.rope.scaling.factor", 4.0f);
+    b.AddUint32("llama.rope.scaling.original_context_length", 8);
+  };
+  EXPECT_TRUE(ConfigStatus(s).ok()) << ConfigStatus(s);
   s.extra = [](GgufBuilder& b) {
     b.AddString("llama.rope.scaling.type", "linear");
     b.AddFloat32("llama.rope.scaling.factor", 4.0f);
