@@ -1505,6 +1505,9 @@ class Renderer {
         JINJA_ASSIGN_OR_RETURN(v, Eval(*n.kids[0]));
         if (!v.is_number()) return TypeError(n.line, "bad operand type for unary -");
         if (n.kind == NodeKind::kPos) return v;
+        if (v.kind() == Value::Kind::kInt && v.int_value() == std::numeric_limits<int64_t>::min()) {
+          return Unsupported(n.line, "integers beyond 64 bits");
+        }
         return v.kind() == Value::Kind::kInt ? Value::Int(-v.int_value())
                                              : Value::Float(-v.float_value());
       }
@@ -1612,8 +1615,9 @@ class Renderer {
     const int64_t start = clamp(bound[0], step > 0 ? 0 : size - 1);
     const int64_t stop = clamp(bound[1], step > 0 ? size : -1);
     List out;
-    for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+    for (int64_t i = start; step > 0 ? i < stop : i > stop;) {
       out.push_back(items[static_cast<size_t>(i)]);
+      if (__builtin_add_overflow(i, step, &i)) break;
     }
     if (obj.is_list()) return Value::MakeList(std::move(out));
     std::string s;
@@ -1661,11 +1665,19 @@ class Renderer {
     }
     if (ints) {
       const int64_t i = as_int(a), j = as_int(b);
-      if (op == "+") return Value::Int(i + j);
-      if (op == "-") return Value::Int(i - j);
-      if (op == "*") return Value::Int(i * j);
+      // Python's integers do not overflow; ours are 64-bit and say so rather than wrap.
+      int64_t r64 = 0;
+      const auto overflow = [&] { return Unsupported(n.line, "integers beyond 64 bits"); };
+      if (op == "+" || op == "-" || op == "*") {
+        const bool wrapped = op == "+"   ? __builtin_add_overflow(i, j, &r64)
+                             : op == "-" ? __builtin_sub_overflow(i, j, &r64)
+                                         : __builtin_mul_overflow(i, j, &r64);
+        if (wrapped) return overflow();
+        return Value::Int(r64);
+      }
       if (op == "//" || op == "%") {
         if (j == 0) return TypeError(n.line, "integer division or modulo by zero");
+        if (i == std::numeric_limits<int64_t>::min() && j == -1) return overflow();
         int64_t q = i / j, r = i % j;
         if (r != 0 && ((r < 0) != (j < 0))) {  // Python floors
           --q;
@@ -1675,7 +1687,14 @@ class Renderer {
       }
       if (op == "**" && j >= 0) {
         int64_t r = 1;
-        for (int64_t k = 0; k < j && k < 64; ++k) r *= i;
+        for (int64_t k = 0; k < j; ++k) {
+          if (__builtin_mul_overflow(r, i, &r)) return overflow();
+          if (r == 0 || r == 1) break;  // 0 and 1 stay put; -1 alternates below
+          if (r == -1) {
+            r = (j - k - 1) % 2 == 0 ? -1 : 1;
+            break;
+          }
+        }
         return Value::Int(r);
       }
     }
@@ -1821,9 +1840,10 @@ class Renderer {
         }
         if (step == 0) return TypeError(n.line, "range() step must not be zero");
         List items;
-        for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+        for (int64_t i = start; step > 0 ? i < stop : i > stop;) {
           items.push_back(Value::Int(i));
           if (items.size() > 100000) return TypeError(n.line, "range() too long");
+          if (__builtin_add_overflow(i, step, &i)) break;
         }
         return Value::MakeList(std::move(items));
       }
@@ -2123,7 +2143,12 @@ class Renderer {
     }
     if (f == "int") {
       if (v.kind() == Value::Kind::kInt) return v;
-      if (v.kind() == Value::Kind::kFloat) return Value::Int(static_cast<int64_t>(v.float_value()));
+      if (v.kind() == Value::Kind::kFloat) {
+        const double d = v.float_value();
+        // Beyond int64 (or NaN) Python would give a big integer or fail; refuse instead.
+        if (!(std::fabs(d) < 9.2e18)) return Unsupported(n.line, "integers beyond 64 bits");
+        return Value::Int(static_cast<int64_t>(d));
+      }
       if (v.kind() == Value::Kind::kBool) return Value::Int(v.bool_value() ? 1 : 0);
       if (v.is_string()) {
         int64_t i = 0;
@@ -2134,8 +2159,12 @@ class Renderer {
       return Value::Int(0);
     }
     if (f == "abs") {
-      if (v.kind() == Value::Kind::kInt)
+      if (v.kind() == Value::Kind::kInt) {
+        if (v.int_value() == std::numeric_limits<int64_t>::min()) {
+          return Unsupported(n.line, "integers beyond 64 bits");
+        }
         return Value::Int(v.int_value() < 0 ? -v.int_value() : v.int_value());
+      }
       if (v.kind() == Value::Kind::kFloat) return Value::Float(std::fabs(v.float_value()));
       return TypeError(n.line, "abs() of a non-number");
     }

@@ -85,6 +85,24 @@ TEST(ChatTemplateTest, UnsupportedConstructsAreFailedPreconditionNamingThem) {
   }
 }
 
+// Python's integers are unbounded; ours are 64-bit and refuse to wrap (UBSan would catch a
+// wrap, the fuzzer looks for one).
+TEST(ChatTemplateTest, IntegerOverflowIsRefusedNotWrapped) {
+  for (const char* source : {"{{ 9223372036854775807 + 1 }}", "{{ -9223372036854775807 - 2 }}",
+                             "{{ 4611686018427387904 * 2 }}", "{{ 2 ** 64 }}", "{{ 1e300 | int }}",
+                             "{{ (-9223372036854775807 - 1) // -1 }}"}) {
+    SCOPED_TRACE(source);
+    absl::StatusOr<ChatTemplate> t = ChatTemplate::Parse(source);
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(t->Apply(kConversation, {}).status().code(), absl::StatusCode::kFailedPrecondition);
+  }
+  absl::StatusOr<ChatTemplate> fine = ChatTemplate::Parse(
+      "{{ 2 ** 62 }} {{ (-1) ** 5 }} {{ [1, 2, 3][::9223372036854775807] }} "
+      "{{ range(9223372036854775806, 9223372036854775807) | list }}");
+  ASSERT_TRUE(fine.ok());
+  EXPECT_EQ(*fine->Apply(kConversation, {}), "4611686018427387904 -1 [1] [9223372036854775806]");
+}
+
 TEST(ChatTemplateTest, LimitsOnNestingWorkAndOutput) {
   std::string deep = "{{ ";
   for (int i = 0; i < 5000; ++i) deep += "(";
