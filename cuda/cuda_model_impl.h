@@ -47,6 +47,7 @@ struct CudaLlamaModel::Impl {
   struct DeviceLayer {
     float* attn_norm = nullptr;     // [dim]
     uint16_t* wqkv = nullptr;       // [(n_heads + 2 n_kv) * hd, dim]
+    float* qkv_bias = nullptr;      // [(n_heads + 2 n_kv) * hd] (Qwen2), or null
     uint16_t* wo = nullptr;         // [dim, n_heads * hd]
     float* ffn_norm = nullptr;      // [dim]
     uint16_t* w_gate_up = nullptr;  // [2 * ffn, dim]
@@ -126,6 +127,7 @@ struct CudaLlamaModel::Impl {
     for (DeviceLayer& l : layers) {
       l.attn_norm = c.TakeArray<float>(dim);
       l.wqkv = c.TakeArray<uint16_t>(QkvWidth() * dim);
+      if (m.qkv_bias) l.qkv_bias = c.TakeArray<float>(QkvWidth());
       l.wo = c.TakeArray<uint16_t>(dim * QWidth());
       l.ffn_norm = c.TakeArray<float>(dim);
       l.w_gate_up = c.TakeArray<uint16_t>(2 * ffn * dim);
@@ -306,6 +308,14 @@ struct CudaLlamaModel::Impl {
       if (st.ok()) {
         st = UploadMatrices({{&src.wq, "attn_q"}, {&src.wk, "attn_k"}, {&src.wv, "attn_v"}},
                             dst.wqkv, at);
+      }
+      if (st.ok() && dst.qkv_bias != nullptr) {
+        // [bq | bk | bv], the columns of the fused projection.
+        std::vector<float> bias(static_cast<size_t>(QkvWidth()));
+        std::copy_n(src.bq, QWidth(), bias.begin());
+        std::copy_n(src.bk, KvWidth(), bias.begin() + QWidth());
+        std::copy_n(src.bv, KvWidth(), bias.begin() + QWidth() + KvWidth());
+        st = Upload(dst.qkv_bias, bias.data(), QkvWidth() * 4, at);
       }
       if (st.ok()) st = UploadMatrices({{&src.wo, "attn_output"}}, dst.wo, at);
       if (st.ok()) {

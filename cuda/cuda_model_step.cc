@@ -267,7 +267,9 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
                                                .n_kv_heads = m.n_kv_heads,
                                                .head_dim = m.head_dim,
                                                .rope_dim = m.rope_dim,
-                                               .max_position = m.context_length},
+                                               .max_position = m.context_length,
+                                               .bias = w.qkv_bias,
+                                               .halves = m.rope_layout == RopeLayout::kHalves},
                                               stream),
                   "rope");
     }

@@ -1,5 +1,6 @@
-// RopeSplitQkvKernel: one CTA per token splits its fused QKV row into Q, K and V, rotating the
-// first rope_dim dims of every Q and K head by the host-built cos/sin table. The rotation uses
+// RopeSplitQkvKernel: one CTA per token splits its fused QKV row into Q, K and V (adding the
+// Q/K/V biases when there are), rotating the first rope_dim dims of every Q and K head by the
+// host-built cos/sin table, on adjacent pairs or on halves. The rotation uses
 // explicitly rounded multiplies and adds (no FMA contraction) so each element is bit-identical
 // to core/cpu/ops.cc Rope, which the host compiler evaluates without FMA.
 #include <cmath>
@@ -59,17 +60,25 @@ __global__ void __launch_bounds__(kThreads)
     auto* v4 = reinterpret_cast<float4*>(v);
     for (int j = threadIdx.x; j < n_kv / 4; j += kThreads) v4[j] = src4[j];
   } else {
+    // The row's value at idx, its bias added first (rounded as core/cpu/ops.cc AddBias adds).
+    const auto value = [&](int idx) {
+      return p.bias != nullptr ? __fadd_rn(src[idx], __ldg(p.bias + idx)) : src[idx];
+    };
     for (int j = threadIdx.x; j < n_q + n_kv; j += kThreads) {
       const int d = j % hd;
-      float y = src[j];
+      float y = value(j);
       if (!pos_ok) {
         y = nan;
       } else if (d < 2 * pairs) {
+        // Pair pr of this head is (a, b): adjacent dims, or dims pr and pr + pairs.
+        const bool first = p.halves ? d < pairs : d % 2 == 0;
+        const int pr = p.halves ? (first ? d : d - pairs) : d / 2;
+        const int a = j - d + (p.halves ? pr : 2 * pr);
+        const int b = a + (p.halves ? pairs : 1);
         // Scalar table reads too: this path also serves a table that is not 8-byte aligned.
-        const int pr = d / 2;
-        const float2 r = Rotate(src[j - d % 2], src[j - d % 2 + 1],
-                                make_float2(__ldg(cs + 2 * pr), __ldg(cs + 2 * pr + 1)));
-        y = d % 2 == 0 ? r.x : r.y;
+        const float2 r =
+            Rotate(value(a), value(b), make_float2(__ldg(cs + 2 * pr), __ldg(cs + 2 * pr + 1)));
+        y = first ? r.x : r.y;
       }
       if (j < n_q) {
         q[j] = y;
@@ -77,7 +86,7 @@ __global__ void __launch_bounds__(kThreads)
         k[j - n_q] = y;
       }
     }
-    for (int j = threadIdx.x; j < n_kv; j += kThreads) v[j] = src[n_q + n_kv + j];
+    for (int j = threadIdx.x; j < n_kv; j += kThreads) v[j] = value(n_q + n_kv + j);
   }
 }
 
@@ -96,8 +105,10 @@ cudaError_t LaunchRopeSplitQkv(const RopeSplitQkvParams& p, cudaStream_t stream)
   const auto aligned = [](const void* ptr, uintptr_t bytes) {
     return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
   };
-  const bool vec = p.head_dim % 4 == 0 && aligned(p.qkv, 16) && aligned(p.q, 16) &&
-                   aligned(p.k, 16) && aligned(p.v, 16) && aligned(p.cos_sin, 8);
+  // The vector path rotates adjacent pairs of unbiased rows only.
+  const bool vec = !p.halves && p.bias == nullptr && p.head_dim % 4 == 0 && aligned(p.qkv, 16) &&
+                   aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.v, 16) &&
+                   aligned(p.cos_sin, 8);
   if (vec) {
     RopeSplitQkvKernel<true><<<p.n, kThreads, 0, stream>>>(p);
   } else {

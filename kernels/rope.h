@@ -17,8 +17,9 @@
 
 namespace subspace::kernels {
 
-// Adjacent pairs (x[2p], x[2p+1]) of the first rope_dim dims of every head are rotated by the
-// angle of (position, p) (GGUF "llama" convention, as core/cpu/ops.h Rope).
+// Pairs of the first rope_dim dims of every head -- adjacent (x[2p], x[2p+1]) for GGUF "llama"
+// files, or halves (x[p], x[p + rope_dim/2]) -- are rotated by the angle of (position, p), as
+// core/cpu/ops.h Rope does (after AddBias when there are biases).
 struct RopeSplitQkvParams {
   const float* qkv = nullptr;          // [n, (n_heads + 2 * n_kv_heads) * head_dim]
   const int32_t* positions = nullptr;  // [n] each in [0, max_position); a position outside
@@ -33,6 +34,11 @@ struct RopeSplitQkvParams {
   int32_t head_dim = 0;
   int32_t rope_dim = 0;  // even, <= head_dim
   int32_t max_position = 0;
+  // Qwen2-style models (both off by default): Q/K/V biases added to the row before anything
+  // else, [(n_heads + 2 * n_kv_heads) * head_dim] or null; and the halves layout, pair p being
+  // (x[p], x[p + rope_dim/2]) of each head instead of (x[2p], x[2p+1]) (core/base/rope.h).
+  const float* bias = nullptr;
+  bool halves = false;
 };
 
 // cos_sin is built on the host by cuda::RopeCosSinTable (cuda/rope_table.h).

@@ -30,6 +30,7 @@
 #include "cuda/device_compressed_kv_cache.h"
 #include "cuda/step_graphs.h"
 #include "tests/core/compress/compressed_kv_cache_test_util.h"
+#include "tests/core/model/tiny_model_util.h"
 #include "tests/kernels/cuda_test_util.h"
 
 namespace subspace::cuda {
@@ -100,9 +101,11 @@ Pair OpenCompressed(
   return p;
 }
 
-Pair Open(int max_batch_tokens = 256, int max_sequences = 8) {
+Pair Open(int max_batch_tokens = 256, int max_sequences = 8,
+          std::shared_ptr<const GgufFile> file = nullptr) {
   Pair p;
-  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(ModelPath());
+  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu =
+      file != nullptr ? LlamaModel::Load(file) : LlamaModel::Open(ModelPath());
   EXPECT_TRUE(cpu.ok()) << cpu.status();
   if (!cpu.ok()) return p;
   p.cpu = *std::move(cpu);
@@ -187,6 +190,45 @@ TEST(CudaModelTest, LogitsMatchTheCpuBackendAcrossPrefillAndDecode) {
              {{0, {static_cast<int32_t>(3 + step)}},
               {1, {static_cast<int32_t>(50 + step)}},
               {2, {static_cast<int32_t>(400 + step)}}},
+             "decode " + std::to_string(step));
+  }
+}
+
+// Qwen2 on the device: Q/K/V biases and the halves RoPE layout (in the RoPE kernel), on a
+// random tiny Qwen2 with 64-wide heads, against the CPU backend across prefill and decode.
+TEST(CudaModelTest, Qwen2LogitsMatchTheCpuBackend) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  using ::subspace::testing::BuildTinyLlamaGguf;
+  using ::subspace::testing::TinyModelOptions;
+  TinyModelOptions o;
+  o.architecture = "qwen2";
+  o.dim = 256;
+  o.heads = 4;
+  o.kv_heads = 2;
+  o.ffn = 128;
+  o.context = 256;
+  o.weight_std = 0.15f;
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBytes(BuildTinyLlamaGguf(o));
+  ASSERT_TRUE(file.ok()) << file.status();
+  Pair p = Open(256, 8, std::shared_ptr<const GgufFile>(*std::move(file)));
+  ASSERT_NE(p.cuda.model, nullptr);
+  ASSERT_EQ(p.cpu->config().architecture, "qwen2");
+  ASSERT_TRUE(p.cpu->config().qkv_bias);
+  const int vocab = p.cpu->config().n_vocab;
+  std::vector<SeqId> cpu_seqs, gpu_seqs;
+  for (int s = 0; s < 2; ++s) {
+    cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
+    gpu_seqs.push_back(*p.cuda.cache->CreateSequence());
+  }
+  const auto tokens = [vocab](int n, int salt) {
+    std::vector<int32_t> t;
+    for (int i = 0; i < n; ++i) t.push_back(1 + (i * 37 + salt * 101) % (vocab - 1));
+    return t;
+  };
+  StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(37, 0)}, {1, tokens(5, 1)}}, "prefill");
+  for (int step = 0; step < 20; ++step) {
+    StepBoth(p, cpu_seqs, gpu_seqs,
+             {{0, {static_cast<int32_t>(3 + step)}}, {1, {static_cast<int32_t>(50 + step)}}},
              "decode " + std::to_string(step));
   }
 }

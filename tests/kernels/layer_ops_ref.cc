@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "core/base/coeff_codec.h"
 #include "core/base/ggml_types.h"
@@ -43,21 +44,28 @@ void RopeSplitQkvRef(const RopeSplitQkvParams& p) {
     const float* src = p.qkv + i * (n_q + 2 * n_kv);
     const int32_t pos = p.positions[i];
     const bool pos_ok = pos >= 0 && pos < p.max_position;
+    // The row with its biases added (cpu::AddBias's rounding).
+    std::vector<float> row(src, src + n_q + 2 * n_kv);
+    if (p.bias != nullptr) {
+      for (size_t j = 0; j < row.size(); ++j) row[j] += p.bias[j];
+    }
     for (int64_t h = 0; h < p.n_heads + p.n_kv_heads; ++h) {
-      const float* in = src + h * hd;
+      const float* in = row.data() + h * hd;
       float* out = h < p.n_heads ? p.q + i * n_q + h * hd : p.k + i * n_kv + (h - p.n_heads) * hd;
       for (int64_t d = 0; d < hd; ++d) out[d] = pos_ok ? in[d] : nan;
       if (!pos_ok) continue;
       const float* cs = p.cos_sin + static_cast<int64_t>(pos) * pairs * 2;
       for (int64_t q = 0; q < pairs; ++q) {
         // cpu::Rope's expressions exactly; the host build has no FMA contraction.
+        const int64_t a = p.halves ? q : 2 * q;
+        const int64_t b = p.halves ? q + pairs : 2 * q + 1;
         const float c = cs[2 * q], s = cs[2 * q + 1];
-        const float x0 = in[2 * q], x1 = in[2 * q + 1];
-        out[2 * q] = x0 * c - x1 * s;
-        out[2 * q + 1] = x0 * s + x1 * c;
+        const float x0 = in[a], x1 = in[b];
+        out[a] = x0 * c - x1 * s;
+        out[b] = x0 * s + x1 * c;
       }
     }
-    std::memcpy(p.v + i * n_kv, src + n_q + n_kv, static_cast<size_t>(n_kv) * sizeof(float));
+    std::memcpy(p.v + i * n_kv, row.data() + n_q + n_kv, static_cast<size_t>(n_kv) * sizeof(float));
   }
 }
 

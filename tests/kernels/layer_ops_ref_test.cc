@@ -176,6 +176,44 @@ TEST(LayerOpsRefTest, RopeSplitQkvMatchesCpuRopeBitForBit) {
   }
 }
 
+// Qwen2-style rows: the twin adds the Q/K/V biases as cpu::AddBias does, then rotates halves
+// as cpu::Rope does with a kHalves schedule, bit for bit.
+TEST(LayerOpsRefTest, RopeSplitQkvWithBiasesAndHalvesMatchesCpuBitForBit) {
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  for (const bool halves : {true, false}) {
+    const int n = 11, heads = 6, kv = 2, hd = 64, rope_dim = 64, max_position = 500;
+    const RopeCase c = RandomRopeCase(n, heads, kv, hd, rope_dim, max_position, 1e6f, rng);
+    const std::vector<float> bias = RandomFloats((heads + 2 * kv) * hd, 0.5f, rng);
+    const int64_t nq = heads * hd, nkv = kv * hd;
+    std::vector<float> want_q(static_cast<size_t>(n * nq)), want_k(static_cast<size_t>(n * nkv)),
+        want_v(want_k.size());
+    for (int i = 0; i < n; ++i) {
+      const float* row = c.qkv.data() + i * (nq + 2 * nkv);
+      std::memcpy(want_q.data() + i * nq, row, sizeof(float) * nq);
+      std::memcpy(want_k.data() + i * nkv, row + nq, sizeof(float) * nkv);
+      std::memcpy(want_v.data() + i * nkv, row + nq + nkv, sizeof(float) * nkv);
+    }
+    cpu::AddBias(want_q.data(), bias.data(), n, nq);
+    cpu::AddBias(want_k.data(), bias.data() + nq, n, nkv);
+    cpu::AddBias(want_v.data(), bias.data() + nq + nkv, n, nkv);
+    const std::vector<int64_t> pos64(c.positions.begin(), c.positions.end());
+    const RopeSchedule rope =
+        *RopeSchedule::Make({.dim = rope_dim,
+                             .theta = 1e6,
+                             .layout = halves ? RopeLayout::kHalves : RopeLayout::kAdjacentPairs});
+    cpu::Rope(want_q.data(), n, heads, hd, rope, pos64.data());
+    cpu::Rope(want_k.data(), n, kv, hd, rope, pos64.data());
+    std::vector<float> q(want_q.size()), k(want_k.size()), v(want_v.size());
+    RopeSplitQkvRef({c.qkv.data(), c.positions.data(), c.table.data(), q.data(), k.data(), v.data(),
+                     n, heads, kv, hd, rope_dim, max_position, bias.data(), halves});
+    EXPECT_EQ(0, std::memcmp(q.data(), want_q.data(), q.size() * sizeof(float))) << halves;
+    EXPECT_EQ(0, std::memcmp(k.data(), want_k.data(), k.size() * sizeof(float))) << halves;
+    EXPECT_EQ(0, std::memcmp(v.data(), want_v.data(), v.size() * sizeof(float))) << halves;
+  }
+}
+
 TEST(LayerOpsRefTest, RopeSplitQkvGivesNanRowsForPositionsOutsideTheTable) {
   std::mt19937_64 rng(7);
   RopeCase c = RandomRopeCase(3, 2, 1, 8, 8, 16, 10000.0f, rng);

@@ -320,7 +320,7 @@ struct RopeRun {
 // Runs the kernel and the twin on one case; pointers misaligned by `off` floats.
 void RunRope(const RopeSplitQkvParams& shape, const std::vector<float>& qkv,
              const std::vector<int32_t>& positions, const std::vector<float>& table, size_t off,
-             RopeRun* want, RopeRun* got) {
+             RopeRun* want, RopeRun* got, const std::vector<float>& bias = {}) {
   const size_t nq = static_cast<size_t>(shape.n) * shape.n_heads * shape.head_dim;
   const size_t nkv = static_cast<size_t>(shape.n) * shape.n_kv_heads * shape.head_dim;
   want->q.assign(nq, 0.0f);
@@ -333,9 +333,13 @@ void RunRope(const RopeSplitQkvParams& shape, const std::vector<float>& qkv,
   p.q = want->q.data();
   p.k = want->k.data();
   p.v = want->v.data();
+  p.bias = bias.empty() ? nullptr : bias.data();
   RopeSplitQkvRef(p);
 
   DeviceSlice<float> d_qkv(qkv, off), d_table(table, off);
+  DeviceSlice<float> d_bias(bias.empty() ? std::vector<float>{0.0f} : bias);
+  ASSERT_TRUE(d_bias.ok());
+  p.bias = bias.empty() ? nullptr : d_bias.get();
   DeviceSlice<int32_t> d_pos(positions);
   DeviceSlice<float> d_q(nq, off), d_k(nkv, off), d_v(nkv, off);
   ASSERT_TRUE(d_qkv.ok() && d_table.ok() && d_pos.ok() && d_q.ok() && d_k.ok() && d_v.ok());
@@ -431,6 +435,47 @@ TEST(RopeGpuScalarTest, MisalignedAndOddShapesAreBitExact) {
     for (int32_t& p : positions) p = pick(rng);
     RopeRun want, got;
     ASSERT_NO_FATAL_FAILURE(RunRope(shape, qkv, positions, table, c.off, &want, &got));
+    ExpectFloatsIdentical(got.q, want.q);
+    ExpectFloatsIdentical(got.k, want.k);
+    ExpectFloatsIdentical(got.v, want.v);
+  }
+}
+
+// Qwen2-style rows: Q/K/V biases added first and the halves pair layout, bit-exact with the
+// twin (which the ref test holds to cpu::AddBias + cpu::Rope), aligned and misaligned.
+TEST(RopeGpuScalarTest, BiasesAndHalvesAreBitExact) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  const uint64_t seed = testing::FreshSeed();
+  SUBSPACE_TRACE_SEED(seed);
+  std::mt19937_64 rng(seed);
+  struct Case {
+    int head_dim, rope_dim;
+    size_t off;
+    bool halves, bias;
+  };
+  for (const Case& c :
+       {Case{64, 64, 0, true, true}, Case{128, 128, 0, true, false}, Case{64, 64, 0, false, true},
+        Case{128, 64, 1, true, true}, Case{10, 6, 0, true, true}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "head_dim " << c.head_dim << " rope_dim " << c.rope_dim << " offset " << c.off
+                 << " halves " << c.halves << " bias " << c.bias);
+    RopeSplitQkvParams shape;
+    shape.n = 13;
+    shape.n_heads = 6;
+    shape.n_kv_heads = 2;
+    shape.head_dim = c.head_dim;
+    shape.rope_dim = c.rope_dim;
+    shape.max_position = 300;
+    shape.halves = c.halves;
+    const std::vector<float> qkv = RandomFloats(13 * 10 * c.head_dim, 2.0f, rng);
+    const std::vector<float> bias =
+        c.bias ? RandomFloats(10 * c.head_dim, 0.5f, rng) : std::vector<float>{};
+    const std::vector<float> table = cuda::RopeCosSinTable(300, c.rope_dim, 1e6f);
+    std::vector<int32_t> positions(13);
+    std::uniform_int_distribution<int32_t> pick(0, 299);
+    for (int32_t& p : positions) p = pick(rng);
+    RopeRun want, got;
+    ASSERT_NO_FATAL_FAILURE(RunRope(shape, qkv, positions, table, c.off, &want, &got, bias));
     ExpectFloatsIdentical(got.q, want.q);
     ExpectFloatsIdentical(got.k, want.k);
     ExpectFloatsIdentical(got.v, want.v);

@@ -32,6 +32,8 @@ struct TinyModelOptions {
   uint32_t seed = 1;        // weights; the vocabulary is fixed
   float weight_std = 0.4f;  // large enough that greedy argmax has clear margins
   int32_t eos_id = 2;       // another id turns an ordinary token into EOS (same weights)
+  // "llama", or "qwen2": the same block with Q/K/V biases and the halves RoPE layout.
+  std::string architecture = "llama";
 };
 
 inline constexpr int32_t kTinyUnk = 0;
@@ -61,14 +63,15 @@ inline std::string BuildTinyLlamaGguf(const TinyModelOptions& o = {}) {
   const std::vector<std::string> pieces = TinyVocabPieces();
   const auto vocab = static_cast<uint64_t>(pieces.size());
   GgufBuilder b;
-  b.AddString("general.architecture", "llama");
+  const std::string k = o.architecture + ".";
+  b.AddString("general.architecture", o.architecture);
   b.AddString("general.name", "tiny-random");
-  b.AddUint32("llama.embedding_length", o.dim);
-  b.AddUint32("llama.block_count", o.layers);
-  b.AddUint32("llama.feed_forward_length", o.ffn);
-  b.AddUint32("llama.attention.head_count", o.heads);
-  b.AddUint32("llama.attention.head_count_kv", o.kv_heads);
-  b.AddUint32("llama.context_length", o.context);
+  b.AddUint32(k + "embedding_length", o.dim);
+  b.AddUint32(k + "block_count", o.layers);
+  b.AddUint32(k + "feed_forward_length", o.ffn);
+  b.AddUint32(k + "attention.head_count", o.heads);
+  b.AddUint32(k + "attention.head_count_kv", o.kv_heads);
+  b.AddUint32(k + "context_length", o.context);
   b.AddString("tokenizer.ggml.model", "llama");
   b.AddStringArray("tokenizer.ggml.tokens", pieces);
   std::vector<float> scores(pieces.size(), 0.0f);
@@ -107,6 +110,11 @@ inline std::string BuildTinyLlamaGguf(const TinyModelOptions& o = {}) {
     add(p + "attn_q.weight", {dim, q_width});
     add(p + "attn_k.weight", {dim, kv_width});
     add(p + "attn_v.weight", {dim, kv_width});
+    if (o.architecture == "qwen2") {
+      add(p + "attn_q.bias", {q_width});
+      add(p + "attn_k.bias", {kv_width});
+      add(p + "attn_v.bias", {kv_width});
+    }
     add(p + "attn_output.weight", {q_width, dim});
     add(p + "ffn_norm.weight", {dim});
     add(p + "ffn_gate.weight", {dim, ffn});
