@@ -137,6 +137,22 @@ RopeCase RandomRopeCase(int n, int n_heads, int n_kv, int head_dim, int rope_dim
   return c;
 }
 
+// The case's fused rows split into Q, K and V as the CPU backend computes them.
+void SplitOnCpu(const RopeCase& c, std::vector<float>* q, std::vector<float>* k,
+                std::vector<float>* v) {
+  const int64_t nq = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t nkv = static_cast<int64_t>(c.n_kv) * c.head_dim;
+  q->resize(static_cast<size_t>(c.n * nq));
+  k->resize(static_cast<size_t>(c.n * nkv));
+  v->resize(k->size());
+  for (int i = 0; i < c.n; ++i) {
+    const float* row = c.qkv.data() + i * (nq + 2 * nkv);
+    std::memcpy(q->data() + i * nq, row, sizeof(float) * nq);
+    std::memcpy(k->data() + i * nkv, row + nq, sizeof(float) * nkv);
+    std::memcpy(v->data() + i * nkv, row + nq + nkv, sizeof(float) * nkv);
+  }
+}
+
 TEST(LayerOpsRefTest, RopeSplitQkvMatchesCpuRopeBitForBit) {
   const uint64_t seed = testing::FreshSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
@@ -150,16 +166,9 @@ TEST(LayerOpsRefTest, RopeSplitQkvMatchesCpuRopeBitForBit) {
     const int n = 23, max_position = 9000;
     const RopeCase c =
         RandomRopeCase(n, s.n_heads, s.n_kv, s.head_dim, s.rope_dim, max_position, s.theta, rng);
-    const int64_t hd = s.head_dim, nq = s.n_heads * hd, nkv = s.n_kv * hd;
     // CPU: split, then rotate Q and K in place.
-    std::vector<float> want_q(static_cast<size_t>(n * nq)), want_k(static_cast<size_t>(n * nkv)),
-        want_v(want_k.size());
-    for (int i = 0; i < n; ++i) {
-      const float* row = c.qkv.data() + i * (nq + 2 * nkv);
-      std::memcpy(want_q.data() + i * nq, row, sizeof(float) * nq);
-      std::memcpy(want_k.data() + i * nkv, row + nq, sizeof(float) * nkv);
-      std::memcpy(want_v.data() + i * nkv, row + nq + nkv, sizeof(float) * nkv);
-    }
+    std::vector<float> want_q, want_k, want_v;
+    SplitOnCpu(c, &want_q, &want_k, &want_v);
     const std::vector<int64_t> pos64(c.positions.begin(), c.positions.end());
     const RopeSchedule rope = *RopeSchedule::Make({.dim = s.rope_dim, .theta = s.theta});
     cpu::Rope(want_q.data(), n, s.n_heads, s.head_dim, rope, pos64.data());
@@ -187,14 +196,8 @@ TEST(LayerOpsRefTest, RopeSplitQkvWithBiasesAndHalvesMatchesCpuBitForBit) {
     const RopeCase c = RandomRopeCase(n, heads, kv, hd, rope_dim, max_position, 1e6f, rng);
     const std::vector<float> bias = RandomFloats((heads + 2 * kv) * hd, 0.5f, rng);
     const int64_t nq = heads * hd, nkv = kv * hd;
-    std::vector<float> want_q(static_cast<size_t>(n * nq)), want_k(static_cast<size_t>(n * nkv)),
-        want_v(want_k.size());
-    for (int i = 0; i < n; ++i) {
-      const float* row = c.qkv.data() + i * (nq + 2 * nkv);
-      std::memcpy(want_q.data() + i * nq, row, sizeof(float) * nq);
-      std::memcpy(want_k.data() + i * nkv, row + nq, sizeof(float) * nkv);
-      std::memcpy(want_v.data() + i * nkv, row + nq + nkv, sizeof(float) * nkv);
-    }
+    std::vector<float> want_q, want_k, want_v;
+    SplitOnCpu(c, &want_q, &want_k, &want_v);
     cpu::AddBias(want_q.data(), bias.data(), n, nq);
     cpu::AddBias(want_k.data(), bias.data() + nq, n, nkv);
     cpu::AddBias(want_v.data(), bias.data() + nq + nkv, n, nkv);
