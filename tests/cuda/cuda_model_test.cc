@@ -194,14 +194,17 @@ TEST(CudaModelTest, LogitsMatchTheCpuBackendAcrossPrefillAndDecode) {
   }
 }
 
-// Qwen2 on the device: Q/K/V biases and the halves RoPE layout (in the RoPE kernel), on a
-// random tiny Qwen2 with 64-wide heads, against the CPU backend across prefill and decode.
-TEST(CudaModelTest, Qwen2LogitsMatchTheCpuBackend) {
+// Qwen2 (Q/K/V biases and the halves RoPE layout, in the RoPE kernel) and Phi-3 (halves RoPE,
+// fused QKV and gate-up uploaded from their row slices) on the device: random tiny models with
+// 64-wide heads against the CPU backend across prefill and decode.
+class CudaModelFamilyTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaModelFamilyTest, LogitsMatchTheCpuBackend) {
   SUBSPACE_REQUIRE_CUDA_DEVICE();
   using ::subspace::testing::BuildTinyLlamaGguf;
   using ::subspace::testing::TinyModelOptions;
   TinyModelOptions o;
-  o.architecture = "qwen2";
+  o.architecture = GetParam();
   o.dim = 256;
   o.heads = 4;
   o.kv_heads = 2;
@@ -212,8 +215,9 @@ TEST(CudaModelTest, Qwen2LogitsMatchTheCpuBackend) {
   ASSERT_TRUE(file.ok()) << file.status();
   Pair p = Open(256, 8, std::shared_ptr<const GgufFile>(*std::move(file)));
   ASSERT_NE(p.cuda.model, nullptr);
-  ASSERT_EQ(p.cpu->config().architecture, "qwen2");
-  ASSERT_TRUE(p.cpu->config().qkv_bias);
+  ASSERT_EQ(p.cpu->config().architecture, GetParam());
+  ASSERT_EQ(p.cpu->config().qkv_bias, GetParam() == "qwen2");
+  ASSERT_EQ(p.cpu->config().rope_layout, RopeLayout::kHalves);
   const int vocab = p.cpu->config().n_vocab;
   std::vector<SeqId> cpu_seqs, gpu_seqs;
   for (int s = 0; s < 2; ++s) {
@@ -232,6 +236,11 @@ TEST(CudaModelTest, Qwen2LogitsMatchTheCpuBackend) {
              "decode " + std::to_string(step));
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Families, CudaModelFamilyTest, ::testing::Values("qwen2", "phi3"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
 
 // The compressed cache on both backends: prefills long enough to leave the window, a second
 // chunk over a compressed history (expanded into scratch pages for the prefill kernel), then

@@ -32,7 +32,8 @@ struct TinyModelOptions {
   uint32_t seed = 1;        // weights; the vocabulary is fixed
   float weight_std = 0.4f;  // large enough that greedy argmax has clear margins
   int32_t eos_id = 2;       // another id turns an ordinary token into EOS (same weights)
-  // "llama", or "qwen2": the same block with Q/K/V biases and the halves RoPE layout.
+  // "llama"; "qwen2": the same block with Q/K/V biases and the halves RoPE layout; "phi3":
+  // halves RoPE, fused attn_qkv and ffn_up = [gate | up].
   std::string architecture = "llama";
 };
 
@@ -107,9 +108,13 @@ inline std::string BuildTinyLlamaGguf(const TinyModelOptions& o = {}) {
   for (int l = 0; l < o.layers; ++l) {
     const std::string p = "blk." + std::to_string(l) + ".";
     add(p + "attn_norm.weight", {dim});
-    add(p + "attn_q.weight", {dim, q_width});
-    add(p + "attn_k.weight", {dim, kv_width});
-    add(p + "attn_v.weight", {dim, kv_width});
+    if (o.architecture == "phi3") {
+      add(p + "attn_qkv.weight", {dim, q_width + 2 * kv_width});
+    } else {
+      add(p + "attn_q.weight", {dim, q_width});
+      add(p + "attn_k.weight", {dim, kv_width});
+      add(p + "attn_v.weight", {dim, kv_width});
+    }
     if (o.architecture == "qwen2") {
       add(p + "attn_q.bias", {q_width});
       add(p + "attn_k.bias", {kv_width});
@@ -117,8 +122,12 @@ inline std::string BuildTinyLlamaGguf(const TinyModelOptions& o = {}) {
     }
     add(p + "attn_output.weight", {q_width, dim});
     add(p + "ffn_norm.weight", {dim});
-    add(p + "ffn_gate.weight", {dim, ffn});
-    add(p + "ffn_up.weight", {dim, ffn});
+    if (o.architecture == "phi3") {
+      add(p + "ffn_up.weight", {dim, 2 * ffn});
+    } else {
+      add(p + "ffn_gate.weight", {dim, ffn});
+      add(p + "ffn_up.weight", {dim, ffn});
+    }
     add(p + "ffn_down.weight", {ffn, dim});
   }
   add("output_norm.weight", {dim});
