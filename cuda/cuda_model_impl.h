@@ -48,6 +48,8 @@ struct CudaLlamaModel::Impl {
     float* attn_norm = nullptr;     // [dim]
     uint16_t* wqkv = nullptr;       // [(n_heads + 2 n_kv) * hd, dim]
     float* qkv_bias = nullptr;      // [(n_heads + 2 n_kv) * hd] (Qwen2), or null
+    float* q_norm = nullptr;        // [hd] (Qwen3), or null
+    float* k_norm = nullptr;        // [hd] (Qwen3), or null
     uint16_t* wo = nullptr;         // [dim, n_heads * hd]
     float* ffn_norm = nullptr;      // [dim]
     uint16_t* w_gate_up = nullptr;  // [2 * ffn, dim]
@@ -128,6 +130,10 @@ struct CudaLlamaModel::Impl {
       l.attn_norm = c.TakeArray<float>(dim);
       l.wqkv = c.TakeArray<uint16_t>(QkvWidth() * dim);
       if (m.qkv_bias) l.qkv_bias = c.TakeArray<float>(QkvWidth());
+      if (m.qk_norm) {
+        l.q_norm = c.TakeArray<float>(m.head_dim);
+        l.k_norm = c.TakeArray<float>(m.head_dim);
+      }
       l.wo = c.TakeArray<uint16_t>(dim * QWidth());
       l.ffn_norm = c.TakeArray<float>(dim);
       l.w_gate_up = c.TakeArray<uint16_t>(2 * ffn * dim);
@@ -316,6 +322,10 @@ struct CudaLlamaModel::Impl {
         std::copy_n(src.bk, KvWidth(), bias.begin() + QWidth());
         std::copy_n(src.bv, KvWidth(), bias.begin() + QWidth() + KvWidth());
         st = Upload(dst.qkv_bias, bias.data(), QkvWidth() * 4, at);
+      }
+      if (st.ok() && dst.q_norm != nullptr) {
+        st = Upload(dst.q_norm, src.q_norm, int64_t{config.head_dim} * 4, at);
+        if (st.ok()) st = Upload(dst.k_norm, src.k_norm, int64_t{config.head_dim} * 4, at);
       }
       if (st.ok()) st = UploadMatrices({{&src.wo, "attn_output"}}, dst.wo, at);
       if (st.ok()) {

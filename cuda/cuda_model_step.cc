@@ -269,7 +269,10 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
                                                .rope_dim = m.rope_dim,
                                                .max_position = m.context_length,
                                                .bias = w.qkv_bias,
-                                               .halves = m.rope_layout == RopeLayout::kHalves},
+                                               .halves = m.rope_layout == RopeLayout::kHalves,
+                                               .q_norm = w.q_norm,
+                                               .k_norm = w.k_norm,
+                                               .norm_eps = m.rms_eps},
                                               stream),
                   "rope");
     }

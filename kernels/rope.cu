@@ -59,6 +59,45 @@ __global__ void __launch_bounds__(kThreads)
     const auto* src4 = reinterpret_cast<const float4*>(src + n_q + n_kv);
     auto* v4 = reinterpret_cast<float4*>(v);
     for (int j = threadIdx.x; j < n_kv / 4; j += kThreads) v4[j] = src4[j];
+  } else if (p.q_norm != nullptr) {
+    // Per-head RMSNorm first (Qwen3): one warp per head sums its squares, then rotates the
+    // normalised values.
+    const auto value = [&](int idx) {
+      return p.bias != nullptr ? __fadd_rn(src[idx], __ldg(p.bias + idx)) : src[idx];
+    };
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+    for (int h = warp; h < p.n_heads + p.n_kv_heads; h += kThreads / 32) {
+      const bool is_q = h < p.n_heads;
+      const int off = h * hd;
+      const float* w = is_q ? p.q_norm : p.k_norm;
+      double ss = 0.0;
+      for (int d = lane; d < hd; d += 32) {
+        const double x = value(off + d);
+        ss += x * x;
+      }
+      for (int m = 16; m > 0; m /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+      const auto scale = static_cast<float>(1.0 / sqrt(ss / hd + static_cast<double>(p.norm_eps)));
+      const auto normed = [&](int d) {
+        return __fmul_rn(__fmul_rn(value(off + d), scale), __ldg(w + d));
+      };
+      float* out = is_q ? q + off : k + (off - n_q);
+      for (int d = lane; d < hd; d += 32) {
+        float y = normed(d);
+        if (!pos_ok) {
+          y = nan;
+        } else if (d < 2 * pairs) {
+          const bool first = p.halves ? d < pairs : d % 2 == 0;
+          const int pr = p.halves ? (first ? d : d - pairs) : d / 2;
+          const int a = p.halves ? pr : 2 * pr;
+          const int b = a + (p.halves ? pairs : 1);
+          const float2 r =
+              Rotate(normed(a), normed(b), make_float2(__ldg(cs + 2 * pr), __ldg(cs + 2 * pr + 1)));
+          y = first ? r.x : r.y;
+        }
+        out[d] = y;
+      }
+    }
+    for (int j = threadIdx.x; j < n_kv; j += kThreads) v[j] = value(n_q + n_kv + j);
   } else {
     // The row's value at idx, its bias added first (rounded as core/cpu/ops.cc AddBias adds).
     const auto value = [&](int idx) {
@@ -106,8 +145,9 @@ cudaError_t LaunchRopeSplitQkv(const RopeSplitQkvParams& p, cudaStream_t stream)
     return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
   };
   // The vector path rotates adjacent pairs of unbiased rows only.
-  const bool vec = !p.halves && p.bias == nullptr && p.head_dim % 4 == 0 && aligned(p.qkv, 16) &&
-                   aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.v, 16) &&
+  if ((p.q_norm == nullptr) != (p.k_norm == nullptr)) return cudaErrorInvalidValue;
+  const bool vec = !p.halves && p.bias == nullptr && p.q_norm == nullptr && p.head_dim % 4 == 0 &&
+                   aligned(p.qkv, 16) && aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.v, 16) &&
                    aligned(p.cos_sin, 8);
   if (vec) {
     RopeSplitQkvKernel<true><<<p.n, kThreads, 0, stream>>>(p);

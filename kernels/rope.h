@@ -39,6 +39,12 @@ struct RopeSplitQkvParams {
   // (x[p], x[p + rope_dim/2]) of each head instead of (x[2p], x[2p+1]) (core/base/rope.h).
   const float* bias = nullptr;
   bool halves = false;
+  // Qwen3 (off by default): every Q head, then every K head, RMS-normalised over head_dim and
+  // scaled by q_norm / k_norm [head_dim], after the bias and before the rotation, as
+  // core/model/model.cc does with cpu::RmsNorm (the sum of squares in double here).
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  float norm_eps = 0.0f;
 };
 
 // cos_sin is built on the host by cuda::RopeCosSinTable (cuda/rope_table.h).

@@ -194,9 +194,10 @@ TEST(CudaModelTest, LogitsMatchTheCpuBackendAcrossPrefillAndDecode) {
   }
 }
 
-// Qwen2 (Q/K/V biases and the halves RoPE layout, in the RoPE kernel) and Phi-3 (halves RoPE,
-// fused QKV and gate-up uploaded from their row slices) on the device: random tiny models with
-// 64-wide heads against the CPU backend across prefill and decode.
+// Qwen2 (Q/K/V biases and the halves RoPE layout, in the RoPE kernel), Qwen3 (per-head Q/K
+// norms there too, on 128-wide heads of a 256-wide model) and Phi-3 (halves RoPE, fused QKV and
+// gate-up uploaded from their row slices) on the device: random tiny models against the CPU
+// backend across prefill and decode.
 class CudaModelFamilyTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaModelFamilyTest, LogitsMatchTheCpuBackend) {
@@ -205,6 +206,7 @@ TEST_P(CudaModelFamilyTest, LogitsMatchTheCpuBackend) {
   using ::subspace::testing::TinyModelOptions;
   TinyModelOptions o;
   o.architecture = GetParam();
+  if (GetParam() == "qwen3") o.head_dim = 128;  // heads wider than dim / heads (q_width 512)
   o.dim = 256;
   o.heads = 4;
   o.kv_heads = 2;
@@ -237,7 +239,7 @@ TEST_P(CudaModelFamilyTest, LogitsMatchTheCpuBackend) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, CudaModelFamilyTest, ::testing::Values("qwen2", "phi3"),
+INSTANTIATE_TEST_SUITE_P(Families, CudaModelFamilyTest, ::testing::Values("qwen2", "qwen3", "phi3"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

@@ -49,6 +49,17 @@ void RopeSplitQkvRef(const RopeSplitQkvParams& p) {
     if (p.bias != nullptr) {
       for (size_t j = 0; j < row.size(); ++j) row[j] += p.bias[j];
     }
+    if (p.q_norm != nullptr) {
+      // Per-head RMSNorm of Q and K (cpu::RmsNorm's expressions, the sum in double).
+      for (int64_t h = 0; h < p.n_heads + p.n_kv_heads; ++h) {
+        float* x = row.data() + h * hd;
+        const float* w = h < p.n_heads ? p.q_norm : p.k_norm;
+        double ss = 0.0;
+        for (int64_t d = 0; d < hd; ++d) ss += static_cast<double>(x[d]) * x[d];
+        const auto scale = static_cast<float>(1.0 / std::sqrt(ss / hd + p.norm_eps));
+        for (int64_t d = 0; d < hd; ++d) x[d] = x[d] * scale * w[d];
+      }
+    }
     for (int64_t h = 0; h < p.n_heads + p.n_kv_heads; ++h) {
       const float* in = row.data() + h * hd;
       float* out = h < p.n_heads ? p.q + i * n_q + h * hd : p.k + i * n_kv + (h - p.n_heads) * hd;

@@ -217,6 +217,53 @@ TEST(LayerOpsRefTest, RopeSplitQkvWithBiasesAndHalvesMatchesCpuBitForBit) {
   }
 }
 
+// Qwen3-style rows: the twin normalises every Q and K head as core/model/model.cc does with
+// cpu::RmsNorm before cpu::Rope (the CPU's AVX2 sum of squares accumulates in fp32 lanes, the
+// twin's in double: equal to a few ulps, not bit for bit).
+TEST(LayerOpsRefTest, RopeSplitQkvWithHeadNormsMatchesCpu) {
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  const int n = 7, heads = 4, kv = 2, hd = 128, max_position = 400;
+  const RopeCase c = RandomRopeCase(n, heads, kv, hd, hd, max_position, 1e6f, rng);
+  std::vector<float> q_norm = RandomFloats(hd, 0.3f, rng), k_norm = RandomFloats(hd, 0.3f, rng);
+  for (float& w : q_norm) w += 1.0f;
+  for (float& w : k_norm) w += 1.0f;
+  std::vector<float> want_q, want_k, want_v;
+  SplitOnCpu(c, &want_q, &want_k, &want_v);
+  cpu::RmsNorm(want_q.data(), q_norm.data(), int64_t{n} * heads, hd, 1e-6f, want_q.data());
+  cpu::RmsNorm(want_k.data(), k_norm.data(), int64_t{n} * kv, hd, 1e-6f, want_k.data());
+  const std::vector<int64_t> pos64(c.positions.begin(), c.positions.end());
+  const RopeSchedule rope =
+      *RopeSchedule::Make({.dim = hd, .theta = 1e6, .layout = RopeLayout::kHalves});
+  cpu::Rope(want_q.data(), n, heads, hd, rope, pos64.data());
+  cpu::Rope(want_k.data(), n, kv, hd, rope, pos64.data());
+  std::vector<float> q(want_q.size()), k(want_k.size()), v(want_v.size());
+  RopeSplitQkvParams p{c.qkv.data(),
+                       c.positions.data(),
+                       c.table.data(),
+                       q.data(),
+                       k.data(),
+                       v.data(),
+                       n,
+                       heads,
+                       kv,
+                       hd,
+                       hd,
+                       max_position,
+                       nullptr,
+                       true};
+  p.q_norm = q_norm.data();
+  p.k_norm = k_norm.data();
+  p.norm_eps = 1e-6f;
+  RopeSplitQkvRef(p);
+  for (size_t i = 0; i < q.size(); ++i)
+    ASSERT_NEAR(q[i], want_q[i], 2e-6f * (1 + std::fabs(want_q[i])));
+  for (size_t i = 0; i < k.size(); ++i)
+    ASSERT_NEAR(k[i], want_k[i], 2e-6f * (1 + std::fabs(want_k[i])));
+  EXPECT_EQ(0, std::memcmp(v.data(), want_v.data(), v.size() * sizeof(float)));
+}
+
 TEST(LayerOpsRefTest, RopeSplitQkvGivesNanRowsForPositionsOutsideTheTable) {
   std::mt19937_64 rng(7);
   RopeCase c = RandomRopeCase(3, 2, 1, 8, 8, 16, 10000.0f, rng);

@@ -320,7 +320,8 @@ struct RopeRun {
 // Runs the kernel and the twin on one case; pointers misaligned by `off` floats.
 void RunRope(const RopeSplitQkvParams& shape, const std::vector<float>& qkv,
              const std::vector<int32_t>& positions, const std::vector<float>& table, size_t off,
-             RopeRun* want, RopeRun* got, const std::vector<float>& bias = {}) {
+             RopeRun* want, RopeRun* got, const std::vector<float>& bias = {},
+             const std::vector<float>& norms = {}) {
   const size_t nq = static_cast<size_t>(shape.n) * shape.n_heads * shape.head_dim;
   const size_t nkv = static_cast<size_t>(shape.n) * shape.n_kv_heads * shape.head_dim;
   want->q.assign(nq, 0.0f);
@@ -334,12 +335,19 @@ void RunRope(const RopeSplitQkvParams& shape, const std::vector<float>& qkv,
   p.k = want->k.data();
   p.v = want->v.data();
   p.bias = bias.empty() ? nullptr : bias.data();
+  // norms: [q_norm | k_norm], head_dim each.
+  p.q_norm = norms.empty() ? nullptr : norms.data();
+  p.k_norm = norms.empty() ? nullptr : norms.data() + shape.head_dim;
   RopeSplitQkvRef(p);
 
   DeviceSlice<float> d_qkv(qkv, off), d_table(table, off);
   DeviceSlice<float> d_bias(bias.empty() ? std::vector<float>{0.0f} : bias);
   ASSERT_TRUE(d_bias.ok());
   p.bias = bias.empty() ? nullptr : d_bias.get();
+  DeviceSlice<float> d_norms(norms.empty() ? std::vector<float>{0.0f} : norms);
+  ASSERT_TRUE(d_norms.ok());
+  p.q_norm = norms.empty() ? nullptr : d_norms.get();
+  p.k_norm = norms.empty() ? nullptr : d_norms.get() + shape.head_dim;
   DeviceSlice<int32_t> d_pos(positions);
   DeviceSlice<float> d_q(nq, off), d_k(nkv, off), d_v(nkv, off);
   ASSERT_TRUE(d_qkv.ok() && d_table.ok() && d_pos.ok() && d_q.ok() && d_k.ok() && d_v.ok());
@@ -478,6 +486,43 @@ TEST(RopeGpuScalarTest, BiasesAndHalvesAreBitExact) {
     ASSERT_NO_FATAL_FAILURE(RunRope(shape, qkv, positions, table, c.off, &want, &got, bias));
     ExpectFloatsIdentical(got.q, want.q);
     ExpectFloatsIdentical(got.k, want.k);
+    ExpectFloatsIdentical(got.v, want.v);
+  }
+}
+
+// Qwen3-style rows: per-head RMSNorm of Q and K (one warp per head, the sum of squares in
+// double in another order than the twin's, so equal to ~1 ulp rather than bit for bit).
+TEST(RopeGpuScalarTest, HeadNormsMatchTheTwin) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  const uint64_t seed = testing::FreshSeed();
+  SUBSPACE_TRACE_SEED(seed);
+  std::mt19937_64 rng(seed);
+  for (const int head_dim : {64, 128}) {
+    SCOPED_TRACE(::testing::Message() << "head_dim " << head_dim);
+    RopeSplitQkvParams shape;
+    shape.n = 9;
+    shape.n_heads = 8;
+    shape.n_kv_heads = 2;
+    shape.head_dim = head_dim;
+    shape.rope_dim = head_dim;
+    shape.max_position = 300;
+    shape.halves = true;
+    shape.norm_eps = 1e-6f;
+    const std::vector<float> qkv = RandomFloats(9 * 12 * head_dim, 2.0f, rng);
+    std::vector<float> norms = RandomFloats(2 * head_dim, 0.3f, rng);
+    for (float& w : norms) w += 1.0f;
+    const std::vector<float> table = cuda::RopeCosSinTable(300, head_dim, 1e6f);
+    std::vector<int32_t> positions(9);
+    std::uniform_int_distribution<int32_t> pick(0, 299);
+    for (int32_t& p : positions) p = pick(rng);
+    RopeRun want, got;
+    ASSERT_NO_FATAL_FAILURE(RunRope(shape, qkv, positions, table, 0, &want, &got, {}, norms));
+    for (auto [g, w] : {std::pair{&got.q, &want.q}, std::pair{&got.k, &want.k}}) {
+      ASSERT_EQ(g->size(), w->size());
+      for (size_t i = 0; i < g->size(); ++i) {
+        ASSERT_NEAR((*g)[i], (*w)[i], 2e-6f * (1.0f + std::fabs((*w)[i]))) << i;
+      }
+    }
     ExpectFloatsIdentical(got.v, want.v);
   }
 }

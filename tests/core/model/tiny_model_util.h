@@ -32,9 +32,11 @@ struct TinyModelOptions {
   uint32_t seed = 1;        // weights; the vocabulary is fixed
   float weight_std = 0.4f;  // large enough that greedy argmax has clear margins
   int32_t eos_id = 2;       // another id turns an ordinary token into EOS (same weights)
-  // "llama"; "qwen2": the same block with Q/K/V biases and the halves RoPE layout; "phi3":
-  // halves RoPE, fused attn_qkv and ffn_up = [gate | up].
+  // "llama"; "qwen2": the same block with Q/K/V biases and the halves RoPE layout; "qwen3":
+  // halves RoPE and per-head Q/K norms; "phi3": halves RoPE, fused attn_qkv and
+  // ffn_up = [gate | up].
   std::string architecture = "llama";
+  int head_dim = 0;  // attention.key_length; 0: dim / heads
 };
 
 inline constexpr int32_t kTinyUnk = 0;
@@ -73,6 +75,10 @@ inline std::string BuildTinyLlamaGguf(const TinyModelOptions& o = {}) {
   b.AddUint32(k + "attention.head_count", o.heads);
   b.AddUint32(k + "attention.head_count_kv", o.kv_heads);
   b.AddUint32(k + "context_length", o.context);
+  if (o.head_dim > 0) {
+    b.AddUint32(k + "attention.key_length", o.head_dim);
+    b.AddUint32(k + "attention.value_length", o.head_dim);
+  }
   b.AddString("tokenizer.ggml.model", "llama");
   b.AddStringArray("tokenizer.ggml.tokens", pieces);
   std::vector<float> scores(pieces.size(), 0.0f);
@@ -102,7 +108,7 @@ inline std::string BuildTinyLlamaGguf(const TinyModelOptions& o = {}) {
     }
     b.AddTensor(name, dims, GgmlType::kF32, GgufBytesOf(values));
   };
-  const uint64_t dim = o.dim, hd = o.dim / o.heads, ffn = o.ffn;
+  const uint64_t dim = o.dim, hd = o.head_dim > 0 ? o.head_dim : o.dim / o.heads, ffn = o.ffn;
   const uint64_t q_width = o.heads * hd, kv_width = o.kv_heads * hd;
   add("token_embd.weight", {dim, vocab});
   for (int l = 0; l < o.layers; ++l) {
@@ -119,6 +125,10 @@ inline std::string BuildTinyLlamaGguf(const TinyModelOptions& o = {}) {
       add(p + "attn_q.bias", {q_width});
       add(p + "attn_k.bias", {kv_width});
       add(p + "attn_v.bias", {kv_width});
+    }
+    if (o.architecture == "qwen3") {
+      add(p + "attn_q_norm.weight", {hd});
+      add(p + "attn_k_norm.weight", {hd});
     }
     add(p + "attn_output.weight", {q_width, dim});
     add(p + "ffn_norm.weight", {dim});
