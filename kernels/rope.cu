@@ -19,6 +19,19 @@ __device__ __forceinline__ float2 Rotate(float x0, float x1, float2 cs) {
                      __fadd_rn(__fmul_rn(x0, cs.y), __fmul_rn(x1, cs.x)));
 }
 
+// Which pair dim d of a head belongs to: pair pr, its two dims a and b (offsets in the head),
+// and whether d is the first of them. Adjacent pairs (2pr, 2pr + 1) or halves (pr, pr + pairs).
+struct PairSlot {
+  int pr, a, b;
+  bool first;
+};
+__device__ __forceinline__ PairSlot PairOf(int d, int pairs, bool halves) {
+  const bool first = halves ? d < pairs : d % 2 == 0;
+  const int pr = halves ? (first ? d : d - pairs) : d / 2;
+  const int a = halves ? pr : 2 * pr;
+  return {pr, a, a + (halves ? pairs : 1), first};
+}
+
 // kVec: head_dim % 4 == 0 and every pointer 16-byte aligned (the table 8), so Q/K pairs move
 // as float2 and V as float4. Otherwise one element per thread, each reading its pair partner.
 template <bool kVec>
@@ -86,13 +99,10 @@ __global__ void __launch_bounds__(kThreads)
         if (!pos_ok) {
           y = nan;
         } else if (d < 2 * pairs) {
-          const bool first = p.halves ? d < pairs : d % 2 == 0;
-          const int pr = p.halves ? (first ? d : d - pairs) : d / 2;
-          const int a = p.halves ? pr : 2 * pr;
-          const int b = a + (p.halves ? pairs : 1);
-          const float2 r =
-              Rotate(normed(a), normed(b), make_float2(__ldg(cs + 2 * pr), __ldg(cs + 2 * pr + 1)));
-          y = first ? r.x : r.y;
+          const PairSlot s = PairOf(d, pairs, p.halves);
+          const float2 r = Rotate(normed(s.a), normed(s.b),
+                                  make_float2(__ldg(cs + 2 * s.pr), __ldg(cs + 2 * s.pr + 1)));
+          y = s.first ? r.x : r.y;
         }
         out[d] = y;
       }
@@ -109,15 +119,11 @@ __global__ void __launch_bounds__(kThreads)
       if (!pos_ok) {
         y = nan;
       } else if (d < 2 * pairs) {
-        // Pair pr of this head is (a, b): adjacent dims, or dims pr and pr + pairs.
-        const bool first = p.halves ? d < pairs : d % 2 == 0;
-        const int pr = p.halves ? (first ? d : d - pairs) : d / 2;
-        const int a = j - d + (p.halves ? pr : 2 * pr);
-        const int b = a + (p.halves ? pairs : 1);
+        const PairSlot s = PairOf(d, pairs, p.halves);
         // Scalar table reads too: this path also serves a table that is not 8-byte aligned.
-        const float2 r =
-            Rotate(value(a), value(b), make_float2(__ldg(cs + 2 * pr), __ldg(cs + 2 * pr + 1)));
-        y = first ? r.x : r.y;
+        const float2 r = Rotate(value(j - d + s.a), value(j - d + s.b),
+                                make_float2(__ldg(cs + 2 * s.pr), __ldg(cs + 2 * s.pr + 1)));
+        y = s.first ? r.x : r.y;
       }
       if (j < n_q) {
         q[j] = y;
