@@ -179,54 +179,55 @@ void SubspaceService::LogRejected(std::string_view request_id, std::string_view 
                session_id.empty() ? "-" : session_id, status.ToString());
 }
 
-grpc::ServerUnaryReactor* SubspaceService::Generate(grpc::CallbackServerContext* context,
-                                                    const grpc::ByteBuffer* wire,
-                                                    grpc::ByteBuffer* response) {
-  v1::GenerateRequest request;
+template <typename Message>
+grpc::ServerUnaryReactor* SubspaceService::StartUnary(grpc::CallbackServerContext* context,
+                                                      const grpc::ByteBuffer* wire,
+                                                      grpc::ByteBuffer* response,
+                                                      PrepareFn<Message> prepare) {
+  Message request;
   Engine* engine = nullptr;
-  absl::StatusOr<GenerateRequest> prepared = Prepare(*wire, *context, &request, &engine);
+  absl::StatusOr<GenerateRequest> prepared = (this->*prepare)(*wire, *context, &request, &engine);
   if (!prepared.ok()) {
     LogRejected(request.request_id(), request.session_id(), prepared.status());
     return FinishUnary(context, prepared.status());
   }
   return StartGenerate(engine, metrics_, *std::move(prepared), response);
+}
+
+template <typename Message>
+grpc::ServerWriteReactor<grpc::ByteBuffer>* SubspaceService::StartStream(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire,
+    PrepareFn<Message> prepare) {
+  Message request;
+  Engine* engine = nullptr;
+  absl::StatusOr<GenerateRequest> prepared = (this->*prepare)(*wire, *context, &request, &engine);
+  if (!prepared.ok()) {
+    LogRejected(request.request_id(), request.session_id(), prepared.status());
+    return RejectStream(prepared.status());
+  }
+  return StartGenerateStream(engine, metrics_, *std::move(prepared));
+}
+
+grpc::ServerUnaryReactor* SubspaceService::Generate(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* wire,
+                                                    grpc::ByteBuffer* response) {
+  return StartUnary<v1::GenerateRequest>(context, wire, response, &SubspaceService::Prepare);
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* SubspaceService::GenerateStream(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire) {
+  return StartStream<v1::GenerateRequest>(context, wire, &SubspaceService::Prepare);
 }
 
 grpc::ServerUnaryReactor* SubspaceService::Chat(grpc::CallbackServerContext* context,
                                                 const grpc::ByteBuffer* wire,
                                                 grpc::ByteBuffer* response) {
-  v1::ChatRequest request;
-  Engine* engine = nullptr;
-  absl::StatusOr<GenerateRequest> prepared = PrepareChat(*wire, *context, &request, &engine);
-  if (!prepared.ok()) {
-    LogRejected(request.request_id(), request.session_id(), prepared.status());
-    return FinishUnary(context, prepared.status());
-  }
-  return StartGenerate(engine, metrics_, *std::move(prepared), response);
+  return StartUnary<v1::ChatRequest>(context, wire, response, &SubspaceService::PrepareChat);
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* SubspaceService::ChatStream(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire) {
-  v1::ChatRequest request;
-  Engine* engine = nullptr;
-  absl::StatusOr<GenerateRequest> prepared = PrepareChat(*wire, *context, &request, &engine);
-  if (!prepared.ok()) {
-    LogRejected(request.request_id(), request.session_id(), prepared.status());
-    return RejectStream(prepared.status());
-  }
-  return StartGenerateStream(engine, metrics_, *std::move(prepared));
-}
-
-grpc::ServerWriteReactor<grpc::ByteBuffer>* SubspaceService::GenerateStream(
-    grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire) {
-  v1::GenerateRequest request;
-  Engine* engine = nullptr;
-  absl::StatusOr<GenerateRequest> prepared = Prepare(*wire, *context, &request, &engine);
-  if (!prepared.ok()) {
-    LogRejected(request.request_id(), request.session_id(), prepared.status());
-    return RejectStream(prepared.status());
-  }
-  return StartGenerateStream(engine, metrics_, *std::move(prepared));
+  return StartStream<v1::ChatRequest>(context, wire, &SubspaceService::PrepareChat);
 }
 
 grpc::ServerUnaryReactor* SubspaceService::CreateSession(grpc::CallbackServerContext* context,

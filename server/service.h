@@ -103,6 +103,19 @@ class SubspaceService final : public SubspaceServiceBase {
                                               v1::ChatRequest* request, Engine** engine) const;
   void LogRejected(std::string_view request_id, std::string_view session_id,
                    const absl::Status& status) const;
+  // The four generating RPCs: prepare (Prepare or PrepareChat), then hand the engine request to
+  // generate_calls, or answer with the preparation's error.
+  template <typename Message>
+  using PrepareFn = absl::StatusOr<GenerateRequest> (SubspaceService::*)(
+      const grpc::ByteBuffer&, const grpc::CallbackServerContext&, Message*, Engine**) const;
+  template <typename Message>
+  grpc::ServerUnaryReactor* StartUnary(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* wire, grpc::ByteBuffer* response,
+                                       PrepareFn<Message> prepare);
+  template <typename Message>
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* StartStream(grpc::CallbackServerContext* context,
+                                                          const grpc::ByteBuffer* wire,
+                                                          PrepareFn<Message> prepare);
 
   Metrics* const metrics_;
   const RequestLimits limits_;
