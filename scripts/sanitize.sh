@@ -18,7 +18,8 @@ case "$kind" in
   tsan) scope="${2:-sched}" ;;
   *) scope="" ;;
 esac
-sched_tests=(scheduler_test engine_test online_statistics_test compressed_kv_cache_refresh_test
+sched_tests=(scheduler_test engine_test engine_session_test online_statistics_test
+  compressed_kv_cache_refresh_test
   refresher_test device_compressed_kv_cache_refresh_host_test)
 if [[ -z "$scope" || ! "$scope" =~ ^(unit|all|sched)$ ]]; then
   echo "usage: $0 asan [unit|all|sched] | tsan [sched|unit|all]" >&2
