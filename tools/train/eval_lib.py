@@ -36,7 +36,7 @@ def nll_sum(model, wins, batch=8):
         j = i
         while j < len(wins) and j - i < batch and len(wins[j]) == len(wins[i]):
             j += 1
-        x = torch.tensor(wins[i:j], dtype=torch.long)
+        x = torch.tensor(wins[i:j], dtype=torch.long, device=next(model.parameters()).device)
         i = j
         if x.shape[1] < 2:
             continue

@@ -94,9 +94,15 @@ class Block(nn.Module):
         group = cfg.n_heads // cfg.n_kv_heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        att = att.masked_fill(mask, float("-inf")).softmax(-1)
-        o = (att @ v).transpose(1, 2).reshape(B, T, cfg.n_heads * hd)
+        if x.is_cuda:
+            # Training on a GPU: the fused (flash) kernel, in the autocast dtype. RoPE's fp32
+            # tables promoted q and k to fp32; v is already in the autocast dtype.
+            o = F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+            att = att.masked_fill(mask, float("-inf")).softmax(-1)
+            o = att @ v
+        o = o.transpose(1, 2).reshape(B, T, cfg.n_heads * hd)
         x = x + self.wo(o)
         h = self.ffn_norm(x)
         return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
@@ -139,7 +145,7 @@ class Llama(nn.Module):
 
 
 def load_checkpoint(path):
-    ck = torch.load(path, map_location="cpu")
+    ck = torch.load(path, map_location="cpu", weights_only=False)
     cfg = Config.from_dict(ck["config"])
     model = Llama(cfg)
     model.load_state_dict(ck["model"])

@@ -1,6 +1,6 @@
 #!/bin/sh
-# Recipe for models/subspace-long.gguf: subspace-tiny continued on long-range documents
-# (tools/train/longctx.py) in three phases: 0, the induction curriculum at 128 tokens (natural
+# Recipe for models/subspace-long.gguf, CPU part: subspace-tiny continued on long-range
+# documents (tools/train/longctx.py) in three phases: 0, the induction curriculum at 128 tokens (natural
 # passages that recur a few tokens later: cheap steps, so the copying circuit forms -- it did
 # not within 250 steps of the long mix at 512, nor within 800 of random-id repeats; with this
 # mix the gain on a repeated passage jumped from 0.2 to 3 nats between steps 350 and 450);
@@ -36,5 +36,7 @@ $PY tools/train/train.py --data longctx --tokenizer $TOK --init-ckpt models/work
   --seq 2048 --context 2048 --batch 4 --steps "$P2_STEPS" --lr 5e-4 --warmup 20 \
   --threads "$THREADS" --eval-every 50 --eval-chunks 8 --out models/work/long-p2.pt --resume \
   2>&1 | tee -a models/work/long-p2.log
+# Phase 2's weights as a GGUF: where phase 3 on a GPU (tools/train/run_long_gpu.sh, which
+# makes the committed models/subspace-long.gguf) starts.
 $PY tools/train/export_gguf.py --ckpt models/work/long-p2.pt --tokenizer $TOK \
-  --out models/subspace-long.gguf
+  --out models/work/long-p2.gguf

@@ -11,10 +11,19 @@ far back (the long-context model, models/subspace-long.gguf). --init-gguf starts
 weights (the long model continues subspace-tiny); --resume continues the checkpoint at --out
 (model, optimizer, step, RNG states), which is saved every --save-every-min minutes and at each
 evaluation, so a run can span several sessions.
+
+On a GPU (--device cuda: bf16 autocast, the fused attention kernel) the sequences come from
+--workers processes, each with its own seeded stream (seed, worker, first step), so a run is
+deterministic for a given worker count; --time-budget-min fits --steps to the time a lease
+allows, from the speed of the first steps (the step count is logged, and a rerun with that
+--steps repeats the schedule). The weights with the lowest validation loss are also kept, as
+<out>-best.pt, for when the last ones overfit the small natural-text corpus.
 """
 import argparse
+import contextlib
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -67,7 +76,14 @@ def main():
     ap.add_argument("--save-every-min", type=float, default=10.0)
     ap.add_argument("--eval-retrieval", type=int, default=24,
                     help="longctx: held-out pass-key / key-value prompts scored at each eval")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 autocast)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="processes that make the training sequences (0: this one)")
+    ap.add_argument("--time-budget-min", type=float, default=0.0,
+                    help="fit --steps (an upper bound) to this many minutes of training, from "
+                         "the speed of the first steps; 0: run --steps")
     args = ap.parse_args()
+    device = torch.device(args.device)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -93,7 +109,7 @@ def main():
         model.train()
         log("initialised from %s" % args.init_gguf)
     elif args.init_ckpt:
-        ck = torch.load(args.init_ckpt, map_location="cpu")
+        ck = torch.load(args.init_ckpt, map_location="cpu", weights_only=False)
         cfg = Config.from_dict(dict(ck["config"], context_length=cfg.context_length))
         model = Llama(cfg)
         model.load_state_dict(ck["model"])
@@ -109,6 +125,7 @@ def main():
     log("config %s" % json.dumps(cfg.__dict__))
     log("params %d (%.2f M)" % (n_params, n_params / 1e6))
 
+    model.to(device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -125,7 +142,7 @@ def main():
     history = []
     start = 0
     if args.resume and os.path.exists(args.out):
-        ck = torch.load(args.out, map_location="cpu")
+        ck = torch.load(args.out, map_location="cpu", weights_only=False)
         assert ck["config"] == cfg.__dict__, "checkpoint config differs from this run's"
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
@@ -134,8 +151,14 @@ def main():
         start, history = ck["step"], ck["history"]
         log("resumed %s at step %d" % (args.out, start))
 
+    def save_best(step):
+        path = os.path.splitext(args.out)[0] + "-best.pt"
+        torch.save({"config": cfg.__dict__, "model": model.state_dict(), "step": step,
+                    "args": vars(args), "history": history}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
     def save(step):
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         tmp = args.out + ".tmp"
         torch.save({"config": cfg.__dict__, "model": model.state_dict(), "step": step,
                     "args": vars(args), "history": history, "optimizer": opt.state_dict(),
@@ -152,25 +175,51 @@ def main():
     t_saved = t_start
     run_loss = None
     last = min(args.steps, args.stop_at) if args.stop_at > 0 else args.steps
-    for step in range(start, last):
+    fit_at = start + 13 if args.time_budget_min > 0 else -1  # 3 warm-up steps + 10 timed
+    best_val = min([h["val_loss"] for h in history] or [float("inf")])
+
+    def batch_at(step):
+        if args.data == "longctx":
+            return np.array([mixer.sequence() for _ in range(args.batch)], dtype=np.int64)
+        offs = rng.integers(0, len(train_ids) - n_body - 1, size=args.batch)
+        return np.stack([np.concatenate(([eval_lib.BOS], train_ids[o:o + n_body]))
+                         for o in offs])
+
+    batches = Batches(args, sp, train_ids, start) if args.workers > 0 else None
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else contextlib.nullcontext())
+    step = start
+    while step < last:
+        if step == fit_at:
+            # Fit the schedule to the budget: the time per step so far (evaluations are counted
+            # at 3 s each, a guess on the safe side), as an upper bound on --steps.
+            per_step = (time.time() - t_timed) / 10
+            left = 60 * args.time_budget_min - (time.time() - t_start)
+            n = int(left / (per_step + 3.0 / args.eval_every))
+            args.steps = min(args.steps, step + max(1, n))
+            last = min(args.steps, args.stop_at) if args.stop_at > 0 else args.steps
+            log("time budget %.1f min: %.3f s/step, --steps %d" % (args.time_budget_min,
+                                                                 per_step, args.steps))
+        if step == start + 3:
+            t_timed = time.time()
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        if args.data == "longctx":
-            seqs = np.array([mixer.sequence() for _ in range(args.batch)], dtype=np.int64)
-        else:
-            offs = rng.integers(0, len(train_ids) - n_body - 1, size=args.batch)
-            seqs = np.stack([np.concatenate(([eval_lib.BOS], train_ids[o:o + n_body]))
-                             for o in offs])
-        x = torch.from_numpy(seqs)
-        logits = model(x[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
+        seqs = batches.get(step) if batches else batch_at(step)
+        x = torch.from_numpy(seqs).to(device, non_blocking=True)
+        with autocast:
+            logits = model(x[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size).float(),
+                                   x[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
         opt.step()
         lv = loss.item()
         run_loss = lv if run_loss is None else 0.9 * run_loss + 0.1 * lv
-        done = step + 1
+        step = done = step + 1
+        if args.time_budget_min > 0 and time.time() - t_start > 72 * args.time_budget_min:
+            log("past 1.2x the time budget at step %d: stopping here" % done)
+            last = done  # evaluated and saved below
         if done % args.log_every == 0 or done == start + 1:
             el = time.time() - t_start
             eta = el / (done - start) * (last - done)
@@ -197,11 +246,54 @@ def main():
                 done, run_loss, vl, math.exp(vl), len(val_windows),
                 "".join(" %s %.3f" % kv for kv in sorted(acc.items()))))
             save(done)
+            if vl < best_val:
+                best_val = vl
+                save_best(done)
             t_saved = time.time()
         elif time.time() - t_saved > 60 * args.save_every_min:
             save(done)
             t_saved = time.time()
+    if batches:
+        batches.close()
     log("done in %s; checkpoint %s" % (fmt(time.time() - t_start), args.out))
+
+
+def _worker(args, train_ids, wid, start, queue):
+    """Makes the batches of steps start + wid, start + wid + workers, ... into `queue`."""
+    torch.set_num_threads(1)
+    sp = spm.SentencePieceProcessor(model_file=args.tokenizer)
+    rng = np.random.default_rng([args.seed, wid, start])
+    mixer = longctx.Mixer(sp, longctx.Texts(sp, train_ids), rng, args.seq, profile=args.mix)
+    n_body = args.seq - 1
+    while True:
+        if args.data == "longctx":
+            seqs = [mixer.sequence() for _ in range(args.batch)]
+        else:
+            offs = rng.integers(0, len(train_ids) - n_body - 1, size=args.batch)
+            seqs = [np.concatenate(([eval_lib.BOS], train_ids[o:o + n_body])) for o in offs]
+        queue.put(np.array(seqs, dtype=np.int64))
+
+
+class Batches:
+    """Training batches from --workers processes, each with its own seeded stream: the batch
+    of step s comes from worker (s - start) % workers, so a run is deterministic for a given
+    worker count and starting step. Forked before the model touches the GPU."""
+
+    def __init__(self, args, sp, train_ids, start):
+        ctx = multiprocessing.get_context("fork")
+        self.start, self.n = start, args.workers
+        self.queues = [ctx.Queue(maxsize=4) for _ in range(self.n)]
+        self.procs = [ctx.Process(target=_worker, args=(args, train_ids, w, start, q),
+                                  daemon=True) for w, q in enumerate(self.queues)]
+        for p in self.procs:
+            p.start()
+
+    def get(self, step):
+        return self.queues[(step - self.start) % self.n].get()
+
+    def close(self):
+        for p in self.procs:
+            p.terminate()
 
 
 def retrieval_set(sp, texts, seq, n):
@@ -222,9 +314,13 @@ def retrieval_set(sp, texts, seq, n):
     return out
 
 
+def _device(model):
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def token_nll(model, ids):
-    x = torch.tensor([ids], dtype=torch.long)
+    x = torch.tensor([ids], dtype=torch.long, device=_device(model))
     return F.cross_entropy(model(x[:, :-1])[0], x[0, 1:], reduction="none").tolist()
 
 
@@ -233,7 +329,7 @@ def retrieval_accuracy(model, items):
     """Exact match of every answer token under teacher forcing (= greedy exact match)."""
     hits = {}
     for kind, ids, n_prompt, n_ans in items:
-        x = torch.tensor([ids[:-1]], dtype=torch.long)
+        x = torch.tensor([ids[:-1]], dtype=torch.long, device=_device(model))
         pred = model(x)[0, n_prompt - 1:n_prompt - 1 + n_ans].argmax(-1).tolist()
         hits.setdefault(kind, []).append(pred == ids[n_prompt:n_prompt + n_ans])
     return {"acc_" + k: sum(v) / len(v) for k, v in hits.items()}

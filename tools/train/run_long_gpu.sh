@@ -1,0 +1,34 @@
+#!/bin/sh
+# Phase 3 of models/subspace-long.gguf, on a GPU: the CPU recipe's phase-2 weights
+# (tools/train/run_long.sh exports them as models/work/long-p2.gguf) trained on far more of the
+# long mix at 2048 tokens than two CPU cores can give in a day (bf16 autocast, the fused
+# attention kernel, sequences made by WORKERS processes). MINUTES fits the step count to the
+# time a lease allows (from the first steps' speed; the log records the count, and STEPS=N
+# repeats a run's schedule without a budget). Writes the last weights and those with the
+# lowest validation loss as GGUF files into OUTDIR (default models/work), with the checkpoint
+# history. Needs PyTorch >= 2.0 with CUDA, numpy and sentencepiece; models/data from
+# build_corpus.py. Run from the repository root.
+set -eu
+PY=${PYTHON:-python3}
+OUTDIR=${OUTDIR:-models/work}
+MINUTES=${MINUTES:-0}
+STEPS=${STEPS:-1000}
+WORKERS=${WORKERS:-10}
+DEVICE=${DEVICE:-cuda}
+BATCH=${BATCH:-32}
+INIT=${INIT:-models/work/long-p2.gguf}
+NAME=${NAME:-long-gpu}
+TOK=models/subspace-tiny.tokenizer.model
+cd "$(dirname "$0")/../.."
+mkdir -p models/work "$OUTDIR"
+[ -f models/data/train.txt ] || $PY tools/train/build_corpus.py --out-dir models/data
+$PY tools/train/train.py --data longctx --tokenizer $TOK --init-gguf "$INIT" \
+  --seq 2048 --context 2048 --batch "$BATCH" --steps "$STEPS" --time-budget-min "$MINUTES" \
+  --lr 1e-3 --warmup 100 --device "$DEVICE" --workers "$WORKERS" --threads 4 --eval-every 250 \
+  --eval-chunks 16 --eval-retrieval 48 --out models/work/$NAME.pt --resume
+for which in "" -best; do
+  ck=models/work/$NAME$which.pt
+  [ -f "$ck" ] && $PY tools/train/export_gguf.py --ckpt "$ck" --tokenizer $TOK \
+    --out "$OUTDIR/subspace-$NAME$which.gguf"
+done
+cp models/work/$NAME.json "$OUTDIR/"
