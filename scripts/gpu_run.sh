@@ -53,7 +53,7 @@ sanitize_slices() {  # tool, seconds per slice
   done
 }
 if [[ -n $sanitizer ]]; then
-  san memcheck cuda_model cuda_model_test 'CudaModelTest.*' 90
+  san memcheck cuda_model cuda_model_test 'CudaModelTest.*:Families/CudaModelFamilyTest.*' 120
   sanitize_slices memcheck 60
 else
   note "compute-sanitizer" "not found"
