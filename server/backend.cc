@@ -98,12 +98,14 @@ absl::StatusOr<Backend> CpuBackend(const BackendOptions& options,
 
 // Why the cache as configured cannot run on the GPU, or "" when it can: the device has no
 // quantized paged cache; its compressed cache has fp16 full blocks and fp16 or int8
-// coefficients, with installed, self-calibrated or refreshed (any method) bases and outliers.
+// coefficients (no int4 kernels yet), with installed, self-calibrated or refreshed (any method)
+// bases and outliers.
 std::string CpuOnlyCompressedFeature(const KvCacheOptions& o) {
   if (o.kind == KvCacheKind::kQuantized) return "--kv-cache quantized";
   if (o.kind != KvCacheKind::kCompressed) return "";
   if (o.full_dtype != CoeffDtype::kFp16) return "--kv-full-dtype other than fp16";
   if (o.coeff_dtype == CoeffDtype::kFp32) return "--kv-coeff-dtype fp32";
+  if (o.coeff_dtype == CoeffDtype::kInt4) return "--kv-coeff-dtype int4";
   return "";
 }
 

@@ -72,11 +72,12 @@ std::string ResolveBasesPath(std::string_view flag, std::string_view model_path,
 }
 
 absl::StatusOr<CoeffDtype> ParseCoeffDtype(std::string_view name) {
-  for (CoeffDtype dtype : {CoeffDtype::kFp32, CoeffDtype::kFp16, CoeffDtype::kInt8}) {
+  for (CoeffDtype dtype :
+       {CoeffDtype::kFp32, CoeffDtype::kFp16, CoeffDtype::kInt8, CoeffDtype::kInt4}) {
     if (name == CoeffDtypeName(dtype)) return dtype;
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "--kv-coeff-dtype must be 'fp16', 'int8' or 'fp32', got '", std::string(name), "'"));
+      "--kv-coeff-dtype must be 'fp16', 'int8', 'int4' or 'fp32', got '", std::string(name), "'"));
 }
 
 absl::StatusOr<CoeffDtype> ParseFullDtype(std::string_view name) {
@@ -142,7 +143,7 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
         absl::StrCat("--kv-rank-v must be >= 0 (0: head_dim / 4), got ", o.rank_v));
   }
   if (o.coeff_dtype != CoeffDtype::kFp32 && o.coeff_dtype != CoeffDtype::kFp16 &&
-      o.coeff_dtype != CoeffDtype::kInt8) {
+      o.coeff_dtype != CoeffDtype::kInt8 && o.coeff_dtype != CoeffDtype::kInt4) {
     return absl::InvalidArgumentError("--kv-coeff-dtype is not a known dtype");
   }
   if (o.full_dtype != CoeffDtype::kFp32 && o.full_dtype != CoeffDtype::kFp16) {

@@ -54,7 +54,8 @@ ABSL_FLAG(int32_t, kv_rank_k, 0, "compressed cache: key rank per KV head; 0 = he
 ABSL_FLAG(int32_t, kv_rank_v, 0, "compressed cache: value rank per KV head; 0 = head_dim / 4");
 ABSL_FLAG(std::string, kv_coeff_dtype, "int8",
           "compressed cache: coefficient storage, int8 (per-token scale; as good as fp16 on the "
-          "long-context suite at 24-40 % fewer bytes) or fp16 (fp32 for exactness checks)");
+          "long-context suite at 24-40 % fewer bytes), int4 (per-token scale, even ranks, CPU "
+          "only) or fp16 (fp32 for exactness checks)");
 ABSL_FLAG(std::string, kv_full_dtype, "fp16",
           "compressed cache: storage of the full-rank blocks (sinks, window, outliers), fp16 "
           "(fp32 for exactness checks)");

@@ -40,7 +40,7 @@ ABSL_FLAG(std::string, methods, "ksvd,eigen,kqsvd",
           "key methods; values use kqsvd with kqsvd keys, ksvd otherwise");
 ABSL_FLAG(std::string, ranks, "8,16,32", "fixed ranks (keys and values), comma-separated");
 ABSL_FLAG(std::string, energies, "", "energy thresholds for per-layer ranks, e.g. 0.9,0.99");
-ABSL_FLAG(std::string, dtypes, "fp16,int8", "coefficient dtypes: fp16,int8,fp32");
+ABSL_FLAG(std::string, dtypes, "fp16,int8", "coefficient dtypes: fp16,int8,int4,fp32");
 ABSL_FLAG(int32_t, sink_tokens, subspace::CompressionPolicy::kDefaultSinkTokens,
           "S: attention sinks kept full-rank");
 ABSL_FLAG(int32_t, window_tokens, subspace::CompressionPolicy::kDefaultWindowTokens,
@@ -96,9 +96,7 @@ struct Config {
   RefreshMethod refresh = RefreshMethod::kNone;  // online rows start from the calibrated basis
 };
 
-const char* DtypeName(CoeffDtype d) {
-  return d == CoeffDtype::kFp16 ? "fp16" : d == CoeffDtype::kInt8 ? "int8" : "fp32";
-}
+const char* DtypeName(CoeffDtype d) { return CoeffDtypeName(d); }
 
 struct LayerErrors {
   eval::ErrorSums key, logit, attn, rer;
@@ -209,6 +207,8 @@ absl::Status Run() {
       dtypes.push_back(CoeffDtype::kFp16);
     else if (d == "int8")
       dtypes.push_back(CoeffDtype::kInt8);
+    else if (d == "int4")
+      dtypes.push_back(CoeffDtype::kInt4);
     else if (d == "fp32")
       dtypes.push_back(CoeffDtype::kFp32);
     else

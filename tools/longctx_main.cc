@@ -37,7 +37,7 @@ ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "GGUF model");
 ABSL_FLAG(std::string, suite, "", "suite file (JSON lines) from tools/train/longctx_suite.py");
 ABSL_FLAG(std::string, caches, "evict,q8_0,q4_0,kivi4,kqsvd:16:fp16,kqsvd:16:int8,kqsvd:8:fp16",
           "caches compared with the full one: evict, q8_0, q4_0, kivi4, full, "
-          "METHOD:RANK:DTYPE (METHOD ksvd|eigen|kqsvd calibrated on --calib; DTYPE fp16|int8) "
+          "METHOD:RANK:DTYPE (METHOD ksvd|eigen|kqsvd calibrated on --calib; DTYPE fp16|int8|int4) "
           "or self:RANK:DTYPE (self-calibrated, as the server without --bases) or "
           "file:PATH:DTYPE (a subspace-calibrate basis file, as the server's --bases); a fourth "
           "part :REFRESH (pca|kqsvd|oja|fd) adds online refresh from that start");
@@ -112,8 +112,10 @@ absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
     c.dtype = CoeffDtype::kFp16;
   } else if (parts[2] == "int8") {
     c.dtype = CoeffDtype::kInt8;
+  } else if (parts[2] == "int4") {
+    c.dtype = CoeffDtype::kInt4;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("dtype in ", s, " must be fp16 or int8"));
+    return absl::InvalidArgumentError(absl::StrCat("dtype in ", s, " must be fp16, int8 or int4"));
   }
   return c;
 }

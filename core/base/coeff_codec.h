@@ -1,6 +1,8 @@
 // Storage formats of low-rank coefficients in compressed KV blocks: fp32 (exactness tests),
-// fp16, or int8 with one fp16 scale per token and head. Rows are encoded one token-head at a
-// time at compression and decoded a block at a time inside attention.
+// fp16, int8 or int4 with one fp16 scale per token and head. int4 packs two codes a byte (low
+// nibble first, code + 8) and needs rows of an even number of codes, so that every row starts
+// on a byte. Rows are encoded one token-head at a time at compression and decoded a block at a
+// time inside attention.
 #ifndef SUBSPACE_CORE_BASE_COEFF_CODEC_H_
 #define SUBSPACE_CORE_BASE_COEFF_CODEC_H_
 
@@ -9,16 +11,35 @@
 
 namespace subspace {
 
-enum class CoeffDtype : uint8_t { kFp32 = 0, kFp16 = 1, kInt8 = 2 };
+enum class CoeffDtype : uint8_t { kFp32 = 0, kFp16 = 1, kInt8 = 2, kInt4 = 3 };
 
 const char* CoeffDtypeName(CoeffDtype dtype);
 
-// Bytes of one coefficient code (the int8 scale is stored apart, see ScaleBytes).
-inline int64_t CoeffBytes(CoeffDtype dtype) {
-  return dtype == CoeffDtype::kFp32 ? 4 : dtype == CoeffDtype::kFp16 ? 2 : 1;
+// Bytes of n codes (n even for int4; the scale is stored apart, see ScaleBytes).
+inline int64_t CodeBytes(CoeffDtype dtype, int64_t n) {
+  switch (dtype) {
+    case CoeffDtype::kFp32:
+      return 4 * n;
+    case CoeffDtype::kFp16:
+      return 2 * n;
+    case CoeffDtype::kInt8:
+      return n;
+    case CoeffDtype::kInt4:
+      return n / 2;
+  }
+  return 0;
 }
-// Bytes of the per token-head scale: int8 only.
-inline int64_t ScaleBytes(CoeffDtype dtype) { return dtype == CoeffDtype::kInt8 ? 2 : 0; }
+// Whether the format quantizes with a per token-head fp16 scale (int8, int4).
+inline bool HasRowScale(CoeffDtype dtype) {
+  return dtype == CoeffDtype::kInt8 || dtype == CoeffDtype::kInt4;
+}
+// Bytes of the per token-head scale: 2 for int8 and int4, else 0.
+inline int64_t ScaleBytes(CoeffDtype dtype) { return HasRowScale(dtype) ? 2 : 0; }
+// Code k of an int4 row (or of rows packed back to back), as the signed integer it stands for.
+inline int Int4Code(const uint8_t* codes, int64_t k) {
+  const uint8_t b = codes[k >> 1];
+  return static_cast<int>((k & 1) ? (b >> 4) : (b & 0x0f)) - 8;
+}
 
 // fp16 -> fp32 without branches on the common path, inline so decode loops stay tight
 // (ggml_types' Fp16ToFp32 is out of line). Exact for normals, subnormals and zero.
@@ -42,9 +63,10 @@ inline float HalfToFloat(uint16_t h) {
   return out;
 }
 
-// Encodes r floats. codes: [r] of CoeffBytes(dtype); scale: [1] fp16, int8 only (else unused).
+// Encodes r floats (r even for int4). codes: CodeBytes(dtype, r) bytes; scale: [1] fp16,
+// int8 and int4 only (else unused).
 void EncodeCoeffs(CoeffDtype dtype, const float* x, int r, void* codes, uint16_t* scale);
-// Decodes r floats. codes: [r]; scale: [1] fp16 (int8 only); out: [r]
+// Decodes r floats. codes: CodeBytes(dtype, r) bytes; scale: [1] fp16 (int8, int4); out: [r]
 void DecodeCoeffs(CoeffDtype dtype, const void* codes, const uint16_t* scale, int r, float* out);
 
 }  // namespace subspace

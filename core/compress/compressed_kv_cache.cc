@@ -76,13 +76,13 @@ inline void MatTVec(const float* m, const float* x, int rows, int cols, float* o
 
 int64_t CompressedKvCache::PageBytes(const KvCacheGeometry& g, int block_size,
                                      CoeffDtype full_dtype) {
-  return 2 * static_cast<int64_t>(g.n_kv_heads) * block_size * g.head_dim * CoeffBytes(full_dtype);
+  return 2 * static_cast<int64_t>(g.n_kv_heads) * CodeBytes(full_dtype, block_size * g.head_dim);
 }
 
 int64_t CompressedKvCache::CompressedBlockBytes(const KvCacheGeometry& g, int block_size, int r_k,
                                                 int r_v, CoeffDtype dtype) {
   const int64_t rows = static_cast<int64_t>(g.n_kv_heads) * block_size;
-  return rows * (r_k + r_v) * CoeffBytes(dtype) + 2 * rows * ScaleBytes(dtype);
+  return rows * CodeBytes(dtype, r_k + r_v) + 2 * rows * ScaleBytes(dtype);
 }
 
 absl::StatusOr<std::unique_ptr<CompressedKvCache>> CompressedKvCache::Create(
@@ -104,6 +104,14 @@ absl::StatusOr<std::unique_ptr<CompressedKvCache>> CompressedKvCache::Create(
   }
   const int64_t page_bytes = PageBytes(g, config.block_size, config.full_dtype);
   for (int l = 0; l < g.n_layers; ++l) {
+    // The fp16 scales follow the codes: int4 codes must end on a 2-byte boundary.
+    const int64_t rows = static_cast<int64_t>(g.n_kv_heads) * config.block_size;
+    if (config.policy.coeff_dtype == CoeffDtype::kInt4 && rows * ((*r_k)[l] + (*r_v)[l]) % 4 != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer %d: int4 coefficients need n_kv_heads x block_size x (r_k + r_v) divisible by "
+          "4, got %d x %d x %d",
+          l, g.n_kv_heads, config.block_size, (*r_k)[l] + (*r_v)[l]));
+    }
     // The slab allocator rounds slots up to 16 bytes and needs one to fit in a page.
     const int64_t slot = CeilDiv(CompressedBlockBytes(g, config.block_size, (*r_k)[l], (*r_v)[l],
                                                       config.policy.coeff_dtype),
@@ -138,7 +146,7 @@ CompressedKvCache::CompressedKvCache(const CompressedKvCacheConfig& config,
       r_v_(config.policy.r_v),
       v_half_(static_cast<int64_t>(config.geometry.n_kv_heads) * config.block_size *
               config.geometry.head_dim),
-      full_bytes_(CoeffBytes(config.full_dtype)),
+      full_bytes_(CodeBytes(config.full_dtype, 1)),
       pool_(std::move(pool)),
       slabs_(pool_.get(), BlockKind::kCompressed),
       epochs_({.geometry = config.geometry,
@@ -369,10 +377,10 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
   assert(slot.page >= 0);
   uint8_t* base = slabs_.data(slot);
   const int64_t rows = static_cast<int64_t>(n_kv) * bs;
-  uint8_t* k_codes = base;                                  // [n_kv, B, r_k]
-  uint8_t* v_codes = k_codes + rows * rk * CoeffBytes(dt);  // [n_kv, B, r_v]
-  auto* k_scales = reinterpret_cast<uint16_t*>(v_codes + rows * rv * CoeffBytes(dt));  // [n_kv, B]
-  uint16_t* v_scales = k_scales + rows;                                                // [n_kv, B]
+  uint8_t* k_codes = base;                                // [n_kv, B, r_k]
+  uint8_t* v_codes = k_codes + CodeBytes(dt, rows * rk);  // [n_kv, B, r_v]
+  auto* k_scales = reinterpret_cast<uint16_t*>(v_codes + CodeBytes(dt, rows * rv));  // [n_kv, B]
+  uint16_t* v_scales = k_scales + rows;                                              // [n_kv, B]
 
   // The key residual (B r d flops per head, as much as the coding itself) feeds outlier
   // detection, the refresher's residual trigger and the residual-energy ratio in Detail.
@@ -409,9 +417,9 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
       if (config_.policy.IsOutlier(err, norm)) {
         outliers |= uint64_t{1} << t;
       }
-      EncodeCoeffs(dt, ck + static_cast<size_t>(t) * rk, rk, k_codes + row * rk * CoeffBytes(dt),
+      EncodeCoeffs(dt, ck + static_cast<size_t>(t) * rk, rk, k_codes + CodeBytes(dt, row * rk),
                    k_scales + row);
-      EncodeCoeffs(dt, cv + static_cast<size_t>(t) * rv, rv, v_codes + row * rv * CoeffBytes(dt),
+      EncodeCoeffs(dt, cv + static_cast<size_t>(t) * rv, rv, v_codes + CodeBytes(dt, row * rv),
                    v_scales + row);
     }
   }
@@ -487,8 +495,8 @@ absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
   const uint8_t* base = slabs_.data({e.page, e.slot});
   const int64_t rows = static_cast<int64_t>(n_kv) * bs;
   const uint8_t* k_codes = base;
-  const uint8_t* v_codes = k_codes + rows * rk * CoeffBytes(dt);
-  const auto* k_scales = reinterpret_cast<const uint16_t*>(v_codes + rows * rv * CoeffBytes(dt));
+  const uint8_t* v_codes = k_codes + CodeBytes(dt, rows * rk);
+  const auto* k_scales = reinterpret_cast<const uint16_t*>(v_codes + CodeBytes(dt, rows * rv));
   const uint16_t* v_scales = k_scales + rows;
   std::vector<float> c(static_cast<size_t>(std::max(rk, rv)));
   for (int h = 0; h < n_kv; ++h) {
@@ -498,10 +506,10 @@ absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
     const float* rvm = basis.r_v.data() + static_cast<size_t>(h) * rv * hd;  // [r_v, d]
     for (int t = 0; t < bs; ++t) {
       const int64_t row = static_cast<int64_t>(h) * bs + t;
-      DecodeCoeffs(dt, k_codes + row * rk * CoeffBytes(dt), k_scales + row, rk, c.data());
+      DecodeCoeffs(dt, k_codes + CodeBytes(dt, row * rk), k_scales + row, rk, c.data());
       float* k = full + KOffset(h, t);
       for (int i = 0; i < hd; ++i) k[i] = Dot(pq + static_cast<int64_t>(i) * rk, c.data(), rk);
-      DecodeCoeffs(dt, v_codes + row * rv * CoeffBytes(dt), v_scales + row, rv, c.data());
+      DecodeCoeffs(dt, v_codes + CodeBytes(dt, row * rv), v_scales + row, rv, c.data());
       MatTVec(rvm, c.data(), rv, hd, full + VOffset(h, t));
     }
   }

@@ -117,9 +117,9 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
         const BlockEntry& ahead = ls.table[static_cast<size_t>(b + kPrefetchBlocks)];
         if (ahead.slot >= 0) {
           const uint8_t* codes = slabs_.data({ahead.page, ahead.slot});
-          cpu::PrefetchBytes(codes + kvh * bs * rk * CoeffBytes(dt), bs * rk * CoeffBytes(dt));
-          cpu::PrefetchBytes(codes + (rows * rk + kvh * bs * rv) * CoeffBytes(dt),
-                             bs * rv * CoeffBytes(dt));
+          cpu::PrefetchBytes(codes + CodeBytes(dt, kvh * bs * rk), CodeBytes(dt, bs * rk));
+          cpu::PrefetchBytes(codes + CodeBytes(dt, rows * rk + kvh * bs * rv),
+                             CodeBytes(dt, bs * rv));
         }
       }
       if (e.slot < 0) {
@@ -131,14 +131,13 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
       while (ls.live[static_cast<size_t>(ep)].id != id) ++ep;
       const uint8_t* base = slabs_.data({e.page, e.slot});
       const uint8_t* k_codes = base;
-      const uint8_t* v_codes = k_codes + rows * rk * CoeffBytes(dt);
-      const auto* k_scales =
-          reinterpret_cast<const uint16_t*>(v_codes + rows * rv * CoeffBytes(dt));
+      const uint8_t* v_codes = k_codes + CodeBytes(dt, rows * rk);
+      const auto* k_scales = reinterpret_cast<const uint16_t*>(v_codes + CodeBytes(dt, rows * rv));
       const uint16_t* v_scales = k_scales + rows;
       const int64_t row0 = static_cast<int64_t>(kvh) * bs;
       // Coefficients are read in their stored type; int8 row scales fold into the products.
-      const cpu::KvRows k_rows{k_codes + row0 * rk * CoeffBytes(dt), k_scales + row0, dt};
-      const cpu::KvRows v_rows{v_codes + row0 * rv * CoeffBytes(dt), v_scales + row0, dt};
+      const cpu::KvRows k_rows{k_codes + CodeBytes(dt, row0 * rk), k_scales + row0, dt};
+      const cpu::KvRows v_rows{v_codes + CodeBytes(dt, row0 * rv), v_scales + row0, dt};
       kernels.scores(q_coef + static_cast<size_t>(ep) * rk, static_cast<int64_t>(n_ep) * rk, group,
                      k_rows, nb, rk, scale, scores);
       for (uint64_t m = e.outliers; m != 0; m &= m - 1) {  // read full-rank from the outlier store

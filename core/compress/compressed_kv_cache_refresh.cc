@@ -154,17 +154,17 @@ void CompressedKvCache::ReprojectBlockHead(Sequence& s, int layer, int64_t b, in
   uint8_t* base = slabs_.data({e.page, e.slot});
   const int64_t rows = static_cast<int64_t>(n_kv) * bs;
   uint8_t* k_codes = base;
-  uint8_t* v_codes = k_codes + rows * rk * CoeffBytes(dt);
-  auto* k_scales = reinterpret_cast<uint16_t*>(v_codes + rows * rv * CoeffBytes(dt));
+  uint8_t* v_codes = k_codes + CodeBytes(dt, rows * rk);
+  auto* k_scales = reinterpret_cast<uint16_t*>(v_codes + CodeBytes(dt, rows * rv));
   uint16_t* v_scales = k_scales + rows;
   for (int t = 0; t < bs; ++t) {
     const int64_t row = static_cast<int64_t>(h) * bs + t;
-    DecodeCoeffs(dt, k_codes + row * rk * CoeffBytes(dt), k_scales + row, rk, c);
+    DecodeCoeffs(dt, k_codes + CodeBytes(dt, row * rk), k_scales + row, rk, c);
     Apply(m_k, c, rk, c2);
-    EncodeCoeffs(dt, c2, rk, k_codes + row * rk * CoeffBytes(dt), k_scales + row);
-    DecodeCoeffs(dt, v_codes + row * rv * CoeffBytes(dt), v_scales + row, rv, c);
+    EncodeCoeffs(dt, c2, rk, k_codes + CodeBytes(dt, row * rk), k_scales + row);
+    DecodeCoeffs(dt, v_codes + CodeBytes(dt, row * rv), v_scales + row, rv, c);
     Apply(m_v, c, rv, c2);
-    EncodeCoeffs(dt, c2, rv, v_codes + row * rv * CoeffBytes(dt), v_scales + row);
+    EncodeCoeffs(dt, c2, rv, v_codes + CodeBytes(dt, row * rv), v_scales + row);
   }
   epoch = to;
   (void)epochs_.Acquire(to);

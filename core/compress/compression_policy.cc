@@ -26,10 +26,16 @@ absl::StatusOr<CompressionPolicy> ResolvePolicy(const CompressionPolicy& policy,
       return absl::InvalidArgumentError(absl::StrFormat("%s needs one rank per layer (%d), got %d",
                                                         name, g.n_layers, ranks->size()));
     }
-    for (int r : *ranks) {
+    for (size_t l = 0; l < ranks->size(); ++l) {
+      const int r = (*ranks)[l];
       if (r < 1 || r > g.head_dim) {
         return absl::InvalidArgumentError(
             absl::StrFormat("%s rank %d outside [1, %d]", name, r, g.head_dim));
+      }
+      // Two int4 codes share a byte: an odd rank would start every other row mid-byte.
+      if (out.coeff_dtype == CoeffDtype::kInt4 && r % 2 != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("int4 coefficients need even ranks; layer %d has %s %d", l, name, r));
       }
     }
   }

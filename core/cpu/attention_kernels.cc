@@ -1,8 +1,8 @@
 // Attention block kernels: the scalar twins (reference and fallback) and the AVX2/FMA/F16C
-// versions. The AVX2 versions keep fp16/int8 rows in their stored type and widen 8 elements
-// at a time in registers (F16C vcvtph2ps, vpmovsxbd + vcvtdq2ps); an int8 row's scale
-// multiplies the finished dot product (scores) or the softmax weight (accumulation), never
-// the elements.
+// versions. The AVX2 versions keep fp16/int8/int4 rows in their stored type and widen 8
+// elements at a time in registers (F16C vcvtph2ps, vpmovsxbd + vcvtdq2ps; int4: four bytes
+// broadcast, shifted per lane, masked, minus 8); an int8 or int4 row's scale multiplies the
+// finished dot product (scores) or the softmax weight (accumulation), never the elements.
 #include "core/cpu/attention_kernels.h"
 
 #include <cmath>
@@ -17,7 +17,7 @@ namespace {
 
 using internal::Isa;
 
-// Element i of row t, widened (scalar path). The int8 row scale is applied by the caller.
+// Element i of row t, widened (scalar path). The int8/int4 row scale is applied by the caller.
 inline float Elem(const KvRows& r, int64_t idx) {
   switch (r.dtype) {
     case CoeffDtype::kFp32:
@@ -26,12 +26,14 @@ inline float Elem(const KvRows& r, int64_t idx) {
       return HalfToFloat(static_cast<const uint16_t*>(r.data)[idx]);
     case CoeffDtype::kInt8:
       return static_cast<float>(static_cast<const int8_t*>(r.data)[idx]);
+    case CoeffDtype::kInt4:
+      return static_cast<float>(Int4Code(static_cast<const uint8_t*>(r.data), idx));
   }
   return 0.0f;
 }
 
 inline float RowScale(const KvRows& r, int t) {
-  return r.dtype == CoeffDtype::kInt8 ? HalfToFloat(r.scales[t]) : 1.0f;
+  return HasRowScale(r.dtype) ? HalfToFloat(r.scales[t]) : 1.0f;
 }
 
 void ScoresScalar(const float* q, int64_t q_stride, int group, KvRows k, int nb, int dim,
@@ -114,8 +116,17 @@ SUBSPACE_AVX2 inline __m256 Load8(const void* base, int64_t idx) {
     return _mm256_loadu_ps(static_cast<const float*>(base) + idx);
   } else if constexpr (D == CoeffDtype::kFp16) {
     return simd::LoadF16(static_cast<const uint16_t*>(base) + idx);
-  } else {
+  } else if constexpr (D == CoeffDtype::kInt8) {
     return simd::LoadI8(static_cast<const int8_t*>(base) + idx);
+  } else {
+    // idx is even (rows hold an even number of codes, d steps by 8): 8 codes in 4 bytes.
+    uint32_t packed;
+    std::memcpy(&packed, static_cast<const uint8_t*>(base) + idx / 2, sizeof(packed));
+    const __m256i nibbles =
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(packed)),
+                                           _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                         _mm256_set1_epi32(0x0f));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(nibbles, _mm256_set1_epi32(8)));
   }
 }
 
@@ -125,14 +136,16 @@ SUBSPACE_AVX2 inline float Load1(const void* base, int64_t idx) {
     return static_cast<const float*>(base)[idx];
   } else if constexpr (D == CoeffDtype::kFp16) {
     return simd::F16ToF32(static_cast<const uint16_t*>(base)[idx]);
-  } else {
+  } else if constexpr (D == CoeffDtype::kInt8) {
     return static_cast<float>(static_cast<const int8_t*>(base)[idx]);
+  } else {
+    return static_cast<float>(Int4Code(static_cast<const uint8_t*>(base), idx));
   }
 }
 
 template <CoeffDtype D>
 SUBSPACE_AVX2 inline float RowScaleAvx2(const KvRows& r, int t) {
-  if constexpr (D == CoeffDtype::kInt8) {
+  if constexpr (D == CoeffDtype::kInt8 || D == CoeffDtype::kInt4) {
     return simd::F16ToF32(r.scales[t]);
   } else {
     return 1.0f;
@@ -294,6 +307,8 @@ SUBSPACE_AVX2 void ScoresAvx2(const float* q, int64_t q_stride, int group, KvRow
       return ScoresAvx2T<CoeffDtype::kFp16>(q, q_stride, group, k, nb, dim, scale, scores);
     case CoeffDtype::kInt8:
       return ScoresAvx2T<CoeffDtype::kInt8>(q, q_stride, group, k, nb, dim, scale, scores);
+    case CoeffDtype::kInt4:
+      return ScoresAvx2T<CoeffDtype::kInt4>(q, q_stride, group, k, nb, dim, scale, scores);
   }
 }
 
@@ -306,6 +321,8 @@ SUBSPACE_AVX2 void AccumulateAvx2(const float* p, int group, KvRows v, int nb, i
       return AccumulateAvx2T<CoeffDtype::kFp16>(p, group, v, nb, dim, acc, acc_stride);
     case CoeffDtype::kInt8:
       return AccumulateAvx2T<CoeffDtype::kInt8>(p, group, v, nb, dim, acc, acc_stride);
+    case CoeffDtype::kInt4:
+      return AccumulateAvx2T<CoeffDtype::kInt4>(p, group, v, nb, dim, acc, acc_stride);
   }
 }
 

@@ -15,8 +15,8 @@ namespace subspace::cpu {
 
 // nb rows of `dim` elements, row stride `dim`, as the cache stores them.
 struct KvRows {
-  const void* data = nullptr;        // [nb, dim] fp32, fp16 bits or int8 codes
-  const uint16_t* scales = nullptr;  // [nb] fp16 row scales (kInt8 only)
+  const void* data = nullptr;        // [nb, dim] fp32, fp16 bits, int8 or int4 codes (dim even)
+  const uint16_t* scales = nullptr;  // [nb] fp16 row scales (kInt8 and kInt4 only)
   CoeffDtype dtype = CoeffDtype::kFp32;
 };
 

@@ -170,6 +170,8 @@ TEST(DeviceCompressedKvCacheTest, CreateRejectsWhatTheKernelsCannotRun) {
   DeviceCompressedKvCacheConfig bad = d;
   bad.policy.coeff_dtype = CoeffDtype::kFp32;
   EXPECT_TRUE(absl::IsInvalidArgument(DeviceCompressedKvCache::Create(bad, store).status()));
+  bad.policy.coeff_dtype = CoeffDtype::kInt4;  // no int4 kernels
+  EXPECT_TRUE(absl::IsInvalidArgument(DeviceCompressedKvCache::Create(bad, store).status()));
   bad = d;
   bad.num_pages = 1;  // nothing left beside the compression headroom
   EXPECT_TRUE(absl::IsInvalidArgument(DeviceCompressedKvCache::Create(bad, store).status()));

@@ -78,7 +78,7 @@ TEST_P(ExpandBlocksRefTest, MatchesDecodeCoeffsAndExplicitLoops) {
   const std::vector<uint8_t>& got = c.dst_bytes();
   ASSERT_EQ(WrittenOutsideDestinations(c, before, got), "");
 
-  const int64_t cb = CoeffBytes(dt), rows = static_cast<int64_t>(n_kv) * bs;
+  const int64_t cb = CodeBytes(dt, 1), rows = static_cast<int64_t>(n_kv) * bs;
   std::vector<float> k_coef(static_cast<size_t>(rk)), v_coef(static_cast<size_t>(rv));
   for (int b = 0; b < c.n_blocks(); ++b) {
     const uint8_t* base = src.data() + c.src_page[b] * l.page_bytes + c.src_slot[b] * l.slot_bytes;

@@ -59,7 +59,7 @@ void RecodeBlocksRef(const RecodeBlocksParams& p) {
       const int64_t to = p.to_epoch[static_cast<int64_t>(i) * l.n_kv_heads + h];
       for (int side = 0; side < 2; ++side) {
         const int r = side == 0 ? l.rank_k : l.rank_v;
-        const int64_t code_bytes = CoeffBytes(l.coeff_dtype);
+        const int64_t code_bytes = CodeBytes(l.coeff_dtype, 1);
         uint8_t* codes = slot + (side == 0 ? l.KCodes(h) : l.VCodes(h));
         auto* scales =
             reinterpret_cast<uint16_t*>(slot + (side == 0 ? l.KScales(h) : l.VScales(h)));

@@ -101,7 +101,10 @@ TEST(BackendTest, CudaRefusesCompressedFeaturesThatRunOnTheCpuOnly) {
   refused(fp32, "--kv-full-dtype");
   KvCacheOptions coeff32 = cache;
   coeff32.coeff_dtype = CoeffDtype::kFp32;
-  refused(coeff32, "--kv-coeff-dtype");
+  refused(coeff32, "--kv-coeff-dtype fp32");
+  KvCacheOptions coeff4 = cache;
+  coeff4.coeff_dtype = CoeffDtype::kInt4;
+  refused(coeff4, "--kv-coeff-dtype int4");
 }
 
 TEST(BackendTest, WithoutAGpuCudaIsUnavailableAndAutoFallsBackToCpu) {

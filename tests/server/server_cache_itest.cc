@@ -671,9 +671,11 @@ TEST(KvCacheOptionsTest, ParsesFlagNames) {
   EXPECT_EQ(server::ParseCoeffDtype("fp16").value(), CoeffDtype::kFp16);
   EXPECT_EQ(server::ParseCoeffDtype("int8").value(), CoeffDtype::kInt8);
   EXPECT_EQ(server::ParseCoeffDtype("fp32").value(), CoeffDtype::kFp32);
+  EXPECT_EQ(server::ParseCoeffDtype("int4").value(), CoeffDtype::kInt4);
   const absl::Status dtype = server::ParseCoeffDtype("bf16").status();
   EXPECT_EQ(dtype.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(dtype.message(), "--kv-coeff-dtype must be 'fp16', 'int8' or 'fp32', got 'bf16'");
+  EXPECT_EQ(dtype.message(),
+            "--kv-coeff-dtype must be 'fp16', 'int8', 'int4' or 'fp32', got 'bf16'");
   EXPECT_EQ(server::ParseFullDtype("fp16").value(), CoeffDtype::kFp16);
   EXPECT_EQ(server::ParseFullDtype("fp32").value(), CoeffDtype::kFp32);
   const absl::Status full = server::ParseFullDtype("int8").status();

@@ -338,7 +338,7 @@ TEST(ServerBinaryTest, BadCacheFlagsExitNonZeroWithAMessage) {
       {{"--kv-cache=quantized"},
        1,
        "a q8_0 KV cache needs a head_dim that is a multiple of 32, got 8"},
-      {{"--kv-coeff-dtype=bf16"}, 2, "--kv-coeff-dtype must be 'fp16', 'int8' or 'fp32'"},
+      {{"--kv-coeff-dtype=bf16"}, 2, "--kv-coeff-dtype must be 'fp16', 'int8', 'int4' or 'fp32'"},
       {{"--kv-window-tokens", "-1"}, 1, "--kv-window-tokens must be >= 0, got -1"},
       {{"--kv-outlier-threshold", "0"}, 1, "--kv-outlier-threshold must be a finite number > 0"},
       {{"--kv-rank-k", "9"}, 1, "--kv-rank-k must be in [1, 8] (the model's head_dim)"},

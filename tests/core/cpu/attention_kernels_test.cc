@@ -1,8 +1,9 @@
 // Attention block kernels: the AVX2 versions against their scalar twins and both against a
-// float64 reference, for fp32 / fp16 / int8 rows, odd dims (tails of 1..7 and 8..15), partial
-// blocks, GQA groups, strided q/acc, and outputs poisoned with NaN so an element left
-// unwritten fails. Tolerance: |got - ref| <= 1e-5 * sum |terms| + 1e-30 for the products
-// (fp32 accumulation in a different order), 3e-7 relative for exp (simd::Exp is ~2 ulp).
+// float64 reference, for fp32 / fp16 / int8 / int4 rows (int4: even dims, every nibble), odd dims
+// (tails of 1..7 and 8..15), partial blocks, GQA groups, strided q/acc, and outputs poisoned with
+// NaN so an element left unwritten fails. Tolerance: |got - ref| <= 1e-5 * sum |terms| + 1e-30 for
+// the products (fp32 accumulation in a different order), 3e-7 relative for exp (simd::Exp is ~2
+// ulp).
 #include "core/cpu/attention_kernels.h"
 
 #include <gtest/gtest.h>
@@ -38,14 +39,16 @@ struct Rows {
   std::vector<float> f32;
   std::vector<uint16_t> f16;
   std::vector<int8_t> i8;
+  std::vector<uint8_t> i4;  // two codes a byte, low nibble first
   std::vector<uint16_t> scales;
   std::vector<double> exact;  // [nb, dim], row scale applied
   CoeffDtype dtype;
   KvRows view() const {
     const void* data = dtype == CoeffDtype::kFp32   ? static_cast<const void*>(f32.data())
                        : dtype == CoeffDtype::kFp16 ? static_cast<const void*>(f16.data())
-                                                    : static_cast<const void*>(i8.data());
-    return {data, dtype == CoeffDtype::kInt8 ? scales.data() : nullptr, dtype};
+                       : dtype == CoeffDtype::kInt8 ? static_cast<const void*>(i8.data())
+                                                    : static_cast<const void*>(i4.data());
+    return {data, HasRowScale(dtype) ? scales.data() : nullptr, dtype};
   }
 };
 
@@ -63,6 +66,16 @@ Rows MakeRows(CoeffDtype dt, int nb, int dim, std::mt19937& rng) {
     for (size_t i = 0; i < count; ++i) {
       r.f16[i] = Fp32ToFp16(n(rng));
       r.exact[i] = HalfToFloat(r.f16[i]);
+    }
+  } else if (dt == CoeffDtype::kInt4) {
+    r.i4.resize(count / 2);
+    r.scales.resize(static_cast<size_t>(nb));
+    std::uniform_int_distribution<int> nibble(0, 15);  // codes -8..7: every nibble
+    for (int t = 0; t < nb; ++t) r.scales[t] = Fp32ToFp16(0.1f + 0.2f * std::fabs(n(rng)));
+    for (size_t i = 0; i < count; ++i) {
+      const int v = nibble(rng);
+      r.i4[i / 2] |= static_cast<uint8_t>(i % 2 ? v << 4 : v);
+      r.exact[i] = static_cast<double>(HalfToFloat(r.scales[i / dim])) * (v - 8);
     }
   } else {
     r.i8.resize(count);
@@ -89,8 +102,10 @@ TEST(AttentionKernelsTest, ScoresAndAccumulateMatchFloat64) {
   std::mt19937 rng(7);
   std::normal_distribution<float> n(0.0f, 1.0f);
   double worst[2] = {0, 0};  // [scalar, avx2], error / tolerance scale
-  for (CoeffDtype dt : {CoeffDtype::kFp32, CoeffDtype::kFp16, CoeffDtype::kInt8}) {
-    for (int dim : {1, 5, 8, 13, 16, 24, 32, 40, 64, 100, 128}) {
+  for (CoeffDtype dt :
+       {CoeffDtype::kFp32, CoeffDtype::kFp16, CoeffDtype::kInt8, CoeffDtype::kInt4}) {
+    for (int dim : {1, 2, 5, 6, 8, 13, 16, 18, 24, 32, 40, 64, 100, 128}) {
+      if (dt == CoeffDtype::kInt4 && dim % 2 != 0) continue;  // int4 rows hold even counts
       for (int nb : {1, 3, 4, 5, 16, 17}) {
         for (int group : {1, 3, 4}) {
           const Rows rows = MakeRows(dt, nb, dim, rng);
