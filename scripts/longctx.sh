@@ -14,7 +14,7 @@ MODEL=${MODEL:-models/subspace-long.gguf}
 LENGTHS=${LENGTHS:-256,512,1024,2000}
 DISTANCES=${DISTANCES:-128,512,1024,1900}
 KV_PAIRS=${KV_PAIRS:-8,32,64,110}
-CACHES=${CACHES:-evict,q8_0,q4_0,kivi4,kqsvd:8:fp16,kqsvd:16:fp16,kqsvd:32:fp16,kqsvd:8:int8,kqsvd:16:int8,kqsvd:32:int8,ksvd:16:fp16,eigen:16:fp16,self:16:fp16,self:16:fp16:pca,kqsvd:16:fp16:kqsvd}
+CACHES=${CACHES:-evict,q8_0,q4_0,kivi4,kqsvd:8:fp16,kqsvd:16:fp16,kqsvd:32:fp16,kqsvd:8:int8,kqsvd:16:int8,kqsvd:32:int8,kqsvd:16:int4,kqsvd:32:int4,ksvd:16:fp16,eigen:16:fp16,self:16:fp16,self:16:fp16:pca,kqsvd:16:fp16:kqsvd}
 OUT=${OUT:-docs}
 [[ -f "$MODEL" ]] || { echo "longctx: no $MODEL (tools/train/run_long.sh makes it)" >&2; exit 2; }
 scripts/build.sh >/dev/null
