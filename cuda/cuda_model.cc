@@ -56,10 +56,15 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   auto impl = std::make_unique<CudaLlamaModel::Impl>();
   CudaLlamaModel::Impl& s = *impl;
   s.config = m;
+  // The device kernels attend every cached token: a sliding-window model is served up to its
+  // window, inside which the results are exact (the CPU backend masks the window instead).
+  if (m.sliding_window > 0 && m.sliding_window < m.context_length) {
+    s.config.context_length = m.sliding_window;
+  }
   s.options = options;
   s.device_name = absl::StrFormat("cuda:%d (%s)", dev.index, dev.name);
   s.target_ctas = 2 * dev.multiprocessors;
-  s.max_blocks_per_seq = CeilDiv(m.context_length, options.block_size);
+  s.max_blocks_per_seq = CeilDiv(s.config.context_length, options.block_size);
   if (options.compressed) {
     if (absl::Status st = s.LayoutCompressedLayers(); !st.ok()) return st;
     s.query_readback_rows = s.QueryReadbackRows();

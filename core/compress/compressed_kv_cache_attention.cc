@@ -53,6 +53,7 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
     const Sequence& s = seqs_[req.seq];
     const LayerState& ls = s.layers[static_cast<size_t>(layer)];
     const int64_t n_ctx = req.pos + i + 1;
+    const int64_t lo = req.FirstAttended(req.pos + i);  // sliding window: tokens >= lo
     const int n_ep = static_cast<int>(ls.live.size());
 
     // Per-thread state, grown once to the largest shape seen.
@@ -101,14 +102,22 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
         run_sum[g] += kernels.exp_sum(p, nb, run_max[g]);
       }
     };
-    // A full-rank run of nb tokens, rows read in full_dtype. k_blk, v_blk: [nb, hd]
-    const auto full_run = [&](const uint8_t* k_blk, const uint8_t* v_blk, int nb) {
+    // Masks the first `masked` tokens of a block's scores (before the sliding window).
+    const auto mask_first = [&](int nb, int64_t masked) {
+      for (int g = 0; g < group && masked > 0; ++g) {
+        std::fill_n(scores + static_cast<int64_t>(g) * nb, std::min<int64_t>(masked, nb), neg_inf);
+      }
+    };
+    // A full-rank run of nb tokens, rows read in full_dtype, the first `masked` of them outside
+    // the window. k_blk, v_blk: [nb, hd]
+    const auto full_run = [&](const uint8_t* k_blk, const uint8_t* v_blk, int nb, int64_t masked) {
       kernels.scores(q_tok, hd, group, cpu::KvRows{k_blk, nullptr, full_dt}, nb, hd, scale, scores);
+      mask_first(nb, masked);
       softmax_block(nb);
       kernels.accumulate(scores, group, cpu::KvRows{v_blk, nullptr, full_dt}, nb, hd, acc, hd);
     };
 
-    for (int64_t b0 = 0; b0 < n_ctx; b0 += bs) {
+    for (int64_t b0 = lo / bs * bs; b0 < n_ctx; b0 += bs) {
       const int64_t b = b0 / bs;
       const BlockEntry& e = ls.table[static_cast<size_t>(b)];
       const int nb = static_cast<int>(std::min<int64_t>(bs, n_ctx - b0));
@@ -123,7 +132,7 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
         }
       }
       if (e.slot < 0) {
-        full_run(FullAt(e.page, KOffset(kvh, 0)), FullAt(e.page, VOffset(kvh, 0)), nb);
+        full_run(FullAt(e.page, KOffset(kvh, 0)), FullAt(e.page, VOffset(kvh, 0)), nb, lo - b0);
         continue;
       }
       const EpochId id = ls.block_epochs[static_cast<size_t>(b * n_kv + kvh)];
@@ -145,18 +154,24 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
         if (t >= nb) break;
         for (int g = 0; g < group; ++g) scores[static_cast<int64_t>(g) * nb + t] = neg_inf;
       }
+      mask_first(nb, lo - b0);
       softmax_block(nb);
       kernels.accumulate(scores, group, v_rows, nb, rv, u_acc + static_cast<size_t>(ep) * rv,
                          static_cast<int64_t>(n_ep) * rv);
     }
-    // Outliers: full-rank tokens in position order, B to a page.
-    const int64_t n_out =
-        static_cast<int64_t>(std::lower_bound(ls.outlier_pos.begin(), ls.outlier_pos.end(), n_ctx) -
-                             ls.outlier_pos.begin());
-    for (int64_t j0 = 0; j0 < n_out; j0 += bs) {
+    // Outliers: full-rank tokens in position order, B to a page; those [j_lo, n_out) are in
+    // the context (and the window).
+    const auto pos_index = [&](int64_t p) {
+      return static_cast<int64_t>(
+          std::lower_bound(ls.outlier_pos.begin(), ls.outlier_pos.end(), p) -
+          ls.outlier_pos.begin());
+    };
+    const int64_t n_out = pos_index(n_ctx);
+    const int64_t j_lo = lo > 0 ? pos_index(lo) : 0;
+    for (int64_t j0 = j_lo / bs * bs; j0 < n_out; j0 += bs) {
       const int32_t page = ls.outlier_pages[static_cast<size_t>(j0 / bs)];
       full_run(FullAt(page, KOffset(kvh, 0)), FullAt(page, VOffset(kvh, 0)),
-               static_cast<int>(std::min<int64_t>(bs, n_out - j0)));
+               static_cast<int>(std::min<int64_t>(bs, n_out - j0)), j_lo - j0);
     }
 
     float* out_tok = req.out + (i * n_heads + static_cast<int64_t>(kvh) * group) * hd;

@@ -4,6 +4,7 @@
 #ifndef SUBSPACE_CORE_KVCACHE_KV_CACHE_H_
 #define SUBSPACE_CORE_KVCACHE_KV_CACHE_H_
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <span>
@@ -62,6 +63,14 @@ struct AttentionRequest {
   int64_t n = 0;
   const float* q = nullptr;  // [n, n_heads, head_dim], post-RoPE
   float* out = nullptr;      // [n, n_heads, head_dim]
+  // Sliding-window attention: > 0, the query at position p attends positions
+  // (p - window, p] only (Mistral's and Phi-3's window, llama.cpp's "standard" SWA); 0, all of
+  // [0, p].
+  int64_t window = 0;
+  // The first position the query at position p attends.
+  int64_t FirstAttended(int64_t p) const {
+    return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+  }
 };
 
 // A KV cache's sequences, blocks and accounting, wherever its bytes live: what the engine and

@@ -206,11 +206,14 @@ void PagedKvCache::Attend(int layer, std::span<const AttentionRequest> requests,
   int64_t n_partials = 0;
   for (size_t r = 0; r < requests.size(); ++r) {
     for (int64_t i = 0; i < requests[r].n; ++i) {
-      const int64_t blocks = CeilDiv(requests[r].pos + i + 1, bs);
+      // Blocks [first, end) hold the query's context: causal, and inside its sliding window.
+      const int64_t end = CeilDiv(requests[r].pos + i + 1, bs);
+      const int64_t first = requests[r].FirstAttended(requests[r].pos + i) / bs;
+      const int64_t blocks = end - first;
       const int64_t splits = std::clamp<int64_t>(blocks / kMinSplitBlocks, 1, splits_wanted);
       for (int64_t c = 0; c < splits; ++c) {
-        items.push_back({static_cast<int32_t>(r), i, blocks * c / splits, blocks * (c + 1) / splits,
-                         splits > 1 ? n_partials++ : -1});
+        items.push_back({static_cast<int32_t>(r), i, first + blocks * c / splits,
+                         first + blocks * (c + 1) / splits, splits > 1 ? n_partials++ : -1});
       }
     }
   }
@@ -229,7 +232,8 @@ void PagedKvCache::Attend(int layer, std::span<const AttentionRequest> requests,
     const AttentionRequest& req = requests[static_cast<size_t>(item.req)];
     const Sequence& s = seqs_[req.seq];
     const std::vector<int32_t>& table = s.tables[static_cast<size_t>(layer)];
-    const int64_t n_ctx = req.pos + item.i + 1;  // causal: tokens [0, pos + i]
+    const int64_t n_ctx = req.pos + item.i + 1;              // causal: tokens [0, pos + i]
+    const int64_t lo = req.FirstAttended(req.pos + item.i);  // sliding window: tokens >= lo
 
     // Per-thread state sized by the largest shape seen; grows once, never per call. A
     // quantized cache also dequantizes each block's K (then V) rows, all heads, into `rows`.
@@ -278,6 +282,12 @@ void PagedKvCache::Attend(int layer, std::span<const AttentionRequest> requests,
         kernels.scores(q_tok + static_cast<int64_t>(h0) * hd, hd, group,
                        cpu::KvRows{head_rows(block, kvh)}, nb, hd, scale,
                        scores + static_cast<int64_t>(h0) * nb);
+      }
+      // The sliding window's first block: tokens before lo are masked (lo itself is in it).
+      const int64_t masked = std::min<int64_t>(nb, lo - b * bs);
+      for (int h = 0; h < n_heads && masked > 0; ++h) {
+        std::fill_n(scores + static_cast<int64_t>(h) * nb, masked,
+                    -std::numeric_limits<float>::infinity());
       }
       for (int h = 0; h < n_heads; ++h) {
         float* p = scores + static_cast<int64_t>(h) * nb;

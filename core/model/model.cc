@@ -272,9 +272,9 @@ absl::Status LlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBa
   const int64_t kv_width = c.kv_width();
   for (size_t ci = 0; ci < batch.size(); ++ci) {
     const int64_t first = ws.chunk_first[ci];
-    ws.requests.push_back({batch[ci].seq, batch[ci].pos,
-                           static_cast<int64_t>(batch[ci].tokens.size()),
-                           ws.q.data() + first * q_width, ws.attn.data() + first * q_width});
+    ws.requests.push_back(
+        {batch[ci].seq, batch[ci].pos, static_cast<int64_t>(batch[ci].tokens.size()),
+         ws.q.data() + first * q_width, ws.attn.data() + first * q_width, c.sliding_window});
   }
 
   float* x = ws.x.data();

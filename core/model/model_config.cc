@@ -96,9 +96,10 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
   SUBSPACE_ASSIGN_OR_RETURN_CFG(c.n_kv_heads,
                                 PositiveInt(file, k + "attention.head_count_kv", c.n_heads));
   SUBSPACE_ASSIGN_OR_RETURN_CFG(c.context_length, PositiveInt(file, k + "context_length"));
-  // Sliding-window attention (Mistral v0.1, Phi-3): the attention kernels see every cached
-  // token, so the context is capped at the window, inside which the results are exact. Old
-  // Phi-3 4k files lack the key; llama.cpp's default for them is 2047.
+  // Sliding-window attention (Mistral v0.1, Phi-3): position p attends (p - window, p], in
+  // every layer; the CPU caches mask it (AttentionRequest::window), the CUDA backend caps its
+  // context at the window instead. Old Phi-3 4k files lack the key; llama.cpp's default for
+  // them is 2047.
   SUBSPACE_ASSIGN_OR_RETURN_CFG(c.sliding_window,
                                 PositiveInt(file, k + "attention.sliding_window", 0));
   if (*arch == "phi3" && c.sliding_window == 0 && c.context_length == 4096) {
@@ -106,9 +107,6 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
     if (layers == 32 || layers == 40) c.sliding_window = 2047;
   }
   const int trained_context = c.context_length;
-  if (c.sliding_window > 0 && c.sliding_window < c.context_length) {
-    c.context_length = c.sliding_window;
-  }
   if (c.n_heads % c.n_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%sattention.head_count_kv = %d does not divide %sattention.head_count = %d", k,

@@ -29,8 +29,8 @@ struct ModelConfig {
   int n_kv_heads = 0;
   int head_dim = 0;  // attention.key_length; dim / n_heads when absent (Qwen3 differs)
   int ffn_dim = 0;
-  int context_length = 0;  // capped at sliding_window when that is smaller
-  int sliding_window = 0;  // attention.sliding_window, 0 for none
+  int context_length = 0;  // the CUDA backend's runner caps it at sliding_window
+  int sliding_window = 0;  // attention.sliding_window (every layer), 0 for none
   int rope_dim = 0;        // dims rotated per head (rope.dimension_count, default head_dim)
   float rope_theta = 10000.0f;
   RopeLayout rope_layout = RopeLayout::kAdjacentPairs;  // kHalves for qwen2, qwen3, phi3

@@ -239,6 +239,31 @@ TEST_P(CudaModelFamilyTest, LogitsMatchTheCpuBackend) {
   }
 }
 
+// A sliding-window model: the device kernels attend every cached token, so the CUDA runner
+// reports the window as its context (the engine and server admit no more), where the CPU
+// backend masks the window and keeps the trained context.
+TEST(CudaModelTest, SlidingWindowModelIsServedUpToItsWindow) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  using ::subspace::testing::BuildTinyLlamaGguf;
+  using ::subspace::testing::TinyModelOptions;
+  TinyModelOptions o;
+  o.architecture = "phi3";
+  o.dim = 256;  // head_dim 64, as the kernels need
+  o.heads = 4;
+  o.kv_heads = 2;
+  o.ffn = 128;
+  o.context = 256;
+  o.sliding_window = 40;
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBytes(BuildTinyLlamaGguf(o));
+  ASSERT_TRUE(file.ok()) << file.status();
+  Pair p = Open(256, 8, std::shared_ptr<const GgufFile>(*std::move(file)));
+  ASSERT_NE(p.cuda.model, nullptr);
+  EXPECT_EQ(p.cpu->config().sliding_window, 40);
+  EXPECT_EQ(p.cpu->config().context_length, 256);
+  EXPECT_EQ(p.cuda.model->config().context_length, 40);
+  EXPECT_EQ(p.cuda.model->config().sliding_window, 40);
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, CudaModelFamilyTest, ::testing::Values("qwen2", "qwen3", "phi3"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;

@@ -253,6 +253,9 @@ class LlamaNumpy:
             self.yarn_orig_ctx = int(meta.get(k + "rope.scaling.original_context_length",
                                               meta[k + "context_length"]))
         self.attn_factor = float(meta.get(k + "rope.scaling.attn_factor", 1.0))
+        # Sliding-window attention: position i sees positions j with i - j < window (llama.cpp's
+        # "standard" SWA, Mistral's and Phi-3's); 0 = none.
+        self.window = int(meta.get(k + "attention.sliding_window", 0))
         self.freq_factors = t.get("rope_freqs.weight")                  # [rope_dim / 2] or None
         self.embd = t["token_embd.weight"]                     # [vocab, dim]
         out_name = "output.weight" if "output.weight" in t else "token_embd.weight"  # tied
@@ -316,6 +319,8 @@ class LlamaNumpy:
         hd, group = self.head_dim, self.n_heads // self.n_kv
         qw, kvw = self.n_heads * hd, self.n_kv * hd
         causal = np.tril(np.ones((n, n), dtype=bool))
+        if self.window > 0:
+            causal &= (pos[:, None] - pos[None, :]) < self.window
         x = self.embd[tokens]                                               # [n, dim]
         for L in self.layers:
             h = self._rms_norm(x, L["attn_norm"])

@@ -20,9 +20,10 @@ sys.path.insert(0, HERE)
 from make_reference import BASE, MODELS, write_model  # noqa: E402
 
 # Llama (plain, and with Llama 3's frequency factors), Qwen2 (biases, halves RoPE, tied output,
-# with Q8_0 weights, and with YaRN scaling), Phi-3 (fused tensors). llama.cpp c392e509 predates
-# Qwen3.
-NAMES = ["gqa_f32", "llama3_freqs_f32", "qwen2_f32", "qwen2_q8_0", "phi3_f32", "qwen2_yarn_f32"]
+# with Q8_0 weights, and with YaRN scaling), Phi-3 (fused tensors; and with a 13-token sliding
+# window, which llama.cpp masks for Phi-3). llama.cpp c392e509 predates Qwen3.
+NAMES = ["gqa_f32", "llama3_freqs_f32", "qwen2_f32", "qwen2_q8_0", "phi3_f32", "qwen2_yarn_f32",
+         "phi3_swa_f32"]
 N_TOKENS, GREEDY_STEPS = 24, 12
 
 

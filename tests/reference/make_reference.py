@@ -105,6 +105,10 @@ MODELS.update({
     # a small original context so the 48-token prompts reach interpolated frequencies.
     "qwen2_yarn_f32": (dict(arch="qwen2", theta=1e6, yarn_factor=4.0, yarn_orig_ctx=16,
                             rope_dim=16, ctx=256), TensorType.F32, TensorType.F32, 1e-4),
+    # Last, so the models above keep their seeds. A sliding window shorter than the prompts
+    # and not a whole number of 16-token blocks: position i attends to i - 12 .. i only.
+    "phi3_swa_f32": (dict(arch="phi3", n_kv=4, sliding_window=13, general_name="fused-qkv",
+                          ctx=256), TensorType.F32, TensorType.F32, 1e-4),
 })
 PROMPT_LENGTHS = {"long": 48, "short": 11}
 GREEDY_PROMPT, GREEDY_STEPS = 6, 10

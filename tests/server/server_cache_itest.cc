@@ -513,7 +513,8 @@ TEST(CompressedCacheServerTest, BasesFileIsInstalledAndMismatchesAreRejected) {
 
 // The compressed cache on every architecture the forward pass runs (random-weight fixtures of
 // tests/reference/make_reference.py): Qwen2 with 64-wide heads and biases, Qwen3 with 128-wide
-// heads and Q/K norms, Phi-3's fused tensors, Llama 3's RoPE factors. At full rank with fp32
+// heads and Q/K norms, Phi-3's fused tensors (also with a 13-token sliding window, which the
+// 109-token sessions cross many times), Llama 3's RoPE factors. At full rank with fp32
 // codes greedy tokens equal the full cache's; a basis calibrated on the model (subspace-
 // calibrate's code path) is installed and serves, and a session's online refresh publishes
 // epochs without failures.
@@ -523,7 +524,8 @@ TEST(CompressedCacheServerTest, EveryArchitectureFullRankEqualsFullCalibrationAn
     int head_dim;
   };
   for (const Arch& arch : {Arch{"qwen2_hd64_f16.gguf", 64}, Arch{"qwen3_hd128_f16.gguf", 128},
-                           Arch{"phi3_f32.gguf", 16}, Arch{"llama3_freqs_f32.gguf", 16}}) {
+                           Arch{"phi3_f32.gguf", 16}, Arch{"llama3_freqs_f32.gguf", 16},
+                           Arch{"phi3_swa_f32.gguf", 16}}) {
     SCOPED_TRACE(arch.gguf);
     const std::string model_path = testing::TestDataPath(arch.gguf);
     SUBSPACE_REQUIRE_FILE(model_path);

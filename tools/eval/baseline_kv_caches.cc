@@ -217,7 +217,8 @@ void BaselineKvCache::Attend(int layer, std::span<const AttentionRequest> reques
   for (const AttentionRequest& r : requests) {
     const Layer& l = seqs_[static_cast<size_t>(r.seq)].layers[static_cast<size_t>(layer)];
     for (int64_t i = 0; i < r.n; ++i) {
-      const int64_t p = r.pos + i;  // attends to [0, p]
+      const int64_t p = r.pos + i;  // attends to [first, p]: all, or the sliding window
+      const int64_t first = r.FirstAttended(p);
       const bool evict = config_.kind == BaselineKind::kEvict;
       const int64_t recent = evict ? std::max<int64_t>(0, p - config_.window_tokens + 1) : 0;
       for (int h = 0; h < n_heads; ++h) {
@@ -226,7 +227,7 @@ void BaselineKvCache::Attend(int layer, std::span<const AttentionRequest> reques
         float* out = r.out + (i * n_heads + h) * d;
         w.assign(static_cast<size_t>(p + 1), -INFINITY);
         float m = -INFINITY;
-        for (int64_t t = 0; t <= p; ++t) {
+        for (int64_t t = first; t <= p; ++t) {
           if (evict && t >= config_.sink_tokens && t < recent) continue;
           const float* k = l.k.data() + t * row + static_cast<int64_t>(kvh) * d;
           float s = 0.0f;

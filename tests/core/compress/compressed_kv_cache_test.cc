@@ -382,6 +382,41 @@ TEST(CompressedKvCacheTest, TruncateWithFp16FullBlocks) {
   EXPECT_EQ(cache->Stats().blocks_free, cache->Stats().blocks_total);
 }
 
+// Sliding-window attention over every kind of token the cache holds: sinks, coded blocks of two
+// epochs, outliers and the full-rank window, with window lengths that start mid-block, on a
+// block boundary, inside the coded blocks or only in the recent window, for decode and a
+// prefill chunk. Equals dense attention over the same effective keys and values restricted to
+// each query's window.
+TEST(CompressedKvCacheTest, SlidingWindowMatchesTheReferenceOverEveryTokenKind) {
+  const KvCacheGeometry g{1, 2, 16};
+  const int n_heads = 4;
+  CompressedKvCacheConfig c = SmallConfig(g, 4, CoeffDtype::kFp16);
+  c.policy.outlier_threshold = 0.85f;  // some tokens the rank-4 basis misses stay full-rank
+  auto cache = Make(c);
+  SeqId s = *cache->CreateSequence();
+  EpochId a = *cache->InstallBasis(ObliqueBasis(g, 4, 4, 5));
+  EpochId b = *cache->InstallBasis(OrthoBasis(g, 4, 4, 6));
+  ASSERT_TRUE(cache->SetSequenceEpoch(s, a).ok());
+  const int64_t T = 70;
+  Data d = RandomKv(g, T + 4, 12);
+  Append(*cache, s, d, 0, 30);
+  ASSERT_TRUE(cache->SetSequenceEpoch(s, b).ok());
+  Append(*cache, s, d, 30, T);
+  ASSERT_GT(cache->OutlierPositions(s, 0).size(), 0u);
+  ASSERT_TRUE(cache->IsCompressed(s, 0, 3));
+  Append(*cache, s, d, T, T + 4);  // the 4 queries' own keys
+  const Data eff = EffectiveKv(*cache, s, RoundTo(d, c.full_dtype), T + 4, CoeffDtype::kFp16);
+  for (int64_t window : {1, 3, 8, 13, 40, 64, 200}) {
+    for (int64_t n : {1, 4}) {  // decode at T + 3, or a chunk T .. T + 3
+      const int64_t pos = n == 1 ? T + 3 : T;
+      std::vector<float> q = RandomQ(n, n_heads, 16, 40 + static_cast<int>(window));
+      const double err = RelErr(RunAttend(*cache, 0, s, pos, n, q, n_heads, window),
+                                DenseAttend(g, eff, 0, pos, n, q, n_heads, window));
+      EXPECT_LE(err, 1e-5) << "window " << window << " n " << n;
+    }
+  }
+}
+
 // Memory at r = d/4, S = 4, W = 64, B = 16 for a 4k-token sequence.
 TEST(CompressedKvCacheTest, MemoryPerTokenAt4k) {
   for (KvCacheGeometry g : {KvCacheGeometry{1, 2, 64}, KvCacheGeometry{1, 8, 128}}) {

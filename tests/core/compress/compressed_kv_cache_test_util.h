@@ -118,9 +118,9 @@ inline void Append(KvCache& cache, SeqId seq, const Data& d, int64_t from, int64
 
 // Attention of n queries at positions [pos, pos + n) for `layer`. out: [n, n_heads, hd]
 inline std::vector<float> RunAttend(KvCache& cache, int layer, SeqId seq, int64_t pos, int64_t n,
-                                    const std::vector<float>& q, int n_heads) {
+                                    const std::vector<float>& q, int n_heads, int64_t window = 0) {
   std::vector<float> out(q.size());
-  AttentionRequest req{seq, pos, n, q.data(), out.data()};
+  AttentionRequest req{seq, pos, n, q.data(), out.data(), window};
   cache.Attend(layer, std::span<const AttentionRequest>(&req, 1), n_heads);
   return out;
 }
@@ -170,18 +170,20 @@ inline Data EffectiveKv(const CompressedKvCache& cache, SeqId seq, const Data& d
 }
 
 // Dense causal attention in double. q: [n, n_heads, hd]; returns [n, n_heads, hd]
+// window > 0: the query at position p sees (p - window, p] only.
 inline std::vector<float> DenseAttend(const KvCacheGeometry& g, const Data& d, int layer,
                                       int64_t pos, int64_t n, const std::vector<float>& q,
-                                      int n_heads) {
+                                      int n_heads, int64_t window = 0) {
   const int hd = g.head_dim, n_kv = g.n_kv_heads, group = n_heads / n_kv;
   std::vector<float> out(q.size());
   for (int64_t i = 0; i < n; ++i) {
+    const int64_t first = window > 0 ? std::max<int64_t>(0, pos + i - window + 1) : 0;
     for (int h = 0; h < n_heads; ++h) {
       const int kvh = h / group;
       const float* qq = q.data() + (i * n_heads + h) * hd;
       std::vector<double> logit(pos + i + 1);
       double mx = -1e300;
-      for (int64_t t = 0; t <= pos + i; ++t) {
+      for (int64_t t = first; t <= pos + i; ++t) {
         double s = 0;
         for (int x = 0; x < hd; ++x)
           s += static_cast<double>(qq[x]) * d.k[layer][(t * n_kv + kvh) * hd + x];
@@ -190,7 +192,7 @@ inline std::vector<float> DenseAttend(const KvCacheGeometry& g, const Data& d, i
       }
       std::vector<double> o(hd, 0.0);
       double sum = 0;
-      for (int64_t t = 0; t <= pos + i; ++t) {
+      for (int64_t t = first; t <= pos + i; ++t) {
         const double p = std::exp(logit[t] - mx);
         sum += p;
         for (int x = 0; x < hd; ++x) o[x] += p * d.v[layer][(t * n_kv + kvh) * hd + x];

@@ -36,7 +36,8 @@ struct TinyModelOptions {
   // halves RoPE and per-head Q/K norms; "phi3": halves RoPE, fused attn_qkv and
   // ffn_up = [gate | up].
   std::string architecture = "llama";
-  int head_dim = 0;  // attention.key_length; 0: dim / heads
+  int head_dim = 0;        // attention.key_length; 0: dim / heads
+  int sliding_window = 0;  // attention.sliding_window; 0: none written
 };
 
 inline constexpr int32_t kTinyUnk = 0;
@@ -75,6 +76,7 @@ inline std::string BuildTinyLlamaGguf(const TinyModelOptions& o = {}) {
   b.AddUint32(k + "attention.head_count", o.heads);
   b.AddUint32(k + "attention.head_count_kv", o.kv_heads);
   b.AddUint32(k + "context_length", o.context);
+  if (o.sliding_window > 0) b.AddUint32(k + "attention.sliding_window", o.sliding_window);
   if (o.head_dim > 0) {
     b.AddUint32(k + "attention.key_length", o.head_dim);
     b.AddUint32(k + "attention.value_length", o.head_dim);
