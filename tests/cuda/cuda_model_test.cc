@@ -200,22 +200,30 @@ TEST(CudaModelTest, LogitsMatchTheCpuBackendAcrossPrefillAndDecode) {
 // backend across prefill and decode.
 class CudaModelFamilyTest : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(CudaModelFamilyTest, LogitsMatchTheCpuBackend) {
-  SUBSPACE_REQUIRE_CUDA_DEVICE();
-  using ::subspace::testing::BuildTinyLlamaGguf;
-  using ::subspace::testing::TinyModelOptions;
-  TinyModelOptions o;
-  o.architecture = GetParam();
-  if (GetParam() == "qwen3") o.head_dim = 128;  // heads wider than dim / heads (q_width 512)
+// A random tiny model of `architecture` with 64-wide heads (the kernels' smallest), 256 tokens
+// of context, on both backends.
+Pair OpenFamilyModel(const std::string& architecture, int head_dim = 0, int sliding_window = 0) {
+  ::subspace::testing::TinyModelOptions o;
+  o.architecture = architecture;
+  o.head_dim = head_dim;
   o.dim = 256;
   o.heads = 4;
   o.kv_heads = 2;
   o.ffn = 128;
   o.context = 256;
   o.weight_std = 0.15f;
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBytes(BuildTinyLlamaGguf(o));
-  ASSERT_TRUE(file.ok()) << file.status();
-  Pair p = Open(256, 8, std::shared_ptr<const GgufFile>(*std::move(file)));
+  o.sliding_window = sliding_window;
+  absl::StatusOr<std::unique_ptr<GgufFile>> file =
+      GgufFile::FromBytes(::subspace::testing::BuildTinyLlamaGguf(o));
+  EXPECT_TRUE(file.ok()) << file.status();
+  if (!file.ok()) return {};
+  return Open(256, 8, std::shared_ptr<const GgufFile>(*std::move(file)));
+}
+
+TEST_P(CudaModelFamilyTest, LogitsMatchTheCpuBackend) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  // Qwen3: heads wider than dim / heads (q_width 512).
+  Pair p = OpenFamilyModel(GetParam(), GetParam() == "qwen3" ? 128 : 0);
   ASSERT_NE(p.cuda.model, nullptr);
   ASSERT_EQ(p.cpu->config().architecture, GetParam());
   ASSERT_EQ(p.cpu->config().qkv_bias, GetParam() == "qwen2");
@@ -244,19 +252,7 @@ TEST_P(CudaModelFamilyTest, LogitsMatchTheCpuBackend) {
 // backend masks the window and keeps the trained context.
 TEST(CudaModelTest, SlidingWindowModelIsServedUpToItsWindow) {
   SUBSPACE_REQUIRE_CUDA_DEVICE();
-  using ::subspace::testing::BuildTinyLlamaGguf;
-  using ::subspace::testing::TinyModelOptions;
-  TinyModelOptions o;
-  o.architecture = "phi3";
-  o.dim = 256;  // head_dim 64, as the kernels need
-  o.heads = 4;
-  o.kv_heads = 2;
-  o.ffn = 128;
-  o.context = 256;
-  o.sliding_window = 40;
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBytes(BuildTinyLlamaGguf(o));
-  ASSERT_TRUE(file.ok()) << file.status();
-  Pair p = Open(256, 8, std::shared_ptr<const GgufFile>(*std::move(file)));
+  Pair p = OpenFamilyModel("phi3", 0, /*sliding_window=*/40);
   ASSERT_NE(p.cuda.model, nullptr);
   EXPECT_EQ(p.cpu->config().sliding_window, 40);
   EXPECT_EQ(p.cpu->config().context_length, 256);
