@@ -49,6 +49,9 @@ ABSL_FLAG(int32_t, sink_tokens, subspace::CompressionPolicy::kDefaultSinkTokens,
           "S: sinks kept full-rank (evict and low-rank)");
 ABSL_FLAG(int32_t, window_tokens, subspace::CompressionPolicy::kDefaultWindowTokens,
           "W: recent tokens kept full-rank (evict and low-rank)");
+ABSL_FLAG(float, outlier_threshold, 1.0f,
+          "low-rank: relative key residual above which a token stays full-rank (>= 1: none), "
+          "as the server's --kv-outlier-threshold");
 ABSL_FLAG(int32_t, chunk, 64, "prefill chunk: caches compress between chunks");
 ABSL_FLAG(int32_t, max_items, 0, "first N items of the suite only (0: all)");
 ABSL_FLAG(std::string, json, "",
@@ -252,6 +255,7 @@ absl::Status Run() {
       cc.block_size = 16;
       cc.policy.sink_tokens = S;
       cc.policy.window_tokens = W;
+      cc.policy.outlier_threshold = absl::GetFlag(FLAGS_outlier_threshold);
       std::shared_ptr<const Basis> file_basis;
       if (!spec.basis_path.empty()) {
         absl::StatusOr<std::shared_ptr<const Basis>> b =
