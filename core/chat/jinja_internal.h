@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "core/chat/jinja.h"
 
@@ -100,8 +101,62 @@ struct Node {
 
 using NodeList = std::vector<std::unique_ptr<Node>>;
 
-// Template::Parse without the wrapper: source (newlines not yet normalised) to nodes.
-absl::Status ParseNodes(std::string_view source, NodeList* out);
+// ---- Lexer (jinja_lex.cc) -------------------------------------------------------------------
+
+enum class Tok { kName, kString, kInt, kFloat, kOp, kEnd };
+
+struct Token {
+  Tok type;
+  std::string text;  // name, decoded string, number text or operator
+  int line;
+};
+
+enum class SegKind { kText, kVar, kStmt };
+
+struct Segment {
+  SegKind kind;
+  std::string text;           // kText
+  std::vector<Token> tokens;  // kVar, kStmt
+  int line;
+};
+
+// A template's source (newlines normalised) as text and tag segments.
+absl::StatusOr<std::vector<Segment>> Lex(std::string source);
+
+// ---- Python's value semantics and builtins (jinja_builtins.cc) ------------------------------
+
+absl::Status TypeError(int line, std::string_view what);
+std::string KindName(const Value& v);  // Python's type name: "str", "list", ...
+bool Equal(const Value& a, const Value& b);
+absl::StatusOr<bool> Less(const Value& a, const Value& b, int line);
+absl::StatusOr<bool> Contains(const Value& container, const Value& item, int line);
+// The items a for loop or a filter walks: a list, a mapping's keys, a string's characters;
+// undefined walks as empty.
+absl::StatusOr<List> Iterate(const Value& v, int line);
+absl::StatusOr<int64_t> Length(const Value& v, int line);
+// str.strip / lstrip / rstrip with optional characters; every occurrence of a replaced by b.
+std::string Strip(const std::string& s, const Value& chars, bool left, bool right);
+std::string ReplaceAll(const std::string& s, const std::string& a, const std::string& b);
+
+// The arguments of a call, filter or test: positional, then keyword.
+struct Args {
+  List positional;
+  Dict keyword;
+  Value Get(size_t i, std::string_view name, Value fallback = Value()) const {
+    if (i < positional.size()) return positional[i];
+    for (const auto& [k, v] : keyword) {
+      if (k == name) return v;
+    }
+    return fallback;
+  }
+};
+
+// obj.m(args): the str, list and dict methods templates use.
+absl::StatusOr<Value> Method(const Value& obj, const std::string& m, const Args& args, int line);
+// The filters that map a string to a string (upper, lower, capitalize, title, ...).
+absl::StatusOr<Value> StringFilter(const std::string& f, const Value& v, int line);
+// "v is t(args)".
+absl::StatusOr<bool> ApplyTest(const std::string& t, const Value& v, const Args& args, int line);
 
 }  // namespace subspace::jinja
 
