@@ -96,8 +96,6 @@ struct Config {
   RefreshMethod refresh = RefreshMethod::kNone;  // online rows start from the calibrated basis
 };
 
-const char* DtypeName(CoeffDtype d) { return CoeffDtypeName(d); }
-
 struct LayerErrors {
   eval::ErrorSums key, logit, attn, rer;
 };
@@ -338,10 +336,11 @@ absl::Status Run() {
         (*cache)->InstallBasis(std::make_shared<const Basis>(cb->basis));
     if (!epoch.ok()) return epoch.status();
     if (absl::Status s = (*cache)->SetDefaultEpoch(*epoch); !s.ok()) return s;
-    const std::string what = absl::StrCat(
-        "[", i + 1, "/", configs.size(), "] ", KeyBasisMethodName(c.mk),
-        c.rank > 0 ? absl::StrCat(" r", c.rank) : absl::StrCat(" e", c.energy), " ",
-        DtypeName(c.dtype), " refresh ", RefreshMethodName(c.refresh), " perplexity (windows)");
+    const std::string what =
+        absl::StrCat("[", i + 1, "/", configs.size(), "] ", KeyBasisMethodName(c.mk),
+                     c.rank > 0 ? absl::StrCat(" r", c.rank) : absl::StrCat(" e", c.energy), " ",
+                     CoeffDtypeName(c.dtype), " refresh ", RefreshMethodName(c.refresh),
+                     " perplexity (windows)");
     po.progress = progress(what.c_str());
     absl::StatusOr<eval::ChunkedPerplexityResult> r =
         eval::ComputeChunkedPerplexity(model, **cache, eval, po);
@@ -401,7 +400,7 @@ absl::Status Run() {
         KeyBasisMethodName(r.c.mk), ValueBasisMethodName(r.c.mv), RefreshMethodName(r.c.refresh),
         (r.c.energy > 0 ? absl::StrCat(rank_str(r.rk), " (e", r.c.energy, ")") : rank_str(r.rk))
             .c_str(),
-        rank_str(r.rv).c_str(), DtypeName(r.c.dtype), r.ppl.ppl.perplexity,
+        rank_str(r.rv).c_str(), CoeffDtypeName(r.c.dtype), r.ppl.ppl.perplexity,
         100.0 * (r.ppl.ppl.perplexity / base_ppl - 1.0), r.ppl.Ratio(), r.block_ratio,
         mean(r.errors, [](const LayerErrors& x) { return x.key; }).Relative(),
         mean(r.errors, [](const LayerErrors& x) { return x.logit; }).Relative(),
@@ -436,7 +435,7 @@ absl::Status Run() {
         "%.3f of full fp16 per token (window %d; compressed blocks alone %.3f), ppl %.3f "
         "(%+.2f%%)\n",
         KeyBasisMethodName(best->c.mk), ValueBasisMethodName(best->c.mv),
-        rank_str(best->rk).c_str(), rank_str(best->rv).c_str(), DtypeName(best->c.dtype),
+        rank_str(best->rk).c_str(), rank_str(best->rv).c_str(), CoeffDtypeName(best->c.dtype),
         best->ppl.Ratio(), window, best->block_ratio, best->ppl.ppl.perplexity,
         100.0 * (best->ppl.ppl.perplexity / base_ppl - 1.0));
   } else {
@@ -456,7 +455,7 @@ absl::Status Run() {
     for (const Row& r : rows) {
       const std::string head =
           absl::StrCat(label, ",", KeyBasisMethodName(r.c.mk), ",", ValueBasisMethodName(r.c.mv),
-                       ",", r.c.rank, ",", r.c.energy, ",", DtypeName(r.c.dtype), ",");
+                       ",", r.c.rank, ",", r.c.energy, ",", CoeffDtypeName(r.c.dtype), ",");
       for (int l = -1; l < geom.n_layers; ++l) {
         const eval::ErrorSums k = l < 0 ? mean(r.errors, [](const LayerErrors& x) { return x.key; })
                                         : r.errors[static_cast<size_t>(l)].key;

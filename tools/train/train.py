@@ -116,7 +116,7 @@ def main():
         log("initialised from %s (step %d)" % (args.init_ckpt, ck["step"]))
     else:
         model = Llama(cfg)
-    retrieval = []
+    retrieval, mixer = [], None
     if args.data == "longctx":
         mixer = longctx.Mixer(sp, longctx.Texts(sp, train_ids), rng, args.seq, profile=args.mix)
         val_texts = longctx.Texts(sp, val_ids)
@@ -169,7 +169,6 @@ def main():
             json.dump({"config": cfg.__dict__, "step": step, "params": n_params,
                        "args": vars(args), "history": history}, f, indent=1)
 
-    n_body = args.seq - 1
     tokens_per_step = args.batch * args.seq
     t_start = time.time()
     t_saved = t_start
@@ -177,13 +176,6 @@ def main():
     last = min(args.steps, args.stop_at) if args.stop_at > 0 else args.steps
     fit_at = start + 13 if args.time_budget_min > 0 else -1  # 3 warm-up steps + 10 timed
     best_val = min([h["val_loss"] for h in history] or [float("inf")])
-
-    def batch_at(step):
-        if args.data == "longctx":
-            return np.array([mixer.sequence() for _ in range(args.batch)], dtype=np.int64)
-        offs = rng.integers(0, len(train_ids) - n_body - 1, size=args.batch)
-        return np.stack([np.concatenate(([eval_lib.BOS], train_ids[o:o + n_body]))
-                         for o in offs])
 
     batches = Batches(args, sp, train_ids, start) if args.workers > 0 else None
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
@@ -204,7 +196,7 @@ def main():
             t_timed = time.time()
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        seqs = batches.get(step) if batches else batch_at(step)
+        seqs = batches.get(step) if batches else make_batch(args, train_ids, rng, mixer)
         x = torch.from_numpy(seqs).to(device, non_blocking=True)
         with autocast:
             logits = model(x[:, :-1])
@@ -264,14 +256,18 @@ def _worker(args, train_ids, wid, start, queue):
     sp = spm.SentencePieceProcessor(model_file=args.tokenizer)
     rng = np.random.default_rng([args.seed, wid, start])
     mixer = longctx.Mixer(sp, longctx.Texts(sp, train_ids), rng, args.seq, profile=args.mix)
-    n_body = args.seq - 1
     while True:
-        if args.data == "longctx":
-            seqs = [mixer.sequence() for _ in range(args.batch)]
-        else:
-            offs = rng.integers(0, len(train_ids) - n_body - 1, size=args.batch)
-            seqs = [np.concatenate(([eval_lib.BOS], train_ids[o:o + n_body])) for o in offs]
-        queue.put(np.array(seqs, dtype=np.int64))
+        queue.put(make_batch(args, train_ids, rng, mixer))
+
+
+def make_batch(args, train_ids, rng, mixer):
+    """One training batch [batch, seq]: documents from `mixer` (--data longctx), or BOS and
+    a span of the train split at a random offset."""
+    if args.data == "longctx":
+        return np.array([mixer.sequence() for _ in range(args.batch)], dtype=np.int64)
+    n_body = args.seq - 1
+    offs = rng.integers(0, len(train_ids) - n_body - 1, size=args.batch)
+    return np.stack([np.concatenate(([eval_lib.BOS], train_ids[o:o + n_body])) for o in offs])
 
 
 class Batches:
