@@ -285,9 +285,11 @@ void QuantizeActivationRow(GgmlType act_type, const float* x, void* dst, int64_t
           max = x[j];
         }
       }
-      if (amax != 0.0f) {
-        // Scaled by the signed extreme so that it maps to -127 exactly (as ggml does).
-        const float iscale = -127.0f / max;
+      // Scaled by the signed extreme so that it maps to -127 exactly (as ggml does). Where
+      // that overflows (a block of subnormals at most), the block stays zero: ggml would
+      // convert NaN or infinity to int8 there.
+      const float iscale = amax != 0.0f ? -127.0f / max : 0.0f;
+      if (std::isfinite(iscale) && iscale != 0.0f) {
         for (int j = 0; j < kSuperBlock; ++j) {
           block.qs[j] = static_cast<int8_t>(std::min(127, NearestInt(iscale * x[j])));
         }
@@ -310,7 +312,10 @@ void QuantizeActivationRow(GgmlType act_type, const float* x, void* dst, int64_t
     float amax = 0.0f;
     for (int j = 0; j < kQuantBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
     const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    // 1 / d overflows for blocks of subnormals; their codes are 0 then (ggml would convert
+    // NaN or infinity to int8), and d rounds to 0 in fp16 anyway.
+    const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    const float id = std::isfinite(inverse) ? inverse : 0.0f;
     int8_t q[kQuantBlock];
     int sum = 0;
     for (int j = 0; j < kQuantBlock; ++j) {

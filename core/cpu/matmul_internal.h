@@ -6,7 +6,9 @@
 
 #include <cstdint>
 
+#include "absl/types/span.h"
 #include "core/base/weight.h"
+#include "core/cpu/ops.h"
 
 namespace subspace::cpu::internal {
 
@@ -47,6 +49,8 @@ int64_t DecodeMaxN(GgmlType type);
 // x: [n, w.cols], y: [n, w.rows]
 void MatMulDecode(const WeightMatrix& w, const float* x, int64_t n, float* y);
 void MatMulPrefill(const WeightMatrix& w, const float* x, int64_t n, float* y);
+// The decode path of MatMuls: every output in one parallel region.
+void MatMulsDecode(absl::Span<const MatMulOutput> outputs, const float* x, int64_t n);
 
 // Rows [first_row, first_row + num_rows) of w as fp32, on the calling thread.
 // dst: [num_rows, w.cols]
@@ -87,6 +91,12 @@ using QuantDot8Fn = void (*)(const uint8_t* rows, uint64_t row_bytes, const uint
 QuantDot8Fn QuantDot8KernelAvx2(GgmlType type);
 // sums[b] = the sum of the int8 codes of block b of a q8_0 activation row of n values.
 void ActivationBlockSums(const uint8_t* act, int64_t n, int32_t* sums);
+
+// QuantizeActivationRow (core/base) for q8_0, q8_1 and q8_K with AVX2, bit for bit; false (and
+// nothing written) for other types.
+bool QuantizeActivationRowAvx2(GgmlType act_type, const float* x, uint8_t* dst, int64_t n);
+// QuantizeActivationRow at the active ISA.
+void QuantizeActivations(GgmlType act_type, const float* x, uint8_t* dst, int64_t n);
 
 // Dequantizes n values of a row with AVX2 where written for `type` (q4_0, q5_0, iq4_nl, q3_K ..
 // q6_K), equal to DequantizeRow to fp32 rounding of the fused multiply-add; false (and

@@ -1,5 +1,5 @@
 // CPU kernels of the Llama forward pass. fp32 activations; weights are read in their
-// stored type (F32, F16, BF16, Q8_0). Each op has a plain-loop twin in the tests.
+// stored type (F32, F16, BF16 and the GGUF quantized types). Each op has a plain-loop twin in the tests.
 // Threads: every op may use all cores (OpenMP); callers must not call them from inside an
 // OpenMP parallel region. MatMul's prefill path calls OpenBLAS from each OpenMP thread and so
 // sets OpenBLAS itself to one thread (openblas_set_num_threads(1)) on first use: one thread
@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "absl/types/span.h"
 #include "core/base/rope.h"
 #include "core/base/weight.h"
 
@@ -22,6 +23,17 @@ void SetNumThreads(int num_threads);
 // Small n (decode) streams the weight rows once in their stored type; large n (prefill)
 // converts tiles of rows to fp32 and calls sgemm.
 void MatMul(const WeightMatrix& w, const float* x, int64_t n, float* y);
+
+// One weight and its output for MatMuls.   y: [n, w->rows]
+struct MatMulOutput {
+  const WeightMatrix* w;
+  float* y;
+};
+// MatMul for several weights that read the same x (a layer's Q, K and V projections, its gate
+// and up projections). At decode sizes x is quantized once per activation type and all rows
+// of all weights are split over the threads in one parallel region, instead of one fork and
+// join, one tail of idle threads and one quantization of x per weight.
+void MatMuls(absl::Span<const MatMulOutput> outputs, const float* x, int64_t n);
 
 // out[i, :] = table row tokens[i] as fp32.   table: [vocab, dim], out: [n, dim]
 void Embed(const WeightMatrix& table, const int32_t* tokens, int64_t n, float* out);

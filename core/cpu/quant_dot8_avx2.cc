@@ -89,14 +89,15 @@ SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8
   // The eight rows are one contiguous region, read as eight interleaved streams, which the
   // hardware prefetcher follows poorly when rows are short (2048 values: 1152 bytes). Prefetch
   // the next group's region in order instead, spread over this group's blocks.
+  // A fixed count per block (no inner loop): the block's share of the next region, rounded
+  // up, plus one line for the rounding of the share itself.
   const int64_t blocks_per_row = n / kQuantBlock;
   const char* next = reinterpret_cast<const char*>(rows + 8 * row_bytes);
-  const int64_t next_lines = static_cast<int64_t>(8 * row_bytes / 64);
-  const int64_t lines_per_block = (next_lines + blocks_per_row - 1) / blocks_per_row;
+  const uint64_t share = (8 * row_bytes + blocks_per_row - 1) / blocks_per_row;
+  constexpr int kLinesPerBlock = static_cast<int>((8 * L::kBytes + 63) / 64) + 1;
   for (int64_t b = 0; b < blocks_per_row; ++b) {
-    for (int64_t i = 0; i < lines_per_block; ++i) {
-      _mm_prefetch(next + (b * lines_per_block + i) * 64, _MM_HINT_T0);
-    }
+#pragma GCC unroll 8
+    for (int i = 0; i < kLinesPerBlock; ++i) _mm_prefetch(next + b * share + 64 * i, _MM_HINT_T0);
     const uint8_t* blocks[8];
     const uint8_t* codes[8];
     for (int r = 0; r < 8; ++r) {
@@ -159,6 +160,10 @@ SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8
       const uint8_t* y = act + j * act_stride + b * L::kActBytes;
       const int8_t* yq = reinterpret_cast<const int8_t*>(y + L::kActCodes);
       __m256i dots = _mm256_setzero_si256();
+      // Unsigned codes: int16 pair sums of 4-bit codes (at most 2 * 15 * 127 = 3810) add up
+      // over all four chunks before one widening madd, 5-bit codes (7874) over two.
+      constexpr int kChunksPerMadd = L::kFifthBit ? 2 : 4;
+      __m256i pair_sums = _mm256_setzero_si256();
 #pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
         int32_t y_lo, y_hi;
@@ -180,7 +185,11 @@ SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8
           pairs =
               _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], bl), _mm256_maddubs_epi16(hi[k], bh));
         }
-        dots = _mm256_add_epi32(dots, _mm256_madd_epi16(pairs, ones16));
+        pair_sums = _mm256_add_epi16(pair_sums, pairs);
+        if ((k + 1) % kChunksPerMadd == 0) {
+          dots = _mm256_add_epi32(dots, _mm256_madd_epi16(pair_sums, ones16));
+          pair_sums = _mm256_setzero_si256();
+        }
       }
       if constexpr (L::kOffset != 0) {
         // sum((q - offset) y) = sum(q y) - offset sum(y).

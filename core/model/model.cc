@@ -286,9 +286,8 @@ absl::Status LlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBa
   for (int l = 0; l < c.n_layers; ++l) {
     const Layer& layer = layers_[static_cast<size_t>(l)];
     cpu::RmsNorm(x, layer.attn_norm, t_rows, dim, c.rms_eps, xn);
-    cpu::MatMul(layer.wq, xn, t_rows, ws.q.data());
-    cpu::MatMul(layer.wk, xn, t_rows, ws.k.data());
-    cpu::MatMul(layer.wv, xn, t_rows, ws.v.data());
+    cpu::MatMuls({{&layer.wq, ws.q.data()}, {&layer.wk, ws.k.data()}, {&layer.wv, ws.v.data()}}, xn,
+                 t_rows);
     if (layer.bq != nullptr) {
       cpu::AddBias(ws.q.data(), layer.bq, t_rows, q_width);
       cpu::AddBias(ws.k.data(), layer.bk, t_rows, kv_width);
@@ -314,8 +313,7 @@ absl::Status LlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBa
     cpu::AddInPlace(x, proj, t_rows * dim);
 
     cpu::RmsNorm(x, layer.ffn_norm, t_rows, dim, c.rms_eps, xn);
-    cpu::MatMul(layer.w_gate, xn, t_rows, ws.gate.data());
-    cpu::MatMul(layer.w_up, xn, t_rows, ws.up.data());
+    cpu::MatMuls({{&layer.w_gate, ws.gate.data()}, {&layer.w_up, ws.up.data()}}, xn, t_rows);
     cpu::SwiGlu(ws.gate.data(), ws.up.data(), t_rows * c.ffn_dim, ws.hidden.data());
     cpu::MatMul(layer.w_down, ws.hidden.data(), t_rows, proj);
     cpu::AddInPlace(x, proj, t_rows * dim);

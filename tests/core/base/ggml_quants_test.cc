@@ -349,5 +349,56 @@ TEST(GgmlQuantsRandomTest, Q3KScaleUnpackingCoversAllSixBits) {
   }
 }
 
+// The AVX2 activation quantizer is the scalar one, byte for byte: random rows at several
+// magnitudes, plus rows built to hit its edges: codes exactly halfway between two integers
+// (q8_0 rounds those away from zero, q8_K to even), all-zero blocks, a largest magnitude held
+// by a positive and a negative value (q8_K takes the first), subnormals.
+TEST(GgmlQuantsRandomTest, Avx2ActivationQuantizerEqualsTheScalarOne) {
+  if (cpu::internal::DetectedIsa() < cpu::internal::Isa::kAvx2) GTEST_SKIP() << "no AVX2";
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> code(-127, 127);
+  constexpr int64_t n = 1024;
+  std::vector<std::vector<float>> rows;
+  for (float magnitude : {1e-3f, 1.0f, 300.0f}) {
+    std::vector<float> x(n);
+    for (auto& v : x) v = magnitude * normal(rng);
+    rows.push_back(x);
+  }
+  {
+    // Halves: with the largest value 127 the scale is 1, so k + 0.5 stays k + 0.5.
+    std::vector<float> x(n);
+    for (int64_t i = 0; i < n; ++i) x[i] = i % 32 == 0 ? 127.0f : code(rng) / 2 + 0.5f;
+    rows.push_back(x);
+    for (auto& v : x) v = -v;
+    rows.push_back(x);
+  }
+  {
+    std::vector<float> x(n, 0.0f);
+    for (int64_t i = 512; i < n; ++i) x[i] = normal(rng);
+    x[600] = 10.0f;  // ties for the largest magnitude, either sign first
+    x[700] = -10.0f;
+    x[800] = -12.0f;
+    x[900] = 12.0f;
+    x[300] = 1e-40f;  // a subnormal in an otherwise zero block
+    rows.push_back(x);
+  }
+  for (GgmlType act_type : {GgmlType::kQ8_0, GgmlType::kQ8_1, GgmlType::kQ8_K}) {
+    const uint64_t bytes = GgmlRowBytes(act_type, n);
+    for (size_t r = 0; r < rows.size(); ++r) {
+      std::vector<uint8_t> scalar(bytes, 0xAA), avx2(bytes, 0x55);
+      QuantizeActivationRow(act_type, rows[r].data(), scalar.data(), n);
+      ASSERT_TRUE(
+          cpu::internal::QuantizeActivationRowAvx2(act_type, rows[r].data(), avx2.data(), n));
+      for (uint64_t i = 0; i < bytes; ++i) {
+        ASSERT_EQ(scalar[i], avx2[i]) << GgmlTypeName(act_type) << " row " << r << " byte " << i;
+      }
+    }
+  }
+  std::vector<uint8_t> unused(GgmlRowBytes(GgmlType::kQ8_0, n));
+  EXPECT_FALSE(
+      cpu::internal::QuantizeActivationRowAvx2(GgmlType::kQ4_0, rows[0].data(), unused.data(), n));
+}
+
 }  // namespace
 }  // namespace subspace

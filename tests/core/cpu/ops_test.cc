@@ -413,6 +413,50 @@ TEST(MatMulThreadsTest, AnyThreadCountGivesTheSameResult) {
   }
 }
 
+// MatMuls (several weights over one x, one parallel region at decode sizes) is MatMul per
+// weight, to the bit: mixed types reading different activation formats (q8_0, q8_1, q8_K,
+// none), shapes that are not multiples of the kernels' row groups, an empty weight, decode
+// and prefill batch sizes, both ISAs and several thread counts.
+TEST(MatMulsTest, EqualsOneMatMulPerWeight) {
+  const int64_t cols = 512;
+  std::vector<TestWeight> weights;
+  weights.push_back(MakeWeight(GgmlType::kQ4_0, 301, cols, 21, 1));
+  weights.push_back(MakeWeight(GgmlType::kQ4_1, 75, cols, 22, 0));
+  weights.push_back(MakeWeight(GgmlType::kQ6_K, 130, cols, 23, 1));
+  weights.push_back(MakeWeight(GgmlType::kF16, 97, cols, 24, 0));
+  weights.push_back(MakeWeight(GgmlType::kQ8_0, 0, cols, 25, 0));
+  weights.push_back(MakeWeight(GgmlType::kQ5_0, 64, cols, 26, 1));
+  for (Isa isa : IsasToTest()) {
+    ScopedMaxIsa cap(isa);
+    for (int64_t n : {1, 3, 40}) {
+      const std::vector<float> x = RandomFloats(n * cols, 27);
+      for (int threads : {1, 3, 0}) {
+        SetNumThreads(threads);
+        SCOPED_TRACE(std::string(IsaName(isa)) + " n=" + std::to_string(n) +
+                     " threads=" + std::to_string(threads));
+        std::vector<std::vector<float>> want(weights.size()), got(weights.size());
+        std::vector<MatMulOutput> outputs;
+        for (size_t i = 0; i < weights.size(); ++i) {
+          const int64_t rows = weights[i].w.rows;
+          want[i].assign(n * rows, kNan);
+          got[i].assign(n * rows, kNan);
+          MatMul(weights[i].w, x.data(), n, want[i].data());
+          outputs.push_back({&weights[i].w, got[i].data()});
+        }
+        MatMuls(outputs, x.data(), n);
+        for (size_t i = 0; i < weights.size(); ++i) {
+          for (size_t k = 0; k < want[i].size(); ++k) {
+            ASSERT_EQ(std::memcmp(&got[i][k], &want[i][k], sizeof(float)), 0)
+                << GgmlTypeName(weights[i].w.type) << " element " << k << ": " << got[i][k]
+                << " vs " << want[i][k];
+          }
+        }
+      }
+    }
+  }
+  SetNumThreads(0);
+}
+
 TEST(MatMulIsaTest, ScopedMaxIsaRestores) {
   const Isa before = internal::ActiveIsa();
   {
