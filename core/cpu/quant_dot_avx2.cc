@@ -116,6 +116,11 @@ SUBSPACE_AVX2 inline __m256i MinsTimesSums(const uint8_t* mins, const uint8_t* b
   return _mm256_madd_epi16(m16, Load256(bsums));
 }
 
+// v shifted left by `bits` within each 16-bit lane (right where `bits` is negative).
+SUBSPACE_AVX2 inline __m256i ShiftLeft(__m256i v, int bits) {
+  return bits >= 0 ? _mm256_slli_epi16(v, bits) : _mm256_srli_epi16(v, -bits);
+}
+
 // q4_K (kFifthBit false) and q5_K (true) against q8_K.
 template <bool kFifthBit>
 SUBSPACE_AVX2 float DotQ4KOrQ5K(const uint8_t* row, const uint8_t* act, int64_t n) {
@@ -123,7 +128,7 @@ SUBSPACE_AVX2 float DotQ4KOrQ5K(const uint8_t* row, const uint8_t* act, int64_t 
   __m256 acc = _mm256_setzero_ps();
   __m256 acc_mins = _mm256_setzero_ps();
   const __m256i low_mask = _mm256_set1_epi8(0xF);
-  const __m256i one = _mm256_set1_epi8(1);
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
   for (int64_t b = 0; b < n / kSuperBlock; ++b) {
     const uint8_t* x = row + b * sizeof(Block);
     _mm_prefetch(reinterpret_cast<const char*>(x) + 1024, _MM_HINT_T0);
@@ -138,6 +143,11 @@ SUBSPACE_AVX2 float DotQ4KOrQ5K(const uint8_t* row, const uint8_t* act, int64_t 
     const __m256i mins = MinsTimesSums(min, y + offsetof(BlockQ8_K, bsums));
     acc_mins =
         _mm256_fmadd_ps(_mm256_set1_ps(Half(x + 2) * yd), _mm256_cvtepi32_ps(mins), acc_mins);
+    // The eight scales as int16 in both halves; one shuffle broadcasts scale s.
+    int64_t scale8;
+    std::memcpy(&scale8, scale, 8);
+    const __m256i scales16 =
+        _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(scale8)));
     const uint8_t* qs = x + offsetof(Block, qs);
     __m256i qh;
     if constexpr (kFifthBit) qh = Load256(x + offsetof(BlockQ5_K, qh));
@@ -148,16 +158,19 @@ SUBSPACE_AVX2 float DotQ4KOrQ5K(const uint8_t* row, const uint8_t* act, int64_t 
       __m256i lo = _mm256_and_si256(bytes, low_mask);
       __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
       if constexpr (kFifthBit) {
-        // Fifth bits: bit 2j (low nibbles) and 2j + 1 (high) of each qh byte, moved to bit 4.
-        lo = _mm256_or_si256(
-            lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
-        hi = _mm256_or_si256(
-            hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+        // Fifth bits: bit 2j (low nibbles) and 2j + 1 (high) of each qh byte, moved to bit 4
+        // by one shift (16-bit shifts of at most 4 keep bit 4 of each byte within its byte).
+        lo = _mm256_or_si256(lo, _mm256_and_si256(ShiftLeft(qh, 4 - 2 * j), bit4));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(ShiftLeft(qh, 3 - 2 * j), bit4));
       }
       const __m256i p_lo = _mm256_maddubs_epi16(lo, Load256(yq + 64 * j));
       const __m256i p_hi = _mm256_maddubs_epi16(hi, Load256(yq + 64 * j + 32));
-      sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p_lo, _mm256_set1_epi16(scale[2 * j])));
-      sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p_hi, _mm256_set1_epi16(scale[2 * j + 1])));
+      const __m256i s_lo =
+          _mm256_shuffle_epi8(scales16, _mm256_set1_epi16(0x0100 + 0x0202 * 2 * j));
+      const __m256i s_hi =
+          _mm256_shuffle_epi8(scales16, _mm256_set1_epi16(0x0100 + 0x0202 * (2 * j + 1)));
+      sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p_lo, s_lo));
+      sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p_hi, s_hi));
     }
     acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(x) * yd), _mm256_cvtepi32_ps(sumi), acc);
   }
@@ -189,7 +202,7 @@ SUBSPACE_AVX2 inline __m256i SubBlockDots16(__m256i scales16, const int8_t* yq, 
 SUBSPACE_AVX2 float DotQ6K(const uint8_t* row, const uint8_t* act, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   const __m256i low_mask = _mm256_set1_epi8(0xF);
-  const __m256i two_bits = _mm256_set1_epi8(3);
+  const __m256i high_bits = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < n / kSuperBlock; ++b) {
     const uint8_t* x = row + b * sizeof(BlockQ6_K);
     for (int i = 0; i < 4; ++i) {
@@ -209,8 +222,8 @@ SUBSPACE_AVX2 float DotQ6K(const uint8_t* row, const uint8_t* act, int64_t n) {
       const __m256i low4 = k < 2 ? _mm256_and_si256(src, low_mask)
                                  : _mm256_and_si256(_mm256_srli_epi16(src, 4), low_mask);
       const __m256i qh = Load256(x + offsetof(BlockQ6_K, qh) + 32 * half);
-      const __m256i high2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two_bits);
-      return _mm256_or_si256(low4, _mm256_slli_epi16(high2, 4));
+      // Bits 2k, 2k + 1 of each qh byte to bits 4, 5 in one shift (see ShiftLeft's callers).
+      return _mm256_or_si256(low4, _mm256_and_si256(ShiftLeft(qh, 4 - 2 * k), high_bits));
     });
     sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(x + offsetof(BlockQ6_K, d)) * yd),
