@@ -199,6 +199,21 @@ absl::StatusOr<KindResult> MeasureKind(const std::shared_ptr<LlamaModel>& cpu_mo
   return result;
 }
 
+// Weight bytes one decode step streams: every layer matrix and the output head (the token
+// embedding only gives one row a token, unless it is the output head too).
+uint64_t DecodeWeightBytes(const LlamaModel& model) {
+  const auto bytes = [](const WeightMatrix& w) {
+    return static_cast<uint64_t>(w.rows) * w.row_bytes();
+  };
+  uint64_t total = bytes(model.output());
+  for (const LlamaModel::Layer& l : model.layers()) {
+    for (const WeightMatrix* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
+      total += bytes(*w);
+    }
+  }
+  return total;
+}
+
 void PrintTables(const BenchConfig& config, const std::vector<KindResult>& results) {
   std::printf(
       "| batch | KV cache   | prefill tokens/s | decode tokens/s | decode ms/step "
@@ -290,6 +305,16 @@ absl::Status Run() {
   std::printf("prompt %d tokens, decode %d tokens, best of %d; KV bytes at the end of decode\n\n",
               config.prompt_len, config.decode_len, config.repeats);
   PrintTables(config, results);
+  // Decode on the CPU is a stream of the weights: their read rate at batch 1, for a
+  // comparison with the machine's read bandwidth (subspace-bench-matmul prints it).
+  const uint64_t weight_bytes = DecodeWeightBytes(*cpu_model);
+  for (const KindResult& r : results) {
+    for (size_t i = 0; i < config.batches.size(); ++i) {
+      if (config.batches[i] != 1 || r.cells[i].decode_tps <= 0) continue;
+      std::printf("\ndecode weight reads (%s, batch 1): %.1f MB a step, %.1f GB/s\n",
+                  r.kind.c_str(), weight_bytes / 1e6, weight_bytes * r.cells[i].decode_tps / 1e9);
+    }
+  }
   return absl::OkStatus();
 }
 

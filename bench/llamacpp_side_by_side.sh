@@ -46,8 +46,12 @@ echo "# $(date -u +%Y-%m-%d), $(lscpu | sed -n 's/^Model name: *//p'), $threads 
 echo "# 1 B random-weight Llama (dim 2048, 16 layers, 32/8 heads, FFN 8192, vocab 32000)," \
   "prompt $prompt, generate $gen, best of $repeats (ours) / mean of $repeats (llama-bench)"
 echo
-echo "| type | file MiB | prefill ours | prefill llama.cpp | ratio | decode ours | decode llama.cpp | ratio |"
-echo "|---|--:|--:|--:|--:|--:|--:|--:|"
+echo "# weight GB/s: the weights our decode step streams x decode tokens/s, next to the machine's"
+echo "# read bandwidth (subspace-bench-matmul, a 512 MiB buffer read by $threads threads) measured"
+echo "# just before each type's run"
+echo
+echo "| type | file MiB | prefill ours | prefill llama.cpp | ratio | decode ours | decode llama.cpp | ratio | weight GB/s ours | read bandwidth GB/s | fraction |"
+echo "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
 for type in $types; do
   file=$work/llama1b-$type.gguf
   if [[ ! -f $file ]]; then
@@ -58,13 +62,18 @@ for type in $types; do
     -r "$repeats" -o csv 2>/dev/null | tr -d '"')
   ll_pp=$(awk -F, -v p="$prompt" '$26 == p && $27 == 0 {printf "%.1f", $31}' <<<"$csv")
   ll_tg=$(awk -F, -v g="$gen" '$26 == 0 && $27 == g {printf "%.1f", $31}' <<<"$csv")
+  bw=$(OMP_NUM_THREADS=$threads build/bin/subspace-bench-matmul --types=f32 --shapes=256x256 \
+    --ns=1 --min-time=0.05 2>/dev/null | sed -n 's/.*read bandwidth \([0-9.]*\) GB\/s.*/\1/p')
   # subspace-bench-cpu's row: | batch | cache | prefill tok/s | decode tok/s | ...
-  row=$(OMP_NUM_THREADS=$threads "$ours" --model "$file" --batch 1 --kv-cache full \
-    --prompt-tokens "$prompt" --decode-tokens "$gen" --repeats "$repeats" 2>/dev/null |
-    grep -E '^\| +1 \| full')
+  out=$(OMP_NUM_THREADS=$threads "$ours" --model "$file" --batch 1 --kv-cache full \
+    --prompt-tokens "$prompt" --decode-tokens "$gen" --repeats "$repeats" 2>/dev/null)
+  row=$(grep -E '^\| +1 \| full' <<<"$out")
   our_pp=$(awk -F'|' '{gsub(/ /, "", $4); print $4}' <<<"$row")
   our_tg=$(awk -F'|' '{gsub(/ /, "", $5); print $5}' <<<"$row")
+  our_gbs=$(sed -n 's/^decode weight reads (full, batch 1): .*, \([0-9.]*\) GB\/s$/\1/p' <<<"$out")
   mib=$(( $(stat -L -c %s "$file") / 1048576 ))
   awk -v t="$type" -v m="$mib" -v a="$our_pp" -v b="$ll_pp" -v c="$our_tg" -v d="$ll_tg" \
-    'BEGIN {printf "| %s | %d | %s | %s | %.2fx | %s | %s | %.2fx |\n", t, m, a, b, a / b, c, d, c / d}'
+    -v g="$our_gbs" -v w="$bw" 'BEGIN {
+      printf "| %s | %d | %s | %s | %.2fx | %s | %s | %.2fx | %s | %s | %.0f %% |\n",
+        t, m, a, b, a / b, c, d, c / d, g, w, 100 * g / w}'
 done
