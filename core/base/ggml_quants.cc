@@ -335,26 +335,25 @@ void QuantizeActivationRow(GgmlType act_type, const float* x, void* dst, int64_t
   }
 }
 
-void RoundTripActivations(GgmlType weight_type, const float* x, float* out, int64_t n) {
-  const GgmlType act_type = DotActivationType(weight_type);
+void DecodeActivationRow(GgmlType act_type, const void* src, float* out, int64_t n) {
+  const auto* in = static_cast<const uint8_t*>(src);
   const int64_t block = GgmlBlockElems(act_type);
-  uint8_t buffer[sizeof(BlockQ8_K)];
-  for (int64_t b = 0; b < n / block; ++b) {
-    QuantizeActivationRow(act_type, x + b * block, buffer, block);
+  const uint64_t block_bytes = GgmlBlockBytes(act_type);
+  for (int64_t b = 0; b < n / block; ++b, in += block_bytes, out += block) {
     float d;
     const int8_t* q;
     if (act_type == GgmlType::kQ8_K) {
-      std::memcpy(&d, buffer, 4);
-      q = reinterpret_cast<const int8_t*>(buffer + offsetof(BlockQ8_K, qs));
+      std::memcpy(&d, in, 4);
+      q = reinterpret_cast<const int8_t*>(in + offsetof(BlockQ8_K, qs));
     } else {
       // q8_1's stored sum s = d * sum(q) is in fp16; the dot product uses it for the weights'
       // mins where a decoded row would use d16 * sum(q): the two paths differ by that rounding.
       uint16_t d16;
-      std::memcpy(&d16, buffer, 2);
+      std::memcpy(&d16, in, 2);
       d = Fp16ToFp32(d16);
-      q = reinterpret_cast<const int8_t*>(buffer + (act_type == GgmlType::kQ8_1 ? 4 : 2));
+      q = reinterpret_cast<const int8_t*>(in + (act_type == GgmlType::kQ8_1 ? 4 : 2));
     }
-    for (int64_t i = 0; i < block; ++i) out[b * block + i] = d * static_cast<float>(q[i]);
+    for (int64_t i = 0; i < block; ++i) out[i] = d * static_cast<float>(q[i]);
   }
 }
 

@@ -116,11 +116,11 @@ GgmlType DotActivationType(GgmlType weight_type);
 // kQ8_K) as ggml's reference quantizers do. dst: GgmlRowBytes(act_type, n) bytes.
 void QuantizeActivationRow(GgmlType act_type, const float* x, void* dst, int64_t n);
 
-// x as a quantized weight type's dot product sees it: quantized to DotActivationType(weight_type)
-// and decoded back (q * d). The prefill path feeds these to sgemm so that a matmul gives the
-// same result whichever path computes it (not for q4_1 / q5_1, whose dots use q8_1's fp16 sum:
-// MatMul keeps those on the integer path).
-void RoundTripActivations(GgmlType weight_type, const float* x, float* out, int64_t n);
+// n activations quantized to `act_type` (QuantizeActivationRow's output), decoded back: q * d.
+// With the quantizer, x as a quantized weight type's dot product sees it: the prefill path
+// feeds these to sgemm so that a matmul gives the same result whichever path computes it (not
+// for q4_1 / q5_1, whose dots use q8_1's fp16 sum: MatMul keeps those on the integer path).
+void DecodeActivationRow(GgmlType act_type, const void* src, float* out, int64_t n);
 
 // dot(weight row, activation row) for n values: `row` holds n values of `type`, `act` n values
 // of DotActivationType(type). Integer sums per block, combined in fp32 as ggml's reference

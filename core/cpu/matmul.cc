@@ -444,9 +444,17 @@ void MatMulPrefill(const WeightMatrix& w, const float* x, int64_t n, float* y) {
     thread_local std::vector<float> rounded_buffer;
     rounded_buffer.resize(static_cast<size_t>(n * w.cols));
     float* rounded = rounded_buffer.data();  // the OpenMP threads share the caller's buffer
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 1)
-    for (int64_t j = 0; j < n; ++j) {
-      RoundTripActivations(w.type, x + j * w.cols, rounded + j * w.cols, w.cols);
+    const GgmlType act_type = DotActivationType(w.type);
+    const uint64_t act_bytes = GgmlRowBytes(act_type, w.cols);
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
+    {
+      thread_local std::vector<uint8_t> quantized;  // one row, per thread
+      quantized.resize(act_bytes);
+#pragma omp for schedule(static)
+      for (int64_t j = 0; j < n; ++j) {
+        QuantizeActivations(act_type, x + j * w.cols, quantized.data(), w.cols);
+        DecodeActivationRow(act_type, quantized.data(), rounded + j * w.cols, w.cols);
+      }
     }
     x = rounded;
   }
