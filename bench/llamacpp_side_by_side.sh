@@ -36,6 +36,12 @@ ours=build/bin/subspace-bench-cpu
 [[ -x $ours ]] || { echo "build Subspace first: scripts/build.sh" >&2; exit 1; }
 commit=${LLAMA_COMMIT:-$(git -C "$llama" rev-parse --short=8 HEAD 2>/dev/null || echo unknown)}
 
+# The machine's sustained read bandwidth now, GB/s.
+read_bandwidth() {
+  OMP_NUM_THREADS=$threads build/bin/subspace-bench-matmul --types=f32 --shapes=256x256 \
+    --ns=1 --min-time=0.05 2>/dev/null | sed -n 's/.*read bandwidth \([0-9.]*\) GB\/s.*/\1/p'
+}
+
 f16=$work/llama1b-F16.gguf
 if [[ ! -f $f16 ]]; then
   python3 bench/make_random_llama.py --out "$f16" --ctx 4096 >&2
@@ -47,8 +53,8 @@ echo "# 1 B random-weight Llama (dim 2048, 16 layers, 32/8 heads, FFN 8192, voca
   "prompt $prompt, generate $gen, best of $repeats (ours) / mean of $repeats (llama-bench)"
 echo
 echo "# weight GB/s: the weights our decode step streams x decode tokens/s, next to the machine's"
-echo "# read bandwidth (subspace-bench-matmul, a 512 MiB buffer read by $threads threads) measured"
-echo "# just before each type's run"
+echo "# sustained read bandwidth (subspace-bench-matmul: median of 512 MiB reads by $threads"
+echo "# threads), measured just before and just after our run of each type, averaged"
 echo
 echo "| type | file MiB | prefill ours | prefill llama.cpp | ratio | decode ours | decode llama.cpp | ratio | weight GB/s ours | read bandwidth GB/s | fraction |"
 echo "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
@@ -62,14 +68,15 @@ for type in $types; do
     -r "$repeats" -o csv 2>/dev/null | tr -d '"')
   ll_pp=$(awk -F, -v p="$prompt" '$26 == p && $27 == 0 {printf "%.1f", $31}' <<<"$csv")
   ll_tg=$(awk -F, -v g="$gen" '$26 == 0 && $27 == g {printf "%.1f", $31}' <<<"$csv")
-  bw=$(OMP_NUM_THREADS=$threads build/bin/subspace-bench-matmul --types=f32 --shapes=256x256 \
-    --ns=1 --min-time=0.05 2>/dev/null | sed -n 's/.*read bandwidth \([0-9.]*\) GB\/s.*/\1/p')
+  bw_before=$(read_bandwidth)
   # subspace-bench-cpu's row: | batch | cache | prefill tok/s | decode tok/s | ...
   out=$(OMP_NUM_THREADS=$threads "$ours" --model "$file" --batch 1 --kv-cache full \
     --prompt-tokens "$prompt" --decode-tokens "$gen" --repeats "$repeats" 2>/dev/null)
   row=$(grep -E '^\| +1 \| full' <<<"$out")
   our_pp=$(awk -F'|' '{gsub(/ /, "", $4); print $4}' <<<"$row")
   our_tg=$(awk -F'|' '{gsub(/ /, "", $5); print $5}' <<<"$row")
+  bw_after=$(read_bandwidth)
+  bw=$(awk -v a="$bw_before" -v b="$bw_after" 'BEGIN {printf "%.1f", (a + b) / 2}')
   our_gbs=$(sed -n 's/^decode weight reads (full, batch 1): .*, \([0-9.]*\) GB\/s$/\1/p' <<<"$out")
   mib=$(( $(stat -L -c %s "$file") / 1048576 ))
   awk -v t="$type" -v m="$mib" -v a="$our_pp" -v b="$ll_pp" -v c="$our_tg" -v d="$ll_tg" \
