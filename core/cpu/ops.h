@@ -1,6 +1,6 @@
 // CPU kernels of the Llama forward pass. fp32 activations; weights are read in their
-// stored type (F32, F16, BF16 and the GGUF quantized types). Each op has a plain-loop twin in the tests.
-// Threads: every op may use all cores (OpenMP); callers must not call them from inside an
+// stored type (F32, F16, BF16 and the GGUF quantized types). Each op has a plain-loop twin in the
+// tests. Threads: every op may use all cores (OpenMP); callers must not call them from inside an
 // OpenMP parallel region. MatMul's prefill path calls OpenBLAS from each OpenMP thread and so
 // sets OpenBLAS itself to one thread (openblas_set_num_threads(1)) on first use: one thread
 // pool serves every op, instead of two pools spinning against each other.
