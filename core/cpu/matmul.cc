@@ -477,8 +477,11 @@ void MatMul(const WeightMatrix& w, const float* x, int64_t n, float* y) {
 }
 
 void MatMuls(absl::Span<const MatMulOutput> outputs, const float* x, int64_t n) {
+  // One x for all: weights of different widths (a caller's mistake) go one call each.
   bool all_decode = true;
-  for (const MatMulOutput& out : outputs) all_decode &= n <= internal::DecodeMaxN(out.w->type);
+  for (const MatMulOutput& out : outputs) {
+    all_decode &= n <= internal::DecodeMaxN(out.w->type) && out.w->cols == outputs[0].w->cols;
+  }
   if (all_decode) {
     internal::MatMulsDecode(outputs, x, n);
     return;

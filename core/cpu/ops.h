@@ -30,9 +30,10 @@ struct MatMulOutput {
   float* y;
 };
 // MatMul for several weights that read the same x (a layer's Q, K and V projections, its gate
-// and up projections). At decode sizes x is quantized once per activation type and all rows
-// of all weights are split over the threads in one parallel region, instead of one fork and
-// join, one tail of idle threads and one quantization of x per weight.
+// and up projections). At decode sizes, with equal w->cols, x is quantized once per activation
+// type and all rows of all weights are split over the threads in one parallel region, instead
+// of one fork and join, one tail of idle threads and one quantization of x per weight; weights
+// of other widths get one MatMul each.
 void MatMuls(absl::Span<const MatMulOutput> outputs, const float* x, int64_t n);
 
 // out[i, :] = table row tokens[i] as fp32.   table: [vocab, dim], out: [n, dim]

@@ -457,6 +457,22 @@ TEST(MatMulsTest, EqualsOneMatMulPerWeight) {
   SetNumThreads(0);
 }
 
+// Weights of different widths cannot share one quantized x: MatMuls then runs one MatMul each
+// (each reads x with its own row length), rather than reading past the quantized rows.
+TEST(MatMulsTest, DifferentWidthsRunOneCallEach) {
+  const TestWeight wide = MakeWeight(GgmlType::kQ4_0, 40, 512, 31, 0);
+  const TestWeight narrow = MakeWeight(GgmlType::kQ8_0, 24, 256, 32, 0);
+  const int64_t n = 2;
+  const std::vector<float> x = RandomFloats(n * 512, 33);
+  std::vector<float> want_wide(n * 40), want_narrow(n * 24), got_wide(n * 40, kNan),
+      got_narrow(n * 24, kNan);
+  MatMul(wide.w, x.data(), n, want_wide.data());
+  MatMul(narrow.w, x.data(), n, want_narrow.data());
+  MatMuls({{&wide.w, got_wide.data()}, {&narrow.w, got_narrow.data()}}, x.data(), n);
+  EXPECT_EQ(std::memcmp(got_wide.data(), want_wide.data(), want_wide.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(got_narrow.data(), want_narrow.data(), want_narrow.size() * 4), 0);
+}
+
 TEST(MatMulIsaTest, ScopedMaxIsaRestores) {
   const Isa before = internal::ActiveIsa();
   {
