@@ -298,25 +298,20 @@ struct DecodeJob {
 };
 
 // x quantized to each activation type a call's weights read, per thread and reused across
-// calls (a fresh buffer per call would page-fault).
+// calls (a fresh buffer per call would page-fault); `ready` marks what this call filled.
 struct ActivationBuffers {
-  std::vector<uint8_t> q8_0, q8_1, q8_k;
+  struct Quantized {
+    std::vector<uint8_t> bytes;
+    bool ready = false;
+  };
+  Quantized q8_0, q8_1, q8_k;
   std::vector<int32_t> q8_0_sums;  // block sums of q8_0, for q4_0 and q5_0's eight-row kernels
-  bool has_q8_0 = false, has_q8_1 = false, has_q8_k = false, has_sums = false;
+  bool sums_ready = false;
 
-  std::vector<uint8_t>& For(GgmlType act_type, bool** ready) {
-    switch (act_type) {
-      case GgmlType::kQ8_1:
-        *ready = &has_q8_1;
-        return q8_1;
-      case GgmlType::kQ8_K:
-        *ready = &has_q8_k;
-        return q8_k;
-      default:
-        *ready = &has_q8_0;
-        return q8_0;
-    }
+  Quantized& For(GgmlType act_type) {
+    return act_type == GgmlType::kQ8_1 ? q8_1 : act_type == GgmlType::kQ8_K ? q8_k : q8_0;
   }
+  void NewCall() { q8_0.ready = q8_1.ready = q8_k.ready = sums_ready = false; }
 };
 
 DecodeJob PrepareDecodeJob(const WeightMatrix& w, const float* x, int64_t n, float* y,
@@ -330,16 +325,15 @@ DecodeJob PrepareDecodeJob(const WeightMatrix& w, const float* x, int64_t n, flo
   }
   const GgmlType act_type = DotActivationType(w.type);
   job.act_bytes = GgmlRowBytes(act_type, w.cols);
-  bool* ready = nullptr;
-  std::vector<uint8_t>& act = buffers.For(act_type, &ready);
-  if (!*ready) {
-    act.resize(static_cast<size_t>(n) * job.act_bytes);
+  ActivationBuffers::Quantized& act = buffers.For(act_type);
+  if (!act.ready) {
+    act.bytes.resize(static_cast<size_t>(n) * job.act_bytes);
     for (int64_t j = 0; j < n; ++j) {
-      QuantizeActivations(act_type, x + j * w.cols, act.data() + j * job.act_bytes, w.cols);
+      QuantizeActivations(act_type, x + j * w.cols, act.bytes.data() + j * job.act_bytes, w.cols);
     }
-    *ready = true;
+    act.ready = true;
   }
-  job.act = act.data();
+  job.act = act.bytes.data();
   job.dot = QuantDotKernel(w.type);
   // q8_0 reads its rows fastest one at a time (they are dense already); from two activation
   // rows on, sharing the transposed rows wins.
@@ -348,13 +342,13 @@ DecodeJob PrepareDecodeJob(const WeightMatrix& w, const float* x, int64_t n, flo
   // Block sums of the activation codes, for the eight-row kernels of offset types (q4_0, q5_0).
   if (job.dot8 != nullptr && (w.type == GgmlType::kQ4_0 || w.type == GgmlType::kQ5_0)) {
     const int64_t blocks = w.cols / kQuantBlock;
-    if (!buffers.has_sums) {
+    if (!buffers.sums_ready) {
       buffers.q8_0_sums.resize(static_cast<size_t>(n * blocks));
       for (int64_t j = 0; j < n; ++j) {
         ActivationBlockSums(job.act + j * job.act_bytes, w.cols,
                             buffers.q8_0_sums.data() + j * blocks);
       }
-      buffers.has_sums = true;
+      buffers.sums_ready = true;
     }
     job.sums = buffers.q8_0_sums.data();
   }
@@ -405,17 +399,13 @@ void RunDecodeJobs(const DecodeJob* jobs, int64_t num_jobs, const float* x, int6
 }  // namespace
 
 void MatMulDecode(const WeightMatrix& w, const float* x, int64_t n, float* y) {
-  if (w.rows <= 0 || n <= 0) return;
-  thread_local ActivationBuffers buffers;
-  buffers.has_q8_0 = buffers.has_q8_1 = buffers.has_q8_k = buffers.has_sums = false;
-  const DecodeJob job = PrepareDecodeJob(w, x, n, y, buffers);
-  RunDecodeJobs(&job, 1, x, n);
+  MatMulsDecode({{&w, y}}, x, n);
 }
 
 void MatMulsDecode(absl::Span<const MatMulOutput> outputs, const float* x, int64_t n) {
   if (n <= 0) return;
   thread_local ActivationBuffers buffers;
-  buffers.has_q8_0 = buffers.has_q8_1 = buffers.has_q8_k = buffers.has_sums = false;
+  buffers.NewCall();
   thread_local std::vector<DecodeJob> jobs;
   jobs.clear();
   for (const MatMulOutput& out : outputs) {

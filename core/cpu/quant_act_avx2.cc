@@ -9,6 +9,7 @@
 #include "core/base/ggml_quants.h"
 #include "core/base/ggml_types.h"
 #include "core/cpu/matmul_internal.h"
+#include "core/cpu/quant_avx2.h"
 #include "core/cpu/simd.h"
 
 namespace subspace::cpu::internal {
@@ -16,14 +17,10 @@ namespace subspace::cpu::internal {
 #ifdef SUBSPACE_HAVE_X86
 namespace {
 
-SUBSPACE_AVX2 inline __m256 Abs(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+using namespace quant_avx2;  // NOLINT: the kernels' shared vocabulary
+using simd::HorizontalMax;
 
-SUBSPACE_AVX2 inline float HorizontalMax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
+SUBSPACE_AVX2 inline __m256 Abs(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
 
 // std::round for 8 lanes: to nearest, halves away from zero. v - trunc(v) is exact.
 SUBSPACE_AVX2 inline __m256 RoundHalfAway(__m256 v) {
@@ -43,13 +40,9 @@ SUBSPACE_AVX2 inline __m256i PackCodes(__m256 a, __m256 b, __m256 c, __m256 d) {
                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-SUBSPACE_AVX2 inline int SumCodes(__m256i codes) {
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), codes);
-  const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
-  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
-  return _mm_cvtsi128_si32(s);
+// Eight int32 partial sums of 32 signed codes, four codes each.
+SUBSPACE_AVX2 inline __m256i QuadSums(__m256i codes) {
+  return DotUnsigned(_mm256_set1_epi8(1), codes);
 }
 
 SUBSPACE_AVX2 void QuantizeQ8_0Or1(bool with_sum, const float* x, uint8_t* out, int64_t n) {
@@ -68,7 +61,7 @@ SUBSPACE_AVX2 void QuantizeQ8_0Or1(bool with_sum, const float* x, uint8_t* out, 
     const uint16_t d16 = Fp32ToFp16(d);
     std::memcpy(out, &d16, 2);
     if (with_sum) {
-      const uint16_t s16 = Fp32ToFp16(static_cast<float>(SumCodes(codes)) * d);
+      const uint16_t s16 = Fp32ToFp16(static_cast<float>(HorizontalSumI32(QuadSums(codes))) * d);
       std::memcpy(out + 2, &s16, 2);
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (with_sum ? 4 : 2)), codes);
@@ -101,8 +94,7 @@ SUBSPACE_AVX2 void QuantizeQ8K(const float* x, uint8_t* out, int64_t n) {
         const __m256i codes = PackCodes(v[0], v[1], v[2], v[3]);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(block.qs + i), codes);
         // bsums: two groups of 16 per 32 codes.
-        const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), codes);
-        const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        const __m256i quads = QuadSums(codes);
         // quads: 4 dwords of the first 16 codes, then 4 of the next 16.
         __m128i lo = _mm256_castsi256_si128(quads), hi = _mm256_extracti128_si256(quads, 1);
         lo = _mm_hadd_epi32(lo, hi);
