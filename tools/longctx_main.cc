@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <initializer_list>
 #include <map>
@@ -19,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/compress/basis_file.h"
 #include "core/compress/calibration.h"
@@ -32,11 +34,18 @@
 #include "tools/cli/flags.h"
 #include "tools/eval/baseline_kv_caches.h"
 #include "tools/eval/long_context.h"
+#include "tools/eval/transform_calibration.h"
 
 ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "GGUF model");
 ABSL_FLAG(std::string, suite, "", "suite file (JSON lines) from tools/train/longctx_suite.py");
 ABSL_FLAG(std::string, caches, "evict,q8_0,q4_0,kivi4,kqsvd:16:fp16,kqsvd:16:int8,kqsvd:8:fp16",
-          "caches compared with the full one: evict, q8_0, q4_0, kivi4, full, "
+          "caches compared with the full one: evict, q8_0, q4_0, kivi4, kivi2, hq8_0, hq4_0 "
+          "(Hadamard-rotated), tq2.5, tq3.5 (TurboQuant), each with :sw for exact sinks and "
+          "window as tc keeps them, full, "
+          "tc:BITS[:post][:joint][:id][:aw][:fine] (the transform codec at BITS per element, "
+          "calibrated on --calib: keys pre-RoPE unless post, a budget per layer-head unless "
+          "joint, PCA basis unless id, errors weighted by attention (aw: queries on keys, W_O on "
+          "values), widths {0,2,3,4,8} or with fine {0,1,2,3,4,5,6,8}), "
           "METHOD:RANK:DTYPE (METHOD ksvd|eigen|kqsvd calibrated on --calib; DTYPE fp16|int8|int4) "
           "or self:RANK:DTYPE (self-calibrated, as the server without --bases) or "
           "file:PATH:DTYPE (a subspace-calibrate basis file, as the server's --bases); a fourth "
@@ -54,6 +63,8 @@ ABSL_FLAG(float, outlier_threshold, 1.0f,
           "as the server's --kv-outlier-threshold");
 ABSL_FLAG(int32_t, chunk, 64, "prefill chunk: caches compress between chunks");
 ABSL_FLAG(int32_t, max_items, 0, "first N items of the suite only (0: all)");
+ABSL_FLAG(int32_t, long_items, 1900,
+          "items of at least this many tokens are also reported on their own (the @long columns)");
 ABSL_FLAG(std::string, json, "",
           "also write the table here as JSON lines, one object per cache (for plots and checks)");
 
@@ -71,7 +82,10 @@ struct CacheSpec {
   int rank = 0;
   CoeffDtype dtype = CoeffDtype::kFp16;
   RefreshMethod refresh = RefreshMethod::kNone;
-  std::string basis_path;  // file:PATH:DTYPE, the ranks per layer are the file's
+  std::string basis_path;           // file:PATH:DTYPE, the ranks per layer are the file's
+  bool transform = false;           // tc:BITS[:post][:joint][:id][:aw][:fine]
+  bool exact_sinks_window = false;  // BASELINE:sw
+  eval::TransformFitOptions fit;
 };
 
 absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
@@ -86,6 +100,40 @@ absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
     absl::StatusOr<eval::BaselineKind> k = eval::ParseBaselineKind(s);
     if (!k.ok()) return k.status();
     c.baseline = *k;
+    return c;
+  }
+  if (parts.size() == 2 && parts[1] == "sw") {  // a baseline with exact sinks and window
+    absl::StatusOr<eval::BaselineKind> k = eval::ParseBaselineKind(parts[0]);
+    if (!k.ok()) return k.status();
+    c.baseline = *k;
+    c.exact_sinks_window = true;
+    return c;
+  }
+  if (parts[0] == "tc") {
+    c.transform = true;
+    c.baseline = eval::BaselineKind::kTransform;
+    char* end = nullptr;
+    c.fit.bits_per_element = std::strtod(parts[1].c_str(), &end);
+    if (end == parts[1].c_str() || *end != '\0' || !(c.fit.bits_per_element >= 0.0) ||
+        c.fit.bits_per_element > 8.0) {
+      return absl::InvalidArgumentError(absl::StrCat("bits in ", s, " not in [0, 8]"));
+    }
+    for (size_t i = 2; i < parts.size(); ++i) {
+      if (parts[i] == "post") {
+        c.fit.pre_rope_keys = false;
+      } else if (parts[i] == "joint") {
+        c.fit.joint = true;
+      } else if (parts[i] == "id") {
+        c.fit.code.pca = false;
+      } else if (parts[i] == "aw") {
+        c.fit.attention_weighted = true;
+      } else if (parts[i] == "fine") {
+        c.fit.code.widths = {0, 1, 2, 3, 4, 5, 6, 8};
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("option '", parts[i], "' in ", s, " is not post, joint, id, aw or fine"));
+      }
+    }
     return c;
   }
   if (parts.size() != 3 && parts.size() != 4) {
@@ -132,6 +180,9 @@ struct Tally {
   double bytes_ratio_sum = 0;  // bytes per token / fp16's, summed over items
   int64_t items = 0;
   std::map<std::string, std::pair<int64_t, int64_t>> by_kind;  // retrieved, total
+  // The same over the items of at least --long-items tokens.
+  int64_t long_items = 0, long_retrieval = 0, long_retrieved = 0, long_positions = 0;
+  double long_bytes_ratio_sum = 0, long_kld = 0;
 };
 
 absl::Status Run() {
@@ -201,6 +252,28 @@ absl::Status Run() {
     stats = std::make_unique<CalibrationStats>(*std::move(s));
   }
 
+  // --- Key and value rows for the transform codec, once, if a tc cache is asked for ---
+  std::unique_ptr<eval::KvRows> kv_rows;
+  if (std::any_of(specs.begin(), specs.end(), [](const CacheSpec& c) { return c.transform; })) {
+    std::ifstream cf(absl::GetFlag(FLAGS_calib));
+    if (!cf)
+      return absl::NotFoundError(absl::StrCat("cannot read --calib ", absl::GetFlag(FLAGS_calib)));
+    const std::string text((std::istreambuf_iterator<char>(cf)), std::istreambuf_iterator<char>());
+    std::vector<int32_t> calib = tokenizer.Encode(text, {.add_bos = false});
+    const int64_t limit = absl::GetFlag(FLAGS_calib_tokens);
+    if (limit > 0 && static_cast<int64_t>(calib.size()) > limit) calib.resize(limit);
+    absl::StatusOr<eval::KvRows> r =
+        eval::CollectKvRows(model, calib,
+                            {.window = std::min(mc.context_length, 1024),
+                             .max_tokens = 0,
+                             .bos = tokenizer.bos_id(),
+                             .progress = {}});
+    if (!r.ok()) return r.status();
+    kv_rows = std::make_unique<eval::KvRows>(*std::move(r));
+  }
+
+  std::map<std::string, std::vector<TransformStream>> analysed;  // by analysis options
+
   const int64_t pages_per_item = (max_len + 15) / 16 + 4;
   const double fp16_per_token = 2.0 * 2 * geom.n_layers * geom.n_kv_heads * geom.head_dim;
   std::vector<eval::ItemRun> reference(items.size());
@@ -211,7 +284,8 @@ absl::Status Run() {
       items.size(), S, W, chunk);
   std::printf(
       "| cache | bytes/token vs fp16 | pass key | kv recall | long-range ppl | plain ppl | "
-      "KLD (nats) | top-1 agree | s |\n|---|--:|--:|--:|--:|--:|--:|--:|--:|\n");
+      "KLD (nats) | top-1 agree | bytes @long | retrieval @long | KLD @long | s |\n"
+      "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n");
   std::unique_ptr<std::ofstream> json;
   if (!absl::GetFlag(FLAGS_json).empty()) {
     json = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_json));
@@ -223,9 +297,13 @@ absl::Status Run() {
   for (const CacheSpec& spec : specs) {
     const auto t0 = Clock::now();
     std::unique_ptr<KvCache> cache;
+    // The baselines' and tc's configuration, also for their footprint.
+    eval::BaselineKvCacheConfig baseline{
+        .geometry = geom, .kind = spec.baseline, .sink_tokens = S, .window_tokens = W};
+    baseline.exact_sinks_window = spec.exact_sinks_window;
     bool measured_bytes = false;
     const bool quantized =
-        !spec.full && !spec.lowrank &&
+        !spec.full && !spec.lowrank && !spec.exact_sinks_window &&
         (spec.baseline == eval::BaselineKind::kQ8_0 || spec.baseline == eval::BaselineKind::kQ4_0);
     if (spec.full || quantized) {
       // The server's paged cache: fp32, or `--kv-cache quantized --kv-dtype q8_0|q4_0`.
@@ -241,12 +319,30 @@ absl::Status Run() {
       if (!c.ok()) return c.status();
       cache = *std::move(c);
     } else if (!spec.lowrank) {
-      absl::StatusOr<std::unique_ptr<eval::BaselineKvCache>> c = eval::BaselineKvCache::Create(
-          {.geometry = geom,
-           .kind = spec.baseline,
-           .sink_tokens = S,
-           .window_tokens = W,
-           .capacity_bytes = PagedKvCache::BlockBytes(geom, 16) * geom.n_layers * pages_per_item});
+      baseline.capacity_bytes = PagedKvCache::BlockBytes(geom, 16) * geom.n_layers * pages_per_item;
+      if (spec.transform) {
+        // Specs that differ only in budget or joint share one analysis.
+        const std::string key =
+            absl::StrCat(spec.fit.pre_rope_keys, spec.fit.attention_weighted, spec.fit.code.pca,
+                         absl::StrJoin(spec.fit.code.widths, ","));
+        auto it = analysed.find(key);
+        if (it == analysed.end()) {
+          absl::StatusOr<std::vector<TransformStream>> s = eval::AnalyzeKvRows(*kv_rows, spec.fit);
+          if (!s.ok()) return s.status();
+          it = analysed.emplace(key, *std::move(s)).first;
+        }
+        absl::StatusOr<eval::TransformCodes> codes = eval::AllocateKvCodes(it->second, spec.fit);
+        if (!codes.ok()) return codes.status();
+        baseline.key_codes = codes->keys;
+        baseline.value_codes = codes->values;
+        if (spec.fit.pre_rope_keys) {
+          absl::StatusOr<RopeSchedule> rope = mc.rope();
+          if (!rope.ok()) return rope.status();
+          baseline.key_rope = *std::move(rope);
+        }
+      }
+      absl::StatusOr<std::unique_ptr<eval::BaselineKvCache>> c =
+          eval::BaselineKvCache::Create(baseline);
       if (!c.ok()) return c.status();
       cache = *std::move(c);
     } else {
@@ -316,12 +412,20 @@ absl::Status Run() {
       } else if (measured_bytes) {
         bytes = static_cast<double>(run->bytes_used) / static_cast<double>(len);
       } else {
-        eval::BaselineKvCacheConfig bc{
-            .geometry = geom, .kind = spec.baseline, .sink_tokens = S, .window_tokens = W};
-        bytes = eval::BaselineBytesPerToken(bc, len);
+        bytes = eval::BaselineBytesPerToken(baseline, len);
       }
       t.bytes_ratio_sum += bytes / fp16_per_token;
       ++t.items;
+      if (len + 1 >= absl::GetFlag(FLAGS_long_items)) {
+        ++t.long_items;
+        t.long_bytes_ratio_sum += bytes / fp16_per_token;
+        t.long_kld += sc.kld;
+        t.long_positions += sc.scored;
+        if (item.retrieval()) {
+          ++t.long_retrieval;
+          t.long_retrieved += sc.exact;
+        }
+      }
       if (item.retrieval()) {
         ++t.retrieval;
         t.retrieved += sc.exact;
@@ -368,6 +472,10 @@ absl::Status Run() {
     const double kld = t.positions > 0 ? t.kld / static_cast<double>(t.positions) : 0.0;
     const double top1 =
         t.positions > 0 ? static_cast<double>(t.top1) / static_cast<double>(t.positions) : 0.0;
+    const double long_bytes =
+        t.long_items > 0 ? t.long_bytes_ratio_sum / static_cast<double>(t.long_items) : 0.0;
+    const double long_kld =
+        t.long_positions > 0 ? t.long_kld / static_cast<double>(t.long_positions) : 0.0;
     if (json) {
       // null for what the suite has no items of; names are the --caches specs (no quotes).
       auto num = [](double x, bool present) {
@@ -376,17 +484,22 @@ absl::Status Run() {
       *json << absl::StrFormat(
           "{\"cache\": \"%s\", \"bytes_ratio\": %.6g, \"passkey_hits\": %d, \"passkey_n\": %d, "
           "\"kv_hits\": %d, \"kv_n\": %d, \"long_ppl\": %s, \"plain_ppl\": %s, "
-          "\"kld\": %.6g, \"top1\": %.6g, \"seconds\": %.1f}\n",
+          "\"kld\": %.6g, \"top1\": %.6g, \"long_items\": %d, \"long_bytes_ratio\": %s, "
+          "\"long_retrieval_hits\": %d, \"long_retrieval_n\": %d, \"long_kld\": %s, "
+          "\"seconds\": %.1f}\n",
           spec.name, bytes_ratio, passkey.first, passkey.second, kv.first, kv.second,
           num(std::exp(t.nll_long / std::max<double>(t.n_long, 1)), t.n_long > 0),
           num(std::exp(t.nll_plain / std::max<double>(t.n_plain, 1)), t.n_plain > 0), kld, top1,
-          seconds);
+          t.long_items, num(long_bytes, t.long_items > 0), t.long_retrieved, t.long_retrieval,
+          num(long_kld, t.long_positions > 0), seconds);
       json->flush();
     }
-    std::printf("| %s | %.3f | %s | %s | %s | %s | %.4f | %.4f | %.0f |\n", spec.name.c_str(),
-                bytes_ratio, acc(passkey).c_str(), acc(kv).c_str(),
+    std::printf("| %s | %.3f | %s | %s | %s | %s | %.4f | %.4f | %s | %s | %s | %.0f |\n",
+                spec.name.c_str(), bytes_ratio, acc(passkey).c_str(), acc(kv).c_str(),
                 ppl(t.nll_long, t.n_long).c_str(), ppl(t.nll_plain, t.n_plain).c_str(), kld, top1,
-                seconds);
+                t.long_items > 0 ? absl::StrFormat("%.3f", long_bytes).c_str() : "—",
+                acc({t.long_retrieved, t.long_retrieval}).c_str(),
+                t.long_positions > 0 ? absl::StrFormat("%.4f", long_kld).c_str() : "—", seconds);
     std::fflush(stdout);
   }
   return absl::OkStatus();

@@ -163,9 +163,8 @@ void CalibratingKvCache::Attend(int layer, std::span<const AttentionRequest> req
   }
 }
 
-absl::StatusOr<CalibrationStats> CollectCalibrationStats(LlamaModel& model,
-                                                         std::span<const int32_t> tokens,
-                                                         const CalibrationRunOptions& o) {
+absl::Status RunCalibrationWindows(LlamaModel& model, std::span<const int32_t> tokens,
+                                   const CalibrationRunOptions& o, const CacheWrapper& wrap) {
   const ModelConfig& c = model.config();
   const int prefix = o.bos >= 0 ? 1 : 0;
   const int window = std::min(o.window, c.context_length - prefix);
@@ -174,9 +173,6 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(LlamaModel& model,
   if (tokens.empty()) return absl::InvalidArgumentError("no calibration tokens");
   const int64_t total = o.max_tokens > 0 ? std::min<int64_t>(o.max_tokens, tokens.size())
                                          : static_cast<int64_t>(tokens.size());
-  CalibrationStats stats = CalibrationStats::Zeros(c.cache_geometry(), c.n_heads);
-  if (absl::Status s = AccumulateOutputGrams(model, &stats); !s.ok()) return s;
-
   PagedKvCache::Config pc;
   pc.geometry = c.cache_geometry();
   pc.block_size = 16;
@@ -185,7 +181,7 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(LlamaModel& model,
                       PagedKvCache::BlockBytes(pc.geometry, pc.block_size);
   absl::StatusOr<std::unique_ptr<PagedKvCache>> paged = PagedKvCache::Create(pc);
   if (!paged.ok()) return paged.status();
-  CalibratingKvCache cache(*std::move(paged), &stats);
+  std::unique_ptr<KvCache> cache = wrap(*std::move(paged));
 
   std::vector<int32_t> chunk_tokens;
   std::vector<float> logits;
@@ -194,17 +190,30 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(LlamaModel& model,
     chunk_tokens.clear();
     if (prefix) chunk_tokens.push_back(o.bos);
     chunk_tokens.insert(chunk_tokens.end(), tokens.begin() + begin, tokens.begin() + end);
-    absl::StatusOr<SeqId> seq = cache.CreateSequence();
+    absl::StatusOr<SeqId> seq = cache->CreateSequence();
     if (!seq.ok()) return seq.status();
-    absl::Status st = cache.Reserve(*seq, static_cast<int64_t>(chunk_tokens.size()));
+    absl::Status st = cache->Reserve(*seq, static_cast<int64_t>(chunk_tokens.size()));
     if (st.ok()) {
       const SequenceChunk chunk{.seq = *seq, .pos = 0, .tokens = chunk_tokens};
-      st = model.Forward(std::span<const SequenceChunk>(&chunk, 1), cache, &logits);
+      st = model.Forward(std::span<const SequenceChunk>(&chunk, 1), *cache, &logits);
     }
-    if (absl::Status f = cache.FreeSequence(*seq); st.ok()) st = f;
+    if (absl::Status f = cache->FreeSequence(*seq); st.ok()) st = f;
     if (!st.ok()) return st;
     if (o.progress) o.progress(end, total);
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CalibrationStats> CollectCalibrationStats(LlamaModel& model,
+                                                         std::span<const int32_t> tokens,
+                                                         const CalibrationRunOptions& o) {
+  CalibrationStats stats =
+      CalibrationStats::Zeros(model.config().cache_geometry(), model.config().n_heads);
+  if (absl::Status s = AccumulateOutputGrams(model, &stats); !s.ok()) return s;
+  absl::Status st = RunCalibrationWindows(model, tokens, o, [&](std::unique_ptr<KvCache> inner) {
+    return std::make_unique<CalibratingKvCache>(std::move(inner), &stats);
+  });
+  if (!st.ok()) return st;
   return stats;
 }
 

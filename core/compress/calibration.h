@@ -92,6 +92,12 @@ struct CalibrationRunOptions {
 absl::StatusOr<CalibrationStats> CollectCalibrationStats(LlamaModel& model,
                                                          std::span<const int32_t> tokens,
                                                          const CalibrationRunOptions& options);
+// The windows of CollectCalibrationStats through any observer: `wrap` receives a paged cache
+// sized for one window and returns the cache the model runs through (a ForwardingKvCache that
+// watches what is written and attended).
+using CacheWrapper = std::function<std::unique_ptr<KvCache>(std::unique_ptr<KvCache>)>;
+absl::Status RunCalibrationWindows(LlamaModel& model, std::span<const int32_t> tokens,
+                                   const CalibrationRunOptions& options, const CacheWrapper& wrap);
 
 struct BasisMethodOptions {
   KeyBasisMethod method_k = KeyBasisMethod::kKqsvd;

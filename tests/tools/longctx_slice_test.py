@@ -17,7 +17,8 @@ import unittest
 from longctx_run import run_longctx, write_suite
 
 BIN, ROOT = sys.argv[1], sys.argv[2]
-CACHES = ["evict", "q8_0", "q4_0", "kivi4", "self:16:fp16", "kqsvd:16:int8", "self:16:fp16:pca"]
+CACHES = ["evict", "q8_0", "q4_0", "kivi4", "self:16:fp16", "kqsvd:16:int8", "self:16:fp16:pca",
+          "hq4_0", "tq2.5", "kivi2", "q4_0:sw", "tc:4", "tc:2", "tc:3:post:aw"]
 
 
 class LongContextSliceTest(unittest.TestCase):
@@ -70,8 +71,21 @@ class LongContextSliceTest(unittest.TestCase):
         self.assertLess(r["kqsvd:16:int8"], r["self:16:fp16"])
         self.assertLess(r["self:16:fp16"], 1.0)
 
+    def test_footprints_of_the_rotated_and_transform_codes(self):
+        r = {k: v["bytes_ratio"] for k, v in self.rows.items()}
+        self.assertAlmostEqual(r["hq4_0"], r["q4_0"], places=9)
+        self.assertAlmostEqual(r["tq2.5"], (2.5 + 16 / 64) / 16, places=6)  # + an fp16 norm
+        self.assertLess(r["kivi2"], r["kivi4"])
+        self.assertGreater(r["q4_0:sw"], r["q4_0"])  # the window at fp16
+        # tc at B bits: sinks and window at fp16, the rest at B / 16 of fp16's bytes.
+        self.assertLess(r["tc:2"], r["tc:4"])
+        self.assertLess(r["tc:4"], 1.0)
+        self.assertGreater(r["tc:2"], 2 / 16)
+
     def test_finer_quantization_diverges_less(self):
         self.assertLess(self.rows["q8_0"]["kld"], self.rows["q4_0"]["kld"])
+        self.assertLess(self.rows["tc:4"]["kld"], self.rows["tc:2"]["kld"])
+        self.assertLessEqual(self.rows["q4_0:sw"]["kld"], self.rows["q4_0"]["kld"])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_format.h"
 #include "core/base/ggml_types.h"
+#include "core/cpu/ops.h"
 #include "core/kvcache/kv_quant.h"
 #include "core/kvcache/paged_kv_cache.h"
 
@@ -41,20 +42,48 @@ const char* BaselineKindName(BaselineKind kind) {
       return "q4_0";
     case BaselineKind::kKivi4:
       return "kivi4";
+    case BaselineKind::kHq8_0:
+      return "hq8_0";
+    case BaselineKind::kHq4_0:
+      return "hq4_0";
+    case BaselineKind::kTurbo2_5:
+      return "tq2.5";
+    case BaselineKind::kTurbo3_5:
+      return "tq3.5";
+    case BaselineKind::kKivi2:
+      return "kivi2";
+    case BaselineKind::kTransform:
+      return "tc";
   }
   return "?";
 }
 
 absl::StatusOr<BaselineKind> ParseBaselineKind(std::string_view name) {
-  for (BaselineKind k : {BaselineKind::kFull, BaselineKind::kEvict, BaselineKind::kQ8_0,
-                         BaselineKind::kQ4_0, BaselineKind::kKivi4}) {
+  for (BaselineKind k :
+       {BaselineKind::kFull, BaselineKind::kEvict, BaselineKind::kQ8_0, BaselineKind::kQ4_0,
+        BaselineKind::kKivi4, BaselineKind::kHq8_0, BaselineKind::kHq4_0, BaselineKind::kTurbo2_5,
+        BaselineKind::kTurbo3_5, BaselineKind::kKivi2}) {
     if (name == BaselineKindName(k)) return k;
   }
-  return absl::InvalidArgumentError(
-      absl::StrFormat("unknown baseline cache '%s' (full, evict, q8_0, q4_0, kivi4)", name));
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "unknown baseline cache '%s' (full, evict, q8_0, q4_0, kivi4, hq8_0, hq4_0, tq2.5, tq3.5, "
+      "kivi2)",
+      name));
 }
 
 double BaselineBytesPerToken(const BaselineKvCacheConfig& c, int64_t length) {
+  if (c.exact_sinks_window && length > 0 && c.kind != BaselineKind::kFull &&
+      c.kind != BaselineKind::kEvict && c.kind != BaselineKind::kTransform) {
+    BaselineKvCacheConfig all = c;
+    all.exact_sinks_window = false;
+    const int64_t exact = std::min<int64_t>(length, c.sink_tokens + c.window_tokens);
+    all.kind = BaselineKind::kFull;
+    const double fp16 = BaselineBytesPerToken(all, length);
+    all.kind = c.kind;
+    const double coded = exact < length ? BaselineBytesPerToken(all, length - exact) : 0.0;
+    return (fp16 * static_cast<double>(exact) + coded * static_cast<double>(length - exact)) /
+           static_cast<double>(length);
+  }
   const KvCacheGeometry& g = c.geometry;
   const double values = 2.0 * g.n_layers * g.n_kv_heads * g.head_dim;  // K and V, per token
   const double fp16 = 2.0 * values;
@@ -68,18 +97,36 @@ double BaselineBytesPerToken(const BaselineKvCacheConfig& c, int64_t length) {
                                    std::min<int64_t>(length, c.sink_tokens + c.window_tokens)) /
                                static_cast<double>(length);
     case BaselineKind::kQ8_0:
+    case BaselineKind::kHq8_0:
       return values * 34.0 / kQBlock;
     case BaselineKind::kQ4_0:
+    case BaselineKind::kHq4_0:
       return values * 18.0 / kQBlock;
-    case BaselineKind::kKivi4: {
-      const double half = values / 2;  // keys, or values
+    case BaselineKind::kTurbo2_5:
+    case BaselineKind::kTurbo3_5: {
+      const double bits = c.kind == BaselineKind::kTurbo2_5 ? 2.5 : 3.5;
+      return values * bits / 8.0 + values / g.head_dim * 2.0;  // codes + an fp16 norm per row
+    }
+    case BaselineKind::kKivi4:
+    case BaselineKind::kKivi2: {
+      const double code = c.kind == BaselineKind::kKivi4 ? 0.5 : 0.25;  // bytes per element
+      const double half = values / 2;                                   // keys, or values
       const int64_t grouped = length <= 0 ? 0 : length / c.kivi_group * c.kivi_group;
       const double frac = length <= 0 ? 0.0 : static_cast<double>(grouped) / length;
-      // Keys: nibbles + (scale, zero) fp16 per channel per G tokens for the grouped part; the
-      // residual at fp16. Values: nibbles + (scale, zero) per 32 channels of every token.
-      const double keys = frac * half * (0.5 + 4.0 / c.kivi_group) + (1 - frac) * half * 2.0;
-      const double vals = half * (0.5 + 4.0 / kQBlock);
+      // Keys: codes + (scale, zero) fp16 per channel per G tokens for the grouped part; the
+      // residual at fp16. Values: codes + (scale, zero) per 32 channels of every token.
+      const double keys = frac * half * (code + 4.0 / c.kivi_group) + (1 - frac) * half * 2.0;
+      const double vals = half * (code + 4.0 / kQBlock);
       return keys + vals;
+    }
+    case BaselineKind::kTransform: {
+      if (length <= 0 || c.key_codes == nullptr || c.value_codes == nullptr) return fp16;
+      double coded = 0.0;  // bytes of one token's codes, all layers and heads
+      for (const TransformCode& t : *c.key_codes) coded += static_cast<double>(t.BytesPerRow());
+      for (const TransformCode& t : *c.value_codes) coded += static_cast<double>(t.BytesPerRow());
+      const int64_t exact = std::min<int64_t>(length, c.sink_tokens + c.window_tokens);
+      return (fp16 * static_cast<double>(exact) + coded * static_cast<double>(length - exact)) /
+             static_cast<double>(length);
     }
   }
   return fp16;
@@ -90,17 +137,18 @@ double BaselineBytesPerToken(const BaselineKvCacheConfig& c, int64_t length) {
 void RoundTripQ8_0(std::span<float> row) { RoundTripKv(KvDtype::kQ8_0, row); }
 void RoundTripQ4_0(std::span<float> row) { RoundTripKv(KvDtype::kQ4_0, row); }
 
-void RoundTripAsym4(float* x, int64_t n, int64_t stride) {
+void RoundTripAsym(int bits, float* x, int64_t n, int64_t stride) {
   float lo = x[0], hi = x[0];
   for (int64_t i = 1; i < n; ++i) {
     lo = std::min(lo, x[i * stride]);
     hi = std::max(hi, x[i * stride]);
   }
-  const float scale = RoundFp16((hi - lo) / 15.0f);
+  const float top = static_cast<float>((1 << bits) - 1);
+  const float scale = RoundFp16((hi - lo) / top);
   const float zero = RoundFp16(lo);
   for (int64_t i = 0; i < n; ++i) {
     float& v = x[i * stride];
-    const float q = scale > 0.0f ? std::clamp(std::round((v - zero) / scale), 0.0f, 15.0f) : 0.0f;
+    const float q = scale > 0.0f ? std::clamp(std::round((v - zero) / scale), 0.0f, top) : 0.0f;
     v = zero + q * scale;
   }
 }
@@ -108,12 +156,38 @@ void RoundTripAsym4(float* x, int64_t n, int64_t stride) {
 absl::StatusOr<std::unique_ptr<BaselineKvCache>> BaselineKvCache::Create(
     const BaselineKvCacheConfig& config) {
   const KvCacheGeometry& g = config.geometry;
-  if ((config.kind == BaselineKind::kQ8_0 || config.kind == BaselineKind::kQ4_0 ||
-       config.kind == BaselineKind::kKivi4) &&
-      g.head_dim % kQBlock != 0) {
+  const BaselineKind kind = config.kind;
+  if (kind != BaselineKind::kFull && kind != BaselineKind::kEvict &&
+      kind != BaselineKind::kTransform && g.head_dim % kQBlock != 0) {
     return absl::InvalidArgumentError(absl::StrFormat("%s needs head_dim a multiple of %d, got %d",
-                                                      BaselineKindName(config.kind), kQBlock,
-                                                      g.head_dim));
+                                                      BaselineKindName(kind), kQBlock, g.head_dim));
+  }
+  if ((kind == BaselineKind::kHq8_0 || kind == BaselineKind::kHq4_0 ||
+       kind == BaselineKind::kTurbo2_5 || kind == BaselineKind::kTurbo3_5) &&
+      (g.head_dim & (g.head_dim - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s rotates with a Hadamard matrix: head_dim must be a power of two, got %d",
+        BaselineKindName(kind), g.head_dim));
+  }
+  if (kind == BaselineKind::kTransform) {
+    const size_t heads = static_cast<size_t>(g.n_layers) * g.n_kv_heads;
+    if (config.key_codes == nullptr || config.value_codes == nullptr ||
+        config.key_codes->size() != heads || config.value_codes->size() != heads) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tc needs key and value codes for %d layer-heads", heads));
+    }
+    for (const std::vector<TransformCode>* codes : {&*config.key_codes, &*config.value_codes}) {
+      for (const TransformCode& t : *codes) {
+        if (t.dim != g.head_dim || t.mean.size() != static_cast<size_t>(t.dim) ||
+            t.basis.size() != static_cast<size_t>(t.dim) * t.dim ||
+            t.components.size() != static_cast<size_t>(t.dim)) {
+          return absl::InvalidArgumentError("a tc code does not match head_dim");
+        }
+      }
+    }
+    if (config.key_rope.has_value() && config.key_rope->dim > g.head_dim) {
+      return absl::InvalidArgumentError("the key RoPE rotates more dims than head_dim");
+    }
   }
   if (config.sink_tokens < 0 || config.window_tokens < 1 || config.kivi_group < 1) {
     return absl::InvalidArgumentError("sink_tokens >= 0, window_tokens >= 1, kivi_group >= 1");
@@ -129,7 +203,17 @@ absl::StatusOr<std::unique_ptr<BaselineKvCache>> BaselineKvCache::Create(
 
 BaselineKvCache::BaselineKvCache(const BaselineKvCacheConfig& config,
                                  std::unique_ptr<KvCache> inner)
-    : ForwardingKvCache(std::move(inner)), config_(config) {}
+    : ForwardingKvCache(std::move(inner)),
+      config_(config),
+      split_(config.kind == BaselineKind::kTransform ||
+             (config.exact_sinks_window && config.kind != BaselineKind::kFull &&
+              config.kind != BaselineKind::kEvict)),
+      rotation_(config.geometry.head_dim, config.rotation_seed) {
+  if (config_.key_rope.has_value()) {
+    key_unrope_ = *config_.key_rope;  // angles negated by the positions, the scale divided
+    key_unrope_->mscale = 1.0 / key_unrope_->mscale;
+  }
+}
 
 absl::StatusOr<SeqId> BaselineKvCache::CreateSequence() {
   absl::StatusOr<SeqId> id = ForwardingKvCache::CreateSequence();
@@ -159,12 +243,28 @@ void BaselineKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, const 
   }
   std::copy(k, k + n * row, l.k.begin() + pos * row);
   std::copy(v, v + n * row, l.v.begin() + pos * row);
+  if (config_.kind == BaselineKind::kTransform) {
+    WriteTransformCodes(layer, l, pos, n);
+    return;
+  }
+  // The format's copy: in place, or beside the exact rows when sinks and window stay exact.
+  std::vector<float>& qk = split_ ? l.kc : l.k;
+  std::vector<float>& qv = split_ ? l.vc : l.v;
+  if (split_) {
+    if (static_cast<int64_t>(l.kc.size()) < end * row) {
+      l.kc.resize(static_cast<size_t>(end * row));
+      l.vc.resize(static_cast<size_t>(end * row));
+    }
+    std::copy(k, k + n * row, l.kc.begin() + pos * row);
+    std::copy(v, v + n * row, l.vc.begin() + pos * row);
+  }
   for (int64_t i = pos * row; i < end * row; i += g.head_dim) {
-    const std::span<float> kh(l.k.data() + i, static_cast<size_t>(g.head_dim));
-    const std::span<float> vh(l.v.data() + i, static_cast<size_t>(g.head_dim));
+    const std::span<float> kh(qk.data() + i, static_cast<size_t>(g.head_dim));
+    const std::span<float> vh(qv.data() + i, static_cast<size_t>(g.head_dim));
     switch (config_.kind) {
       case BaselineKind::kFull:
       case BaselineKind::kEvict:
+      case BaselineKind::kTransform:
         break;
       case BaselineKind::kQ8_0:
         RoundTripQ8_0(kh);
@@ -174,22 +274,76 @@ void BaselineKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, const 
         RoundTripQ4_0(kh);
         RoundTripQ4_0(vh);
         break;
+      case BaselineKind::kHq8_0:
+      case BaselineKind::kHq4_0:
+        for (const std::span<float> x : {kh, vh}) {
+          rotation_.Rotate(x.data());
+          config_.kind == BaselineKind::kHq8_0 ? RoundTripQ8_0(x) : RoundTripQ4_0(x);
+          rotation_.Unrotate(x.data());
+        }
+        break;
+      case BaselineKind::kTurbo2_5:
+      case BaselineKind::kTurbo3_5: {
+        const int bits = config_.kind == BaselineKind::kTurbo2_5 ? 2 : 3;
+        RoundTripTurbo(rotation_, bits, g.head_dim / 2, kh.data());
+        RoundTripTurbo(rotation_, bits, g.head_dim / 2, vh.data());
+        break;
+      }
       case BaselineKind::kKivi4:  // values per token, 32 channels a group; keys below
-        for (int c = 0; c < g.head_dim; c += kQBlock) RoundTripAsym4(vh.data() + c, kQBlock, 1);
+      case BaselineKind::kKivi2:
+        for (int c = 0; c < g.head_dim; c += kQBlock) {
+          RoundTripAsym(KiviBits(), vh.data() + c, kQBlock, 1);
+        }
         break;
     }
   }
-  if (config_.kind == BaselineKind::kKivi4) QuantizeKeyGroups(l, end);
+  if (config_.kind == BaselineKind::kKivi4 || config_.kind == BaselineKind::kKivi2) {
+    QuantizeKeyGroups(qk, l.keys_grouped, end);
+  }
 }
 
-void BaselineKvCache::QuantizeKeyGroups(Layer& l, int64_t length) {
+void BaselineKvCache::WriteTransformCodes(int layer, Layer& l, int64_t pos, int64_t n) {
+  const KvCacheGeometry& g = config_.geometry;
+  const int64_t row = static_cast<int64_t>(g.n_kv_heads) * g.head_dim;
+  const int64_t end = pos + n;
+  if (static_cast<int64_t>(l.kc.size()) < end * row) {
+    l.kc.resize(static_cast<size_t>(end * row));
+    l.vc.resize(static_cast<size_t>(end * row));
+  }
+  float* kc = l.kc.data() + pos * row;
+  float* vc = l.vc.data() + pos * row;
+  std::copy(l.k.begin() + pos * row, l.k.begin() + end * row, kc);
+  std::copy(l.v.begin() + pos * row, l.v.begin() + end * row, vc);
+  std::vector<int64_t> positions(static_cast<size_t>(n)), negated(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    positions[static_cast<size_t>(i)] = pos + i;
+    negated[static_cast<size_t>(i)] = -(pos + i);
+  }
+  if (key_unrope_.has_value())
+    cpu::Rope(kc, n, g.n_kv_heads, g.head_dim, *key_unrope_, negated.data());
+  const auto& kcodes = *config_.key_codes;
+  const auto& vcodes = *config_.value_codes;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int h = 0; h < g.n_kv_heads; ++h) {
+      const size_t at = static_cast<size_t>(layer) * g.n_kv_heads + static_cast<size_t>(h);
+      const int64_t off = i * row + static_cast<int64_t>(h) * g.head_dim;
+      kcodes[at].RoundTrip(kc + off);
+      vcodes[at].RoundTrip(vc + off);
+    }
+  }
+  if (key_unrope_.has_value())
+    cpu::Rope(kc, n, g.n_kv_heads, g.head_dim, *config_.key_rope, positions.data());
+}
+
+void BaselineKvCache::QuantizeKeyGroups(std::vector<float>& keys, int64_t& grouped,
+                                        int64_t length) {
   const KvCacheGeometry& g = config_.geometry;
   const int64_t row = static_cast<int64_t>(g.n_kv_heads) * g.head_dim;
   const int64_t group = config_.kivi_group;
-  while (l.keys_grouped + group <= length) {
-    float* base = l.k.data() + l.keys_grouped * row;
-    for (int64_t c = 0; c < row; ++c) RoundTripAsym4(base + c, group, row);  // per channel
-    l.keys_grouped += group;
+  while (grouped + group <= length) {
+    float* base = keys.data() + grouped * row;
+    for (int64_t c = 0; c < row; ++c) RoundTripAsym(KiviBits(), base + c, group, row);
+    grouped += group;
   }
 }
 
@@ -200,6 +354,10 @@ absl::Status BaselineKvCache::Truncate(SeqId seq, int64_t length) {
     if (static_cast<int64_t>(l.k.size()) > length * row) {
       l.k.resize(static_cast<size_t>(length * row));
       l.v.resize(static_cast<size_t>(length * row));
+    }
+    if (static_cast<int64_t>(l.kc.size()) > length * row) {
+      l.kc.resize(static_cast<size_t>(length * row));
+      l.vc.resize(static_cast<size_t>(length * row));
     }
     // A cut group's keys stay as they were quantized; the next group starts past them.
     l.keys_grouped = std::min(l.keys_grouped, length);
@@ -219,8 +377,12 @@ void BaselineKvCache::Attend(int layer, std::span<const AttentionRequest> reques
     for (int64_t i = 0; i < r.n; ++i) {
       const int64_t p = r.pos + i;  // attends to [first, p]: all, or the sliding window
       const int64_t first = r.FirstAttended(p);
+      // Evict drops, and tc reads codes for, the tokens between the sinks and the window.
       const bool evict = config_.kind == BaselineKind::kEvict;
-      const int64_t recent = evict ? std::max<int64_t>(0, p - config_.window_tokens + 1) : 0;
+      const bool coded = split_;
+      const int64_t recent =
+          evict || coded ? std::max<int64_t>(0, p - config_.window_tokens + 1) : 0;
+      auto middle = [&](int64_t t) { return t >= config_.sink_tokens && t < recent; };
       for (int h = 0; h < n_heads; ++h) {
         const int kvh = h / group;
         const float* q = r.q + (i * n_heads + h) * d;
@@ -228,8 +390,9 @@ void BaselineKvCache::Attend(int layer, std::span<const AttentionRequest> reques
         w.assign(static_cast<size_t>(p + 1), -INFINITY);
         float m = -INFINITY;
         for (int64_t t = first; t <= p; ++t) {
-          if (evict && t >= config_.sink_tokens && t < recent) continue;
-          const float* k = l.k.data() + t * row + static_cast<int64_t>(kvh) * d;
+          if (evict && middle(t)) continue;
+          const float* k =
+              (coded && middle(t) ? l.kc : l.k).data() + t * row + static_cast<int64_t>(kvh) * d;
           float s = 0.0f;
           for (int x = 0; x < d; ++x) s += q[x] * k[x];
           w[static_cast<size_t>(t)] = s * scale;
@@ -241,7 +404,8 @@ void BaselineKvCache::Attend(int layer, std::span<const AttentionRequest> reques
           if (w[static_cast<size_t>(t)] == -INFINITY) continue;
           const float e = std::exp(w[static_cast<size_t>(t)] - m);
           sum += e;
-          const float* v = l.v.data() + t * row + static_cast<int64_t>(kvh) * d;
+          const float* v =
+              (coded && middle(t) ? l.vc : l.v).data() + t * row + static_cast<int64_t>(kvh) * d;
           for (int x = 0; x < d; ++x) out[x] += e * v[x];
         }
         const float inv = static_cast<float>(1.0 / sum);

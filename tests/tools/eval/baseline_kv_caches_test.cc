@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "core/base/ggml_types.h"
+#include "core/base/rope.h"
+#include "core/cpu/ops.h"
 #include "core/kvcache/paged_kv_cache.h"
 #include "tests/core/compress/compressed_kv_cache_test_util.h"
 
@@ -194,6 +196,11 @@ TEST(BaselineKvCacheTest, KiviKeepsTheNewestKeyGroupExact) {
   for (int64_t tokens : {31, 32, 40}) {
     auto full = LastTokenAttention(*Make(BaselineKind::kFull), d, tokens, 2, 12);
     auto kivi = LastTokenAttention(*Make(BaselineKind::kKivi4), d, tokens, 2, 12);
+    auto kivi2 = LastTokenAttention(*Make(BaselineKind::kKivi2), d, tokens, 2, 12);
+    for (int l = 0; l < kGeom.n_layers && tokens >= 32; ++l) {
+      EXPECT_GT(cache_test::RelErr(kivi2[l], full[l]), 2 * cache_test::RelErr(kivi[l], full[l]))
+          << "2-bit keys must be coarser than 4-bit ones";
+    }
     for (int l = 0; l < kGeom.n_layers; ++l) {
       const double err = cache_test::RelErr(kivi[l], full[l]);
       if (tokens < 32) {
@@ -204,6 +211,36 @@ TEST(BaselineKvCacheTest, KiviKeepsTheNewestKeyGroupExact) {
       }
     }
   }
+}
+
+TEST(BaselineKvCacheTest, ExactSinksAndWindowReadTheFormatOnlyBetweenThem) {
+  const int64_t T = 150;
+  const int S = 4, W = 32;
+  const cache_test::Data d = cache_test::RandomKv(kGeom, T, 22);
+  // The reference: a paged cache holding the q4_0 round trip of tokens [S, T - W) and the
+  // exact rows of the others.
+  cache_test::Data want = d;
+  for (int l = 0; l < kGeom.n_layers; ++l) {
+    const int64_t row = static_cast<int64_t>(kGeom.n_kv_heads) * kGeom.head_dim;
+    for (int64_t i = S * row; i < (T - W) * row; i += kGeom.head_dim) {
+      RoundTripQ4_0(std::span<float>(want.k[l].data() + i, kGeom.head_dim));
+      RoundTripQ4_0(std::span<float>(want.v[l].data() + i, kGeom.head_dim));
+    }
+  }
+  BaselineKvCacheConfig c{
+      .geometry = kGeom, .kind = BaselineKind::kQ4_0, .sink_tokens = S, .window_tokens = W};
+  c.capacity_bytes = int64_t{64} << 20;
+  c.exact_sinks_window = true;
+  auto got = LastTokenAttention(*BaselineKvCache::Create(c).value(), d, T, 4, 23);
+  auto ref = LastTokenAttention(*Paged(), want, T, 4, 23);
+  auto all = LastTokenAttention(*Make(BaselineKind::kQ4_0), d, T, 4, 23);
+  for (int l = 0; l < kGeom.n_layers; ++l) {
+    EXPECT_LT(cache_test::RelErr(got[l], ref[l]), 1e-5);
+    EXPECT_GT(cache_test::RelErr(all[l], ref[l]), 1e-3) << "the window was quantized too";
+  }
+  const double fp16 = 2.0 * 2 * kGeom.n_layers * kGeom.n_kv_heads * kGeom.head_dim;
+  EXPECT_DOUBLE_EQ(BaselineBytesPerToken(c, 1000), (fp16 * 36 + fp16 * 18.0 / 64.0 * 964) / 1000.0);
+  EXPECT_DOUBLE_EQ(BaselineBytesPerToken(c, 20), fp16);
 }
 
 TEST(BaselineKvCacheTest, Footprints) {
@@ -219,8 +256,172 @@ TEST(BaselineKvCacheTest, Footprints) {
   EXPECT_DOUBLE_EQ(BaselineBytesPerToken(c, 50), fp16);
   c.kind = BaselineKind::kKivi4;
   EXPECT_DOUBLE_EQ(BaselineBytesPerToken(c, 2048), fp16 * (0.5 + 4.0 / 32) / 2.0);
+  c.kind = BaselineKind::kKivi2;
+  EXPECT_DOUBLE_EQ(BaselineBytesPerToken(c, 2048), fp16 * (0.25 + 4.0 / 32) / 2.0);
+  c.kind = BaselineKind::kHq4_0;
+  EXPECT_DOUBLE_EQ(BaselineBytesPerToken(c, 2048), fp16 * 18.0 / 64.0);
+  c.kind = BaselineKind::kHq8_0;
+  EXPECT_DOUBLE_EQ(BaselineBytesPerToken(c, 2048), fp16 * 34.0 / 64.0);
+  c.kind = BaselineKind::kTurbo2_5;  // 2.5 bits + 16 per 64-value row
+  EXPECT_DOUBLE_EQ(BaselineBytesPerToken(c, 2048), fp16 * (2.5 + 0.25) / 16.0);
+  c.kind = BaselineKind::kTurbo3_5;
+  EXPECT_DOUBLE_EQ(BaselineBytesPerToken(c, 2048), fp16 * (3.5 + 0.25) / 16.0);
   EXPECT_FALSE(ParseBaselineKind("q5_k").ok());
+  EXPECT_FALSE(ParseBaselineKind("tc").ok()) << "needs codes";
   EXPECT_EQ(*ParseBaselineKind("kivi4"), BaselineKind::kKivi4);
+  for (BaselineKind k : {BaselineKind::kHq8_0, BaselineKind::kHq4_0, BaselineKind::kTurbo2_5,
+                         BaselineKind::kTurbo3_5, BaselineKind::kKivi2}) {
+    EXPECT_EQ(*ParseBaselineKind(BaselineKindName(k)), k);
+  }
+}
+
+TEST(BaselineKvCacheTest, RotatedCachesQuantizeInTheRotatedBasis) {
+  // A row with one outlier channel: q4_0's block scale is set by it, so the rest of its block
+  // loses resolution; after the rotation the energy is spread and the error drops.
+  cache_test::Data d = cache_test::RandomKv(kGeom, 64, 13);
+  const int64_t row = static_cast<int64_t>(kGeom.n_kv_heads) * kGeom.head_dim;
+  for (int l = 0; l < kGeom.n_layers; ++l) {
+    for (int64_t t = 0; t < 64; ++t) d.k[l][t * row + 3] = 40.0f;
+  }
+  auto full = LastTokenAttention(*Paged(), d, 64, 4, 14);
+  auto plain = LastTokenAttention(*Make(BaselineKind::kQ4_0), d, 64, 4, 14);
+  auto rotated = LastTokenAttention(*Make(BaselineKind::kHq4_0), d, 64, 4, 14);
+  auto rotated8 = LastTokenAttention(*Make(BaselineKind::kHq8_0), d, 64, 4, 14);
+  for (int l = 0; l < kGeom.n_layers; ++l) {
+    const double e_plain = cache_test::RelErr(plain[l], full[l]);
+    const double e_rot = cache_test::RelErr(rotated[l], full[l]);
+    EXPECT_GT(e_rot, 0.0);
+    EXPECT_LT(e_rot, e_plain) << l;
+    EXPECT_LT(cache_test::RelErr(rotated8[l], full[l]), e_rot);
+  }
+  // TurboQuant: more bits, less error, on rows without the outlier.
+  const cache_test::Data plain_d = cache_test::RandomKv(kGeom, 64, 20);
+  auto full2 = LastTokenAttention(*Paged(), plain_d, 64, 4, 21);
+  auto tq25 = LastTokenAttention(*Make(BaselineKind::kTurbo2_5), plain_d, 64, 4, 21);
+  auto tq35 = LastTokenAttention(*Make(BaselineKind::kTurbo3_5), plain_d, 64, 4, 21);
+  for (int l = 0; l < kGeom.n_layers; ++l) {
+    const double e25 = cache_test::RelErr(tq25[l], full2[l]);
+    const double e35 = cache_test::RelErr(tq35[l], full2[l]);
+    EXPECT_GT(e35, 0.0);
+    EXPECT_LT(e35, e25) << l;
+  }
+  BaselineKvCacheConfig c{.geometry = {1, 1, 96}, .kind = BaselineKind::kHq4_0};
+  c.capacity_bytes = 1 << 20;
+  EXPECT_FALSE(BaselineKvCache::Create(c).ok()) << "96 is no power of two";
+}
+
+// Codes of 8 bits on every component of an identity basis over [-8, 8): the decoded rows are
+// within 1/32 of the exact ones.
+std::shared_ptr<const std::vector<TransformCode>> FineCodes(int heads, int d, int bits) {
+  auto v = std::make_shared<std::vector<TransformCode>>();
+  for (int h = 0; h < heads; ++h) {
+    TransformCode c;
+    c.dim = d;
+    c.mean.assign(static_cast<size_t>(d), 0.0f);
+    c.basis.assign(static_cast<size_t>(d) * d, 0.0f);
+    for (int i = 0; i < d; ++i) c.basis[static_cast<size_t>(i * d + i)] = 1.0f;
+    c.components.assign(static_cast<size_t>(d),
+                        {.bits = bits,
+                         .offset = bits > 0 ? -8.0f : 0.0f,
+                         .step = bits > 0 ? 16.0f / static_cast<float>((1 << bits) - 1) : 0.0f});
+    v->push_back(std::move(c));
+  }
+  return v;
+}
+
+TEST(BaselineKvCacheTest, TransformCodedTokensAreDecodedCodesOutsideTheSinksAndWindow) {
+  const int64_t T = 200;
+  const int S = 4, W = 32;
+  // 8-bit codes attend close to the full cache, 1-bit ones far from it; and a sequence no
+  // longer than S + W has nothing coded at all.
+  const cache_test::Data d = cache_test::RandomKv(kGeom, T, 15);
+  const int heads = kGeom.n_layers * kGeom.n_kv_heads;
+  BaselineKvCacheConfig c{
+      .geometry = kGeom, .kind = BaselineKind::kTransform, .sink_tokens = S, .window_tokens = W};
+  c.capacity_bytes = int64_t{64} << 20;
+  c.key_codes = FineCodes(heads, kGeom.head_dim, 8);
+  c.value_codes = FineCodes(heads, kGeom.head_dim, 8);
+  auto fine = BaselineKvCache::Create(c);
+  ASSERT_TRUE(fine.ok()) << fine.status();
+  c.key_codes = FineCodes(heads, kGeom.head_dim, 1);
+  c.value_codes = FineCodes(heads, kGeom.head_dim, 1);
+  auto coarse = BaselineKvCache::Create(c);
+  ASSERT_TRUE(coarse.ok());
+  auto full = LastTokenAttention(*Paged(), d, T, 4, 16);
+  auto got_fine = LastTokenAttention(**fine, d, T, 4, 16);
+  auto got_coarse = LastTokenAttention(**coarse, d, T, 4, 16);
+  auto short_coarse = LastTokenAttention(*BaselineKvCache::Create(c).value(), d, S + W, 4, 17);
+  auto short_full = LastTokenAttention(*Paged(), d, S + W, 4, 17);
+  for (int l = 0; l < kGeom.n_layers; ++l) {
+    const double fine_err = cache_test::RelErr(got_fine[l], full[l]);
+    EXPECT_LT(fine_err, 0.05);
+    EXPECT_GT(cache_test::RelErr(got_coarse[l], full[l]), 5 * fine_err) << "coded nothing";
+    EXPECT_LT(cache_test::RelErr(short_coarse[l], short_full[l]), 1e-5) << "all exact";
+  }
+  // Footprint: S + W = 36 tokens at fp16, the rest 2 x 64 bytes per layer-head.
+  const double fp16 = 2.0 * 2 * heads * kGeom.head_dim;
+  c.key_codes = FineCodes(heads, kGeom.head_dim, 8);
+  c.value_codes = FineCodes(heads, kGeom.head_dim, 8);
+  EXPECT_DOUBLE_EQ(BaselineBytesPerToken(c, 1000),
+                   (fp16 * 36 + 2.0 * heads * 64 * (1000 - 36)) / 1000.0);
+  c.value_codes = FineCodes(heads - 1, kGeom.head_dim, 8);
+  EXPECT_FALSE(BaselineKvCache::Create(c).ok()) << "one code short";
+}
+
+TEST(BaselineKvCacheTest, PreRopeKeysAreCodedBetweenTheInverseAndTheForwardRotation) {
+  // With every component at 8 bits the coded key is the exact one to ~1/32 whichever space it
+  // is coded in; what differs is whether RoPE is undone first. A code with a non-zero mean
+  // shows it: decoding adds the mean in the coding space, so a key coded pre-RoPE and rotated
+  // again differs from one coded post-RoPE.
+  const int64_t T = 120;
+  const cache_test::Data d = cache_test::RandomKv(kGeom, T, 18);
+  const int heads = kGeom.n_layers * kGeom.n_kv_heads;
+  RopeParams rp;
+  rp.dim = kGeom.head_dim;
+  rp.theta = 10000.0;
+  const RopeSchedule rope = *RopeSchedule::Make(rp);
+  BaselineKvCacheConfig c{
+      .geometry = kGeom, .kind = BaselineKind::kTransform, .sink_tokens = 0, .window_tokens = 1};
+  c.capacity_bytes = int64_t{64} << 20;
+  // 0-bit keys: each coded key IS the code's mean (pre-RoPE: the mean rotated to its position).
+  auto mean_codes =
+      std::make_shared<std::vector<TransformCode>>(*FineCodes(heads, kGeom.head_dim, 0));
+  for (TransformCode& t : *mean_codes) {
+    for (int i = 0; i < t.dim; ++i)
+      t.mean[static_cast<size_t>(i)] = 0.1f * static_cast<float>(i % 5);
+  }
+  c.key_codes = mean_codes;
+  c.value_codes = FineCodes(heads, kGeom.head_dim, 8);
+  auto post = *BaselineKvCache::Create(c);
+  c.key_rope = rope;
+  auto pre = *BaselineKvCache::Create(c);
+  // The reference: a paged cache holding, for tokens before the window, the mean (post) or the
+  // mean rotated to the token's position (pre), and exact values.
+  cache_test::Data want_post = d, want_pre = d;
+  const int64_t row = static_cast<int64_t>(kGeom.n_kv_heads) * kGeom.head_dim;
+  for (int l = 0; l < kGeom.n_layers; ++l) {
+    for (int64_t t = 0; t + 1 < T; ++t) {
+      for (int h = 0; h < kGeom.n_kv_heads; ++h) {
+        const std::vector<float>& m =
+            (*mean_codes)[static_cast<size_t>(l * kGeom.n_kv_heads + h)].mean;
+        std::copy(m.begin(), m.end(), want_post.k[l].begin() + t * row + h * kGeom.head_dim);
+        std::copy(m.begin(), m.end(), want_pre.k[l].begin() + t * row + h * kGeom.head_dim);
+      }
+      cpu::Rope(want_pre.k[l].data() + t * row, 1, kGeom.n_kv_heads, kGeom.head_dim, rope, &t);
+    }
+  }
+  auto got_post = LastTokenAttention(*post, d, T, 4, 19);
+  auto got_pre = LastTokenAttention(*pre, d, T, 4, 19);
+  auto ref_post = LastTokenAttention(*Paged(), want_post, T, 4, 19);
+  auto ref_pre = LastTokenAttention(*Paged(), want_pre, T, 4, 19);
+  for (int l = 0; l < kGeom.n_layers; ++l) {
+    const double e_post = cache_test::RelErr(got_post[l], ref_post[l]);
+    const double e_pre = cache_test::RelErr(got_pre[l], ref_pre[l]);
+    const double apart = cache_test::RelErr(ref_pre[l], ref_post[l]);
+    EXPECT_LT(e_post, 0.05) << l;  // the values' 8-bit codes
+    EXPECT_LT(e_pre, 0.05) << l;
+    EXPECT_GT(apart, 5 * std::max(e_pre, e_post)) << "the test cannot tell them apart";
+  }
 }
 
 }  // namespace

@@ -1,0 +1,106 @@
+// Transform coding of one KV head's rows (KVTC, ICLR 2026): subtract a mean, project on an
+// orthonormal basis over ALL head dimensions, and code each component with its own uniform
+// scalar quantizer -- a static offset and step fitted on calibration data, and a width chosen by
+// a rate-distortion allocation under a bits-per-row budget (0 bits: the component is its mean).
+// Identity basis + equal widths is plain scalar quantization; a PCA basis + a 0-bit tail is a
+// truncated low-rank code; the allocation picks what lies between. Used by the long-context
+// evaluation (tools/eval) to study the codec before the cache stores it.
+#ifndef SUBSPACE_CORE_COMPRESS_TRANSFORM_CODEC_H_
+#define SUBSPACE_CORE_COMPRESS_TRANSFORM_CODEC_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace subspace {
+
+// Code c in [0, 2^bits) stands for offset + c * step; 0 bits store nothing and give offset.
+struct ComponentQuantizer {
+  static constexpr int kMaxBits = 8;
+  int bits = 0;
+  float offset = 0.0f;
+  float step = 0.0f;
+
+  // Round to the nearest code, clamped to the range.
+  uint32_t Encode(float x) const;
+  float Decode(uint32_t code) const { return offset + static_cast<float>(code) * step; }
+};
+
+struct TransformCode {
+  int dim = 0;
+  std::vector<float> mean;  // [dim]
+  // [dim] or empty (all 1): the square root of a diagonal error metric. Rows are coded as
+  // (x - mean) * scale, so the basis and the widths minimise sum_i m_i (x_i - x'_i)^2: dims an
+  // attention weighs more (a query's energy on a key dim, W_O's on a value dim) get more bits.
+  std::vector<float> scale;
+  std::vector<float> basis;                    // [dim, dim] row j = component j (orthonormal)
+  std::vector<ComponentQuantizer> components;  // [dim]
+
+  int BitsPerRow() const;
+  int64_t BytesPerRow() const { return (BitsPerRow() + 7) / 8; }
+  // Codes packed least significant bit first, component 0 first.
+  //   x: [dim]; codes: [BytesPerRow()]
+  void Encode(const float* x, uint8_t* codes) const;
+  void Decode(const uint8_t* codes, float* x) const;
+  // Decode(Encode(x)) in place, without packing. x: [dim]
+  void RoundTrip(float* x) const;
+};
+
+struct FittedQuantizer {
+  ComponentQuantizer quantizer;
+  double mse = 0.0;  // mean squared error over the samples it was fitted on
+};
+
+// The uniform quantizer of `bits` bits (0..8) with the least squared error over `samples`:
+// ranges mean +- a * stddev over a grid of a (clipping the tails trades their error for a finer
+// step), and the samples' [min, max]. 0 bits: offset = the mean, mse = the variance.
+FittedQuantizer FitComponentQuantizer(std::span<const float> samples, int bits);
+
+// Exact multiple-choice allocation: component i takes option o (widths[o] bits, distortion
+// distortion[i][o]) so that the summed distortion is least with at most `budget_bits` bits in
+// all (dynamic programming over the bit count). Returns the option index per component.
+// INVALID_ARGUMENT for a negative width, a distortion row of the wrong length, or a budget
+// that the narrowest options already exceed.
+absl::StatusOr<std::vector<int>> AllocateWidths(std::span<const std::vector<double>> distortion,
+                                                std::span<const int> widths, int budget_bits);
+
+struct TransformCodeOptions {
+  std::vector<int> widths = {0, 2, 3, 4, 8};  // the widths a component may take
+  bool pca = true;                            // false: identity basis (scalar quantization)
+  int64_t max_fit_samples = 4096;             // rows used to fit each quantizer (evenly spaced)
+};
+
+// One stream's rows (a KV head's keys or values) ready for allocation: the mean, the basis
+// (PCA of the centred rows, components by descending variance) and, per component and width,
+// the fitted quantizer and its distortion.
+struct TransformStream {
+  int dim = 0;
+  std::vector<float> mean;                             // [dim]
+  std::vector<float> scale;                            // [dim] or empty
+  std::vector<float> basis;                            // [dim, dim]
+  std::vector<std::vector<FittedQuantizer>> by_width;  // [dim][widths]
+  std::vector<std::vector<double>> distortion;         // [dim][widths] (mse)
+  double variance = 0.0;                               // total, summed over dims
+};
+// rows: [n, dim]; metric: [dim] positive weights of the squared error per dim, or empty for
+// plain squared error. INVALID_ARGUMENT for n < 2, dim < 1, widths outside 0..8 or a metric of
+// the wrong size or with a weight that is not positive and finite.
+absl::StatusOr<TransformStream> AnalyzeStream(const float* rows, int64_t n, int dim,
+                                              const TransformCodeOptions& options,
+                                              std::span<const float> metric = {});
+// The code of a stream with option index choice[j] for component j.
+TransformCode MakeTransformCode(const TransformStream& stream, std::span<const int> choice);
+
+// Fits codes for several streams under one budget of `bits_per_row` * dim bits per stream.
+// joint = false: each stream is allocated its own budget. joint = true: the streams share the
+// sum of their budgets, each component's distortion divided by its stream's total variance, so
+// the streams that need bits more (relative to their own energy) take them from the others.
+absl::StatusOr<std::vector<TransformCode>> AllocateTransformCodes(
+    std::span<const TransformStream> streams, std::span<const int> widths, double bits_per_row,
+    bool joint);
+
+}  // namespace subspace
+
+#endif  // SUBSPACE_CORE_COMPRESS_TRANSFORM_CODEC_H_

@@ -1,0 +1,65 @@
+// Calibration of the transform codec (core/compress/transform_codec.h) for the long-context
+// evaluation: the keys and values a model writes over calibration text, kept per layer and KV
+// head (keys both as written, post-RoPE, and rotated back to pre-RoPE), and the codes fitted on
+// them for a bits-per-element budget.
+#ifndef SUBSPACE_TOOLS_EVAL_TRANSFORM_CALIBRATION_H_
+#define SUBSPACE_TOOLS_EVAL_TRANSFORM_CALIBRATION_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/base/rope.h"
+#include "core/compress/calibration.h"
+#include "core/compress/transform_codec.h"
+#include "core/kvcache/kv_cache.h"
+#include "core/model/model.h"
+
+namespace subspace::eval {
+
+struct KvRows {
+  KvCacheGeometry geometry;
+  int64_t tokens = 0;                         // rows per layer-head
+  std::vector<std::vector<float>> keys_post;  // [n_layers * n_kv][tokens, d] as written
+  std::vector<std::vector<float>> keys_pre;   // [n_layers * n_kv][tokens, d] RoPE undone
+  std::vector<std::vector<float>> values;     // [n_layers * n_kv][tokens, d]
+  // Per dim, the mean squared query (over the GQA group's heads and every query attended) and
+  // the diagonal of sum_j W_j^T W_j over the group's slices of attn_output: the weights of a
+  // key's and a value's squared error in the attention scores and the layer's output.
+  std::vector<std::vector<float>> query_energy;   // [n_layers * n_kv][d]
+  std::vector<std::vector<float>> output_energy;  // [n_layers * n_kv][d]
+  RopeSchedule rope;
+};
+
+// Runs `model` over `tokens` in windows (CalibrationRunOptions, as for the bases) and keeps every
+// key and value row it writes.
+absl::StatusOr<KvRows> CollectKvRows(LlamaModel& model, std::span<const int32_t> tokens,
+                                     const CalibrationRunOptions& options);
+
+struct TransformFitOptions {
+  double bits_per_element = 4.0;  // the budget, per coded row, keys and values alike
+  bool pre_rope_keys = true;      // fit the key codes on pre-RoPE keys
+  bool joint = false;             // one budget shared by all layer-heads, K and V
+  // Key errors weighted by the query energy per dim (pre-RoPE: averaged over each rotated
+  // pair, as the relative rotation between query and key spreads it), value errors by W_O's.
+  bool attention_weighted = false;
+  TransformCodeOptions code;  // widths, PCA or identity basis
+};
+struct TransformCodes {
+  std::shared_ptr<const std::vector<TransformCode>> keys, values;  // [n_layers * n_kv]
+};
+// The streams of every layer-head's keys, then values, analysed as the options say (everything
+// but the budget and joint): the expensive half, shared by fits that differ only in budget.
+absl::StatusOr<std::vector<TransformStream>> AnalyzeKvRows(const KvRows& rows,
+                                                           const TransformFitOptions& options);
+// Allocates the budget over streams from AnalyzeKvRows.
+absl::StatusOr<TransformCodes> AllocateKvCodes(std::span<const TransformStream> streams,
+                                               const TransformFitOptions& options);
+absl::StatusOr<TransformCodes> FitTransformCodes(const KvRows& rows,
+                                                 const TransformFitOptions& options);
+
+}  // namespace subspace::eval
+
+#endif  // SUBSPACE_TOOLS_EVAL_TRANSFORM_CALIBRATION_H_
