@@ -9,6 +9,7 @@
 
 #include "core/compress/basis.h"
 #include "core/compress/basis_file.h"
+#include "core/compress/codec_file.h"
 #include "proto/subspace.pb.h"
 #include "tests/core/gguf/gguf_test_util.h"
 #include "tests/core/model/tiny_model_util.h"
@@ -63,6 +64,19 @@ void BasisSeeds(const std::filesystem::path& dir) {
   const KvCacheGeometry g2{2, 2, 2};
   info.energy = 0;
   Write(dir / "two_layers.gguf", *SerializeBasisFile(info, Basis::Zeros(g2, {1, 2}, {2, 1})));
+  // A transform codec (version 2 of the container): identity bases, widths 0, 2, 3, 8.
+  CodecFile codec{.info = {.bits_per_element = 4.0, .calibration_tokens = 64, .model_checksum = 42},
+                  .geometry = g};
+  for (auto* side : {&codec.keys, &codec.values}) {
+    TransformCode c{.dim = 4, .mean = {0.5f, -0.25f, 0.0f, 1.0f}};
+    c.basis.assign(16, 0.0f);
+    for (int i = 0; i < 4; ++i) c.basis[i * 5] = 1.0f;
+    for (int bits : {0, 2, 3, 8}) {
+      c.components.push_back({.bits = bits, .offset = -1.0f, .step = bits ? 0.125f : 0.0f});
+    }
+    side->push_back(c);
+  }
+  Write(dir / "codec.gguf", *SerializeCodecFile(codec));
 }
 
 void TextSeeds(const std::filesystem::path& dir) {

@@ -1,6 +1,8 @@
 // subspace-calibrate: runs a model over calibration text, accumulates per-head key, query and
 // value Gram matrices, turns them into a basis epoch (KQ-SVD, K-SVD or Eigen) and writes the
-// basis file the server loads with --bases. Deterministic for the same inputs.
+// basis file the server loads with --bases; or, with --kv-budget, fits the transform codec
+// (PCA + bit allocation per layer-head) and writes its codec file. Deterministic for the same
+// inputs.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "core/compress/basis_file.h"
 #include "core/compress/calibration.h"
+#include "core/compress/codec_file.h"
+#include "core/compress/transform_calibration.h"
 #include "core/model/model.h"
 #include "core/model/model_file.h"
 #include "core/tokenizer/tokenizer.h"
@@ -30,6 +34,15 @@ ABSL_FLAG(int32_t, rank, 0, "fixed rank for every layer (exclusive with --energy
 ABSL_FLAG(double, energy, 0.0, "per-layer rank capturing this fraction of the spectrum, (0, 1]");
 ABSL_FLAG(int64_t, max_tokens, 0, "calibrate on at most this many tokens; 0 = all");
 ABSL_FLAG(int32_t, window, 512, "tokens per calibration sequence (capped by the context)");
+ABSL_FLAG(double, kv_budget, 0.0,
+          "write a transform codec at this many bits per K/V element instead of a low-rank "
+          "basis (exclusive with --rank / --energy; keeps every key and value row in memory: "
+          "12 x n_layers x n_kv_heads x head_dim bytes per token)");
+ABSL_FLAG(bool, codec_post_rope, false, "--kv-budget: code keys after RoPE (default: before)");
+ABSL_FLAG(bool, codec_joint, false,
+          "--kv-budget: one budget shared by every layer-head, K and V (default: each its own)");
+ABSL_FLAG(bool, codec_weighted, false,
+          "--kv-budget: weigh errors by attention (queries on keys, W_O on values)");
 
 namespace subspace {
 namespace {
@@ -62,9 +75,13 @@ absl::Status Run() {
                         .method_v = *method_v,
                         .rank = absl::GetFlag(FLAGS_rank),
                         .energy = absl::GetFlag(FLAGS_energy)};
-  if ((bo.rank > 0) == (bo.energy > 0.0) || bo.rank < 0 || bo.energy < 0.0 || bo.energy > 1.0) {
+  const double budget = absl::GetFlag(FLAGS_kv_budget);
+  if (static_cast<int>(bo.rank > 0) + static_cast<int>(bo.energy > 0.0) +
+              static_cast<int>(budget > 0.0) !=
+          1 ||
+      bo.rank < 0 || bo.energy < 0.0 || bo.energy > 1.0 || budget < 0.0 || budget > 8.0) {
     return absl::InvalidArgumentError(
-        "set exactly one of --rank R (>= 1) and --energy E in (0, 1]");
+        "set exactly one of --rank R (>= 1), --energy E in (0, 1] and --kv-budget B in (0, 8]");
   }
 
   absl::StatusOr<ModelFile> loaded = OpenModelFile(model_path);
@@ -115,6 +132,37 @@ absl::Status Run() {
                  done / std::max(s, 1e-9), eta);
     if (done == total) std::fprintf(stderr, "\n");
   };
+  if (budget > 0.0) {
+    absl::StatusOr<KvRows> rows = CollectKvRows(model, tokens, ro);
+    if (!rows.ok()) return rows.status();
+    TransformFitOptions fo{.bits_per_element = budget,
+                           .pre_rope_keys = !absl::GetFlag(FLAGS_codec_post_rope),
+                           .joint = absl::GetFlag(FLAGS_codec_joint),
+                           .attention_weighted = absl::GetFlag(FLAGS_codec_weighted)};
+    absl::StatusOr<TransformCodes> codes = FitTransformCodes(*rows, fo);
+    if (!codes.ok()) return codes.status();
+    CodecFile file{.info = {.bits_per_element = budget,
+                            .pre_rope_keys = fo.pre_rope_keys,
+                            .attention_weighted = fo.attention_weighted,
+                            .joint = fo.joint,
+                            .calibration_tokens = static_cast<uint64_t>(rows->tokens),
+                            .model_checksum = checksum},
+                   .geometry = c.cache_geometry(),
+                   .keys = *codes->keys,
+                   .values = *codes->values};
+    if (absl::Status s = WriteCodecFile(out, file); !s.ok()) return s;
+    std::printf("transform codec, %.3g bits per element (%s keys%s%s); %lld tokens\n", budget,
+                fo.pre_rope_keys ? "pre-RoPE" : "post-RoPE", fo.joint ? ", joint" : "",
+                fo.attention_weighted ? ", attention-weighted" : "",
+                static_cast<long long>(rows->tokens));
+    std::printf("%5s %5s %12s %12s\n", "layer", "head", "key bits", "value bits");
+    for (size_t at = 0; at < file.keys.size(); ++at) {
+      std::printf("%5zu %5zu %12d %12d\n", at / c.n_kv_heads, at % c.n_kv_heads,
+                  file.keys[at].BitsPerRow(), file.values[at].BitsPerRow());
+    }
+    std::printf("forward and fit %.2f s; wrote %s\n", seconds_since(start), out.c_str());
+    return absl::OkStatus();
+  }
   absl::StatusOr<CalibrationStats> stats = CollectCalibrationStats(model, tokens, ro);
   if (!stats.ok()) return stats.status();
   const double forward_s = seconds_since(start);
@@ -158,7 +206,8 @@ int main(int argc, char** argv) {
   subspace::cli::ParseFlags(
       argc, argv,
       "subspace-calibrate --model M.gguf --text FILE_OR_DIR --out bases.gguf "
-      "[--method-k kqsvd|ksvd|eigen] [--method-v kqsvd|ksvd] (--rank R | --energy E) "
+      "[--method-k kqsvd|ksvd|eigen] [--method-v kqsvd|ksvd] (--rank R | --energy E | "
+      "--kv-budget BITS [--codec-post-rope] [--codec-joint] [--codec-weighted]) "
       "[--max-tokens N] [--window 512]");
   absl::Status status = subspace::Run();
   if (!status.ok()) {

@@ -24,7 +24,9 @@
 #include "absl/strings/str_split.h"
 #include "core/compress/basis_file.h"
 #include "core/compress/calibration.h"
+#include "core/compress/codec_file.h"
 #include "core/compress/compressed_kv_cache.h"
+#include "core/compress/transform_calibration.h"
 #include "core/kvcache/kv_quant.h"
 #include "core/kvcache/paged_kv_cache.h"
 #include "core/kvcache/refresh_config.h"
@@ -34,7 +36,6 @@
 #include "tools/cli/flags.h"
 #include "tools/eval/baseline_kv_caches.h"
 #include "tools/eval/long_context.h"
-#include "tools/eval/transform_calibration.h"
 
 ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "GGUF model");
 ABSL_FLAG(std::string, suite, "", "suite file (JSON lines) from tools/train/longctx_suite.py");
@@ -45,7 +46,9 @@ ABSL_FLAG(std::string, caches, "evict,q8_0,q4_0,kivi4,kqsvd:16:fp16,kqsvd:16:int
           "tc:BITS[:post][:joint][:id][:aw][:fine] (the transform codec at BITS per element, "
           "calibrated on --calib: keys pre-RoPE unless post, a budget per layer-head unless "
           "joint, PCA basis unless id, errors weighted by attention (aw: queries on keys, W_O on "
-          "values), widths {0,2,3,4,8} or with fine {0,1,2,3,4,5,6,8}), "
+          "values), widths {0,2,3,4,8} or with fine {0,1,2,3,4,5,6,8}, konly / vonly: the other "
+          "side exact), tcfile:PATH (a codec "
+          "file from subspace-calibrate --kv-budget), "
           "METHOD:RANK:DTYPE (METHOD ksvd|eigen|kqsvd calibrated on --calib; DTYPE fp16|int8|int4) "
           "or self:RANK:DTYPE (self-calibrated, as the server without --bases) or "
           "file:PATH:DTYPE (a subspace-calibrate basis file, as the server's --bases); a fourth "
@@ -82,10 +85,11 @@ struct CacheSpec {
   int rank = 0;
   CoeffDtype dtype = CoeffDtype::kFp16;
   RefreshMethod refresh = RefreshMethod::kNone;
-  std::string basis_path;           // file:PATH:DTYPE, the ranks per layer are the file's
-  bool transform = false;           // tc:BITS[:post][:joint][:id][:aw][:fine]
-  bool exact_sinks_window = false;  // BASELINE:sw
-  eval::TransformFitOptions fit;
+  std::string basis_path;                     // file:PATH:DTYPE, the ranks per layer are the file's
+  bool transform = false;                     // tc:BITS[:post][:joint][:id][:aw][:fine]
+  bool exact_sinks_window = false;            // BASELINE:sw
+  bool code_keys = true, code_values = true;  // tc:...:konly / vonly
+  TransformFitOptions fit;
 };
 
 absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
@@ -109,6 +113,15 @@ absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
     c.exact_sinks_window = true;
     return c;
   }
+  if (parts[0] == "tcfile") {  // tcfile:PATH, a codec file from subspace-calibrate
+    if (parts.size() != 2 || parts[1].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("bad cache spec ", s, " (tcfile:PATH)"));
+    }
+    c.transform = true;
+    c.baseline = eval::BaselineKind::kTransform;
+    c.basis_path = parts[1];
+    return c;
+  }
   if (parts[0] == "tc") {
     c.transform = true;
     c.baseline = eval::BaselineKind::kTransform;
@@ -127,6 +140,10 @@ absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
         c.fit.code.pca = false;
       } else if (parts[i] == "aw") {
         c.fit.attention_weighted = true;
+      } else if (parts[i] == "konly") {
+        c.code_values = false;
+      } else if (parts[i] == "vonly") {
+        c.code_keys = false;
       } else if (parts[i] == "fine") {
         c.fit.code.widths = {0, 1, 2, 3, 4, 5, 6, 8};
       } else {
@@ -253,8 +270,9 @@ absl::Status Run() {
   }
 
   // --- Key and value rows for the transform codec, once, if a tc cache is asked for ---
-  std::unique_ptr<eval::KvRows> kv_rows;
-  if (std::any_of(specs.begin(), specs.end(), [](const CacheSpec& c) { return c.transform; })) {
+  std::unique_ptr<KvRows> kv_rows;
+  if (std::any_of(specs.begin(), specs.end(),
+                  [](const CacheSpec& c) { return c.transform && c.basis_path.empty(); })) {
     std::ifstream cf(absl::GetFlag(FLAGS_calib));
     if (!cf)
       return absl::NotFoundError(absl::StrCat("cannot read --calib ", absl::GetFlag(FLAGS_calib)));
@@ -262,14 +280,13 @@ absl::Status Run() {
     std::vector<int32_t> calib = tokenizer.Encode(text, {.add_bos = false});
     const int64_t limit = absl::GetFlag(FLAGS_calib_tokens);
     if (limit > 0 && static_cast<int64_t>(calib.size()) > limit) calib.resize(limit);
-    absl::StatusOr<eval::KvRows> r =
-        eval::CollectKvRows(model, calib,
-                            {.window = std::min(mc.context_length, 1024),
-                             .max_tokens = 0,
-                             .bos = tokenizer.bos_id(),
-                             .progress = {}});
+    absl::StatusOr<KvRows> r = CollectKvRows(model, calib,
+                                             {.window = std::min(mc.context_length, 1024),
+                                              .max_tokens = 0,
+                                              .bos = tokenizer.bos_id(),
+                                              .progress = {}});
     if (!r.ok()) return r.status();
-    kv_rows = std::make_unique<eval::KvRows>(*std::move(r));
+    kv_rows = std::make_unique<KvRows>(*std::move(r));
   }
 
   std::map<std::string, std::vector<TransformStream>> analysed;  // by analysis options
@@ -301,6 +318,8 @@ absl::Status Run() {
     eval::BaselineKvCacheConfig baseline{
         .geometry = geom, .kind = spec.baseline, .sink_tokens = S, .window_tokens = W};
     baseline.exact_sinks_window = spec.exact_sinks_window;
+    baseline.code_keys = spec.code_keys;
+    baseline.code_values = spec.code_values;
     bool measured_bytes = false;
     const bool quantized =
         !spec.full && !spec.lowrank && !spec.exact_sinks_window &&
@@ -320,18 +339,29 @@ absl::Status Run() {
       cache = *std::move(c);
     } else if (!spec.lowrank) {
       baseline.capacity_bytes = PagedKvCache::BlockBytes(geom, 16) * geom.n_layers * pages_per_item;
-      if (spec.transform) {
+      if (spec.transform && !spec.basis_path.empty()) {
+        absl::StatusOr<CodecFile> file =
+            LoadCodecForModel(spec.basis_path, *files->gguf, geom, spec.basis_path);
+        if (!file.ok()) return file.status();
+        baseline.key_codes = std::make_shared<const std::vector<TransformCode>>(file->keys);
+        baseline.value_codes = std::make_shared<const std::vector<TransformCode>>(file->values);
+        if (file->info.pre_rope_keys) {
+          absl::StatusOr<RopeSchedule> rope = mc.rope();
+          if (!rope.ok()) return rope.status();
+          baseline.key_rope = *std::move(rope);
+        }
+      } else if (spec.transform) {
         // Specs that differ only in budget or joint share one analysis.
         const std::string key =
             absl::StrCat(spec.fit.pre_rope_keys, spec.fit.attention_weighted, spec.fit.code.pca,
                          absl::StrJoin(spec.fit.code.widths, ","));
         auto it = analysed.find(key);
         if (it == analysed.end()) {
-          absl::StatusOr<std::vector<TransformStream>> s = eval::AnalyzeKvRows(*kv_rows, spec.fit);
+          absl::StatusOr<std::vector<TransformStream>> s = AnalyzeKvRows(*kv_rows, spec.fit);
           if (!s.ok()) return s.status();
           it = analysed.emplace(key, *std::move(s)).first;
         }
-        absl::StatusOr<eval::TransformCodes> codes = eval::AllocateKvCodes(it->second, spec.fit);
+        absl::StatusOr<TransformCodes> codes = AllocateKvCodes(it->second, spec.fit);
         if (!codes.ok()) return codes.status();
         baseline.key_codes = codes->keys;
         baseline.value_codes = codes->values;

@@ -1,5 +1,5 @@
-// Basis file writer (a minimal GGUF v3 writer: scalars, strings, i32 arrays, F32 tensors) and
-// reader (through GgufFile, which bounds-checks every read); see basis_file.h.
+// Basis file writer (through GgufWriter) and reader (through GgufFile, which bounds-checks
+// every read); see basis_file.h.
 #include "core/compress/basis_file.h"
 
 #include <cstring>
@@ -9,81 +9,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/gguf/gguf_writer.h"
 
 namespace subspace {
 namespace {
 
 constexpr char kPrefix[] = "subspace.basis.";
-constexpr uint64_t kAlignment = 32;  // GGUF's default; no general.alignment key needed
-
-// Little-endian writer of GGUF v3 (the hosts we build for are little-endian, as GGUF).
-class GgufWriter {
- public:
-  void AddString(std::string_view key, std::string_view value) {
-    Key(key, GgufValueType::kString);
-    Str(value);
-  }
-  void AddUint32(std::string_view key, uint32_t value) {
-    Key(key, GgufValueType::kUint32);
-    Pod(kvs_, value);
-  }
-  void AddUint64(std::string_view key, uint64_t value) {
-    Key(key, GgufValueType::kUint64);
-    Pod(kvs_, value);
-  }
-  void AddFloat64(std::string_view key, double value) {
-    Key(key, GgufValueType::kFloat64);
-    Pod(kvs_, value);
-  }
-  void AddInt32Array(std::string_view key, const std::vector<int>& values) {
-    Key(key, GgufValueType::kArray);
-    Pod(kvs_, static_cast<uint32_t>(GgufValueType::kInt32));
-    Pod(kvs_, static_cast<uint64_t>(values.size()));
-    for (int v : values) Pod(kvs_, static_cast<int32_t>(v));
-  }
-  // A row-major [rows, cols] F32 tensor (GGUF dims {cols, rows}). data: [rows, cols]
-  void AddF32Matrix(std::string_view name, int64_t rows, int64_t cols, const float* data) {
-    data_.resize((data_.size() + kAlignment - 1) / kAlignment * kAlignment, '\0');
-    Str(infos_, name);
-    Pod(infos_, uint32_t{2});
-    Pod(infos_, static_cast<uint64_t>(cols));
-    Pod(infos_, static_cast<uint64_t>(rows));
-    Pod(infos_, static_cast<uint32_t>(GgmlType::kF32));
-    Pod(infos_, static_cast<uint64_t>(data_.size()));
-    data_.append(reinterpret_cast<const char*>(data), static_cast<size_t>(rows * cols) * 4);
-    ++n_tensors_;
-  }
-  std::string Build() const {
-    std::string out = "GGUF";
-    Pod(out, uint32_t{3});
-    Pod(out, n_tensors_);
-    Pod(out, n_kvs_);
-    out += kvs_;
-    out += infos_;
-    out.resize((out.size() + kAlignment - 1) / kAlignment * kAlignment, '\0');
-    out += data_;
-    return out;
-  }
-
- private:
-  template <typename T>
-  static void Pod(std::string& s, T v) {
-    s.append(reinterpret_cast<const char*>(&v), sizeof(T));
-  }
-  static void Str(std::string& s, std::string_view v) {
-    Pod(s, static_cast<uint64_t>(v.size()));
-    s.append(v);
-  }
-  void Str(std::string_view v) { Str(kvs_, v); }
-  void Key(std::string_view key, GgufValueType type) {
-    Str(kvs_, key);
-    Pod(kvs_, static_cast<uint32_t>(type));
-    ++n_kvs_;
-  }
-
-  std::string kvs_, infos_, data_;
-  uint64_t n_kvs_ = 0, n_tensors_ = 0;
-};
 
 std::string Key(const std::string& name) { return absl::StrCat(kPrefix, name); }
 std::string TensorName(int layer, int head, const char* what) {
@@ -124,6 +55,23 @@ absl::StatusOr<int> ReadDim(const GgufFile& file, const std::string& name) {
 
 }  // namespace
 
+absl::StatusOr<uint32_t> BasisFileVersion(const GgufFile& file) {
+  absl::StatusOr<std::string> arch = file.GetString("general.architecture");
+  if (arch.ok() && *arch != "subspace-basis") {
+    return Invalid(absl::StrCat("general.architecture is '", *arch,
+                                "', not subspace-basis: a model, not a basis file?"));
+  }
+  absl::StatusOr<uint64_t> v = file.GetUint(Key("version"));
+  if (absl::IsNotFound(v.status())) return kBasisFileLowRank;
+  if (!v.ok()) return Invalid(std::string(v.status().message()));
+  if (*v < kBasisFileLowRank || *v > kBasisFileTransformCodec) {
+    return Invalid(absl::StrCat(Key("version"), " = ", *v, ": this build reads versions ",
+                                kBasisFileLowRank, " (low-rank bases) and ",
+                                kBasisFileTransformCodec, " (transform codecs)"));
+  }
+  return static_cast<uint32_t>(*v);
+}
+
 uint64_t ModelChecksum(const GgufFile& model) {
   constexpr uint64_t kOffset = 14695981039346656037ull, kPrime = 1099511628211ull;
   const std::string_view bytes = model.bytes();
@@ -148,6 +96,7 @@ absl::StatusOr<std::string> SerializeBasisFile(const BasisFileInfo& info, const 
   if (absl::Status s = ValidateBasis(basis, g, r_k, r_v); !s.ok()) return s;
   GgufWriter w;
   w.AddString("general.architecture", "subspace-basis");
+  w.AddUint32(Key("version"), kBasisFileLowRank);
   w.AddString(Key("method_k"), info.method_k);
   w.AddString(Key("method_v"), info.method_v);
   w.AddFloat64(Key("energy"), info.energy);
@@ -184,6 +133,12 @@ absl::Status WriteBasisFile(const std::string& path, const BasisFileInfo& info,
 }
 
 absl::StatusOr<BasisFile> ParseBasisFile(const GgufFile& file) {
+  absl::StatusOr<uint32_t> version = BasisFileVersion(file);
+  if (!version.ok()) return version.status();
+  if (*version != kBasisFileLowRank) {
+    return Invalid(absl::StrCat(Key("version"), " = ", *version,
+                                ": the file holds a transform codec, not a low-rank basis"));
+  }
   BasisFile out;
   BasisFileInfo& info = out.info;
   for (auto [field, name] :

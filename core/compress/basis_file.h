@@ -2,9 +2,11 @@
 // P_q, P_k, P_v, R_v as F32 tensors) with the calibration's provenance, written by
 // subspace-calibrate and loaded by the server's --bases.
 //
-// Metadata (all under "subspace.basis."): method_k, method_v (strings), energy (f64, 0 for a
-// fixed rank), calibration_tokens (u64), model_fnv1a64 (u64, ModelChecksum of the model file),
-// n_layers, n_kv_heads, head_dim (u32), rank_k, rank_v (i32 arrays [n_layers]).
+// Metadata (all under "subspace.basis."): version (u32, 1; absent in the first files), method_k,
+// method_v (strings), energy (f64, 0 for a fixed rank), calibration_tokens (u64), model_fnv1a64
+// (u64, ModelChecksum of the model file), n_layers, n_kv_heads, head_dim (u32), rank_k, rank_v
+// (i32 arrays [n_layers]). Version 2 of the same container holds a transform codec instead
+// (core/compress/codec_file.h); each reader refuses the other's version by name.
 // Tensors: blk.L.head.H.p_q, .p_k [d, r_k]; .p_v [d, r_v]; .r_v [r_v, d] (row-major; GGUF dims
 // list the row length first, e.g. p_q has dims {r_k, d}).
 #ifndef SUBSPACE_CORE_COMPRESS_BASIS_FILE_H_
@@ -21,6 +23,13 @@
 #include "core/kvcache/kv_cache.h"
 
 namespace subspace {
+
+// subspace.basis.version: what the container holds.
+inline constexpr uint32_t kBasisFileLowRank = 1;         // a low-rank basis epoch (this file)
+inline constexpr uint32_t kBasisFileTransformCodec = 2;  // a transform codec (codec_file.h)
+// The file's version (kBasisFileLowRank when the key is absent); INVALID_ARGUMENT for a file
+// that is not a basis file, a version of the wrong type, or one newer than this build reads.
+absl::StatusOr<uint32_t> BasisFileVersion(const GgufFile& file);
 
 struct BasisFileInfo {
   std::string method_k;

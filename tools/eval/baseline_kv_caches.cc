@@ -122,8 +122,12 @@ double BaselineBytesPerToken(const BaselineKvCacheConfig& c, int64_t length) {
     case BaselineKind::kTransform: {
       if (length <= 0 || c.key_codes == nullptr || c.value_codes == nullptr) return fp16;
       double coded = 0.0;  // bytes of one token's codes, all layers and heads
-      for (const TransformCode& t : *c.key_codes) coded += static_cast<double>(t.BytesPerRow());
-      for (const TransformCode& t : *c.value_codes) coded += static_cast<double>(t.BytesPerRow());
+      for (const TransformCode& t : *c.key_codes) {
+        coded += c.code_keys ? static_cast<double>(t.BytesPerRow()) : 2.0 * g.head_dim;
+      }
+      for (const TransformCode& t : *c.value_codes) {
+        coded += c.code_values ? static_cast<double>(t.BytesPerRow()) : 2.0 * g.head_dim;
+      }
       const int64_t exact = std::min<int64_t>(length, c.sink_tokens + c.window_tokens);
       return (fp16 * static_cast<double>(exact) + coded * static_cast<double>(length - exact)) /
              static_cast<double>(length);
@@ -323,12 +327,13 @@ void BaselineKvCache::WriteTransformCodes(int layer, Layer& l, int64_t pos, int6
     cpu::Rope(kc, n, g.n_kv_heads, g.head_dim, *key_unrope_, negated.data());
   const auto& kcodes = *config_.key_codes;
   const auto& vcodes = *config_.value_codes;
+#pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     for (int h = 0; h < g.n_kv_heads; ++h) {
       const size_t at = static_cast<size_t>(layer) * g.n_kv_heads + static_cast<size_t>(h);
       const int64_t off = i * row + static_cast<int64_t>(h) * g.head_dim;
-      kcodes[at].RoundTrip(kc + off);
-      vcodes[at].RoundTrip(vc + off);
+      if (config_.code_keys) kcodes[at].RoundTrip(kc + off);
+      if (config_.code_values) vcodes[at].RoundTrip(vc + off);
     }
   }
   if (key_unrope_.has_value())
@@ -371,46 +376,56 @@ void BaselineKvCache::Attend(int layer, std::span<const AttentionRequest> reques
   const int64_t row = static_cast<int64_t>(g.n_kv_heads) * d;
   const int group = n_heads / g.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  std::vector<float> w;
-  for (const AttentionRequest& r : requests) {
-    const Layer& l = seqs_[static_cast<size_t>(r.seq)].layers[static_cast<size_t>(layer)];
-    for (int64_t i = 0; i < r.n; ++i) {
+  // Evict drops, and split kinds read their format for, the tokens between sinks and window.
+  const bool evict = config_.kind == BaselineKind::kEvict;
+  const bool coded = split_;
+  // One task per (request, query, head): the plain reference attention is the suite's hot
+  // loop, and the queries of a prefill chunk are independent.
+  std::vector<std::pair<size_t, int64_t>> tasks;  // (request, query i)
+  for (size_t ri = 0; ri < requests.size(); ++ri) {
+    for (int64_t i = 0; i < requests[ri].n; ++i) tasks.emplace_back(ri, i);
+  }
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size()) * n_heads;
+#pragma omp parallel
+  {
+    std::vector<float> w;
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t task = 0; task < n_tasks; ++task) {
+      const AttentionRequest& r = requests[tasks[static_cast<size_t>(task / n_heads)].first];
+      const int64_t i = tasks[static_cast<size_t>(task / n_heads)].second;
+      const int h = static_cast<int>(task % n_heads);
+      const Layer& l = seqs_[static_cast<size_t>(r.seq)].layers[static_cast<size_t>(layer)];
       const int64_t p = r.pos + i;  // attends to [first, p]: all, or the sliding window
       const int64_t first = r.FirstAttended(p);
-      // Evict drops, and tc reads codes for, the tokens between the sinks and the window.
-      const bool evict = config_.kind == BaselineKind::kEvict;
-      const bool coded = split_;
       const int64_t recent =
           evict || coded ? std::max<int64_t>(0, p - config_.window_tokens + 1) : 0;
       auto middle = [&](int64_t t) { return t >= config_.sink_tokens && t < recent; };
-      for (int h = 0; h < n_heads; ++h) {
-        const int kvh = h / group;
-        const float* q = r.q + (i * n_heads + h) * d;
-        float* out = r.out + (i * n_heads + h) * d;
-        w.assign(static_cast<size_t>(p + 1), -INFINITY);
-        float m = -INFINITY;
-        for (int64_t t = first; t <= p; ++t) {
-          if (evict && middle(t)) continue;
-          const float* k =
-              (coded && middle(t) ? l.kc : l.k).data() + t * row + static_cast<int64_t>(kvh) * d;
-          float s = 0.0f;
-          for (int x = 0; x < d; ++x) s += q[x] * k[x];
-          w[static_cast<size_t>(t)] = s * scale;
-          m = std::max(m, w[static_cast<size_t>(t)]);
-        }
-        double sum = 0.0;
-        std::fill(out, out + d, 0.0f);
-        for (int64_t t = 0; t <= p; ++t) {
-          if (w[static_cast<size_t>(t)] == -INFINITY) continue;
-          const float e = std::exp(w[static_cast<size_t>(t)] - m);
-          sum += e;
-          const float* v =
-              (coded && middle(t) ? l.vc : l.v).data() + t * row + static_cast<int64_t>(kvh) * d;
-          for (int x = 0; x < d; ++x) out[x] += e * v[x];
-        }
-        const float inv = static_cast<float>(1.0 / sum);
-        for (int x = 0; x < d; ++x) out[x] *= inv;
+      const int kvh = h / group;
+      const float* q = r.q + (i * n_heads + h) * d;
+      float* out = r.out + (i * n_heads + h) * d;
+      w.assign(static_cast<size_t>(p + 1), -INFINITY);
+      float m = -INFINITY;
+      for (int64_t t = first; t <= p; ++t) {
+        if (evict && middle(t)) continue;
+        const float* k =
+            (coded && middle(t) ? l.kc : l.k).data() + t * row + static_cast<int64_t>(kvh) * d;
+        float s = 0.0f;
+        for (int x = 0; x < d; ++x) s += q[x] * k[x];
+        w[static_cast<size_t>(t)] = s * scale;
+        m = std::max(m, w[static_cast<size_t>(t)]);
       }
+      double sum = 0.0;
+      std::fill(out, out + d, 0.0f);
+      for (int64_t t = 0; t <= p; ++t) {
+        if (w[static_cast<size_t>(t)] == -INFINITY) continue;
+        const float e = std::exp(w[static_cast<size_t>(t)] - m);
+        sum += e;
+        const float* v =
+            (coded && middle(t) ? l.vc : l.v).data() + t * row + static_cast<int64_t>(kvh) * d;
+        for (int x = 0; x < d; ++x) out[x] += e * v[x];
+      }
+      const float inv = static_cast<float>(1.0 / sum);
+      for (int x = 0; x < d; ++x) out[x] *= inv;
     }
   }
 }

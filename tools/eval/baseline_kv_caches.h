@@ -70,6 +70,8 @@ struct BaselineKvCacheConfig {
   std::shared_ptr<const std::vector<TransformCode>> key_codes, value_codes;
   // kTransform: set, keys are coded before RoPE (rotated back, coded, decoded, rotated again).
   std::optional<RopeSchedule> key_rope;
+  // kTransform: false keeps that side exact (at fp16's bytes), for the K-only / V-only ablation.
+  bool code_keys = true, code_values = true;
 };
 
 // Bytes one token takes, all layers, averaged over a sequence of `length` tokens: fp16 K/V for

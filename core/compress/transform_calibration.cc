@@ -1,4 +1,4 @@
-#include "tools/eval/transform_calibration.h"
+#include "core/compress/transform_calibration.h"
 
 #include <algorithm>
 #include <utility>
@@ -7,7 +7,7 @@
 #include "core/cpu/ops.h"
 #include "core/kvcache/forwarding_kv_cache.h"
 
-namespace subspace::eval {
+namespace subspace {
 namespace {
 
 // Keeps the rows written to it, pre-RoPE keys recovered with the inverse rotation.
@@ -184,4 +184,4 @@ absl::StatusOr<TransformCodes> FitTransformCodes(const KvRows& rows, const Trans
   return AllocateKvCodes(*streams, o);
 }
 
-}  // namespace subspace::eval
+}  // namespace subspace

@@ -1,9 +1,10 @@
-// Calibration of the transform codec (core/compress/transform_codec.h) for the long-context
-// evaluation: the keys and values a model writes over calibration text, kept per layer and KV
-// head (keys both as written, post-RoPE, and rotated back to pre-RoPE), and the codes fitted on
-// them for a bits-per-element budget.
-#ifndef SUBSPACE_TOOLS_EVAL_TRANSFORM_CALIBRATION_H_
-#define SUBSPACE_TOOLS_EVAL_TRANSFORM_CALIBRATION_H_
+// Calibration of the transform codec (core/compress/transform_codec.h): the keys and values a
+// model writes over calibration text, kept per layer and KV head (keys both as written,
+// post-RoPE, and rotated back to pre-RoPE) with the query and W_O energies per dim, and the
+// codes fitted on them for a bits-per-element budget (subspace-calibrate --kv-budget, and the
+// long-context evaluation's tc caches).
+#ifndef SUBSPACE_CORE_COMPRESS_TRANSFORM_CALIBRATION_H_
+#define SUBSPACE_CORE_COMPRESS_TRANSFORM_CALIBRATION_H_
 
 #include <cstdint>
 #include <memory>
@@ -17,7 +18,7 @@
 #include "core/kvcache/kv_cache.h"
 #include "core/model/model.h"
 
-namespace subspace::eval {
+namespace subspace {
 
 struct KvRows {
   KvCacheGeometry geometry;
@@ -60,6 +61,6 @@ absl::StatusOr<TransformCodes> AllocateKvCodes(std::span<const TransformStream> 
 absl::StatusOr<TransformCodes> FitTransformCodes(const KvRows& rows,
                                                  const TransformFitOptions& options);
 
-}  // namespace subspace::eval
+}  // namespace subspace
 
-#endif  // SUBSPACE_TOOLS_EVAL_TRANSFORM_CALIBRATION_H_
+#endif  // SUBSPACE_CORE_COMPRESS_TRANSFORM_CALIBRATION_H_
