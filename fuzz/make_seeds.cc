@@ -65,8 +65,9 @@ void BasisSeeds(const std::filesystem::path& dir) {
   info.energy = 0;
   Write(dir / "two_layers.gguf", *SerializeBasisFile(info, Basis::Zeros(g2, {1, 2}, {2, 1})));
   // A transform codec (version 2 of the container): identity bases, widths 0, 2, 3, 8.
-  CodecFile codec{.info = {.bits_per_element = 4.0, .calibration_tokens = 64, .model_checksum = 42},
-                  .geometry = g};
+  CodecFile codec{
+      .info = {.key_bits = 4.0, .value_bits = 4.0, .calibration_tokens = 64, .model_checksum = 42},
+      .geometry = g};
   for (auto* side : {&codec.keys, &codec.values}) {
     TransformCode c{.dim = 4, .mean = {0.5f, -0.25f, 0.0f, 1.0f}};
     c.basis.assign(16, 0.0f);

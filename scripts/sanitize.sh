@@ -100,6 +100,10 @@ if [[ "$scope" == all ]]; then
   # tokens, ~50 s each under ASan on 2 cores, past its waits; its server code paths are the
   # ones the bad-input matrix (its draining row) and the unit tests of the engine cover.
   metrics_tests+='|DrainTest'
+  # And the long-context evaluation runs (longctx_slice, longctx_gate, codec_file_itest): minutes
+  # each under ASan for model forward passes the other integration tests already run; what is
+  # theirs alone (the baseline caches, the transform codec and its file) has unit tests here.
+  metrics_tests+='|longctx_slice|longctx_gate|codec_file_itest'
   if [[ "$kind" == tsan ]]; then metrics_tests=NONE_EXCLUDED; fi
   ctest --output-on-failure -j "$(nproc)" -L integration -LE gpu -E "$metrics_tests" \
     --timeout 1800

@@ -38,6 +38,9 @@ ABSL_FLAG(double, kv_budget, 0.0,
           "write a transform codec at this many bits per K/V element instead of a low-rank "
           "basis (exclusive with --rank / --energy; keeps every key and value row in memory: "
           "12 x n_layers x n_kv_heads x head_dim bytes per token)");
+ABSL_FLAG(double, kv_budget_v, 0.0,
+          "--kv-budget: the values' bits per element, when they differ from the keys' "
+          "(0: the same)");
 ABSL_FLAG(bool, codec_post_rope, false, "--kv-budget: code keys after RoPE (default: before)");
 ABSL_FLAG(bool, codec_joint, false,
           "--kv-budget: one budget shared by every layer-head, K and V (default: each its own)");
@@ -135,13 +138,18 @@ absl::Status Run() {
   if (budget > 0.0) {
     absl::StatusOr<KvRows> rows = CollectKvRows(model, tokens, ro);
     if (!rows.ok()) return rows.status();
-    TransformFitOptions fo{.bits_per_element = budget,
+    const double value_budget =
+        absl::GetFlag(FLAGS_kv_budget_v) > 0.0 ? absl::GetFlag(FLAGS_kv_budget_v) : budget;
+    if (value_budget > 8.0) return absl::InvalidArgumentError("--kv-budget-v must be <= 8");
+    TransformFitOptions fo{.key_bits = budget,
+                           .value_bits = value_budget,
                            .pre_rope_keys = !absl::GetFlag(FLAGS_codec_post_rope),
                            .joint = absl::GetFlag(FLAGS_codec_joint),
                            .attention_weighted = absl::GetFlag(FLAGS_codec_weighted)};
     absl::StatusOr<TransformCodes> codes = FitTransformCodes(*rows, fo);
     if (!codes.ok()) return codes.status();
-    CodecFile file{.info = {.bits_per_element = budget,
+    CodecFile file{.info = {.key_bits = budget,
+                            .value_bits = value_budget,
                             .pre_rope_keys = fo.pre_rope_keys,
                             .attention_weighted = fo.attention_weighted,
                             .joint = fo.joint,
@@ -151,10 +159,12 @@ absl::Status Run() {
                    .keys = *codes->keys,
                    .values = *codes->values};
     if (absl::Status s = WriteCodecFile(out, file); !s.ok()) return s;
-    std::printf("transform codec, %.3g bits per element (%s keys%s%s); %lld tokens\n", budget,
-                fo.pre_rope_keys ? "pre-RoPE" : "post-RoPE", fo.joint ? ", joint" : "",
-                fo.attention_weighted ? ", attention-weighted" : "",
-                static_cast<long long>(rows->tokens));
+    std::printf(
+        "transform codec, %.3g / %.3g bits per key / value element (%s keys%s%s); "
+        "%lld tokens\n",
+        budget, value_budget, fo.pre_rope_keys ? "pre-RoPE" : "post-RoPE",
+        fo.joint ? ", joint" : "", fo.attention_weighted ? ", attention-weighted" : "",
+        static_cast<long long>(rows->tokens));
     std::printf("%5s %5s %12s %12s\n", "layer", "head", "key bits", "value bits");
     for (size_t at = 0; at < file.keys.size(); ++at) {
       std::printf("%5zu %5zu %12d %12d\n", at / c.n_kv_heads, at % c.n_kv_heads,

@@ -43,7 +43,8 @@ ABSL_FLAG(std::string, caches, "evict,q8_0,q4_0,kivi4,kqsvd:16:fp16,kqsvd:16:int
           "caches compared with the full one: evict, q8_0, q4_0, kivi4, kivi2, hq8_0, hq4_0 "
           "(Hadamard-rotated), tq2.5, tq3.5 (TurboQuant), each with :sw for exact sinks and "
           "window as tc keeps them, full, "
-          "tc:BITS[:post][:joint][:id][:aw][:fine] (the transform codec at BITS per element, "
+          "tc:BITS[:post][:joint][:id][:aw][:fine] (the transform codec at BITS per element, or "
+          "KEY_BITS/VALUE_BITS, "
           "calibrated on --calib: keys pre-RoPE unless post, a budget per layer-head unless "
           "joint, PCA basis unless id, errors weighted by attention (aw: queries on keys, W_O on "
           "values), widths {0,2,3,4,8} or with fine {0,1,2,3,4,5,6,8}, konly / vonly: the other "
@@ -125,12 +126,20 @@ absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
   if (parts[0] == "tc") {
     c.transform = true;
     c.baseline = eval::BaselineKind::kTransform;
-    char* end = nullptr;
-    c.fit.bits_per_element = std::strtod(parts[1].c_str(), &end);
-    if (end == parts[1].c_str() || *end != '\0' || !(c.fit.bits_per_element >= 0.0) ||
-        c.fit.bits_per_element > 8.0) {
-      return absl::InvalidArgumentError(absl::StrCat("bits in ", s, " not in [0, 8]"));
+    // BITS, or KEY_BITS/VALUE_BITS.
+    const std::vector<std::string> kv = absl::StrSplit(parts[1], '/');
+    double bits[2] = {0, 0};
+    for (size_t i = 0; i < 2; ++i) {
+      const std::string& b = kv[std::min(i, kv.size() - 1)];
+      char* end = nullptr;
+      bits[i] = std::strtod(b.c_str(), &end);
+      if (kv.size() > 2 || end == b.c_str() || *end != '\0' || !(bits[i] >= 0.0) || bits[i] > 8.0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("bits in ", s, " not in [0, 8] (BITS or KEY_BITS/VALUE_BITS)"));
+      }
     }
+    c.fit.key_bits = bits[0];
+    c.fit.value_bits = bits[1];
     for (size_t i = 2; i < parts.size(); ++i) {
       if (parts[i] == "post") {
         c.fit.pre_rope_keys = false;
@@ -200,6 +209,8 @@ struct Tally {
   // The same over the items of at least --long-items tokens.
   int64_t long_items = 0, long_retrieval = 0, long_retrieved = 0, long_positions = 0;
   double long_bytes_ratio_sum = 0, long_kld = 0;
+  double long_nll = 0;  // recurrence items only, as nll_long
+  int64_t long_n = 0;
 };
 
 absl::Status Run() {
@@ -301,8 +312,9 @@ absl::Status Run() {
       items.size(), S, W, chunk);
   std::printf(
       "| cache | bytes/token vs fp16 | pass key | kv recall | long-range ppl | plain ppl | "
-      "KLD (nats) | top-1 agree | bytes @long | retrieval @long | KLD @long | s |\n"
-      "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n");
+      "KLD (nats) | top-1 agree | bytes @long | retrieval @long | long-range ppl @long | "
+      "KLD @long | s |\n"
+      "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n");
   std::unique_ptr<std::ofstream> json;
   if (!absl::GetFlag(FLAGS_json).empty()) {
     json = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_json));
@@ -454,6 +466,9 @@ absl::Status Run() {
         if (item.retrieval()) {
           ++t.long_retrieval;
           t.long_retrieved += sc.exact;
+        } else if (item.kind == "recurrence") {
+          t.long_nll += sc.nll;
+          t.long_n += sc.scored;
         }
       }
       if (item.retrieval()) {
@@ -515,20 +530,23 @@ absl::Status Run() {
           "{\"cache\": \"%s\", \"bytes_ratio\": %.6g, \"passkey_hits\": %d, \"passkey_n\": %d, "
           "\"kv_hits\": %d, \"kv_n\": %d, \"long_ppl\": %s, \"plain_ppl\": %s, "
           "\"kld\": %.6g, \"top1\": %.6g, \"long_items\": %d, \"long_bytes_ratio\": %s, "
-          "\"long_retrieval_hits\": %d, \"long_retrieval_n\": %d, \"long_kld\": %s, "
+          "\"long_retrieval_hits\": %d, \"long_retrieval_n\": %d, \"long_long_ppl\": %s, "
+          "\"long_kld\": %s, "
           "\"seconds\": %.1f}\n",
           spec.name, bytes_ratio, passkey.first, passkey.second, kv.first, kv.second,
           num(std::exp(t.nll_long / std::max<double>(t.n_long, 1)), t.n_long > 0),
           num(std::exp(t.nll_plain / std::max<double>(t.n_plain, 1)), t.n_plain > 0), kld, top1,
           t.long_items, num(long_bytes, t.long_items > 0), t.long_retrieved, t.long_retrieval,
+          num(std::exp(t.long_nll / std::max<double>(t.long_n, 1)), t.long_n > 0),
           num(long_kld, t.long_positions > 0), seconds);
       json->flush();
     }
-    std::printf("| %s | %.3f | %s | %s | %s | %s | %.4f | %.4f | %s | %s | %s | %.0f |\n",
+    std::printf("| %s | %.3f | %s | %s | %s | %s | %.4f | %.4f | %s | %s | %s | %s | %.0f |\n",
                 spec.name.c_str(), bytes_ratio, acc(passkey).c_str(), acc(kv).c_str(),
                 ppl(t.nll_long, t.n_long).c_str(), ppl(t.nll_plain, t.n_plain).c_str(), kld, top1,
                 t.long_items > 0 ? absl::StrFormat("%.3f", long_bytes).c_str() : "—",
                 acc({t.long_retrieved, t.long_retrieval}).c_str(),
+                ppl(t.long_nll, t.long_n).c_str(),
                 t.long_positions > 0 ? absl::StrFormat("%.4f", long_kld).c_str() : "—", seconds);
     std::fflush(stdout);
   }

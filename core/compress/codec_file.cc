@@ -97,12 +97,12 @@ absl::Status ValidateCodecFile(const CodecFile& c) {
     return Invalid(absl::StrFormat("%d key and %d value codes for %d layer-heads", c.keys.size(),
                                    c.values.size(), heads));
   }
-  if (!(c.info.bits_per_element >= 0.0 && c.info.bits_per_element <= 8.0)) {
-    return Invalid(
-        absl::StrCat(Key("bits_per_element"), " = ", c.info.bits_per_element, ", outside [0, 8]"));
+  for (auto [bits, name] :
+       {std::pair{c.info.key_bits, "key_bits"}, std::pair{c.info.value_bits, "value_bits"}}) {
+    if (!(bits >= 0.0 && bits <= 8.0)) {
+      return Invalid(absl::StrCat(Key(name), " = ", bits, ", outside [0, 8]"));
+    }
   }
-  const int64_t row_budget =
-      static_cast<int64_t>(std::lround(c.info.bits_per_element * g.head_dim));
   int64_t total = 0;
   for (int side = 0; side < 2; ++side) {
     for (size_t at = 0; at < heads; ++at) {
@@ -112,16 +112,18 @@ absl::Status ValidateCodecFile(const CodecFile& c) {
                           static_cast<int>(at) % g.n_kv_heads, side == 0 ? "k" : "v");
       if (absl::Status s = ValidateCode(code, g.head_dim, base); !s.ok()) return s;
       total += code.BitsPerRow();
-      if (!c.info.joint && code.BitsPerRow() > row_budget) {
+      const double bits = side == 0 ? c.info.key_bits : c.info.value_bits;
+      if (!c.info.joint && code.BitsPerRow() > std::lround(bits * g.head_dim)) {
         return Invalid(absl::StrFormat("%s.quant: %d bits per row exceed the budget of %g x %d",
-                                       base, code.BitsPerRow(), c.info.bits_per_element,
-                                       g.head_dim));
+                                       base, code.BitsPerRow(), bits, g.head_dim));
       }
     }
   }
-  if (c.info.joint && total > row_budget * static_cast<int64_t>(2 * heads)) {
+  const double mean_bits = 0.5 * (c.info.key_bits + c.info.value_bits);
+  if (c.info.joint &&
+      total > std::lround(mean_bits * g.head_dim * static_cast<double>(2 * heads))) {
     return Invalid(absl::StrFormat("%d bits over all rows exceed the joint budget of %g x %d x %d",
-                                   total, c.info.bits_per_element, g.head_dim, 2 * heads));
+                                   total, mean_bits, g.head_dim, 2 * heads));
   }
   return absl::OkStatus();
 }
@@ -132,7 +134,8 @@ absl::StatusOr<std::string> SerializeCodecFile(const CodecFile& c) {
   GgufWriter w;
   w.AddString("general.architecture", "subspace-basis");
   w.AddUint32(Key("version"), kBasisFileTransformCodec);
-  w.AddFloat64(Key("bits_per_element"), c.info.bits_per_element);
+  w.AddFloat64(Key("key_bits"), c.info.key_bits);
+  w.AddFloat64(Key("value_bits"), c.info.value_bits);
   w.AddUint32(Key("pre_rope_keys"), c.info.pre_rope_keys ? 1 : 0);
   w.AddUint32(Key("attention_weighted"), c.info.attention_weighted ? 1 : 0);
   w.AddUint32(Key("joint"), c.info.joint ? 1 : 0);
@@ -183,9 +186,12 @@ absl::StatusOr<CodecFile> ParseCodecFile(const GgufFile& file) {
                                 ": the file holds a low-rank basis (--bases), not a codec"));
   }
   CodecFile c;
-  absl::StatusOr<double> bits = file.GetFloat(Key("bits_per_element"));
-  if (!bits.ok()) return Invalid(std::string(bits.status().message()));
-  c.info.bits_per_element = *bits;
+  for (auto [field, name] :
+       {std::pair{&c.info.key_bits, "key_bits"}, std::pair{&c.info.value_bits, "value_bits"}}) {
+    absl::StatusOr<double> bits = file.GetFloat(Key(name));
+    if (!bits.ok()) return Invalid(std::string(bits.status().message()));
+    *field = *bits;
+  }
   for (auto [field, name] : {std::pair{&c.info.pre_rope_keys, "pre_rope_keys"},
                              std::pair{&c.info.attention_weighted, "attention_weighted"},
                              std::pair{&c.info.joint, "joint"}}) {

@@ -3,8 +3,9 @@
 // they were fitted; written by subspace-calibrate --kv-budget, read by subspace-longctx's
 // tcfile: caches (and by the compressed cache once it stores codes).
 //
-// Metadata (under "subspace.basis."): version (u32, 2), bits_per_element (f64, the budget
-// per coded row element), pre_rope_keys, attention_weighted, joint (u32, 0 or 1),
+// Metadata (under "subspace.basis."): version (u32, 2), key_bits, value_bits (f64, the budgets
+// in bits per element of a coded key or value row), pre_rope_keys, attention_weighted, joint
+// (u32, 0 or 1),
 // calibration_tokens (u64), model_fnv1a64 (u64), n_layers, n_kv_heads, head_dim (u32).
 // Tensors, for S in {k, v}: blk.L.head.H.S.mean, .S.scale [1, d]; .S.basis [d, d] (row j =
 // component j); .S.quant [d, 3] (per component: bits, offset, step). All F32.
@@ -25,10 +26,10 @@
 namespace subspace {
 
 struct CodecFileInfo {
-  double bits_per_element = 0.0;  // the budget the widths were allocated under
-  bool pre_rope_keys = true;      // keys are coded before RoPE
+  double key_bits = 0.0, value_bits = 0.0;  // the budgets the widths were allocated under
+  bool pre_rope_keys = true;                // keys are coded before RoPE
   bool attention_weighted = false;
-  bool joint = false;  // one budget over all layer-heads (a row may exceed bits_per_element)
+  bool joint = false;  // one budget over all layer-heads (a row may exceed its side's)
   uint64_t calibration_tokens = 0;
   uint64_t model_checksum = 0;  // ModelChecksum of the model it was fitted on
 };
@@ -42,8 +43,8 @@ struct CodecFile {
 // INVALID_ARGUMENT naming the field for a code that does not hold together: sizes, widths
 // outside [0, 8] or not whole, a non-positive or non-finite step where bits > 0, non-finite
 // means or offsets, a scale that is not positive and finite, a basis that is not orthonormal
-// (1e-3), or a row wider than the budget (without joint: bits_per_element * head_dim; with it,
-// the sum over every row).
+// (1e-3), or a row wider than the budget (without joint: key_bits or value_bits * head_dim;
+// with it, the sum over every row against their mean).
 absl::Status ValidateCodecFile(const CodecFile& codec);
 
 absl::StatusOr<std::string> SerializeCodecFile(const CodecFile& codec);

@@ -166,10 +166,23 @@ absl::StatusOr<std::vector<TransformStream>> AnalyzeKvRows(const KvRows& rows,
 absl::StatusOr<TransformCodes> AllocateKvCodes(std::span<const TransformStream> streams,
                                                const TransformFitOptions& o) {
   if (streams.size() % 2 != 0) return absl::InvalidArgumentError("keys and values unpaired");
-  absl::StatusOr<std::vector<TransformCode>> codes =
-      AllocateTransformCodes(streams, o.code.widths, o.bits_per_element, o.joint);
-  if (!codes.ok()) return codes.status();
   const size_t heads = streams.size() / 2;
+  std::vector<TransformCode> all;
+  if (o.joint) {  // one budget: the mean of the two over every row
+    absl::StatusOr<std::vector<TransformCode>> c =
+        AllocateTransformCodes(streams, o.code.widths, 0.5 * (o.key_bits + o.value_bits), true);
+    if (!c.ok()) return c.status();
+    all = *std::move(c);
+  } else {
+    for (int side = 0; side < 2; ++side) {
+      absl::StatusOr<std::vector<TransformCode>> c =
+          AllocateTransformCodes(streams.subspan(side * heads, heads), o.code.widths,
+                                 side == 0 ? o.key_bits : o.value_bits, false);
+      if (!c.ok()) return c.status();
+      all.insert(all.end(), c->begin(), c->end());
+    }
+  }
+  const std::vector<TransformCode>* codes = &all;
   TransformCodes out;
   out.keys =
       std::make_shared<const std::vector<TransformCode>>(codes->begin(), codes->begin() + heads);

@@ -40,9 +40,11 @@ absl::StatusOr<KvRows> CollectKvRows(LlamaModel& model, std::span<const int32_t>
                                      const CalibrationRunOptions& options);
 
 struct TransformFitOptions {
-  double bits_per_element = 4.0;  // the budget, per coded row, keys and values alike
-  bool pre_rope_keys = true;      // fit the key codes on pre-RoPE keys
-  bool joint = false;             // one budget shared by all layer-heads, K and V
+  // The budgets in bits per element of a coded row: keys, values (keys carry most of the
+  // attention's error: the K-only / V-only ablation in docs/transform_codec.md).
+  double key_bits = 4.0, value_bits = 4.0;
+  bool pre_rope_keys = true;  // fit the key codes on pre-RoPE keys
+  bool joint = false;         // one budget shared by all layer-heads, K and V
   // Key errors weighted by the query energy per dim (pre-RoPE: averaged over each rotated
   // pair, as the relative rotation between query and key spreads it), value errors by W_O's.
   bool attention_weighted = false;

@@ -36,7 +36,8 @@ class CodecFileTest(unittest.TestCase):
 
     def test_calibrate_writes_the_codec(self):
         self.assertEqual(self.calib.returncode, 0, self.calib.stderr)
-        self.assertIn("transform codec, 3 bits per element (pre-RoPE keys)", self.calib.stdout)
+        self.assertIn("transform codec, 3 / 3 bits per key / value element (pre-RoPE keys)",
+                      self.calib.stdout)
         self.assertGreater(os.path.getsize(self.codec), 1000)
 
     def test_the_file_codes_as_the_fit_it_holds(self):

@@ -16,6 +16,9 @@ def family(name):
         return "full fp16", "k", "*"
     if name == "evict":
         return "eviction (sinks + window)", "tab:red", "X"
+    if name.endswith(":sw"):
+        label, color, _ = family(name[:-3])
+        return label + ", sinks + window exact", color, "o"
     if name in ("q8_0", "q4_0"):
         return "quantized (q8_0 / q4_0)", "tab:blue", "s"
     if name in ("hq8_0", "hq4_0"):
@@ -96,16 +99,18 @@ def main():
         return "—" if x is None else ("%%.%df" % digits) % x
 
     print("| cache | bytes/token vs fp16 | retrieval | pass key | kv recall | long-range ppl | "
-          "plain ppl | KLD (nats) | top-1 agree | bytes @2k | retrieval @2k | KLD @2k |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+          "plain ppl | KLD (nats) | top-1 agree | bytes @2k | retrieval @2k | long-range ppl @2k | "
+          "KLD @2k |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, r in sorted(rows.items(), key=lambda kv: -kv[1]["bytes_ratio"]):
         pk = r["passkey_hits"] / r["passkey_n"] if r["passkey_n"] else None
         kv = r["kv_hits"] / r["kv_n"] if r["kv_n"] else None
         ln = r.get("long_retrieval_n") or 0
-        print("| %s | %.3f | %s | %s | %s | %s | %s | %.4f | %.4f | %s | %s | %s |" % (
+        print("| %s | %.3f | %s | %s | %s | %s | %s | %.4f | %.4f | %s | %s | %s | %s |" % (
             name, r["bytes_ratio"], fmt(retrieval(r)), fmt(pk), fmt(kv), fmt(r["long_ppl"]),
             fmt(r["plain_ppl"]), r["kld"], r["top1"], fmt(r.get("long_bytes_ratio")),
-            fmt(r["long_retrieval_hits"] / ln if ln else None), fmt(r.get("long_kld"), 4)))
+            fmt(r["long_retrieval_hits"] / ln if ln else None), fmt(r.get("long_long_ppl")),
+            fmt(r.get("long_kld"), 4)))
     print()
     lines, _ = gate(rows)
     print("\n".join(lines))

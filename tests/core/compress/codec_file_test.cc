@@ -25,7 +25,8 @@ CodecFile Fitted(double bits, bool weighted) {
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   CodecFile c;
-  c.info = {.bits_per_element = bits,
+  c.info = {.key_bits = bits,
+            .value_bits = bits,
             .pre_rope_keys = true,
             .attention_weighted = weighted,
             .joint = false,
@@ -80,7 +81,8 @@ TEST(CodecFileTest, RoundTripsBitForBit) {
     ASSERT_TRUE(bytes.ok()) << bytes.status();
     absl::StatusOr<CodecFile> back = Parse(*bytes);
     ASSERT_TRUE(back.ok()) << back.status();
-    EXPECT_EQ(back->info.bits_per_element, 2.5);
+    EXPECT_EQ(back->info.key_bits, 2.5);
+    EXPECT_EQ(back->info.value_bits, 2.5);
     EXPECT_TRUE(back->info.pre_rope_keys);
     EXPECT_EQ(back->info.attention_weighted, weighted);
     EXPECT_FALSE(back->info.joint);
@@ -159,7 +161,7 @@ TEST(CodecFileTest, CodesThatDoNotHoldTogetherAreRefusedByName) {
        [](CodecFile& c) {
          for (auto& q : c.keys[2].components) q = {.bits = 8, .offset = 0.0f, .step = 1.0f};
        }},
-      {"bits_per_element", [](CodecFile& c) { c.info.bits_per_element = 9.0; }},
+      {"subspace.basis.value_bits = 9", [](CodecFile& c) { c.info.value_bits = 9.0; }},
       {"1 value codes", [](CodecFile& c) { c.values.resize(1); }},
       {"sizes do not match", [](CodecFile& c) { c.keys[0].mean.pop_back(); }},
   };
@@ -174,7 +176,7 @@ TEST(CodecFileTest, CodesThatDoNotHoldTogetherAreRefusedByName) {
   // Joint: a row may pass the per-row budget, the sum may not.
   CodecFile joint = Fitted(3.0, false);
   joint.info.joint = true;
-  joint.info.bits_per_element = 1.0;
+  joint.info.key_bits = joint.info.value_bits = 1.0;
   for (auto& q : joint.keys[0].components) q = {.bits = 2, .offset = 0.0f, .step = 1.0f};
   for (auto& code : joint.values) {
     for (auto& q : code.components) q = {.bits = 0, .offset = 0.0f, .step = 0.0f};
