@@ -15,7 +15,7 @@ MODEL=${MODEL:-models/subspace-long.gguf}
 LENGTHS=${LENGTHS:-256,512,1024,2000}
 DISTANCES=${DISTANCES:-128,512,1024,1900}
 KV_PAIRS=${KV_PAIRS:-8,32,64,110}
-CACHES=${CACHES:-evict,q8_0,q4_0,hq8_0,hq4_0,q4_0:sw,hq4_0:sw,kivi4,kivi2,tq3.5,tq2.5,kqsvd:16:int8,kqsvd:32:int8,kqsvd:32:int4,self:16:fp16:pca,tc:1,tc:1.5,tc:2,tc:2.5,tc:3,tc:4,tc:6,tc:2:post,tc:3:post,tc:2:aw,tc:3:aw,tc:2:joint,tc:2:id,tc:4:id,tc:2:konly,tc:2:vonly}
+CACHES=${CACHES:-evict,q8_0,q4_0,hq8_0,hq4_0,q4_0:sw,hq4_0:sw,kivi4,kivi2,tq3.5,tq2.5,kqsvd:16:int8,kqsvd:32:int8,kqsvd:32:int4,self:16:fp16:pca,tc:1,tc:1.5,tc:2,tc:2.5,tc:3,tc:4,tc:6,tc:2/1,tc:2.5/1.5,tc:3/2,tc:2/1:fine,tc:2.5/1.5:aw,tc:2:post,tc:3:post,tc:2:aw,tc:2:joint,tc:2:id,tc:2:konly,tc:2:vonly}
 OUT=${OUT:-docs}
 [[ -f "$MODEL" ]] || { echo "longctx: no $MODEL (tools/train/run_long.sh makes it)" >&2; exit 2; }
 scripts/build.sh >/dev/null
@@ -57,8 +57,9 @@ quantizer (rotation, an fp16 norm, Gaussian Lloyd-Max codebooks), \`kivi4\` / \`
 \`:sw\` keeps sinks and window exact for them too. Low-rank \`METHOD:RANK:DTYPE\` rows are the
 server's compressed cache with a basis calibrated on the test split's start (\`self\`:
 self-calibrated from each sequence, as without \`--bases\`). \`tc:BITS\` is the transform codec
-([transform_codec.md](transform_codec.md)) at BITS per element, fitted on the same start: keys
-before RoPE unless \`post\`; \`aw\` weighs errors by attention, \`joint\` shares one budget over
+([transform_codec.md](transform_codec.md)) at BITS per element (\`K/V\`: keys at K, values at
+V), fitted on the same start: keys before RoPE unless \`post\`; \`aw\` weighs errors by attention,
+\`fine\` adds widths 1, 5 and 6, \`joint\` shares one budget over
 all layer-heads, \`id\` keeps the identity basis (scalar quantization with allocated widths),
 \`konly\` / \`vonly\` code one side and keep the other exact. The @2k columns are the
 2,000-token items alone.
