@@ -258,10 +258,8 @@ absl::Status Run() {
   }
 
   // --- Calibration statistics, once, if a calibrated low-rank cache is asked for ---
-  std::unique_ptr<CalibrationStats> stats;
-  if (std::any_of(specs.begin(), specs.end(), [](const CacheSpec& c) {
-        return c.lowrank && !c.self && c.basis_path.empty();
-      })) {
+  // The --calib tokens both calibrations run on, in windows of up to 1,024 tokens.
+  auto calib_tokens = [&]() -> absl::StatusOr<std::vector<int32_t>> {
     std::ifstream cf(absl::GetFlag(FLAGS_calib));
     if (!cf)
       return absl::NotFoundError(absl::StrCat("cannot read --calib ", absl::GetFlag(FLAGS_calib)));
@@ -269,12 +267,19 @@ absl::Status Run() {
     std::vector<int32_t> calib = tokenizer.Encode(text, {.add_bos = false});
     const int64_t limit = absl::GetFlag(FLAGS_calib_tokens);
     if (limit > 0 && static_cast<int64_t>(calib.size()) > limit) calib.resize(limit);
-    absl::StatusOr<CalibrationStats> s =
-        CollectCalibrationStats(model, calib,
-                                {.window = std::min(mc.context_length, 1024),
-                                 .max_tokens = 0,
-                                 .bos = tokenizer.bos_id(),
-                                 .progress = {}});
+    return calib;
+  };
+  const CalibrationRunOptions calib_run{.window = std::min(mc.context_length, 1024),
+                                        .max_tokens = 0,
+                                        .bos = tokenizer.bos_id(),
+                                        .progress = {}};
+  std::unique_ptr<CalibrationStats> stats;
+  if (std::any_of(specs.begin(), specs.end(), [](const CacheSpec& c) {
+        return c.lowrank && !c.self && c.basis_path.empty();
+      })) {
+    absl::StatusOr<std::vector<int32_t>> calib = calib_tokens();
+    if (!calib.ok()) return calib.status();
+    absl::StatusOr<CalibrationStats> s = CollectCalibrationStats(model, *calib, calib_run);
     if (!s.ok()) return s.status();
     if (absl::Status st = AccumulateOutputGrams(model, &*s); !st.ok()) return st;
     stats = std::make_unique<CalibrationStats>(*std::move(s));
@@ -284,18 +289,9 @@ absl::Status Run() {
   std::unique_ptr<KvRows> kv_rows;
   if (std::any_of(specs.begin(), specs.end(),
                   [](const CacheSpec& c) { return c.transform && c.basis_path.empty(); })) {
-    std::ifstream cf(absl::GetFlag(FLAGS_calib));
-    if (!cf)
-      return absl::NotFoundError(absl::StrCat("cannot read --calib ", absl::GetFlag(FLAGS_calib)));
-    const std::string text((std::istreambuf_iterator<char>(cf)), std::istreambuf_iterator<char>());
-    std::vector<int32_t> calib = tokenizer.Encode(text, {.add_bos = false});
-    const int64_t limit = absl::GetFlag(FLAGS_calib_tokens);
-    if (limit > 0 && static_cast<int64_t>(calib.size()) > limit) calib.resize(limit);
-    absl::StatusOr<KvRows> r = CollectKvRows(model, calib,
-                                             {.window = std::min(mc.context_length, 1024),
-                                              .max_tokens = 0,
-                                              .bos = tokenizer.bos_id(),
-                                              .progress = {}});
+    absl::StatusOr<std::vector<int32_t>> calib = calib_tokens();
+    if (!calib.ok()) return calib.status();
+    absl::StatusOr<KvRows> r = CollectKvRows(model, *calib, calib_run);
     if (!r.ok()) return r.status();
     kv_rows = std::make_unique<KvRows>(*std::move(r));
   }

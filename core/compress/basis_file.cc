@@ -3,7 +3,6 @@
 #include "core/compress/basis_file.h"
 
 #include <cstring>
-#include <fstream>
 #include <utility>
 #include <vector>
 
@@ -125,11 +124,7 @@ absl::Status WriteBasisFile(const std::string& path, const BasisFileInfo& info,
                             const Basis& basis) {
   absl::StatusOr<std::string> bytes = SerializeBasisFile(info, basis);
   if (!bytes.ok()) return bytes.status();
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes->data(), static_cast<std::streamsize>(bytes->size()));
-  out.close();
-  if (!out) return absl::InternalError(absl::StrCat("cannot write basis file ", path));
-  return absl::OkStatus();
+  return WriteFileBytes(path, *bytes, "basis file");
 }
 
 absl::StatusOr<BasisFile> ParseBasisFile(const GgufFile& file) {

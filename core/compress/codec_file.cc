@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -171,11 +170,7 @@ absl::StatusOr<std::string> SerializeCodecFile(const CodecFile& c) {
 absl::Status WriteCodecFile(const std::string& path, const CodecFile& codec) {
   absl::StatusOr<std::string> bytes = SerializeCodecFile(codec);
   if (!bytes.ok()) return bytes.status();
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes->data(), static_cast<std::streamsize>(bytes->size()));
-  out.close();
-  if (!out) return absl::InternalError(absl::StrCat("cannot write codec file ", path));
-  return absl::OkStatus();
+  return WriteFileBytes(path, *bytes, "codec file");
 }
 
 absl::StatusOr<CodecFile> ParseCodecFile(const GgufFile& file) {

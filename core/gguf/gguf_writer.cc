@@ -1,5 +1,8 @@
 #include "core/gguf/gguf_writer.h"
 
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
 #include "core/base/ggml_types.h"
 #include "core/gguf/gguf.h"
 
@@ -76,6 +79,15 @@ std::string GgufWriter::Build() const {
   out.resize((out.size() + kAlignment - 1) / kAlignment * kAlignment, '\0');
   out += data_;
   return out;
+}
+
+absl::Status WriteFileBytes(const std::string& path, std::string_view bytes,
+                            std::string_view what) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", std::string(what), " ", path));
+  return absl::OkStatus();
 }
 
 }  // namespace subspace

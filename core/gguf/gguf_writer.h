@@ -8,6 +8,8 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/status/status.h"
+
 namespace subspace {
 
 // Little-endian (the hosts we build for are little-endian, as GGUF). Tensors are aligned to 32
@@ -30,6 +32,9 @@ class GgufWriter {
   std::string kvs_, infos_, data_;
   uint64_t n_kvs_ = 0, n_tensors_ = 0;
 };
+
+// Writes `bytes` to `path` (truncating it); INTERNAL "cannot write WHAT PATH" on failure.
+absl::Status WriteFileBytes(const std::string& path, std::string_view bytes, std::string_view what);
 
 }  // namespace subspace
 
