@@ -24,25 +24,9 @@ absl::Status Invalid(const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat("basis file: ", what));
 }
 
-// Copies the F32 tensor `name` of shape [rows, cols] into dst ([rows, cols]).
 absl::Status ReadMatrix(const GgufFile& file, const std::string& name, int64_t rows, int64_t cols,
                         float* dst) {
-  const GgufTensorInfo* t = file.FindTensor(name);
-  if (t == nullptr) return Invalid(absl::StrCat("tensor ", name, " is missing"));
-  if (t->type != GgmlType::kF32) {
-    return Invalid(absl::StrCat("tensor ", name, " is ", GgmlTypeName(t->type), ", expected F32"));
-  }
-  if (t->dims.size() != 2 || t->dims[0] != cols || t->dims[1] != rows) {
-    std::string dims;
-    for (int64_t d : t->dims) absl::StrAppend(&dims, dims.empty() ? "" : ", ", d);
-    return Invalid(
-        absl::StrCat("tensor ", name, " has dims {", dims, "}, expected {", cols, ", ", rows, "}"));
-  }
-  if (t->num_bytes != static_cast<uint64_t>(rows * cols) * 4) {
-    return Invalid(absl::StrCat("tensor ", name, " has the wrong byte size"));
-  }
-  std::memcpy(dst, t->data, t->num_bytes);  // GgufFile checked it lies inside the file
-  return absl::OkStatus();
+  return ReadF32Matrix(file, name, rows, cols, dst, "basis file");
 }
 
 absl::StatusOr<int> ReadDim(const GgufFile& file, const std::string& name) {
@@ -69,6 +53,38 @@ absl::StatusOr<uint32_t> BasisFileVersion(const GgufFile& file) {
                                 kBasisFileTransformCodec, " (transform codecs)"));
   }
   return static_cast<uint32_t>(*v);
+}
+
+absl::Status RequireBasisFileVersion(const GgufFile& file, uint32_t want, std::string_view label) {
+  absl::StatusOr<uint32_t> version = BasisFileVersion(file);
+  if (!version.ok()) return version.status();
+  if (*version == want) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      std::string(label), ": ", Key("version"), " = ", *version, ": the file holds ",
+      *version == kBasisFileLowRank ? "a low-rank basis (--bases), not a transform codec"
+                                    : "a transform codec, not a low-rank basis"));
+}
+
+absl::Status ReadF32Matrix(const GgufFile& file, const std::string& name, int64_t rows,
+                           int64_t cols, float* dst, std::string_view label) {
+  auto invalid = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(label), ": tensor ", name, what));
+  };
+  const GgufTensorInfo* t = file.FindTensor(name);
+  if (t == nullptr) return invalid(" is missing");
+  if (t->type != GgmlType::kF32) {
+    return invalid(absl::StrCat(" is ", GgmlTypeName(t->type), ", expected F32"));
+  }
+  if (t->dims.size() != 2 || t->dims[0] != cols || t->dims[1] != rows) {
+    std::string dims;
+    for (int64_t d : t->dims) absl::StrAppend(&dims, dims.empty() ? "" : ", ", d);
+    return invalid(absl::StrCat(" has dims {", dims, "}, expected {", cols, ", ", rows, "}"));
+  }
+  if (t->num_bytes != static_cast<uint64_t>(rows * cols) * 4) {
+    return invalid(" has the wrong byte size");
+  }
+  std::memcpy(dst, t->data, t->num_bytes);  // GgufFile checked it lies inside the file
+  return absl::OkStatus();
 }
 
 uint64_t ModelChecksum(const GgufFile& model) {
@@ -128,11 +144,8 @@ absl::Status WriteBasisFile(const std::string& path, const BasisFileInfo& info,
 }
 
 absl::StatusOr<BasisFile> ParseBasisFile(const GgufFile& file) {
-  absl::StatusOr<uint32_t> version = BasisFileVersion(file);
-  if (!version.ok()) return version.status();
-  if (*version != kBasisFileLowRank) {
-    return Invalid(absl::StrCat(Key("version"), " = ", *version,
-                                ": the file holds a transform codec, not a low-rank basis"));
+  if (absl::Status s = RequireBasisFileVersion(file, kBasisFileLowRank, "basis file"); !s.ok()) {
+    return s;
   }
   BasisFile out;
   BasisFileInfo& info = out.info;

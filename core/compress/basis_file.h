@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -30,6 +31,14 @@ inline constexpr uint32_t kBasisFileTransformCodec = 2;  // a transform codec (c
 // The file's version (kBasisFileLowRank when the key is absent); INVALID_ARGUMENT for a file
 // that is not a basis file, a version of the wrong type, or one newer than this build reads.
 absl::StatusOr<uint32_t> BasisFileVersion(const GgufFile& file);
+// OK when the file is of version `want`; otherwise BasisFileVersion's error, or
+// INVALID_ARGUMENT "<label>: subspace.basis.version = V: the file holds <what V holds>".
+absl::Status RequireBasisFileVersion(const GgufFile& file, uint32_t want, std::string_view label);
+// Copies the F32 tensor `name` of shape [rows, cols] into dst ([rows, cols]), the readers of
+// both versions' tensors; INVALID_ARGUMENT "<label>: tensor NAME ..." naming what is wrong
+// (missing, its type, its dims, its size).
+absl::Status ReadF32Matrix(const GgufFile& file, const std::string& name, int64_t rows,
+                           int64_t cols, float* dst, std::string_view label);
 
 struct BasisFileInfo {
   std::string method_k;

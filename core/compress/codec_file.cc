@@ -3,7 +3,6 @@
 #include "core/compress/codec_file.h"
 
 #include <cmath>
-#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -71,17 +70,9 @@ absl::Status ValidateCode(const TransformCode& c, int d, const std::string& name
   return absl::OkStatus();
 }
 
-// Reads the F32 tensor `name` of shape [rows, cols] into dst ([rows, cols]).
 absl::Status ReadMatrix(const GgufFile& file, const std::string& name, int64_t rows, int64_t cols,
                         float* dst) {
-  const GgufTensorInfo* t = file.FindTensor(name);
-  if (t == nullptr) return Invalid(absl::StrCat("tensor ", name, " is missing"));
-  if (t->type != GgmlType::kF32 || t->dims.size() != 2 || t->dims[0] != cols ||
-      t->dims[1] != rows || t->num_bytes != static_cast<uint64_t>(rows * cols) * 4) {
-    return Invalid(absl::StrCat("tensor ", name, " is not F32 of dims {", cols, ", ", rows, "}"));
-  }
-  std::memcpy(dst, t->data, t->num_bytes);  // GgufFile checked it lies inside the file
-  return absl::OkStatus();
+  return ReadF32Matrix(file, name, rows, cols, dst, "codec file");
 }
 
 }  // namespace
@@ -174,11 +165,9 @@ absl::Status WriteCodecFile(const std::string& path, const CodecFile& codec) {
 }
 
 absl::StatusOr<CodecFile> ParseCodecFile(const GgufFile& file) {
-  absl::StatusOr<uint32_t> version = BasisFileVersion(file);
-  if (!version.ok()) return version.status();
-  if (*version != kBasisFileTransformCodec) {
-    return Invalid(absl::StrCat(Key("version"), " = ", *version,
-                                ": the file holds a low-rank basis (--bases), not a codec"));
+  if (absl::Status s = RequireBasisFileVersion(file, kBasisFileTransformCodec, "codec file");
+      !s.ok()) {
+    return s;
   }
   CodecFile c;
   for (auto [field, name] :
