@@ -24,7 +24,7 @@
 #include "core/kvcache/refresh_config.h"
 #include "core/model/model.h"
 #include "core/model/model_runner.h"
-#include "cuda/device_kv_cache.h"
+#include "cuda/device_paged_kv_cache.h"
 
 namespace subspace::cuda {
 

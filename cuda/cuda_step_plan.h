@@ -14,7 +14,7 @@
 #include "core/model/model_runner.h"
 #include "cuda/decode_plan_builder.h"
 #include "cuda/device_compressed_kv_cache.h"
-#include "cuda/device_kv_cache.h"
+#include "cuda/device_paged_kv_cache.h"
 
 namespace subspace::cuda {
 

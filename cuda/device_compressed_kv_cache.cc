@@ -11,13 +11,6 @@
 #include "core/base/pca.h"
 
 namespace subspace::cuda {
-namespace {
-
-// Caps hostile token counts before any arithmetic (no pool holds this many tokens).
-constexpr int64_t kMaxTokens = int64_t{1} << 48;
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache::Create(
     const DeviceCompressedKvCacheConfig& config, std::shared_ptr<CompressedKvStore> store) {
   const KvCacheGeometry& g = config.geometry;
@@ -82,7 +75,14 @@ DeviceCompressedKvCache::DeviceCompressedKvCache(const DeviceCompressedKvCacheCo
                .refresher = {.inline_mode = config.refresh_inline,
                              .max_queued_bytes = config.refresh_queue_bytes},
                .on_register = [this](EpochId id, const Basis& b) { return LoadEpoch(id, b); },
-               .on_retire = [this](EpochId id) { RetireEpoch(id); }}) {
+               .on_retire = [this](EpochId id) { RetireEpoch(id); }}),
+      // One page id stands for a page in every layer's slice.
+      seqs_({.n_layers = config.geometry.n_layers,
+             .block_size = config.block_size,
+             .shared_table = true,
+             .headroom = kCompressionHeadroom,
+             .block_bytes = pool_->block_bytes() * config.geometry.n_layers},
+            pool_.get()) {
   const KvCacheGeometry& g = config_.geometry;
   for (int l = 0; l < g.n_layers; ++l) {
     layouts_.push_back(kernels::MakeKvPoolLayout(
@@ -100,13 +100,9 @@ DeviceCompressedKvCache::DeviceCompressedKvCache(const DeviceCompressedKvCacheCo
 // --- Sequences -----------------------------------------------------------------------------
 
 absl::StatusOr<SeqId> DeviceCompressedKvCache::CreateSequence() {
-  absl::StatusOr<SeqId> id = seqs_.Acquire([](Sequence& s) {
-    s.table.reserve(64);
-    s.block_epochs.reserve(64);
-  });
+  absl::StatusOr<SeqId> id = seqs_.Create();
   if (!id.ok()) return id;
   Sequence& s = seqs_[*id];
-  s.table.clear();
   s.block_epochs.clear();
   s.coded_blocks.clear();
   s.outlier_pos.clear();
@@ -116,7 +112,7 @@ absl::StatusOr<SeqId> DeviceCompressedKvCache::CreateSequence() {
 }
 
 void DeviceCompressedKvCache::FreeBlock(Sequence& s, int64_t b) {
-  Block& e = s.table[static_cast<size_t>(b)];
+  Block& e = s.tables[0][static_cast<size_t>(b)];
   if (e.slot == kernels::kFullBlock) {
     pool_->Free(e.page);
   } else {
@@ -132,86 +128,60 @@ void DeviceCompressedKvCache::FreeBlock(Sequence& s, int64_t b) {
 
 absl::Status DeviceCompressedKvCache::FreeSequence(SeqId seq) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
+  if (s == nullptr) return Sequences::Unknown(seq);
   // Queued compressions first: a slot freed here could otherwise be queued again, for another
   // block, in the same batch.
   if (absl::Status st = Flush(); !st.ok()) return st;
-  for (int64_t b = 0; b < static_cast<int64_t>(s->table.size()); ++b) FreeBlock(*s, b);
-  s->table.clear();
+  seqs_.ReleaseBlocksPast(*s, 0, [&](int, int64_t b, Block&) { FreeBlock(*s, b); });
   s->block_epochs.clear();
   DropOutliers(*s, 0);
-  tokens_cached_ -= s->length;
   epochs_.EndSequence(*s);
-  seqs_.Release(seq);
+  seqs_.Remove(seq);
   return absl::OkStatus();
 }
 
-int64_t DeviceCompressedKvCache::Length(SeqId seq) const {
-  const Sequence* s = seqs_.Find(seq);
-  return s == nullptr ? 0 : s->length;
-}
+int64_t DeviceCompressedKvCache::Length(SeqId seq) const { return seqs_.Length(seq); }
 
 std::span<const DeviceCompressedKvCache::Block> DeviceCompressedKvCache::BlockTable(
     SeqId seq) const {
-  const Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return {};
-  return s->table;
+  const std::vector<Block>* table = seqs_.Table(seq, 0);
+  if (table == nullptr) return {};
+  return *table;
 }
 
-// Counted per layer, as every cache counts them (the scheduler's blocks per token = n_layers / B).
-// A cut compressed block Truncate could not expand yet needs its page too.
+// A compressed block cut by a truncation that could not be expanded yet: the next Reserve
+// expands it and needs a page for it.
+bool DeviceCompressedKvCache::CutBlockPending(const Sequence& s) const {
+  return s.length % config_.block_size != 0 && s.blocks() > 0 &&
+         s.tables[0].back().slot != kernels::kFullBlock;
+}
+
 int64_t DeviceCompressedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
   const Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) {
-    return CeilDiv(std::clamp<int64_t>(n, 0, kMaxTokens), config_.block_size) *
-           config_.geometry.n_layers;
-  }
-  const int64_t held = static_cast<int64_t>(s->table.size());
-  const int64_t wanted = s->length + std::clamp<int64_t>(n, 0, kMaxTokens);
-  int64_t pages = std::max<int64_t>(CeilDiv(wanted, config_.block_size) - held, 0);
-  const bool cut = s->length % config_.block_size != 0 && held > 0 &&
-                   s->table.back().slot != kernels::kFullBlock && n > 0;
-  if (cut) ++pages;
-  return pages * config_.geometry.n_layers;
+  return seqs_.BlocksNeeded(seq, n, s != nullptr && n > 0 && CutBlockPending(*s) ? 1 : 0);
 }
 
+// New tokens land in full pages, as in the CPU cache; the manager leaves kCompressionHeadroom.
 absl::Status DeviceCompressedKvCache::Reserve(SeqId seq, int64_t n) {
-  Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
-  if (n < 0) return absl::InvalidArgumentError(absl::StrFormat("cannot reserve %d tokens", n));
-  const int64_t pages = BlocksNeeded(seq, n) / config_.geometry.n_layers;
-  if (pages == 0) return absl::OkStatus();
-  const int64_t usable = pool_->num_free() - kCompressionHeadroom;
-  if (pages > usable) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "KV cache full: sequence %d needs %d more blocks (%d per layer x %d layers), %d of %d "
-        "free",
-        seq, pages * config_.geometry.n_layers, pages, config_.geometry.n_layers,
-        std::max<int64_t>(usable, 0) * config_.geometry.n_layers,
-        pool_->num_blocks() * config_.geometry.n_layers));
+  const Sequence* found = seqs_.Find(seq);
+  const bool cut = found != nullptr && n > 0 && CutBlockPending(*found);
+  absl::StatusOr<int64_t> blocks = seqs_.CheckReserve(seq, n, cut ? 1 : 0);
+  if (!blocks.ok()) return blocks.status();
+  Sequence& s = *seqs_.Find(seq);
+  if (cut) {
+    if (absl::Status st = ExpandBlock(s, s.blocks() - 1); !st.ok()) return st;
   }
-  const int64_t held = static_cast<int64_t>(s->table.size());
-  if (s->length % config_.block_size != 0 && held > 0 &&
-      s->table.back().slot != kernels::kFullBlock) {
-    if (absl::Status st = ExpandBlock(*s, held - 1); !st.ok()) return st;
-  }
-  while (static_cast<int64_t>(s->table.size()) < CeilDiv(s->length + n, config_.block_size)) {
-    s->table.push_back({pool_->Allocate(BlockKind::kFull), kernels::kFullBlock, -1});
-    s->block_epochs.push_back(kNoEpoch);
-  }
+  seqs_.AppendBlocks(s, *blocks);
+  s.block_epochs.resize(static_cast<size_t>(s.blocks()), kNoEpoch);
   return absl::OkStatus();
 }
 
 // --- Compression ---------------------------------------------------------------------------
 
 absl::Status DeviceCompressedKvCache::Commit(SeqId seq, int64_t length) {
+  if (absl::Status st = seqs_.Commit(seq, length); !st.ok()) return st;
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
   const int bs = config_.block_size;
-  const int64_t reserved = static_cast<int64_t>(s->table.size()) * bs;
-  if (absl::Status st = CheckCommit(seq, length, s->length, reserved); !st.ok()) return st;
-  tokens_cached_ += length - s->length;
-  s->length = length;
   const Refresher* refresher = epochs_.refresher();
   if (refresher != nullptr && refresher->has_published()) InstallPublishedEpochs();
   const BlockRange range = config_.policy.CompressibleBlocks(s->next_compress, length, bs);
@@ -222,7 +192,7 @@ absl::Status DeviceCompressedKvCache::Commit(SeqId seq, int64_t length) {
   epochs_.OpenStream(*s, seq);
   int64_t b = range.begin;
   for (; b < range.end; ++b) {
-    if (s->table[static_cast<size_t>(b)].slot != kernels::kFullBlock) continue;
+    if (s->tables[0][static_cast<size_t>(b)].slot != kernels::kFullBlock) continue;
     absl::StatusOr<bool> queued = QueueCompression(*s, seq, b);
     if (!queued.ok()) return queued.status();
     if (!*queued) break;  // no page for a slab: the block stays full until one frees up
@@ -243,7 +213,7 @@ absl::StatusOr<bool> DeviceCompressedKvCache::QueueCompression(Sequence& s, SeqI
     return false;
   }
   if (absl::Status st = epochs_.Acquire(s.epoch); !st.ok()) return st;
-  Block& e = s.table[static_cast<size_t>(b)];
+  Block& e = s.tables[0][static_cast<size_t>(b)];
   const int32_t entry = entries_.at(s.epoch);
   pending_src_.push_back(e.page);
   pending_dst_page_.push_back(slot.page);
@@ -323,7 +293,7 @@ absl::Status DeviceCompressedKvCache::PlaceOutliers() {
     }
     if (mask == 0) continue;
     outlier_tokens_ += static_cast<int64_t>(s.outlier_pos.size() - first);
-    s.table[static_cast<size_t>(b)].outliers = mask;
+    s.tables[0][static_cast<size_t>(b)].outliers = mask;
     const BlockOutliers o = OutliersOf(s, b);
     block_page.push_back(pending_src_[i]);
     masks.push_back(mask);
@@ -353,8 +323,8 @@ void DeviceCompressedKvCache::DropOutliers(Sequence& s, int64_t from) {
 DeviceCompressedKvCache::BlockOutliers DeviceCompressedKvCache::OutliersOf(const Sequence& s,
                                                                            int64_t b) const {
   BlockOutliers o;
-  if (b < 0 || b >= static_cast<int64_t>(s.table.size())) return o;
-  o.mask = s.table[static_cast<size_t>(b)].outliers;
+  if (b < 0 || b >= static_cast<int64_t>(s.tables[0].size())) return o;
+  o.mask = s.tables[0][static_cast<size_t>(b)].outliers;
   if (o.mask == 0) return o;
   const int bs = config_.block_size;
   const int64_t j =
@@ -386,7 +356,7 @@ std::span<const int32_t> DeviceCompressedKvCache::OutlierPages(SeqId seq) const 
 }
 
 absl::Status DeviceCompressedKvCache::ExpandBlock(Sequence& s, int64_t b) {
-  Block& e = s.table[static_cast<size_t>(b)];
+  Block& e = s.tables[0][static_cast<size_t>(b)];
   assert(e.slot != kernels::kFullBlock);
   const int32_t page = pool_->Allocate(BlockKind::kFull);
   if (page < 0) {
@@ -418,27 +388,26 @@ absl::Status DeviceCompressedKvCache::ExpandBlock(Sequence& s, int64_t b) {
   // Freed now, read by the store first: its operations run in order.
   DropOutliers(s, b * bs);
   FreeBlock(s, b);
-  s.table[static_cast<size_t>(b)] = {page, kernels::kFullBlock, -1};
+  s.tables[0][static_cast<size_t>(b)] = {page, kernels::kFullBlock, -1};
   return absl::OkStatus();
 }
 
 absl::Status DeviceCompressedKvCache::Truncate(SeqId seq, int64_t length) {
-  Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
-  if (absl::Status st = CheckTruncate(seq, length, s->length); !st.ok()) return st;
+  if (absl::Status st = seqs_.CheckTruncate(seq, length); !st.ok()) return st;
   if (absl::Status st = Flush(); !st.ok()) return st;
   const int bs = config_.block_size;
-  const int64_t keep = CeilDiv(length, bs);
-  // Blocks reserved past the committed length go too: Truncate undoes a failed step.
-  for (int64_t b = keep; b < static_cast<int64_t>(s->table.size()); ++b) FreeBlock(*s, b);
+  const int64_t keep = CeilDiv(length, int64_t{bs});
+  Sequence* s = seqs_.Find(seq);
+  if (absl::Status st =
+          seqs_.Truncate(seq, length, [&](int, int64_t b, Block&) { FreeBlock(*s, b); });
+      !st.ok()) {
+    return st;
+  }
   DropOutliers(*s, keep * bs);
-  s->table.resize(static_cast<size_t>(keep));
   s->block_epochs.resize(static_cast<size_t>(keep));
-  tokens_cached_ -= s->length - length;
-  s->length = length;
   const bool cut = length % bs != 0 && keep > 0;
   s->next_compress = std::min(s->next_compress, cut ? keep - 1 : keep);
-  if (cut && s->table.back().slot != kernels::kFullBlock) {
+  if (cut && s->tables[0].back().slot != kernels::kFullBlock) {
     // Without a free page now, the next Reserve expands it (and counts the page).
     if (absl::Status st = ExpandBlock(*s, keep - 1); !st.ok() && !absl::IsResourceExhausted(st)) {
       return st;
@@ -509,7 +478,7 @@ absl::StatusOr<std::shared_ptr<const Basis>> DeviceCompressedKvCache::PcaOfSeque
     // [n_kv][2][tokens * hd]: the sampled rows of each head's keys and values.
     std::vector<std::vector<double>> head_rows(static_cast<size_t>(2 * n_kv));
     for (int64_t b = 0; b < blocks; b += stride) {
-      const Block& e = s.table[static_cast<size_t>(b)];
+      const Block& e = s.tables[0][static_cast<size_t>(b)];
       if (e.slot != kernels::kFullBlock) continue;
       if (absl::Status st = store_->ReadPage(l, e.page, page); !st.ok()) return st;
       const int64_t valid = std::min<int64_t>(bs, s.length - b * bs);
@@ -574,18 +543,7 @@ void DeviceCompressedKvCache::DescribeDecode(SeqId seq, int64_t length, DecodeSe
 
 KvCacheStats DeviceCompressedKvCache::Stats() const {
   const KvCacheGeometry& g = config_.geometry;
-  const int64_t page = layouts_[0].page_bytes * g.n_layers;  // one page id, every layer
-  KvCacheStats st;
-  st.bytes_total = pool_->num_blocks() * page;
-  st.bytes_used_full = pool_->num_used(BlockKind::kFull) * page;
-  // Whole slab pages: what the pool cannot give to anyone else (includes slab waste).
-  st.bytes_used_compressed = pool_->num_used(BlockKind::kCompressed) * page;
-  st.bytes_used_outlier = pool_->num_used(BlockKind::kOutlier) * page;
-  st.bytes_full_fp16_equivalent = Fp16Bytes(g, tokens_cached_);
-  st.blocks_total = pool_->num_blocks() * g.n_layers;
-  st.blocks_free = std::max<int64_t>(pool_->num_free() - kCompressionHeadroom, 0) * g.n_layers;
-  st.tokens_cached = tokens_cached_;
-  st.sequences = seqs_.live();
+  KvCacheStats st = seqs_.Stats(g);
   st.epochs_live = epochs_.registry().live();
   if (epochs_.refresher() != nullptr) st.refresh = epochs_.refresher()->Stats();
   // What the metrics count alike: blocks never read back are observations the refresher never

@@ -53,7 +53,7 @@
 #include "core/compress/refresher.h"
 #include "core/kvcache/block_pool.h"
 #include "core/kvcache/kv_cache.h"
-#include "core/kvcache/sequence_slots.h"
+#include "core/kvcache/sequence_manager.h"
 #include "cuda/compressed_kv_store.h"
 #include "cuda/decode_plan_builder.h"
 #include "kernels/kv_layout.h"
@@ -183,14 +183,16 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   absl::Status ObserveQueries(SeqId seq, HalfQueryObservation queries);
 
  private:
-  // length, next_compress, epoch, refresh stream: CompressedSequence.
-  struct Sequence : CompressedSequence {
-    std::vector<Block> table;
+  // next_compress, epoch, refresh stream: CompressedSequence; length and the block table (one
+  // for every layer, tables[0]): the manager's.
+  struct SequenceState : CompressedSequence {
     std::vector<EpochId> block_epochs;  // [blocks] kNoEpoch for full blocks; one ref each
     absl::flat_hash_map<EpochId, int64_t> coded_blocks;  // epoch -> blocks coded with it
     std::vector<int64_t> outlier_pos;                    // [outliers] ascending
     std::vector<int32_t> outlier_pages;                  // [ceil(outliers / B)]
   };
+  using Sequences = SequenceManager<Block, SequenceState>;
+  using Sequence = Sequences::Sequence;
 
   // Pages Reserve leaves free so that Commit can open a slab page before it frees the queued
   // blocks' full pages at Flush.
@@ -210,6 +212,8 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   absl::StatusOr<bool> QueueCompression(Sequence& s, SeqId seq, int64_t b);
   void FreeBlock(Sequence& s, int64_t b);
   absl::Status ExpandBlock(Sequence& s, int64_t b);
+  // The last block of `s` is a compressed one cut by a truncation that has no page yet.
+  bool CutBlockPending(const Sequence& s) const;
   BlockOutliers OutliersOf(const Sequence& s, int64_t b) const;
   // Gives each flagged token of the batch just issued a slot in its sequence's outlier pages
   // and moves it there from the block's source page (still held).
@@ -241,8 +245,7 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   std::vector<int32_t> free_entries_;
   CompressionEpochs epochs_;  // registry, default epoch, refresh streams; after the entries
 
-  SequenceSlots<Sequence> seqs_;
-  int64_t tokens_cached_ = 0;
+  Sequences seqs_;
   int64_t blocks_compressed_ = 0;
   int64_t compressions_deferred_ = 0;
 

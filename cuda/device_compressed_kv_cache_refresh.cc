@@ -23,7 +23,7 @@ constexpr int64_t kCompactBlocksPerFlush = 16;
 absl::Status DeviceCompressedKvCache::SetSequenceRefresh(SeqId seq, const RefreshConfig& config) {
   if (absl::Status st = ValidateRefreshConfig(config); !st.ok()) return st;
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
+  if (s == nullptr) return Sequences::Unknown(seq);
   if (config.method == RefreshMethod::kKqsvd && config_.n_query_heads == 0) {
     return absl::FailedPreconditionError(
         "kqsvd refresh needs the queries, which this backend does not read back (no room for "
@@ -43,7 +43,7 @@ bool DeviceCompressedKvCache::WantsQueries(SeqId seq) const {
 
 absl::Status DeviceCompressedKvCache::ObserveQueries(SeqId seq, HalfQueryObservation queries) {
   const Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
+  if (s == nullptr) return Sequences::Unknown(seq);
   if (!WantsQueries(seq)) {
     return absl::FailedPreconditionError(
         absl::StrFormat("sequence %d does not refresh by kqsvd (or has no epoch yet)", seq));
@@ -141,10 +141,10 @@ absl::Status DeviceCompressedKvCache::Compact() {
       slots.clear();
       moved.clear();
       for (int64_t b = 0;
-           b < static_cast<int64_t>(s->table.size()) && static_cast<int64_t>(moved.size()) < n;
+           b < static_cast<int64_t>(s->tables[0].size()) && static_cast<int64_t>(moved.size()) < n;
            ++b) {
         if (s->block_epochs[static_cast<size_t>(b)] != oldest) continue;
-        const Block& e = s->table[static_cast<size_t>(b)];
+        const Block& e = s->tables[0][static_cast<size_t>(b)];
         pages.push_back(e.page);
         slots.push_back(e.slot);
         moved.push_back(b);
@@ -158,7 +158,7 @@ absl::Status DeviceCompressedKvCache::Compact() {
       }
       for (const int64_t b : moved) {
         if (absl::Status acquired = epochs_.Acquire(s->epoch); !acquired.ok()) return acquired;
-        s->table[static_cast<size_t>(b)].entry = entries_.at(s->epoch);
+        s->tables[0][static_cast<size_t>(b)].entry = entries_.at(s->epoch);
         s->block_epochs[static_cast<size_t>(b)] = s->epoch;
         ++s->coded_blocks[s->epoch];
         if (--s->coded_blocks[oldest] == 0) s->coded_blocks.erase(oldest);

@@ -1,7 +1,7 @@
 // Token sampling on the device, one CTA per logits row: greedy argmax, or top-k, softmax at a
 // temperature, min-p and top-p truncation and one draw with a host-supplied uniform number, the
-// policy (and order) of core/sampler.h. Only the chosen token and its log-probability come back
-// to the host instead of a [rows, vocab] logits copy. Repetition penalties stay on the host
+// policy (and order) of core/model/sampler.h. Only the chosen token and its log-probability come
+// back to the host instead of a [rows, vocab] logits copy. Repetition penalties stay on the host
 // sampler. The Params struct is plain C++ so the CPU twin (tests/kernels/sampling_ref.h) takes
 // it too.
 #ifndef SUBSPACE_KERNELS_SAMPLING_H_

@@ -1,5 +1,6 @@
-// Internals of the Jinja subset (jinja.h) shared by its three parts: values and their printing
-// (jinja_value.cc), the lexer and parser (jinja_parse.cc) and the renderer (jinja_render.cc).
+// Internals of the Jinja subset (jinja.h) shared by its parts: values and their printing
+// (jinja_value.cc), the lexer (jinja_lex.cc), the parser (jinja_parse.cc), the renderer
+// (jinja_render.cc) and the built-in filters and tests (jinja_builtins.cc).
 // Not for use outside core/chat/.
 #ifndef SUBSPACE_CORE_CHAT_JINJA_INTERNAL_H_
 #define SUBSPACE_CORE_CHAT_JINJA_INTERNAL_H_

@@ -48,8 +48,6 @@ namespace subspace {
 
 namespace {
 
-constexpr int64_t kMaxTokens = int64_t{1} << 48;
-constexpr size_t kInitialTableCapacity = 64;
 // Compactor work per Commit of a sequence, in block-heads (O(B r^2) each: ~4k flops at B = 16,
 // r = 16), so that catching up after a refresh is spread over steps.
 constexpr int64_t kCompactBlockHeadsPerCommit = 64;
@@ -154,6 +152,10 @@ CompressedKvCache::CompressedKvCache(const CompressedKvCacheConfig& config,
                .n_query_heads = config.n_query_heads,
                .refresher = {.inline_mode = config.refresh_inline,
                              .max_queued_bytes = config.refresh_queue_bytes}}),
+      seqs_({.n_layers = config.geometry.n_layers,
+             .block_size = config.block_size,
+             .block_bytes = pool_->block_bytes()},
+            pool_.get()),
       page_scratch_(static_cast<size_t>(2 * v_half_)) {
   std::vector<std::pair<int64_t, int>> classes;  // slot bytes -> class
   for (int l = 0; l < config_.geometry.n_layers; ++l) {
@@ -174,16 +176,16 @@ CompressedKvCache::CompressedKvCache(const CompressedKvCacheConfig& config,
 }
 
 absl::StatusOr<SeqId> CompressedKvCache::CreateSequence() {
-  absl::StatusOr<SeqId> id = seqs_.Acquire([&](Sequence& s) {
+  absl::StatusOr<SeqId> id = seqs_.Create();
+  if (!id.ok()) return id;
+  Sequence& s = seqs_[*id];
+  if (s.layers.empty()) {  // a new slot; a recycled one was cleared by FreeSequence
     s.layers.resize(static_cast<size_t>(config_.geometry.n_layers));
     for (LayerState& ls : s.layers) {
-      ls.table.reserve(kInitialTableCapacity);
-      ls.block_epochs.reserve(kInitialTableCapacity *
-                              static_cast<size_t>(config_.geometry.n_kv_heads));
+      ls.block_epochs.reserve(64 * static_cast<size_t>(config_.geometry.n_kv_heads));
     }
-  });
-  if (!id.ok()) return id;
-  epochs_.StartSequence(seqs_[*id], config_.refresh);
+  }
+  epochs_.StartSequence(s, config_.refresh);
   return id;
 }
 
@@ -206,8 +208,7 @@ void CompressedKvCache::DropEpochUse(LayerState& ls, EpochId id) {
   }
 }
 
-void CompressedKvCache::FreeEntry(LayerState& ls, int /*layer*/, int64_t b) {
-  BlockEntry& e = ls.table[static_cast<size_t>(b)];
+void CompressedKvCache::FreeEntry(LayerState& ls, int64_t b, BlockEntry& e) {
   if (e.slot < 0) {
     pool_->Free(e.page);
   } else {
@@ -225,56 +226,34 @@ void CompressedKvCache::FreeEntry(LayerState& ls, int /*layer*/, int64_t b) {
 
 absl::Status CompressedKvCache::FreeSequence(SeqId seq) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
-  for (int l = 0; l < config_.geometry.n_layers; ++l) {
-    LayerState& ls = s->layers[static_cast<size_t>(l)];
-    for (int64_t b = 0; b < static_cast<int64_t>(ls.table.size()); ++b) FreeEntry(ls, l, b);
+  if (s == nullptr) return Sequences::Unknown(seq);
+  seqs_.ReleaseBlocksPast(*s, 0, [&](int l, int64_t b, BlockEntry& e) {
+    FreeEntry(s->layers[static_cast<size_t>(l)], b, e);
+  });
+  for (LayerState& ls : s->layers) {
     for (int32_t p : ls.outlier_pages) pool_->Free(p);
-    ls.table.clear();
     ls.block_epochs.clear();
     ls.live.clear();
     ls.outlier_pos.clear();
     ls.outlier_pages.clear();
   }
-  tokens_cached_ -= s->length;
   epochs_.EndSequence(*s);
-  seqs_.Release(seq);
+  seqs_.Remove(seq);
   return absl::OkStatus();
 }
 
-int64_t CompressedKvCache::Length(SeqId seq) const {
-  const Sequence* s = seqs_.Find(seq);
-  return s == nullptr ? 0 : s->length;
-}
+int64_t CompressedKvCache::Length(SeqId seq) const { return seqs_.Length(seq); }
 
 int64_t CompressedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
-  const Sequence* s = seqs_.Find(seq);
-  const int64_t length = s == nullptr ? 0 : s->length;
-  const int64_t held = s == nullptr ? 0 : BlocksHeld(*s);
-  const int64_t wanted = length + std::clamp<int64_t>(n, 0, kMaxTokens);
-  return std::max<int64_t>(CeilDiv(wanted, config_.block_size) - held, 0) *
-         config_.geometry.n_layers;
+  return seqs_.BlocksNeeded(seq, n);
 }
 
 absl::Status CompressedKvCache::Reserve(SeqId seq, int64_t n) {
-  Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
-  if (n < 0) return absl::InvalidArgumentError(absl::StrFormat("cannot reserve %d tokens", n));
-  const int64_t needed = BlocksNeeded(seq, n);
-  if (needed == 0) return absl::OkStatus();
-  if (needed > pool_->num_free()) {
-    return absl::ResourceExhaustedError(
-        absl::StrFormat("KV cache full: sequence %d needs %d more pages, %d of %d free", seq,
-                        needed, pool_->num_free(), pool_->num_blocks()));
-  }
-  const int64_t per_layer = needed / config_.geometry.n_layers;
-  const int n_kv = config_.geometry.n_kv_heads;
-  for (LayerState& ls : s->layers) {
-    for (int64_t i = 0; i < per_layer; ++i) {
-      ls.table.push_back({pool_->Allocate(BlockKind::kFull), -1, 0});
-      ls.block_epochs.insert(ls.block_epochs.end(), static_cast<size_t>(n_kv), kNoEpoch);
-    }
-  }
+  if (absl::Status st = seqs_.Reserve(seq, n); !st.ok()) return st;
+  Sequence& s = *seqs_.Find(seq);
+  const size_t n_kv = static_cast<size_t>(config_.geometry.n_kv_heads);
+  for (LayerState& ls : s.layers)
+    ls.block_epochs.resize(static_cast<size_t>(s.blocks()) * n_kv, kNoEpoch);
   return absl::OkStatus();
 }
 
@@ -282,9 +261,8 @@ void CompressedKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, cons
                               const float* v) {
   Sequence* s = seqs_.Find(seq);
   assert(s != nullptr && layer >= 0 && layer < config_.geometry.n_layers);
-  assert(pos >= 0 && pos + n <= BlocksHeld(*s) * config_.block_size &&
-         "write past the reservation");
-  const std::vector<BlockEntry>& table = s->layers[static_cast<size_t>(layer)].table;
+  assert(pos >= 0 && pos + n <= s->blocks() * config_.block_size && "write past the reservation");
+  const std::vector<BlockEntry>& table = s->tables[static_cast<size_t>(layer)];
   const int hd = config_.geometry.head_dim;
   const int n_kv = config_.geometry.n_kv_heads;
   const int bs = config_.block_size;
@@ -341,13 +319,13 @@ std::shared_ptr<const Basis> CompressedKvCache::PcaOfSequence(const Sequence& s)
     const int l = static_cast<int>(item / (2 * n_kv));
     const int h = static_cast<int>(item / 2 % n_kv);
     const bool keys = item % 2 == 0;
-    const LayerState& ls = s.layers[static_cast<size_t>(l)];
+    const std::vector<BlockEntry>& table = s.tables[static_cast<size_t>(l)];
     thread_local std::vector<double> rows;  // [sampled tokens, hd]
     thread_local std::vector<float> x;      // [hd] one row widened from full_dtype
     rows.clear();
     x.resize(static_cast<size_t>(hd));
     for (int64_t b = 0; b < blocks; b += stride) {
-      const BlockEntry& e = ls.table[static_cast<size_t>(b)];
+      const BlockEntry& e = table[static_cast<size_t>(b)];
       if (e.slot >= 0) continue;
       for (int64_t t = 0; t < std::min<int64_t>(bs, s.length - b * bs); ++t) {
         LoadFull(FullAt(e.page, keys ? KOffset(h, t) : VOffset(h, t)), hd, x.data());
@@ -366,7 +344,7 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
   const int rk = r_k_[static_cast<size_t>(layer)], rv = r_v_[static_cast<size_t>(layer)];
   const CoeffDtype dt = config_.policy.coeff_dtype;
   LayerState& ls = s.layers[static_cast<size_t>(layer)];
-  BlockEntry& e = ls.table[static_cast<size_t>(b)];
+  BlockEntry& e = s.tables[static_cast<size_t>(layer)][static_cast<size_t>(b)];
   assert(e.slot < 0);
   const LayerBasis& basis = epochs_.Get(s.epoch)->layers[static_cast<size_t>(layer)];
 
@@ -456,13 +434,9 @@ void CompressedKvCache::CompressBlock(Sequence& s, int layer, int64_t b) {
 }
 
 absl::Status CompressedKvCache::Commit(SeqId seq, int64_t length) {
+  if (absl::Status st = seqs_.Commit(seq, length); !st.ok()) return st;
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
   const int bs = config_.block_size;
-  const int64_t reserved = BlocksHeld(*s) * bs;
-  if (absl::Status st = CheckCommit(seq, length, s->length, reserved); !st.ok()) return st;
-  tokens_cached_ += length - s->length;
-  s->length = length;
   const Refresher* refresher = epochs_.refresher();
   if (refresher != nullptr && refresher->has_published()) InstallPublishedEpochs();
   const BlockRange range = config_.policy.CompressibleBlocks(s->next_compress, length, bs);
@@ -473,7 +447,7 @@ absl::Status CompressedKvCache::Commit(SeqId seq, int64_t length) {
     epochs_.OpenStream(*s, seq);
     for (int64_t b = range.begin; b < range.end; ++b) {
       for (int l = 0; l < config_.geometry.n_layers; ++l) {
-        if (s->layers[static_cast<size_t>(l)].table[static_cast<size_t>(b)].slot < 0)
+        if (s->tables[static_cast<size_t>(l)][static_cast<size_t>(b)].slot < 0)
           CompressBlock(*s, l, b);
       }
     }
@@ -490,7 +464,7 @@ absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
   const int rk = r_k_[static_cast<size_t>(layer)], rv = r_v_[static_cast<size_t>(layer)];
   const CoeffDtype dt = config_.policy.coeff_dtype;
   LayerState& ls = s.layers[static_cast<size_t>(layer)];
-  BlockEntry& e = ls.table[static_cast<size_t>(b)];
+  BlockEntry& e = s.tables[static_cast<size_t>(layer)][static_cast<size_t>(b)];
   float* full = page_scratch_.data();
   const uint8_t* base = slabs_.data({e.page, e.slot});
   const int64_t rows = static_cast<int64_t>(n_kv) * bs;
@@ -528,26 +502,28 @@ absl::Status CompressedKvCache::Decompress(Sequence& s, int layer, int64_t b) {
       ls.outlier_pages.pop_back();
     }
   }
-  FreeEntry(ls, layer, b);
+  FreeEntry(ls, b, e);
   const int32_t page = pool_->Allocate(BlockKind::kFull);
   if (page < 0)
     return absl::ResourceExhaustedError("no page to expand a truncated compressed block");
   StoreFull(full, 2 * v_half_, FullAt(page, 0));  // k^, v^ rounded to full_dtype
-  ls.table[static_cast<size_t>(b)] = {page, -1, 0};
+  e = {page, -1, 0};
   return absl::OkStatus();
 }
 
 absl::Status CompressedKvCache::Truncate(SeqId seq, int64_t length) {
-  Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
-  if (absl::Status st = CheckTruncate(seq, length, s->length); !st.ok()) return st;
   const int bs = config_.block_size;
   const int n_kv = config_.geometry.n_kv_heads;
-  const int64_t keep = CeilDiv(length, bs);
-  for (int l = 0; l < config_.geometry.n_layers; ++l) {
-    LayerState& ls = s->layers[static_cast<size_t>(l)];
-    for (int64_t b = keep; b < static_cast<int64_t>(ls.table.size()); ++b) FreeEntry(ls, l, b);
-    ls.table.resize(static_cast<size_t>(keep));
+  const int64_t keep = CeilDiv(length, int64_t{bs});
+  Sequence* s = seqs_.Find(seq);
+  if (absl::Status st = seqs_.Truncate(seq, length,
+                                       [&](int l, int64_t b, BlockEntry& e) {
+                                         FreeEntry(s->layers[static_cast<size_t>(l)], b, e);
+                                       });
+      !st.ok()) {
+    return st;
+  }
+  for (LayerState& ls : s->layers) {
     ls.block_epochs.resize(static_cast<size_t>(keep * n_kv));
     while (!ls.outlier_pos.empty() && ls.outlier_pos.back() >= length) ls.outlier_pos.pop_back();
     while (static_cast<int64_t>(ls.outlier_pages.size()) >
@@ -556,11 +532,9 @@ absl::Status CompressedKvCache::Truncate(SeqId seq, int64_t length) {
       ls.outlier_pages.pop_back();
     }
   }
-  tokens_cached_ -= s->length - length;
-  s->length = length;
   if (length % bs != 0 && keep > 0) {
     for (int l = 0; l < config_.geometry.n_layers; ++l) {
-      if (s->layers[static_cast<size_t>(l)].table[static_cast<size_t>(keep - 1)].slot < 0) continue;
+      if (s->tables[static_cast<size_t>(l)][static_cast<size_t>(keep - 1)].slot < 0) continue;
       if (absl::Status st = Decompress(*s, l, keep - 1); !st.ok()) return st;
     }
     s->next_compress = std::min(s->next_compress, keep - 1);
@@ -571,19 +545,7 @@ absl::Status CompressedKvCache::Truncate(SeqId seq, int64_t length) {
 }
 
 KvCacheStats CompressedKvCache::Stats() const {
-  KvCacheStats st;
-  const int64_t page = pool_->block_bytes();
-  st.bytes_total = pool_->num_blocks() * page;
-  st.bytes_used_full = pool_->num_used(BlockKind::kFull) * page;
-  // Whole slab pages: what the pool cannot give to anyone else (includes slab waste).
-  st.bytes_used_compressed = pool_->num_used(BlockKind::kCompressed) * page;
-  st.bytes_used_outlier = pool_->num_used(BlockKind::kOutlier) * page;
-  st.blocks_total = pool_->num_blocks();
-  st.blocks_free = pool_->num_free();
-  st.tokens_cached = tokens_cached_;
-  st.sequences = seqs_.live();
-  const KvCacheGeometry& g = config_.geometry;
-  st.bytes_full_fp16_equivalent = Fp16Bytes(g, tokens_cached_);
+  KvCacheStats st = seqs_.Stats(config_.geometry);
   st.epochs_live = epochs_.registry().live();
   if (epochs_.refresher() != nullptr) st.refresh = epochs_.refresher()->Stats();
   st.refresh.installed = refreshes_installed_;
@@ -599,8 +561,10 @@ CompressedKvCacheDetail CompressedKvCache::Detail() const {
   d.compressed_slot_bytes = slabs_.slot_bytes_used();
   for (const Sequence& s : seqs_.all()) {
     if (!s.live) continue;
+    for (const std::vector<BlockEntry>& table : s.tables) {
+      for (const BlockEntry& e : table) d.blocks_compressed += e.slot >= 0 ? 1 : 0;
+    }
     for (const LayerState& ls : s.layers) {
-      for (const BlockEntry& e : ls.table) d.blocks_compressed += e.slot >= 0 ? 1 : 0;
       d.max_sequence_epochs =
           std::max<int64_t>(d.max_sequence_epochs, static_cast<int64_t>(ls.live.size()));
       d.outlier_tokens += static_cast<int64_t>(ls.outlier_pos.size());
@@ -623,7 +587,7 @@ absl::Status CompressedKvCache::ReleaseEpoch(EpochId id) { return epochs_.Releas
 
 absl::Status CompressedKvCache::SetSequenceEpoch(SeqId seq, EpochId id) {
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
+  if (s == nullptr) return Sequences::Unknown(seq);
   return epochs_.SetSequenceEpoch(*s, id);
 }
 
@@ -637,9 +601,9 @@ EpochId CompressedKvCache::SequenceEpoch(SeqId seq) const {
 bool CompressedKvCache::IsCompressed(SeqId seq, int layer, int64_t block) const {
   const Sequence* s = seqs_.Find(seq);
   if (s == nullptr || layer < 0 || layer >= config_.geometry.n_layers) return false;
-  const LayerState& ls = s->layers[static_cast<size_t>(layer)];
-  return block >= 0 && block < static_cast<int64_t>(ls.table.size()) &&
-         ls.table[static_cast<size_t>(block)].slot >= 0;
+  const std::vector<BlockEntry>& table = s->tables[static_cast<size_t>(layer)];
+  return block >= 0 && block < static_cast<int64_t>(table.size()) &&
+         table[static_cast<size_t>(block)].slot >= 0;
 }
 
 EpochId CompressedKvCache::BlockEpoch(SeqId seq, int layer, int64_t block, int kv_head) const {

@@ -22,7 +22,7 @@
 #include "core/kvcache/block_pool.h"
 #include "core/kvcache/kv_cache.h"
 #include "core/kvcache/refresh_config.h"
-#include "core/kvcache/sequence_slots.h"
+#include "core/kvcache/sequence_manager.h"
 
 namespace subspace {
 
@@ -153,24 +153,24 @@ class CompressedKvCache final : public KvCache {
     const LayerBasis* basis = nullptr;
     int64_t uses = 0;  // block-heads of this layer coded with it
   };
+  // A layer's state beyond its block table (the manager's tables[layer]).
   struct LayerState {
-    std::vector<BlockEntry> table;       // [blocks]
     std::vector<EpochId> block_epochs;   // [blocks, n_kv]; kNoEpoch for full blocks
     std::vector<LiveEpoch> live;         // epochs used by this layer's compressed blocks
     std::vector<int64_t> outlier_pos;    // [outliers] ascending
     std::vector<int32_t> outlier_pages;  // [ceil(outliers / B)] pages of [2][n_kv][B][hd]
   };
-  // length, next_compress, epoch, refresh stream: CompressedSequence.
-  struct Sequence : CompressedSequence {
+  // next_compress, epoch, refresh stream: CompressedSequence; length and block tables (one per
+  // layer): the manager's.
+  struct SequenceState : CompressedSequence {
     std::vector<LayerState> layers;
   };
+  using Sequences = SequenceManager<BlockEntry, SequenceState>;
+  using Sequence = Sequences::Sequence;
 
   // `config` with its policy resolved.
   CompressedKvCache(const CompressedKvCacheConfig& config, std::unique_ptr<BlockPool> pool);
 
-  int64_t BlocksHeld(const Sequence& s) const {
-    return s.layers.empty() ? 0 : static_cast<int64_t>(s.layers[0].table.size());
-  }
   int64_t KOffset(int h, int64_t t) const {
     return (static_cast<int64_t>(h) * config_.block_size + t) * config_.geometry.head_dim;
   }
@@ -190,7 +190,8 @@ class CompressedKvCache final : public KvCache {
   // A basis by PCA of the sequence's full-rank keys and values (self-calibration).
   std::shared_ptr<const Basis> PcaOfSequence(const Sequence& s) const;
   void CompressBlock(Sequence& s, int layer, int64_t b);
-  void FreeEntry(LayerState& ls, int layer, int64_t b);
+  // Gives back block b of a layer (entry `e` of its table): its page, or its slot and epochs.
+  void FreeEntry(LayerState& ls, int64_t b, BlockEntry& e);
   void AddEpochUse(LayerState& ls, int layer, EpochId id);
   void DropEpochUse(LayerState& ls, EpochId id);
   // Expands compressed block b of a layer back into a full block (Truncate).
@@ -215,8 +216,7 @@ class CompressedKvCache final : public KvCache {
   std::unique_ptr<BlockPool> pool_;
   SlabAllocator slabs_;
   CompressionEpochs epochs_;  // registry, default epoch, refresh streams
-  SequenceSlots<Sequence> seqs_;
-  int64_t tokens_cached_ = 0;
+  Sequences seqs_;
   int64_t outliers_dropped_ = 0;
   std::vector<float> page_scratch_;  // [2 * v_half_] fp32 full block: compression / expansion
 

@@ -52,6 +52,7 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
     const int kvh = static_cast<int>(local % n_kv);
     const Sequence& s = seqs_[req.seq];
     const LayerState& ls = s.layers[static_cast<size_t>(layer)];
+    const std::vector<BlockEntry>& table = s.tables[static_cast<size_t>(layer)];
     const int64_t n_ctx = req.pos + i + 1;
     const int64_t lo = req.FirstAttended(req.pos + i);  // sliding window: tokens >= lo
     const int n_ep = static_cast<int>(ls.live.size());
@@ -119,11 +120,11 @@ void CompressedKvCache::Attend(int layer, std::span<const AttentionRequest> requ
 
     for (int64_t b0 = lo / bs * bs; b0 < n_ctx; b0 += bs) {
       const int64_t b = b0 / bs;
-      const BlockEntry& e = ls.table[static_cast<size_t>(b)];
+      const BlockEntry& e = table[static_cast<size_t>(b)];
       const int nb = static_cast<int>(std::min<int64_t>(bs, n_ctx - b0));
       // Slots are scattered over slab pages: fetch this head's codes kPrefetchBlocks ahead.
       if (b0 + kPrefetchBlocks * bs < n_ctx) {
-        const BlockEntry& ahead = ls.table[static_cast<size_t>(b + kPrefetchBlocks)];
+        const BlockEntry& ahead = table[static_cast<size_t>(b + kPrefetchBlocks)];
         if (ahead.slot >= 0) {
           const uint8_t* codes = slabs_.data({ahead.page, ahead.slot});
           cpu::PrefetchBytes(codes + CodeBytes(dt, kvh * bs * rk), CodeBytes(dt, bs * rk));

@@ -47,7 +47,7 @@ absl::Status CompressedKvCache::SetSequenceRefresh(SeqId seq, const RefreshConfi
     return absl::InvalidArgumentError("kqsvd refresh needs the cache's n_query_heads");
   }
   Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
+  if (s == nullptr) return Sequences::Unknown(seq);
   epochs_.CloseStream(*s);
   s->refresh = config;
   epochs_.OpenStream(*s, seq);  // now if it has an epoch, else at its first compression
@@ -102,14 +102,15 @@ int64_t CompressedKvCache::Compact(Sequence& s, int64_t budget) {
   int64_t moved = 0;
   for (int l = 0; l < config_.geometry.n_layers && moved < budget; ++l) {
     LayerState& ls = s.layers[static_cast<size_t>(l)];
+    const std::vector<BlockEntry>& table = s.tables[static_cast<size_t>(l)];
     while (ls.live.size() > max_live && moved < budget) {
       EpochId oldest = kNoEpoch;  // ids grow with time
       for (const LiveEpoch& e : ls.live) {
         if (e.id != s.epoch && (oldest == kNoEpoch || e.id < oldest)) oldest = e.id;
       }
       if (oldest == kNoEpoch) break;
-      for (int64_t b = 0; b < static_cast<int64_t>(ls.table.size()) && moved < budget; ++b) {
-        if (ls.table[static_cast<size_t>(b)].slot < 0) continue;
+      for (int64_t b = 0; b < static_cast<int64_t>(table.size()) && moved < budget; ++b) {
+        if (table[static_cast<size_t>(b)].slot < 0) continue;
         for (int h = 0; h < n_kv && moved < budget; ++h) {
           if (ls.block_epochs[static_cast<size_t>(b * n_kv + h)] != oldest) continue;
           ReprojectBlockHead(s, l, b, h, s.epoch);
@@ -150,7 +151,7 @@ void CompressedKvCache::ReprojectBlockHead(Sequence& s, int layer, int64_t b, in
   }
   TransposeTimes(new_b.p_v.data() + off_v, rv_old_t, hd, rv, rv, m_v);
 
-  const BlockEntry& e = ls.table[static_cast<size_t>(b)];
+  const BlockEntry& e = s.tables[static_cast<size_t>(layer)][static_cast<size_t>(b)];
   uint8_t* base = slabs_.data({e.page, e.slot});
   const int64_t rows = static_cast<int64_t>(n_kv) * bs;
   uint8_t* k_codes = base;

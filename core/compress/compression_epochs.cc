@@ -79,7 +79,6 @@ absl::Status CompressionEpochs::SetDefault(EpochId id) {
 }
 
 void CompressionEpochs::StartSequence(CompressedSequence& s, const RefreshConfig& refresh) {
-  s.length = 0;
   s.next_compress = 0;
   s.epoch = default_epoch_;  // an installed one, even with per_sequence_pca
   if (s.epoch != kNoEpoch) (void)registry_.Acquire(s.epoch);
@@ -91,7 +90,6 @@ void CompressionEpochs::EndSequence(CompressedSequence& s) {
   CloseStream(s);
   if (s.epoch != kNoEpoch) Release(s.epoch);
   s.epoch = kNoEpoch;
-  s.length = 0;
 }
 
 absl::Status CompressionEpochs::SetSequenceEpoch(CompressedSequence& s, EpochId id) {

@@ -25,11 +25,9 @@
 
 namespace subspace {
 
-// What every compressed cache keeps of a sequence besides its blocks. A cache's own sequence
-// state derives from it (SequenceSlots needs `live`).
+// What every compressed cache keeps of a sequence besides its blocks and length (which its
+// SequenceManager holds). A cache's own per-sequence state derives from it.
 struct CompressedSequence {
-  bool live = false;
-  int64_t length = 0;
   int64_t next_compress = 0;  // first block not yet considered for compression
   EpochId epoch = kNoEpoch;   // the epoch new blocks are coded with; holds one reference
   RefreshConfig refresh;

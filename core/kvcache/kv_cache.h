@@ -1,6 +1,8 @@
 // The KV-cache interface the model writes keys/values into and attends over, and the shared
-// types of its implementations (full-rank paged now, low-rank compressed next). A cache owns
-// its attention: a compressed cache attends in coefficient space without expanding keys.
+// types of its implementations: full-rank paged (core/kvcache/paged_kv_cache.h), compressed
+// (core/compress/compressed_kv_cache.h) and their device twins (cuda/). Every one keeps its
+// sequences and block tables in a SequenceManager (sequence_manager.h). A host cache owns its
+// attention: a compressed cache attends in coefficient space without expanding keys.
 #ifndef SUBSPACE_CORE_KVCACHE_KV_CACHE_H_
 #define SUBSPACE_CORE_KVCACHE_KV_CACHE_H_
 
@@ -77,7 +79,7 @@ struct AttentionRequest {
 // the scheduler use (admission, reservation, commit, truncation, stats). Called from one thread
 // (the engine's step loop). The bytes are written and attended by the backend that owns them:
 // KvCache below for caches in host memory (the CPU backend calls Write and Attend); device
-// caches (cuda/device_kv_cache.h) are written and read by the CUDA backend's kernels.
+// caches (cuda/device_paged_kv_cache.h) are written and read by the CUDA backend's kernels.
 class KvCacheBase {
  public:
   virtual ~KvCacheBase() = default;

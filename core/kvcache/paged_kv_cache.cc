@@ -17,16 +17,6 @@
 
 namespace subspace {
 
-namespace {
-
-// Blocks every sequence table starts with room for, so early decode steps never regrow it.
-constexpr size_t kInitialTableCapacity = 64;
-// Token counts are capped here before any arithmetic so a hostile `n` cannot overflow; no
-// pool holds this many tokens, so the cap never changes an answer.
-constexpr int64_t kMaxTokens = int64_t{1} << 48;
-
-}  // namespace
-
 int64_t PagedKvCache::BlockBytes(const KvCacheGeometry& geometry, int block_size, KvDtype dtype) {
   const int64_t bytes = 2 * static_cast<int64_t>(geometry.n_kv_heads) * block_size *
                         KvRowBytes(dtype, geometry.head_dim);
@@ -69,87 +59,37 @@ PagedKvCache::PagedKvCache(const Config& config, std::unique_ptr<BlockPool> pool
       dtype_(config.dtype),
       row_bytes_(KvRowBytes(config.dtype, config.geometry.head_dim)),
       v_half_(static_cast<int64_t>(config.geometry.n_kv_heads) * config.block_size * row_bytes_),
-      pool_(std::move(pool)) {}
+      pool_(std::move(pool)),
+      seqs_({.n_layers = config.geometry.n_layers,
+             .block_size = config.block_size,
+             .block_bytes = pool_->block_bytes()},
+            pool_.get()) {}
 
-absl::StatusOr<SeqId> PagedKvCache::CreateSequence() {
-  absl::StatusOr<SeqId> id = seqs_.Acquire([&](Sequence& s) {
-    s.tables.resize(static_cast<size_t>(geometry_.n_layers));
-    for (std::vector<int32_t>& t : s.tables) t.reserve(kInitialTableCapacity);
-  });
-  if (id.ok()) seqs_[*id].length = 0;
-  return id;
-}
+absl::StatusOr<SeqId> PagedKvCache::CreateSequence() { return seqs_.Create(); }
 
-void PagedKvCache::ReleaseBlocksPast(Sequence& s, int64_t keep) {
-  for (std::vector<int32_t>& table : s.tables) {
-    for (size_t b = static_cast<size_t>(keep); b < table.size(); ++b) pool_->Free(table[b]);
-    if (table.size() > static_cast<size_t>(keep)) table.resize(static_cast<size_t>(keep));
-  }
-}
+absl::Status PagedKvCache::FreeSequence(SeqId seq) { return seqs_.Free(seq); }
 
-absl::Status PagedKvCache::FreeSequence(SeqId seq) {
-  Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
-  ReleaseBlocksPast(*s, 0);
-  tokens_cached_ -= s->length;
-  s->length = 0;
-  seqs_.Release(seq);
-  return absl::OkStatus();
-}
+int64_t PagedKvCache::Length(SeqId seq) const { return seqs_.Length(seq); }
 
-int64_t PagedKvCache::Length(SeqId seq) const {
-  const Sequence* s = seqs_.Find(seq);
-  return s == nullptr ? 0 : s->length;
-}
-
-int64_t PagedKvCache::ReservedTokens(SeqId seq) const {
-  const Sequence* s = seqs_.Find(seq);
-  return s == nullptr ? 0 : BlocksHeld(*s) * block_size_;
-}
+int64_t PagedKvCache::ReservedTokens(SeqId seq) const { return seqs_.ReservedTokens(seq); }
 
 std::span<const int32_t> PagedKvCache::BlockTable(SeqId seq, int layer) const {
-  const Sequence* s = seqs_.Find(seq);
-  if (s == nullptr || layer < 0 || layer >= geometry_.n_layers) return {};
-  return s->tables[static_cast<size_t>(layer)];
+  const std::vector<int32_t>* table = seqs_.Table(seq, layer);
+  if (table == nullptr) return {};
+  return *table;
 }
 
 int64_t PagedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
-  const Sequence* s = seqs_.Find(seq);
-  const int64_t length = s == nullptr ? 0 : s->length;
-  const int64_t held = s == nullptr ? 0 : BlocksHeld(*s);
-  const int64_t wanted = length + std::clamp<int64_t>(n, 0, kMaxTokens);
-  const int64_t per_layer = std::max<int64_t>(CeilDiv(wanted, block_size_) - held, 0);
-  return per_layer * geometry_.n_layers;
+  return seqs_.BlocksNeeded(seq, n);
 }
 
-absl::Status PagedKvCache::Reserve(SeqId seq, int64_t n) {
-  Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
-  if (n < 0) return absl::InvalidArgumentError(absl::StrFormat("cannot reserve %d tokens", n));
-  const int64_t needed = BlocksNeeded(seq, n);
-  if (needed == 0) return absl::OkStatus();
-  if (needed > pool_->num_free()) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "KV cache full: sequence %d needs %d more blocks (%d per layer x %d layers) for %d "
-        "tokens, %d of %d blocks free",
-        seq, needed, needed / geometry_.n_layers, geometry_.n_layers,
-        s->length + std::min(n, kMaxTokens), pool_->num_free(), pool_->num_blocks()));
-  }
-  // Checked above, so every layer gets its blocks: all or nothing.
-  const int64_t per_layer = needed / geometry_.n_layers;
-  for (std::vector<int32_t>& table : s->tables) {
-    const bool ok = pool_->AllocateMany(per_layer, BlockKind::kFull, &table);
-    assert(ok);
-    (void)ok;
-  }
-  return absl::OkStatus();
-}
+absl::Status PagedKvCache::Reserve(SeqId seq, int64_t n) { return seqs_.Reserve(seq, n); }
 
 void PagedKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k,
                          const float* v) {
-  Sequence* s = seqs_.Find(seq);
+  auto* s = seqs_.Find(seq);
   assert(s != nullptr && layer >= 0 && layer < geometry_.n_layers);
-  assert(pos >= 0 && pos + n <= BlocksHeld(*s) * block_size_ && "write past the reservation");
+  assert(pos >= 0 && pos + n <= s->blocks() * block_size_ && "write past the reservation");
   const std::vector<int32_t>& table = s->tables[static_cast<size_t>(layer)];
   const int hd = geometry_.head_dim;
   const int n_kv = geometry_.n_kv_heads;
@@ -230,7 +170,7 @@ void PagedKvCache::Attend(int layer, std::span<const AttentionRequest> requests,
   for (int64_t it = 0; it < total; ++it) {
     const Item& item = items[static_cast<size_t>(it)];
     const AttentionRequest& req = requests[static_cast<size_t>(item.req)];
-    const Sequence& s = seqs_[req.seq];
+    const auto& s = seqs_[req.seq];
     const std::vector<int32_t>& table = s.tables[static_cast<size_t>(layer)];
     const int64_t n_ctx = req.pos + item.i + 1;              // causal: tokens [0, pos + i]
     const int64_t lo = req.FirstAttended(req.pos + item.i);  // sliding window: tokens >= lo
@@ -352,37 +292,12 @@ void PagedKvCache::Attend(int layer, std::span<const AttentionRequest> requests,
   }
 }
 
-absl::Status PagedKvCache::Commit(SeqId seq, int64_t length) {
-  Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
-  const int64_t reserved = BlocksHeld(*s) * block_size_;
-  if (absl::Status st = CheckCommit(seq, length, s->length, reserved); !st.ok()) return st;
-  tokens_cached_ += length - s->length;
-  s->length = length;
-  return absl::OkStatus();
-}
+absl::Status PagedKvCache::Commit(SeqId seq, int64_t length) { return seqs_.Commit(seq, length); }
 
 absl::Status PagedKvCache::Truncate(SeqId seq, int64_t length) {
-  Sequence* s = seqs_.Find(seq);
-  if (s == nullptr) return UnknownSequence(seq);
-  if (absl::Status st = CheckTruncate(seq, length, s->length); !st.ok()) return st;
-  // Blocks reserved past the committed length go too: Truncate undoes a failed step.
-  ReleaseBlocksPast(*s, CeilDiv(length, block_size_));
-  tokens_cached_ -= s->length - length;
-  s->length = length;
-  return absl::OkStatus();
+  return seqs_.Truncate(seq, length);
 }
 
-KvCacheStats PagedKvCache::Stats() const {
-  KvCacheStats st;
-  st.bytes_total = pool_->num_blocks() * pool_->block_bytes();
-  st.bytes_used_full = pool_->num_used(BlockKind::kFull) * pool_->block_bytes();
-  st.blocks_total = pool_->num_blocks();
-  st.blocks_free = pool_->num_free();
-  st.tokens_cached = tokens_cached_;
-  st.bytes_full_fp16_equivalent = Fp16Bytes(geometry_, tokens_cached_);
-  st.sequences = seqs_.live();
-  return st;
-}
+KvCacheStats PagedKvCache::Stats() const { return seqs_.Stats(geometry_); }
 
 }  // namespace subspace

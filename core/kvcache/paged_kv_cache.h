@@ -16,7 +16,7 @@
 #include "core/kvcache/block_pool.h"
 #include "core/kvcache/kv_cache.h"
 #include "core/kvcache/kv_quant.h"
-#include "core/kvcache/sequence_slots.h"
+#include "core/kvcache/sequence_manager.h"
 
 namespace subspace {
 
@@ -63,19 +63,7 @@ class PagedKvCache final : public KvCache {
   const BlockPool& pool() const { return *pool_; }
 
  private:
-  struct Sequence {
-    bool live = false;
-    int64_t length = 0;                        // committed tokens
-    std::vector<std::vector<int32_t>> tables;  // [n_layers][blocks], same length every layer
-  };
-
   PagedKvCache(const Config& config, std::unique_ptr<BlockPool> pool);
-
-  int64_t BlocksHeld(const Sequence& s) const {
-    return s.tables.empty() ? 0 : static_cast<int64_t>(s.tables[0].size());
-  }
-  // Frees, in every layer, the blocks of `s` past the first `keep` blocks.
-  void ReleaseBlocksPast(Sequence& s, int64_t keep);
 
   // Byte offsets inside a block: the row of K head h, slot t at KOffset(h, t); V after all K.
   int64_t KOffset(int h, int64_t t) const {
@@ -93,8 +81,7 @@ class PagedKvCache final : public KvCache {
   int64_t row_bytes_;  // KvRowBytes(dtype_, head_dim)
   int64_t v_half_;     // bytes of the K half of a block: n_kv_heads * B * row_bytes_
   std::unique_ptr<BlockPool> pool_;
-  SequenceSlots<Sequence> seqs_;
-  int64_t tokens_cached_ = 0;
+  SequenceManager<int32_t> seqs_;  // one table per layer
 };
 
 }  // namespace subspace

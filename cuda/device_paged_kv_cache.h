@@ -3,8 +3,8 @@
 // habit: block id b of layer l is page b of layer l's slice of the pool, so one table and one
 // plan serve all layers), bookkeeping on the host. The bytes are written and read only by the
 // CUDA backend's kernels (cuda/cuda_model.h), so this is a KvCacheBase, not a host KvCache.
-#ifndef SUBSPACE_CUDA_DEVICE_KV_CACHE_H_
-#define SUBSPACE_CUDA_DEVICE_KV_CACHE_H_
+#ifndef SUBSPACE_CUDA_DEVICE_PAGED_KV_CACHE_H_
+#define SUBSPACE_CUDA_DEVICE_PAGED_KV_CACHE_H_
 
 #include <cstdint>
 #include <memory>
@@ -13,8 +13,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/kvcache/block_pool.h"
 #include "core/kvcache/kv_cache.h"
-#include "core/kvcache/sequence_slots.h"
+#include "core/kvcache/sequence_manager.h"
 #include "kernels/kv_layout.h"
 
 namespace subspace::cuda {
@@ -50,33 +51,25 @@ class DevicePagedKvCache final : public KvCacheBase {
   const kernels::KvPoolLayout& layout() const { return layout_; }
   // Layer `layer`'s pages: [num_blocks, page_bytes] on the device.
   uint8_t* LayerPool(int layer) const {
-    return pool_ + static_cast<int64_t>(layer) * num_blocks_ * layout_.page_bytes;
+    return pool_ + static_cast<int64_t>(layer) * num_blocks() * layout_.page_bytes;
   }
   // Block ids of `seq` in position order (every layer); empty for an unknown id.
   std::span<const int32_t> BlockTable(SeqId seq) const;
-  int64_t num_blocks() const { return num_blocks_; }
+  int64_t num_blocks() const { return ids_->num_blocks(); }
 
  private:
-  struct Sequence {
-    bool live = false;
-    int64_t length = 0;
-    std::vector<int32_t> table;
-  };
-  DevicePagedKvCache(const Config& config, uint8_t* pool, int64_t num_blocks,
+  DevicePagedKvCache(const Config& config, uint8_t* pool, std::unique_ptr<BlockPool> ids,
                      std::shared_ptr<const void> owner);
-  void ReleaseBlocksPast(Sequence& s, int64_t keep);
 
   KvCacheGeometry geometry_;
   int block_size_;
   kernels::KvPoolLayout layout_;
-  uint8_t* pool_;  // [n_layers, num_blocks, page_bytes]
-  int64_t num_blocks_;
+  uint8_t* pool_;                   // [n_layers, num_blocks, page_bytes]
+  std::unique_ptr<BlockPool> ids_;  // the pool's block ids: the bytes are at pool_
   std::shared_ptr<const void> owner_;
-  std::vector<int32_t> free_;  // LIFO free block ids
-  SequenceSlots<Sequence> seqs_;
-  int64_t tokens_cached_ = 0;
+  SequenceManager<int32_t> seqs_;  // one table for every layer
 };
 
 }  // namespace subspace::cuda
 
-#endif  // SUBSPACE_CUDA_DEVICE_KV_CACHE_H_
+#endif  // SUBSPACE_CUDA_DEVICE_PAGED_KV_CACHE_H_

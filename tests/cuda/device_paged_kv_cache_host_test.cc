@@ -7,7 +7,7 @@
 #include <set>
 #include <vector>
 
-#include "cuda/device_kv_cache.h"
+#include "cuda/device_paged_kv_cache.h"
 
 namespace subspace::cuda {
 namespace {
