@@ -13,10 +13,10 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "cli/flags.h"
 #include "core/base/pca.h"
 #include "core/compress/compressed_kv_cache.h"
 #include "core/kvcache/paged_kv_cache.h"
-#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, contexts, "1024,4096,16384", "context lengths");
 ABSL_FLAG(std::string, batches, "1,8", "batch sizes");

@@ -1,6 +1,7 @@
 // subspace-bench-cpu: end-to-end prefill and decode throughput of a backend's forward pass on one
-// GGUF model (--device cpu or cuda) for each KV cache kind in --kv-cache (full: paged full-rank;
-// compressed: sinks 4, window 64, rank head_dim / 4, fp16 codes, a basis self-calibrated from the
+// GGUF model (--device cpu or cuda) for each KV cache kind in --kv-cache, built as the server
+// builds it with its defaults (runtime/: full: paged full-rank; quantized: q8_0 rows;
+// compressed: sinks 4, window 64, rank head_dim / 4, int8 codes, a basis self-calibrated from the
 // first prompt) at several batch sizes, with the cache bytes in use at the end of decode. Kinds
 // run one after another, each on its own runner and cache (one pool allocated at a time), so the
 // compressed/full ratios come from one run. Token ids are synthetic (fixed pseudo-random ids),
@@ -18,14 +19,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/compress/compressed_kv_cache.h"
-#include "core/kvcache/paged_kv_cache.h"
+#include "cli/flags.h"
 #include "core/model/model.h"
-#include "tools/cli/flags.h"
-
-#if defined(SUBSPACE_WITH_CUDA)
-#include "cuda/cuda_model.h"
-#endif
+#include "runtime/backend.h"
 
 ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "path of the GGUF model");
 ABSL_FLAG(int32_t, prompt_tokens, 256, "tokens per prefill");
@@ -41,7 +37,7 @@ ABSL_FLAG(std::string, device, "cpu", "cpu or cuda (the CUDA backend)");
 ABSL_FLAG(bool, cuda_graphs, false, "cuda: decode steps as CUDA graphs (false: eager launches)");
 ABSL_FLAG(std::vector<std::string>, kv_cache, std::vector<std::string>({"full", "compressed"}),
           "comma-separated KV cache kinds, each measured in turn: full (paged full-rank), "
-          "compressed (low-rank)");
+          "quantized (paged q8_0 rows, CPU only), compressed (low-rank)");
 
 namespace subspace {
 namespace {
@@ -70,12 +66,6 @@ struct KindResult {
   std::string kind;
   std::string device_name;
   std::vector<Cell> cells;
-};
-
-// Members in this order so the cache goes before the runner that owns its device context.
-struct Backend {
-  std::shared_ptr<ModelRunner> model;
-  std::unique_ptr<KvCacheBase> cache;
 };
 
 int64_t BytesUsed(const KvCacheStats& s) {
@@ -133,51 +123,38 @@ absl::StatusOr<Cell> Measure(ModelRunner& model, KvCacheBase& cache, int batch, 
   return cell;
 }
 
-// cpu: a cache of the kind over the shared CPU model. cuda: a whole backend (weights, activations
-// and pool in one device allocation) per kind.
-absl::StatusOr<Backend> CreateBackend(const std::shared_ptr<LlamaModel>& cpu_model,
-                                      const BenchConfig& config, const std::string& kind) {
-  const bool compressed = kind == "compressed";
-  if (config.device == "cuda") {
-#if defined(SUBSPACE_WITH_CUDA)
-    const int max_batch = *std::max_element(config.batches.begin(), config.batches.end());
-    const int prefill_seqs =
-        config.prefill_batch > 0 ? std::min(config.prefill_batch, max_batch) : max_batch;
-    absl::StatusOr<cuda::CudaBackend> cuda = cuda::CreateCudaBackend(
-        *cpu_model, {.max_batch_tokens = std::max(prefill_seqs * config.prompt_len, max_batch),
-                     .max_sequences = max_batch,
-                     .kv_cache_bytes = config.kv_cache_bytes,
-                     .compressed = compressed ? std::optional<cuda::CudaCompressedCacheOptions>(
-                                                    cuda::CudaCompressedCacheOptions{})
-                                              : std::nullopt,
-                     .cuda_graphs = config.cuda_graphs});
-    if (!cuda.ok()) return cuda.status();
-    return Backend{std::move(cuda->model), std::move(cuda->cache)};
-#else
-    return absl::UnavailableError("built without CUDA");
-#endif
-  }
-  absl::StatusOr<std::unique_ptr<KvCacheBase>> cache;
-  if (compressed) {
-    CompressedKvCacheConfig c;
-    c.geometry = cpu_model->config().cache_geometry();
-    c.capacity_bytes = config.kv_cache_bytes;
-    cache = CompressedKvCache::Create(c);
-  } else {
-    PagedKvCache::Config c;
-    c.geometry = cpu_model->config().cache_geometry();
-    c.capacity_bytes = config.kv_cache_bytes;
-    cache = PagedKvCache::Create(c);
-  }
-  if (!cache.ok()) return cache.status();
-  return Backend{cpu_model, *std::move(cache)};
+// The server's backend for the kind, with the server's defaults (runtime/backend.h). cpu: a cache
+// over the shared CPU model; cuda: a whole backend (weights, activations and pool in one device
+// allocation) per kind, from the CUDA plugin.
+absl::StatusOr<runtime::Backend> CreateBackend(const std::shared_ptr<LlamaModel>& cpu_model,
+                                               const BenchConfig& config, const std::string& kind) {
+  absl::StatusOr<runtime::Device> device = runtime::ParseDevice(config.device);
+  if (!device.ok()) return device.status();
+  absl::StatusOr<runtime::KvCacheKind> cache_kind = runtime::ParseKvCacheKind(kind);
+  if (!cache_kind.ok()) return cache_kind.status();
+  runtime::KvCacheOptions options;
+  options.kind = *cache_kind;
+  constexpr int kBlockSize = 16;
+  if (absl::Status st = runtime::ValidateKvCacheOptions(options, kBlockSize); !st.ok()) return st;
+  const int max_batch = *std::max_element(config.batches.begin(), config.batches.end());
+  const int prefill_seqs =
+      config.prefill_batch > 0 ? std::min(config.prefill_batch, max_batch) : max_batch;
+  return runtime::CreateBackend(
+      {.device = *device,
+       .block_size = kBlockSize,
+       .kv_cache_bytes = config.kv_cache_bytes,
+       .max_batch_tokens = std::max(prefill_seqs * config.prompt_len, max_batch),
+       .max_running = max_batch,
+       .cuda_graphs = config.cuda_graphs},
+      cpu_model, runtime::ResolveKvCacheOptions(options, cpu_model->config().cache_geometry()),
+      nullptr);
 }
 
 // Builds the kind's backend, measures every batch size (best of config.repeats) and drops the
 // backend again before the next kind takes its memory.
 absl::StatusOr<KindResult> MeasureKind(const std::shared_ptr<LlamaModel>& cpu_model,
                                        const BenchConfig& config, const std::string& kind) {
-  absl::StatusOr<Backend> backend = CreateBackend(cpu_model, config, kind);
+  absl::StatusOr<runtime::Backend> backend = CreateBackend(cpu_model, config, kind);
   if (!backend.ok()) return backend.status();
   KindResult result{.kind = kind, .device_name = backend->model->device_name()};
   for (const int batch : config.batches) {
@@ -259,9 +236,7 @@ absl::Status Run() {
   const std::vector<std::string> kinds = absl::GetFlag(FLAGS_kv_cache);
   if (kinds.empty()) return absl::InvalidArgumentError("--kv-cache names no kind");
   for (size_t i = 0; i < kinds.size(); ++i) {
-    if (kinds[i] != "full" && kinds[i] != "compressed") {
-      return absl::InvalidArgumentError("--kv-cache takes full and/or compressed");
-    }
+    if (absl::Status st = runtime::ParseKvCacheKind(kinds[i]).status(); !st.ok()) return st;
     if (std::find(kinds.begin(), kinds.begin() + i, kinds[i]) != kinds.begin() + i) {
       return absl::InvalidArgumentError(absl::StrCat("--kv-cache names ", kinds[i], " twice"));
     }

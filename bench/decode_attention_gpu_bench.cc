@@ -29,11 +29,11 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "cli/flags.h"
 #include "core/base/ggml_types.h"
 #include "core/base/int_math.h"
 #include "cuda/decode_plan_builder.h"
 #include "kernels/decode_attention.h"
-#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, contexts, "1024,4096,16384,32768", "tokens each sequence attends");
 ABSL_FLAG(std::string, batches, "1,8,16,64", "sequences per decode step");

@@ -22,13 +22,13 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "cli/flags.h"
 #include "core/base/ggml_quants.h"
 #include "core/base/ggml_types.h"
 #include "core/base/weight.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/ops.h"
 #include "core/cpu/simd.h"
-#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, types, "f32,f16,bf16,q8_0",
           "weight types to time (any the engine reads: q4_0, q4_K, q6_K ...)");

@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "cli/flags.h"
 #include "core/base/pca.h"
 #include "core/compress/basis.h"
 #include "core/compress/online_statistics.h"
-#include "tools/cli/flags.h"
 
 ABSL_FLAG(int, iters, 5, "timed repetitions per point (median)");
 

@@ -23,11 +23,11 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cli/flags.h"
 #include "client/load_generator.h"
 #include "client/subspace_client.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
-#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "server address, host:port");
 ABSL_FLAG(double, timeout_seconds, 0, "deadline of each call in seconds; 0 = none");

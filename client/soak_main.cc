@@ -8,10 +8,10 @@
 #include "absl/flags/flag.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cli/flags.h"
 #include "client/load_generator.h"
 #include "client/soak.h"
 #include "client/subspace_client.h"
-#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "server address, host:port");
 ABSL_FLAG(int32_t, concurrency, 8, "workers, each with one call in flight");

@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "core/base/int_math.h"
 #include "core/base/pca.h"
+#include "cuda/cuda_capabilities.h"
 
 namespace subspace::cuda {
 absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache::Create(
@@ -23,8 +24,7 @@ absl::StatusOr<std::unique_ptr<DeviceCompressedKvCache>> DeviceCompressedKvCache
       !st.ok()) {
     return st;
   }
-  if (config.policy.coeff_dtype != CoeffDtype::kFp16 &&
-      config.policy.coeff_dtype != CoeffDtype::kInt8) {
+  if (!kCudaCacheCapabilities.HoldsCoeffDtype(config.policy.coeff_dtype)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("the CUDA backend codes coefficients in fp16 or int8, got %s",
                         CoeffDtypeName(config.policy.coeff_dtype)));

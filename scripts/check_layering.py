@@ -5,8 +5,10 @@ Static libraries only fail to link a wrong include when nothing above links the 
 reaches, and the binaries link everything, so the layering is checked here, from the one place
 that declares it: core/CMakeLists.txt's `subspace_core_module(NAME DEPS ...)` lines. A core
 module may include itself and the modules it depends on, transitively; core/ includes nothing
-outside core/ (no gRPC, Prometheus, CUDA, server, tools); kernels/ includes only kernels/ and
-core/base; cuda/ includes core/, kernels/ and cuda/. Prints every violation; exit 1 if any.
+outside core/ (no gRPC, Prometheus, CUDA, runtime, server, tools); kernels/ includes only kernels/
+and core/base; cuda/ includes core/, kernels/ and cuda/; runtime/ (options into backends and
+caches) includes core/, cuda/'s plugin ABI and capabilities, and itself, no gRPC, Prometheus, server or tools;
+cli/ includes only itself. Prints every violation; exit 1 if any.
   scripts/check_layering.py [repo root]
 """
 import os
@@ -42,7 +44,7 @@ def closure(mod, seen=None):
 
 include = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
 bad = []
-for top in ("core", "kernels", "cuda"):
+for top in ("core", "kernels", "cuda", "runtime", "cli"):
     for dirpath, _, files in os.walk(os.path.join(root, top)):
         for f in sorted(files):
             if not f.endswith((".h", ".cc", ".cu", ".cuh")):
@@ -54,10 +56,10 @@ for top in ("core", "kernels", "cuda"):
                 first = inc.split("/")[0]
                 if top == "core":
                     mod = parts[1]
-                    if first in ("server", "cuda", "kernels", "tools", "proto", "grpcpp", "grpc",
-                                 "prometheus", "cublas_v2.h", "cuda_runtime.h"):
+                    if first in ("server", "cuda", "kernels", "tools", "runtime", "cli", "proto",
+                                 "grpcpp", "grpc", "prometheus", "cublas_v2.h", "cuda_runtime.h"):
                         bad.append(f"{rel}: includes {inc} (core/ knows no gRPC, Prometheus, "
-                                   "CUDA, server or tools)")
+                                   "CUDA, runtime, server or tools)")
                     elif first == "core":
                         target = inc.split("/")[1]
                         if target != mod and target not in closure(mod):
@@ -68,8 +70,20 @@ for top in ("core", "kernels", "cuda"):
                             first == "core" and inc.split("/")[1] != "base"):
                         bad.append(f"{rel}: includes {inc} (kernels/ includes only kernels/ "
                                    "and core/base/)")
-                elif first in ("server", "tools"):
-                    bad.append(f"{rel}: includes {inc} (cuda/ is below server/ and tools/)")
+                elif top == "runtime":
+                    if first in ("server", "tools", "cli", "proto", "grpcpp", "grpc", "prometheus",
+                                 "kernels", "cublas_v2.h", "cuda_runtime.h") or (
+                            first == "cuda" and
+                            inc not in ("cuda/cuda_plugin.h", "cuda/cuda_capabilities.h")):
+                        bad.append(f"{rel}: includes {inc} (runtime/ reaches CUDA only through "
+                                   "cuda/cuda_plugin.h and cuda/cuda_capabilities.h, and knows "
+                                   "no gRPC, Prometheus, server, tools or cli)")
+                elif top == "cli":
+                    if "/" in inc and first != "cli" and first != "absl":
+                        bad.append(f"{rel}: includes {inc} (cli/ is Abseil only)")
+                elif first in ("server", "tools", "runtime", "cli"):
+                    bad.append(f"{rel}: includes {inc} (cuda/ is below runtime/, server/ and "
+                               "tools/)")
 for b in bad:
     print(b)
 print(f"check_layering: {len(deps)} core modules, {len(bad)} violation(s)")

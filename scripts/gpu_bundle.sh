@@ -16,12 +16,14 @@ tests=(compress_blocks_test decode_attention_test layer_ops_test prefill_attenti
        cuda_model_test device_info_test expand_blocks_test outlier_tokens_test recode_blocks_test)
 [[ -f tests/kernels/sampling_test.cc ]] && tests+=(sampling_test)
 benches=(subspace-bench-decode-attention subspace-bench-cpu)
-cmake --build "$build" -j "$(nproc)" --target "${tests[@]}" "${benches[@]}"
+# subspace-bench-cpu reaches the CUDA backend as the server does, through the plugin beside it.
+cmake --build "$build" -j "$(nproc)" --target "${tests[@]}" "${benches[@]}" subspace_cuda
 
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/lib"
 for t in "${tests[@]}"; do cp "$build/tests/$t" "$bundle/bin/"; done
 for b in "${benches[@]}"; do cp "$build/bin/$b" "$bundle/bin/"; done
+cp "$build/bin/libsubspace_cuda.so" "$bundle/bin/"
 # Every resolved library but glibc's, the C++ runtime (the GPU image's is newer) and CUDA's.
 for f in "$bundle"/bin/*; do
   ldd "$f" | awk '$3 ~ /^\// {print $3}'

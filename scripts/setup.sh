@@ -15,7 +15,7 @@ PACKAGES=("${BUILD_PACKAGES[@]}"
   python3 python3-numpy python3-torch python3-sentencepiece python3-grpcio python3-matplotlib
   prometheus curl openssl
   nginx python3-yaml python3-regex python3-jinja2
-  clang libclang-rt-14-dev libomp-dev clang-format
+  clang libclang-rt-14-dev libomp-dev clang-format clang-tidy pyflakes3
 )
 if [ "${1:-}" = "build" ]; then PACKAGES=("${BUILD_PACKAGES[@]}"); fi
 

@@ -18,12 +18,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "cli/flags.h"
 #include "core/kvcache/refresh_config.h"
 #include "server/server_app.h"
 #include "spdlog/async.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
-#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "path of the GGUF model");
 ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on (gRPC and metrics)");
@@ -127,30 +127,30 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.port = absl::GetFlag(FLAGS_port);
   c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   c.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
-  absl::StatusOr<subspace::server::Device> device =
-      subspace::server::ParseDevice(absl::GetFlag(FLAGS_device));
+  absl::StatusOr<subspace::runtime::Device> device =
+      subspace::runtime::ParseDevice(absl::GetFlag(FLAGS_device));
   if (!device.ok()) return device.status();
   c.device = *device;
   c.gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
   c.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   c.block_size = absl::GetFlag(FLAGS_block_size);
-  absl::StatusOr<subspace::server::KvCacheKind> kind =
-      subspace::server::ParseKvCacheKind(absl::GetFlag(FLAGS_kv_cache));
+  absl::StatusOr<subspace::runtime::KvCacheKind> kind =
+      subspace::runtime::ParseKvCacheKind(absl::GetFlag(FLAGS_kv_cache));
   if (!kind.ok()) return kind.status();
   absl::StatusOr<subspace::CoeffDtype> dtype =
-      subspace::server::ParseCoeffDtype(absl::GetFlag(FLAGS_kv_coeff_dtype));
+      subspace::runtime::ParseCoeffDtype(absl::GetFlag(FLAGS_kv_coeff_dtype));
   if (!dtype.ok()) return dtype.status();
   absl::StatusOr<subspace::CoeffDtype> full_dtype =
-      subspace::server::ParseFullDtype(absl::GetFlag(FLAGS_kv_full_dtype));
+      subspace::runtime::ParseFullDtype(absl::GetFlag(FLAGS_kv_full_dtype));
   if (!full_dtype.ok()) return full_dtype.status();
   // Given with another cache kind it would be ignored: a user who asked for q4_0 rows and got
   // fp32 ones would read the wrong footprint off every metric.
   const std::string kv_dtype_flag = absl::GetFlag(FLAGS_kv_dtype);
-  if (!kv_dtype_flag.empty() && *kind != subspace::server::KvCacheKind::kQuantized) {
+  if (!kv_dtype_flag.empty() && *kind != subspace::runtime::KvCacheKind::kQuantized) {
     return absl::InvalidArgumentError("--kv-dtype applies to --kv-cache=quantized only");
   }
   absl::StatusOr<subspace::KvDtype> kv_dtype =
-      subspace::server::ParseQuantizedKvDtype(kv_dtype_flag.empty() ? "q8_0" : kv_dtype_flag);
+      subspace::runtime::ParseQuantizedKvDtype(kv_dtype_flag.empty() ? "q8_0" : kv_dtype_flag);
   if (!kv_dtype.ok()) return kv_dtype.status();
   c.kv_cache.kind = *kind;
   c.kv_cache.kv_dtype = *kv_dtype;
@@ -162,8 +162,8 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.kv_cache.full_dtype = *full_dtype;
   c.kv_cache.outlier_threshold = absl::GetFlag(FLAGS_kv_outlier_threshold);
   c.kv_cache.bases_path =
-      subspace::server::ResolveBasesPath(absl::GetFlag(FLAGS_bases), c.model_path, c.kv_cache.kind,
-                                         c.kv_cache.rank_k, c.kv_cache.rank_v);
+      subspace::runtime::ResolveBasesPath(absl::GetFlag(FLAGS_bases), c.model_path, c.kv_cache.kind,
+                                          c.kv_cache.rank_k, c.kv_cache.rank_v);
   absl::StatusOr<subspace::RefreshMethod> refresh =
       subspace::ParseRefreshMethod(absl::GetFlag(FLAGS_refresh_method));
   if (!refresh.ok()) {

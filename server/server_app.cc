@@ -73,7 +73,7 @@ absl::Status ValidateConfig(const ServerAppConfig& c) {
   if (e.default_session_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--session-ttl-seconds must be > 0");
   }
-  return ValidateKvCacheOptions(c.kv_cache, c.block_size);
+  return runtime::ValidateKvCacheOptions(c.kv_cache, c.block_size);
 }
 
 }  // namespace
@@ -149,23 +149,23 @@ absl::Status ServerApp::Init() {
   std::shared_ptr<const Basis> bases;
   if (!config_.kv_cache.bases_path.empty()) {
     absl::StatusOr<std::shared_ptr<const Basis>> loaded =
-        LoadBases(config_.kv_cache.bases_path, *gguf, model_config.cache_geometry());
+        runtime::LoadBases(config_.kv_cache.bases_path, *gguf, model_config.cache_geometry());
     if (!loaded.ok()) return loaded.status();
     bases = *std::move(loaded);
     spdlog::info("basis file {} loaded; it becomes the compressed cache's default epoch",
                  config_.kv_cache.bases_path);
   }
-  const KvCacheOptions cache_options =
-      ResolveKvCacheOptions(config_.kv_cache, model_config.cache_geometry(), bases.get());
-  absl::StatusOr<Backend> backend =
-      CreateBackend({.device = config_.device,
-                     .block_size = config_.block_size,
-                     .kv_cache_bytes = config_.kv_cache_bytes,
-                     .gpu_memory_fraction = config_.gpu_memory_fraction,
-                     .max_batch_tokens = config_.engine.max_batch_tokens,
-                     .max_running = config_.engine.max_running,
-                     .cuda_graphs = config_.cuda_graphs},
-                    std::move(files->model), cache_options, std::move(bases));
+  const runtime::KvCacheOptions cache_options =
+      runtime::ResolveKvCacheOptions(config_.kv_cache, model_config.cache_geometry(), bases.get());
+  absl::StatusOr<runtime::Backend> backend =
+      runtime::CreateBackend({.device = config_.device,
+                              .block_size = config_.block_size,
+                              .kv_cache_bytes = config_.kv_cache_bytes,
+                              .gpu_memory_fraction = config_.gpu_memory_fraction,
+                              .max_batch_tokens = config_.engine.max_batch_tokens,
+                              .max_running = config_.engine.max_running,
+                              .cuda_graphs = config_.cuda_graphs},
+                             std::move(files->model), cache_options, std::move(bases));
   if (!backend.ok()) return backend.status();
   const std::string device_name = backend->model->device_name();
 
@@ -196,12 +196,13 @@ absl::Status ServerApp::Init() {
       model_config.name, config_.model_path, device_name, model_config.n_layers, model_config.dim,
       model_config.n_heads, model_config.n_kv_heads, model_config.n_vocab,
       engine_->model_config().context_length,  // the backend's: cuda caps a sliding window
-      KvCacheKindName(cache_options.kind), cache_stats.bytes_total >> 20, cache_stats.blocks_total,
-      config_.block_size, absl::ToDoubleSeconds(absl::Now() - load_start));
-  if (cache_options.kind == KvCacheKind::kQuantized) {
+      runtime::KvCacheKindName(cache_options.kind), cache_stats.bytes_total >> 20,
+      cache_stats.blocks_total, config_.block_size,
+      absl::ToDoubleSeconds(absl::Now() - load_start));
+  if (cache_options.kind == runtime::KvCacheKind::kQuantized) {
     spdlog::info("quantized KV cache: K and V rows in {}", KvDtypeName(cache_options.kv_dtype));
   }
-  if (cache_options.kind == KvCacheKind::kCompressed) {
+  if (cache_options.kind == runtime::KvCacheKind::kCompressed) {
     spdlog::info(
         "compressed KV cache: {} sink and {} window tokens full-rank, ranks k {} v {} of {}, "
         "{} coefficients, outlier threshold {}",

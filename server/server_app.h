@@ -15,8 +15,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/engine/engine.h"
-#include "server/backend.h"
-#include "server/kv_cache_options.h"
+#include "runtime/backend.h"
+#include "runtime/kv_cache_options.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
 #include "server/service.h"
@@ -31,10 +31,11 @@ struct ServerAppConfig {
   int metrics_port = 9090;  // 0: pick a free port; negative: no metrics endpoint
   int64_t kv_cache_bytes = int64_t{256} << 20;
   int block_size = 16;
-  Device device = Device::kCpu;      // --device: cpu, cuda or auto (server/backend.h)
+  runtime::Device device =
+      runtime::Device::kCpu;         // --device: cpu, cuda or auto (runtime/backend.h)
   double gpu_memory_fraction = 0.0;  // CUDA: > 0 sizes the KV pool from device memory
   bool cuda_graphs = false;          // CUDA: decode steps replayed as graphs
-  KvCacheOptions kv_cache;           // full or compressed, and the compressed cache's policy
+  runtime::KvCacheOptions kv_cache;  // full or compressed, and the compressed cache's policy
   EngineConfig engine;               // on_step, if set, runs after the metrics hook (engine thread)
   absl::Duration drain_timeout = absl::Seconds(30);
   int max_message_bytes = 4 << 20;  // largest request accepted

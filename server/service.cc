@@ -40,7 +40,7 @@ void ToProto(const SessionInfo& info, v1::Session* out) {
 
 // A session's online refresh: the server's --refresh-* flags with the request's overrides.
 absl::StatusOr<RefreshConfig> SessionRefresh(const v1::CreateSessionRequest& request,
-                                             const KvCacheOptions& options) {
+                                             const runtime::KvCacheOptions& options) {
   RefreshConfig c = options.refresh;
   if (request.has_refresh()) {
     const v1::BasisRefresh& r = request.refresh();
@@ -53,7 +53,7 @@ absl::StatusOr<RefreshConfig> SessionRefresh(const v1::CreateSessionRequest& req
     }
     if (r.every_tokens() > 0) c.every_tokens = r.every_tokens();
   }
-  if (c.method != RefreshMethod::kNone && options.kind != KvCacheKind::kCompressed) {
+  if (c.method != RefreshMethod::kNone && options.kind != runtime::KvCacheKind::kCompressed) {
     return absl::FailedPreconditionError(
         "refresh.method needs the compressed KV cache; this server runs --kv-cache=full");
   }
@@ -93,7 +93,7 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
 }  // namespace
 
 SubspaceService::SubspaceService(Metrics* metrics, RequestLimits limits, Authenticator auth)
-    : metrics_(metrics), limits_(std::move(limits)), auth_(std::move(auth)) {}
+    : metrics_(metrics), limits_(limits), auth_(std::move(auth)) {}
 
 void SubspaceService::AttachEngine(Engine* engine, CacheDescription cache, ChatSetup chat) {
   cache_ = std::move(cache);
@@ -320,13 +320,13 @@ grpc::ServerUnaryReactor* SubspaceService::GetModelInfo(grpc::CallbackServerCont
     response->set_chat_template_error(std::string(chat_.unavailable.message()));
   }
   v1::CacheConfig* cache = response->mutable_cache();
-  const KvCacheOptions& o = cache_.options;
-  cache->set_kind(KvCacheKindName(o.kind));
+  const runtime::KvCacheOptions& o = cache_.options;
+  cache->set_kind(runtime::KvCacheKindName(o.kind));
   cache->set_pool_bytes(cache_.pool_bytes);
   cache->set_block_size(cache_.block_size);
   cache->set_blocks_total((*engine)->Stats().cache.blocks_total);
-  if (o.kind == KvCacheKind::kQuantized) cache->set_kv_dtype(KvDtypeName(o.kv_dtype));
-  if (o.kind == KvCacheKind::kCompressed) {
+  if (o.kind == runtime::KvCacheKind::kQuantized) cache->set_kv_dtype(KvDtypeName(o.kv_dtype));
+  if (o.kind == runtime::KvCacheKind::kCompressed) {
     cache->set_sink_tokens(o.sink_tokens);
     cache->set_window_tokens(o.window_tokens);
     cache->set_rank_k(o.rank_k);

@@ -15,9 +15,9 @@
 #include "absl/status/statusor.h"
 #include "core/engine/engine.h"
 #include "proto/subspace.grpc.pb.h"
+#include "runtime/kv_cache_options.h"
 #include "server/auth.h"
 #include "server/chat_request.h"
-#include "server/kv_cache_options.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
 
@@ -25,7 +25,8 @@ namespace subspace::server {
 
 // What GetModelInfo reports about the cache beyond Engine::Stats().
 struct CacheDescription {
-  KvCacheOptions options;  // as built: ranks resolved; the policy is reported for kCompressed only
+  runtime::KvCacheOptions
+      options;  // as built: ranks resolved; the policy is reported for kCompressed only
   int64_t pool_bytes = 0;
   int block_size = 0;
 };

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "cli/flags.h"
 #include "core/compress/basis_file.h"
 #include "core/compress/calibration.h"
 #include "core/compress/codec_file.h"
@@ -23,7 +24,6 @@
 #include "core/model/model.h"
 #include "core/model/model_file.h"
 #include "core/tokenizer/tokenizer.h"
-#include "tools/cli/flags.h"
 
 ABSL_FLAG(std::string, model, "", "path of the GGUF model");
 ABSL_FLAG(std::string, text, "", "calibration text: a file, or a directory of files (sorted)");

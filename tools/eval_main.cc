@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "cli/flags.h"
 #include "core/compress/calibration.h"
 #include "core/compress/compressed_kv_cache.h"
 #include "core/kvcache/paged_kv_cache.h"
@@ -26,7 +27,7 @@
 #include "core/model/model.h"
 #include "core/model/model_file.h"
 #include "core/tokenizer/tokenizer.h"
-#include "tools/cli/flags.h"
+#include "runtime/kv_cache_options.h"
 #include "tools/eval/eval_metrics.h"
 
 ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "path of the GGUF model");
@@ -316,26 +317,23 @@ absl::Status Run() {
       last_key = key;
     }
     row.errors = last_errors;
-    CompressedKvCacheConfig cc{.geometry = geom,
-                               .block_size = 16,
-                               .policy = {.sink_tokens = absl::GetFlag(FLAGS_sink_tokens),
-                                          .window_tokens = absl::GetFlag(FLAGS_window_tokens),
-                                          .r_k = row.rk,
-                                          .r_v = row.rv,
-                                          .coeff_dtype = c.dtype},
-                               .full_dtype = CoeffDtype::kFp16};
-    cc.refresh = refresh_base;
-    cc.refresh.method = c.refresh;
-    cc.n_query_heads = mc.n_heads;
-    cc.refresh_inline = true;  // deterministic: refreshes land at the same steps every run
-    cc.capacity_bytes = CompressedKvCache::PageBytes(geom, 16, CoeffDtype::kFp16) * geom.n_layers *
-                        blocks_per_window * 2;
-    absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache = CompressedKvCache::Create(cc);
+    // Options as the server takes them; the basis installed as the default epoch gives the
+    // per-layer ranks.
+    runtime::KvCacheOptions options;
+    options.kind = runtime::KvCacheKind::kCompressed;
+    options.sink_tokens = absl::GetFlag(FLAGS_sink_tokens);
+    options.window_tokens = absl::GetFlag(FLAGS_window_tokens);
+    options.coeff_dtype = c.dtype;
+    options.full_dtype = CoeffDtype::kFp16;
+    options.refresh = refresh_base;
+    options.refresh.method = c.refresh;
+    options.refresh_inline = true;  // deterministic: refreshes land at the same steps every run
+    absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache =
+        runtime::CreateCompressedKvCache(options, geom, 16,
+                                         CompressedKvCache::PageBytes(geom, 16, CoeffDtype::kFp16) *
+                                             geom.n_layers * blocks_per_window * 2,
+                                         std::make_shared<const Basis>(cb->basis), mc.n_heads);
     if (!cache.ok()) return cache.status();
-    absl::StatusOr<EpochId> epoch =
-        (*cache)->InstallBasis(std::make_shared<const Basis>(cb->basis));
-    if (!epoch.ok()) return epoch.status();
-    if (absl::Status s = (*cache)->SetDefaultEpoch(*epoch); !s.ok()) return s;
     const std::string what =
         absl::StrCat("[", i + 1, "/", configs.size(), "] ", KeyBasisMethodName(c.mk),
                      c.rank > 0 ? absl::StrCat(" r", c.rank) : absl::StrCat(" e", c.energy), " ",

@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "cli/flags.h"
 #include "core/compress/basis_file.h"
 #include "core/compress/calibration.h"
 #include "core/compress/codec_file.h"
@@ -33,7 +34,7 @@
 #include "core/model/model.h"
 #include "core/model/model_file.h"
 #include "core/tokenizer/tokenizer.h"
-#include "tools/cli/flags.h"
+#include "runtime/kv_cache_options.h"
 #include "tools/eval/baseline_kv_caches.h"
 #include "tools/eval/long_context.h"
 
@@ -334,15 +335,14 @@ absl::Status Run() {
         (spec.baseline == eval::BaselineKind::kQ8_0 || spec.baseline == eval::BaselineKind::kQ4_0);
     if (spec.full || quantized) {
       // The server's paged cache: fp32, or `--kv-cache quantized --kv-dtype q8_0|q4_0`.
-      const KvDtype dtype = !quantized                                   ? KvDtype::kF32
-                            : spec.baseline == eval::BaselineKind::kQ8_0 ? KvDtype::kQ8_0
-                                                                         : KvDtype::kQ4_0;
-      absl::StatusOr<std::unique_ptr<PagedKvCache>> c =
-          PagedKvCache::Create({.geometry = geom,
-                                .block_size = 16,
-                                .capacity_bytes = PagedKvCache::BlockBytes(geom, 16, dtype) *
-                                                  geom.n_layers * pages_per_item,
-                                .dtype = dtype});
+      runtime::KvCacheOptions options;
+      options.kind = quantized ? runtime::KvCacheKind::kQuantized : runtime::KvCacheKind::kFull;
+      options.kv_dtype =
+          spec.baseline == eval::BaselineKind::kQ4_0 ? KvDtype::kQ4_0 : KvDtype::kQ8_0;
+      const KvDtype dtype = quantized ? options.kv_dtype : KvDtype::kF32;
+      absl::StatusOr<std::unique_ptr<PagedKvCache>> c = runtime::CreatePagedKvCache(
+          options, geom, 16,
+          PagedKvCache::BlockBytes(geom, 16, dtype) * geom.n_layers * pages_per_item);
       if (!c.ok()) return c.status();
       cache = *std::move(c);
     } else if (!spec.lowrank) {
@@ -384,42 +384,14 @@ absl::Status Run() {
       if (!c.ok()) return c.status();
       cache = *std::move(c);
     } else {
-      CompressedKvCacheConfig cc;
-      cc.geometry = geom;
-      cc.block_size = 16;
-      cc.policy.sink_tokens = S;
-      cc.policy.window_tokens = W;
-      cc.policy.outlier_threshold = absl::GetFlag(FLAGS_outlier_threshold);
-      std::shared_ptr<const Basis> file_basis;
+      // The server's compressed cache, from the options its flags set; the basis (a file, one
+      // calibrated here, or none: self-calibration) installed as the default epoch.
+      std::shared_ptr<const Basis> basis;
       if (!spec.basis_path.empty()) {
         absl::StatusOr<std::shared_ptr<const Basis>> b =
             LoadBasisForModel(spec.basis_path, *files->gguf, geom, spec.basis_path);
         if (!b.ok()) return b.status();
-        file_basis = *std::move(b);
-      }
-      cc.policy.r_k.assign(geom.n_layers, spec.rank);
-      cc.policy.r_v.assign(geom.n_layers, spec.rank);
-      if (file_basis != nullptr) {
-        for (int l = 0; l < geom.n_layers; ++l) {
-          cc.policy.r_k[l] = file_basis->layers[l].rank_k;
-          cc.policy.r_v[l] = file_basis->layers[l].rank_v;
-        }
-      }
-      cc.policy.coeff_dtype = spec.dtype;
-      cc.capacity_bytes = CompressedKvCache::PageBytes(geom, 16, CoeffDtype::kFp16) *
-                          geom.n_layers * pages_per_item;
-      // Online refresh as the server runs it, but inline: deterministic, same steps every run.
-      cc.refresh.method = spec.refresh;
-      cc.refresh.every_tokens = absl::GetFlag(FLAGS_refresh_every_tokens);
-      cc.refresh_inline = true;
-      cc.n_query_heads = mc.n_heads;
-      absl::StatusOr<std::unique_ptr<CompressedKvCache>> c = CompressedKvCache::Create(cc);
-      if (!c.ok()) return c.status();
-      if (file_basis != nullptr) {
-        absl::StatusOr<EpochId> e = (*c)->InstallBasis(file_basis);
-        if (!e.ok()) return e.status();
-        if (absl::Status st = (*c)->SetDefaultEpoch(*e); !st.ok()) return st;
-        if (absl::Status st = (*c)->ReleaseEpoch(*e); !st.ok()) return st;
+        basis = *std::move(b);
       } else if (!spec.self) {
         absl::StatusOr<CalibratedBasis> b = ComputeCalibratedBasis(
             *stats, {.method_k = spec.method,
@@ -427,12 +399,27 @@ absl::Status Run() {
                                                                        : ValueBasisMethod::kKsvd,
                      .rank = spec.rank});
         if (!b.ok()) return b.status();
-        absl::StatusOr<EpochId> e =
-            (*c)->InstallBasis(std::make_shared<const Basis>(std::move(b->basis)));
-        if (!e.ok()) return e.status();
-        if (absl::Status st = (*c)->SetDefaultEpoch(*e); !st.ok()) return st;
-        if (absl::Status st = (*c)->ReleaseEpoch(*e); !st.ok()) return st;
+        basis = std::make_shared<const Basis>(std::move(b->basis));
       }
+      runtime::KvCacheOptions options;
+      options.kind = runtime::KvCacheKind::kCompressed;
+      options.sink_tokens = S;
+      options.window_tokens = W;
+      options.rank_k = basis == nullptr ? spec.rank : 0;
+      options.rank_v = basis == nullptr ? spec.rank : 0;
+      options.coeff_dtype = spec.dtype;
+      options.full_dtype = CoeffDtype::kFp16;
+      options.outlier_threshold = absl::GetFlag(FLAGS_outlier_threshold);
+      // Online refresh as the server runs it, but inline: deterministic, same steps every run.
+      options.refresh.method = spec.refresh;
+      options.refresh.every_tokens = absl::GetFlag(FLAGS_refresh_every_tokens);
+      options.refresh_inline = true;
+      absl::StatusOr<std::unique_ptr<CompressedKvCache>> c = runtime::CreateCompressedKvCache(
+          options, geom, 16,
+          CompressedKvCache::PageBytes(geom, 16, CoeffDtype::kFp16) * geom.n_layers *
+              pages_per_item,
+          std::move(basis), mc.n_heads);
+      if (!c.ok()) return c.status();
       cache = *std::move(c);
       measured_bytes = true;
     }

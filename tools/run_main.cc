@@ -11,13 +11,13 @@
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "cli/flags.h"
 #include "core/gguf/gguf.h"
 #include "core/kvcache/paged_kv_cache.h"
 #include "core/model/model.h"
 #include "core/model/model_file.h"
 #include "core/model/sampler.h"
 #include "core/tokenizer/tokenizer.h"
-#include "tools/cli/flags.h"
 #include "tools/eval/perplexity.h"
 
 ABSL_FLAG(std::string, model, "", "path of the GGUF model");

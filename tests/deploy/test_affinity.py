@@ -12,6 +12,7 @@ foreground from a temporary prefix, and calls through it:
 - those sessions land on both replicas, each on exactly one, and proposing a taken id through
   the proxy reaches the replica that has it (ALREADY_EXISTS).
 """
+import importlib.util
 import json
 import os
 import shutil
@@ -20,14 +21,11 @@ import sys
 import tempfile
 import unittest
 
-if not os.environ.get("SUBSPACE_TEST_REEXEC"):
-    try:
-        import grpc  # noqa: F401
-    except ImportError:  # pyenv python first on PATH: use Debian's python3-grpcio
-        if os.path.exists("/usr/bin/python3"):
-            os.environ["SUBSPACE_TEST_REEXEC"] = "1"
-            os.execv("/usr/bin/python3", ["/usr/bin/python3"] + sys.argv)
-        raise
+if not os.environ.get("SUBSPACE_TEST_REEXEC") and importlib.util.find_spec("grpc") is None:
+    # pyenv python first on PATH: use Debian's python3-grpcio
+    if os.path.exists("/usr/bin/python3"):
+        os.environ["SUBSPACE_TEST_REEXEC"] = "1"
+        os.execv("/usr/bin/python3", ["/usr/bin/python3"] + sys.argv)
 import grpc  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -25,7 +25,7 @@
 #include "core/model/model.h"
 #include "gtest/gtest.h"
 #include "proto/subspace.grpc.pb.h"
-#include "server/kv_cache_options.h"
+#include "runtime/kv_cache_options.h"
 #include "server/server_app.h"
 #include "tests/server/server_test_util.h"
 #include "tests/test_util.h"
@@ -33,7 +33,6 @@
 namespace subspace {
 namespace {
 
-using ::subspace::server::KvCacheKind;
 using ::subspace::testing::ChannelTo;
 using ::subspace::testing::ExpectedCompressionRatio;
 using ::subspace::testing::HttpGet;
@@ -46,7 +45,7 @@ using ::subspace::testing::WaitFor;
 server::ServerAppConfig CompressedConfig(int rank, CoeffDtype dtype,
                                          CoeffDtype full_dtype = CoeffDtype::kFp16) {
   server::ServerAppConfig c = TestServerConfig();
-  c.kv_cache.kind = KvCacheKind::kCompressed;
+  c.kv_cache.kind = runtime::KvCacheKind::kCompressed;
   c.kv_cache.sink_tokens = 4;
   c.kv_cache.window_tokens = 8;
   c.kv_cache.rank_k = rank;
@@ -58,7 +57,7 @@ server::ServerAppConfig CompressedConfig(int rank, CoeffDtype dtype,
 
 server::ServerAppConfig FullConfig() {
   server::ServerAppConfig c = TestServerConfig();
-  c.kv_cache.kind = KvCacheKind::kFull;
+  c.kv_cache.kind = runtime::KvCacheKind::kFull;
   return c;
 }
 
@@ -610,7 +609,7 @@ TEST(QuantizedCacheServerTest, ServesTheDefaultModelInItsFormat) {
     server::ServerAppConfig config = TestServerConfig();
     config.model_path = testing::SourcePath("models/subspace-tiny.gguf");
     config.block_size = 16;
-    config.kv_cache.kind = KvCacheKind::kQuantized;
+    config.kv_cache.kind = runtime::KvCacheKind::kQuantized;
     config.kv_cache.kv_dtype = dtype;
     Server s(config);
     ASSERT_TRUE(s.ok());
@@ -630,7 +629,7 @@ TEST(QuantizedCacheServerTest, ServesTheDefaultModelInItsFormat) {
     s.DeleteSession(session);
   }
   server::ServerAppConfig tiny = TestServerConfig();  // head_dim 8
-  tiny.kv_cache.kind = KvCacheKind::kQuantized;
+  tiny.kv_cache.kind = runtime::KvCacheKind::kQuantized;
   const absl::Status st = server::ServerApp::Start(tiny).status();
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("a q8_0 KV cache needs a head_dim that is a multiple of 32, got 8"),
@@ -643,44 +642,44 @@ TEST(KvCacheOptionsTest, BasesDefaultToTheModelsOwnFile) {
   std::filesystem::create_directories(dir);
   const std::string model = dir + "/m.gguf", sidecar = dir + "/m.bases";
   std::remove(sidecar.c_str());
-  using server::ResolveBasesPath;
-  const KvCacheKind kC = KvCacheKind::kCompressed;
-  EXPECT_EQ(ResolveBasesPath("", model, kC, 0, 0), "");  // none beside the model
+  using runtime::ResolveBasesPath;
+  const runtime::KvCacheKind kC = runtime::KvCacheKind::kCompressed;
+  EXPECT_EQ(runtime::ResolveBasesPath("", model, kC, 0, 0), "");  // none beside the model
   { std::ofstream(sidecar) << "x"; }
-  EXPECT_EQ(ResolveBasesPath("", model, kC, 0, 0), sidecar);
-  EXPECT_EQ(ResolveBasesPath("", dir + "/m", kC, 0, 0), sidecar);  // no .gguf suffix
-  EXPECT_EQ(ResolveBasesPath("none", model, kC, 0, 0), "");        // self-calibrate
-  EXPECT_EQ(ResolveBasesPath("/x.bases", model, kC, 0, 0), "/x.bases");
-  EXPECT_EQ(ResolveBasesPath("", model, KvCacheKind::kFull, 0, 0), "");
-  EXPECT_EQ(ResolveBasesPath("", model, KvCacheKind::kQuantized, 0, 0), "");
-  EXPECT_EQ(ResolveBasesPath("", model, kC, 8, 0), "");  // ranks asked for: self-calibrate
-  EXPECT_EQ(ResolveBasesPath("", model, kC, 0, 8), "");
+  EXPECT_EQ(runtime::ResolveBasesPath("", model, kC, 0, 0), sidecar);
+  EXPECT_EQ(runtime::ResolveBasesPath("", dir + "/m", kC, 0, 0), sidecar);  // no .gguf suffix
+  EXPECT_EQ(runtime::ResolveBasesPath("none", model, kC, 0, 0), "");        // self-calibrate
+  EXPECT_EQ(runtime::ResolveBasesPath("/x.bases", model, kC, 0, 0), "/x.bases");
+  EXPECT_EQ(runtime::ResolveBasesPath("", model, runtime::KvCacheKind::kFull, 0, 0), "");
+  EXPECT_EQ(runtime::ResolveBasesPath("", model, runtime::KvCacheKind::kQuantized, 0, 0), "");
+  EXPECT_EQ(runtime::ResolveBasesPath("", model, kC, 8, 0), "");  // ranks asked for: self-calibrate
+  EXPECT_EQ(runtime::ResolveBasesPath("", model, kC, 0, 8), "");
   std::remove(sidecar.c_str());
 }
 
 TEST(KvCacheOptionsTest, ParsesFlagNames) {
-  EXPECT_EQ(server::ParseKvCacheKind("full").value(), KvCacheKind::kFull);
-  EXPECT_EQ(server::ParseKvCacheKind("compressed").value(), KvCacheKind::kCompressed);
-  EXPECT_EQ(server::ParseKvCacheKind("quantized").value(), KvCacheKind::kQuantized);
-  const absl::Status kind = server::ParseKvCacheKind("paged").status();
+  EXPECT_EQ(runtime::ParseKvCacheKind("full").value(), runtime::KvCacheKind::kFull);
+  EXPECT_EQ(runtime::ParseKvCacheKind("compressed").value(), runtime::KvCacheKind::kCompressed);
+  EXPECT_EQ(runtime::ParseKvCacheKind("quantized").value(), runtime::KvCacheKind::kQuantized);
+  const absl::Status kind = runtime::ParseKvCacheKind("paged").status();
   EXPECT_EQ(kind.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(kind.message(), "--kv-cache must be 'full', 'compressed' or 'quantized', got 'paged'");
-  EXPECT_EQ(server::ParseQuantizedKvDtype("q8_0").value(), KvDtype::kQ8_0);
-  EXPECT_EQ(server::ParseQuantizedKvDtype("q4_0").value(), KvDtype::kQ4_0);
-  const absl::Status kv = server::ParseQuantizedKvDtype("f32").status();
+  EXPECT_EQ(runtime::ParseQuantizedKvDtype("q8_0").value(), KvDtype::kQ8_0);
+  EXPECT_EQ(runtime::ParseQuantizedKvDtype("q4_0").value(), KvDtype::kQ4_0);
+  const absl::Status kv = runtime::ParseQuantizedKvDtype("f32").status();
   EXPECT_EQ(kv.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(kv.message(), "--kv-dtype must be 'q8_0' or 'q4_0', got 'f32'");
-  EXPECT_EQ(server::ParseCoeffDtype("fp16").value(), CoeffDtype::kFp16);
-  EXPECT_EQ(server::ParseCoeffDtype("int8").value(), CoeffDtype::kInt8);
-  EXPECT_EQ(server::ParseCoeffDtype("fp32").value(), CoeffDtype::kFp32);
-  EXPECT_EQ(server::ParseCoeffDtype("int4").value(), CoeffDtype::kInt4);
-  const absl::Status dtype = server::ParseCoeffDtype("bf16").status();
+  EXPECT_EQ(runtime::ParseCoeffDtype("fp16").value(), CoeffDtype::kFp16);
+  EXPECT_EQ(runtime::ParseCoeffDtype("int8").value(), CoeffDtype::kInt8);
+  EXPECT_EQ(runtime::ParseCoeffDtype("fp32").value(), CoeffDtype::kFp32);
+  EXPECT_EQ(runtime::ParseCoeffDtype("int4").value(), CoeffDtype::kInt4);
+  const absl::Status dtype = runtime::ParseCoeffDtype("bf16").status();
   EXPECT_EQ(dtype.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(dtype.message(),
             "--kv-coeff-dtype must be 'fp16', 'int8', 'int4' or 'fp32', got 'bf16'");
-  EXPECT_EQ(server::ParseFullDtype("fp16").value(), CoeffDtype::kFp16);
-  EXPECT_EQ(server::ParseFullDtype("fp32").value(), CoeffDtype::kFp32);
-  const absl::Status full = server::ParseFullDtype("int8").status();
+  EXPECT_EQ(runtime::ParseFullDtype("fp16").value(), CoeffDtype::kFp16);
+  EXPECT_EQ(runtime::ParseFullDtype("fp32").value(), CoeffDtype::kFp32);
+  const absl::Status full = runtime::ParseFullDtype("int8").status();
   EXPECT_EQ(full.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(full.message(), "--kv-full-dtype must be 'fp16' or 'fp32', got 'int8'");
 }

@@ -51,7 +51,7 @@ class ServerTest : public ::testing::Test {
     }
   }
 
-  static v1::GenerateRequest TokensRequest(std::vector<int32_t> ids, uint32_t max_new) {
+  static v1::GenerateRequest TokensRequest(const std::vector<int32_t>& ids, uint32_t max_new) {
     v1::GenerateRequest r;
     for (int32_t id : ids) r.mutable_tokens()->add_ids(id);
     r.mutable_sampling()->set_max_new_tokens(max_new);
@@ -221,7 +221,7 @@ TEST_F(ServerTest, CancelUnaryFreesBlocks) {
   std::promise<grpc::Status> done;
   const v1::GenerateRequest request = TokensRequest({1, 300}, 200);
   stub_->async()->Generate(&context, &request, &response,
-                           [&done](grpc::Status s) { done.set_value(s); });
+                           [&done](const grpc::Status& s) { done.set_value(s); });
   ASSERT_TRUE(WaitFor([this] { return CacheStats().running() == 1; }));
   context.TryCancel();
   EXPECT_EQ(done.get_future().get().error_code(), grpc::StatusCode::CANCELLED);
@@ -597,7 +597,7 @@ TEST_F(ServerTest, ModelInfoAndCacheStats) {
   EXPECT_EQ(info.tokenizer_model(), "llama");
   EXPECT_EQ(info.bos_token_id(), 1);
   EXPECT_EQ(info.eos_token_id(), 2);
-  EXPECT_EQ(info.cache().kind(), server::KvCacheKindName(TestServerConfig().kv_cache.kind));
+  EXPECT_EQ(info.cache().kind(), runtime::KvCacheKindName(TestServerConfig().kv_cache.kind));
   EXPECT_EQ(info.cache().block_size(), 8u);
   EXPECT_GT(info.cache().blocks_total(), 0u);
 

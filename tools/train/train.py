@@ -181,6 +181,7 @@ def main():
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else contextlib.nullcontext())
     step = start
+    t_timed = time.time()  # restarted at start + 3, once the first steps' warm-up is past
     while step < last:
         if step == fit_at:
             # Fit the schedule to the budget: the time per step so far (evaluations are counted

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "tools/cli/flags.h"
+#include "cli/flags.h"
 
 ABSL_FLAG(int32_t, kv_test_window, 64, "W: a test flag\nwith two lines");
 ABSL_FLAG(std::string, test_model_path, "", "a flag without a default");

@@ -1,8 +1,8 @@
 // Which backend serves (--device cpu|cuda|auto) and building it: the model runner and the KV
 // cache it runs on. Both backends run both cache kinds; the CUDA backend's compressed cache takes
 // fp16 full blocks and fp16 or int8 codes (--kv-full-dtype fp32 and fp32 codes stay on the CPU).
-#ifndef SUBSPACE_SERVER_BACKEND_H_
-#define SUBSPACE_SERVER_BACKEND_H_
+#ifndef SUBSPACE_RUNTIME_BACKEND_H_
+#define SUBSPACE_RUNTIME_BACKEND_H_
 
 #include <cstdint>
 #include <memory>
@@ -13,9 +13,9 @@
 #include "core/kvcache/kv_cache.h"
 #include "core/model/model.h"
 #include "core/model/model_runner.h"
-#include "server/kv_cache_options.h"
+#include "runtime/kv_cache_options.h"
 
-namespace subspace::server {
+namespace subspace::runtime {
 
 enum class Device : uint8_t { kCpu, kCuda, kAuto };
 const char* DeviceName(Device device);                      // "cpu", "cuda", "auto"
@@ -50,6 +50,6 @@ absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
                                       const KvCacheOptions& cache_options,
                                       std::shared_ptr<const Basis> bases);
 
-}  // namespace subspace::server
+}  // namespace subspace::runtime
 
-#endif  // SUBSPACE_SERVER_BACKEND_H_
+#endif  // SUBSPACE_RUNTIME_BACKEND_H_

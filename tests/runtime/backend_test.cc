@@ -1,14 +1,14 @@
 // --device selection: parsing, the CPU backend for either cache kind, and the CUDA choices'
 // answers on a machine without a GPU (or a binary without CUDA). The CUDA backend's own
 // correctness is tests/cuda/cuda_model_test.cc (gpu label).
-#include "server/backend.h"
+#include "runtime/backend.h"
 
 #include <gtest/gtest.h>
 
 #include "kernels/device_info.h"
 #include "tests/core/model/tiny_model_util.h"
 
-namespace subspace::server {
+namespace subspace::runtime {
 namespace {
 
 bool HasCudaDevice() {
@@ -122,4 +122,4 @@ TEST(BackendTest, WithoutAGpuCudaIsUnavailableAndAutoFallsBackToCpu) {
 }
 
 }  // namespace
-}  // namespace subspace::server
+}  // namespace subspace::runtime

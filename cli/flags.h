@@ -1,7 +1,7 @@
 // Command-line parsing shared by every binary: absl flags, spelled with dashes as the README
 // writes them (`--kv-cache-bytes`; `--kv_cache_bytes` works too), and a --help that lists them.
-#ifndef SUBSPACE_TOOLS_CLI_FLAGS_H_
-#define SUBSPACE_TOOLS_CLI_FLAGS_H_
+#ifndef SUBSPACE_CLI_FLAGS_H_
+#define SUBSPACE_CLI_FLAGS_H_
 
 #include <string>
 #include <vector>
@@ -26,4 +26,4 @@ std::vector<std::string> ParseFlags(int argc, char** argv, const std::string& us
 
 }  // namespace subspace::cli
 
-#endif  // SUBSPACE_TOOLS_CLI_FLAGS_H_
+#endif  // SUBSPACE_CLI_FLAGS_H_

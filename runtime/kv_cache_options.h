@@ -1,8 +1,10 @@
-// Which KV cache the server builds (full-rank paged or low-rank compressed) and the compressed
-// cache's policy, as the --kv-* flags set them; checked before the model loads, and turned into
-// a cache once the model's geometry is known.
-#ifndef SUBSPACE_SERVER_KV_CACHE_OPTIONS_H_
-#define SUBSPACE_SERVER_KV_CACHE_OPTIONS_H_
+// Which KV cache to build (full-rank paged, quantized paged or low-rank compressed) and the
+// compressed cache's policy, as the server's --kv-* flags set them; checked before the model
+// loads, and turned into a cache once the model's geometry is known. The one place options
+// become a host cache, with one set of defaults: the server, the tools and the benchmarks build
+// theirs here (runtime/backend.h adds the device).
+#ifndef SUBSPACE_RUNTIME_KV_CACHE_OPTIONS_H_
+#define SUBSPACE_RUNTIME_KV_CACHE_OPTIONS_H_
 
 #include <cstdint>
 #include <memory>
@@ -13,13 +15,15 @@
 #include "absl/status/statusor.h"
 #include "core/base/coeff_codec.h"
 #include "core/compress/basis.h"
+#include "core/compress/compressed_kv_cache.h"
 #include "core/compress/compression_policy.h"
 #include "core/gguf/gguf.h"
 #include "core/kvcache/kv_cache.h"
 #include "core/kvcache/kv_quant.h"
+#include "core/kvcache/paged_kv_cache.h"
 #include "core/kvcache/refresh_config.h"
 
-namespace subspace::server {
+namespace subspace::runtime {
 
 // kFull: paged fp32; kQuantized: paged rows in q8_0 / q4_0 (--kv-dtype), llama.cpp's quantized
 // cache types; kCompressed: low-rank blocks outside the sinks and the window.
@@ -49,6 +53,8 @@ struct KvCacheOptions {
   // --refresh-*: the online refresh every session gets unless it asks for another
   // (CreateSessionRequest.refresh). method kNone: static bases.
   RefreshConfig refresh;
+  // Refresh on the engine thread instead of the refresher's: deterministic (tools, tests).
+  bool refresh_inline = false;
 };
 
 const char* KvCacheKindName(KvCacheKind kind);  // "full", "compressed" or "quantized"
@@ -99,7 +105,17 @@ absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& res
                                                        int block_size, int64_t capacity_bytes,
                                                        std::shared_ptr<const Basis> bases = nullptr,
                                                        int n_query_heads = 0);
+// The two halves of CreateKvCache, for callers that need the cache's own interface (the tools
+// read the compressed cache's Detail and install bases of their own). CreatePagedKvCache takes
+// kFull (fp32 rows) or kQuantized (kv_dtype rows); CreateCompressedKvCache kCompressed.
+absl::StatusOr<std::unique_ptr<PagedKvCache>> CreatePagedKvCache(const KvCacheOptions& options,
+                                                                 const KvCacheGeometry& geometry,
+                                                                 int block_size,
+                                                                 int64_t capacity_bytes);
+absl::StatusOr<std::unique_ptr<CompressedKvCache>> CreateCompressedKvCache(
+    const KvCacheOptions& resolved, const KvCacheGeometry& geometry, int block_size,
+    int64_t capacity_bytes, std::shared_ptr<const Basis> bases = nullptr, int n_query_heads = 0);
 
-}  // namespace subspace::server
+}  // namespace subspace::runtime
 
-#endif  // SUBSPACE_SERVER_KV_CACHE_OPTIONS_H_
+#endif  // SUBSPACE_RUNTIME_KV_CACHE_OPTIONS_H_

@@ -1,4 +1,4 @@
-#include "server/backend.h"
+#include "runtime/backend.h"
 
 #include <dlfcn.h>
 #include <unistd.h>
@@ -11,10 +11,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cuda/cuda_capabilities.h"
 #include "cuda/cuda_plugin.h"
 #include "spdlog/spdlog.h"
 
-namespace subspace::server {
+namespace subspace::runtime {
 
 const char* DeviceName(Device device) {
   switch (device) {
@@ -96,16 +97,18 @@ absl::StatusOr<Backend> CpuBackend(const BackendOptions& options,
   return Backend{std::move(cpu_model), *std::move(cache)};
 }
 
-// Why the cache as configured cannot run on the GPU, or "" when it can: the device has no
-// quantized paged cache; its compressed cache has fp16 full blocks and fp16 or int8
-// coefficients (no int4 kernels yet), with installed, self-calibrated or refreshed (any method)
-// bases and outliers.
+// Why the cache as configured cannot run on the GPU, or "" when it can, by what the CUDA backend
+// declares it holds (cuda/cuda_capabilities.h).
 std::string CpuOnlyCompressedFeature(const KvCacheOptions& o) {
-  if (o.kind == KvCacheKind::kQuantized) return "--kv-cache quantized";
+  const cuda::CudaCacheCapabilities& caps = cuda::kCudaCacheCapabilities;
+  if (o.kind == KvCacheKind::kQuantized && !caps.quantized_paged) return "--kv-cache quantized";
   if (o.kind != KvCacheKind::kCompressed) return "";
-  if (o.full_dtype != CoeffDtype::kFp16) return "--kv-full-dtype other than fp16";
-  if (o.coeff_dtype == CoeffDtype::kFp32) return "--kv-coeff-dtype fp32";
-  if (o.coeff_dtype == CoeffDtype::kInt4) return "--kv-coeff-dtype int4";
+  if (!caps.HoldsFullDtype(o.full_dtype)) {
+    return absl::StrCat("--kv-full-dtype ", CoeffDtypeName(o.full_dtype));
+  }
+  if (!caps.HoldsCoeffDtype(o.coeff_dtype)) {
+    return absl::StrCat("--kv-coeff-dtype ", CoeffDtypeName(o.coeff_dtype));
+  }
   return "";
 }
 
@@ -186,4 +189,4 @@ absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
   return CpuBackend(cpu, std::move(cpu_model), cache_options, std::move(bases));
 }
 
-}  // namespace subspace::server
+}  // namespace subspace::runtime

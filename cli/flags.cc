@@ -1,4 +1,4 @@
-#include "tools/cli/flags.h"
+#include "cli/flags.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,5 +1,5 @@
-// Flag-level checks and construction of the server's KV cache; see kv_cache_options.h.
-#include "server/kv_cache_options.h"
+// Flag-level checks and construction of a host KV cache; see kv_cache_options.h.
+#include "runtime/kv_cache_options.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,10 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/compress/basis_file.h"
-#include "core/compress/compressed_kv_cache.h"
-#include "core/kvcache/paged_kv_cache.h"
 
-namespace subspace::server {
+namespace subspace::runtime {
 namespace {
 
 constexpr int kMaxCompressedBlockSize = 64;  // CompressedKvCacheConfig::block_size
@@ -205,20 +203,25 @@ absl::StatusOr<CompressionPolicy> CompressionPolicyFor(const KvCacheOptions& o,
   return p;
 }
 
-absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
-                                                       const KvCacheGeometry& g, int block_size,
-                                                       int64_t capacity_bytes,
-                                                       std::shared_ptr<const Basis> bases,
-                                                       int n_query_heads) {
+absl::StatusOr<std::unique_ptr<PagedKvCache>> CreatePagedKvCache(const KvCacheOptions& o,
+                                                                 const KvCacheGeometry& g,
+                                                                 int block_size,
+                                                                 int64_t capacity_bytes) {
+  if (o.kind == KvCacheKind::kCompressed) {
+    return absl::InvalidArgumentError("a paged KV cache is --kv-cache full or quantized");
+  }
+  return PagedKvCache::Create(
+      {.geometry = g,
+       .block_size = block_size,
+       .capacity_bytes = capacity_bytes,
+       .dtype = o.kind == KvCacheKind::kQuantized ? o.kv_dtype : KvDtype::kF32});
+}
+
+absl::StatusOr<std::unique_ptr<CompressedKvCache>> CreateCompressedKvCache(
+    const KvCacheOptions& o, const KvCacheGeometry& g, int block_size, int64_t capacity_bytes,
+    std::shared_ptr<const Basis> bases, int n_query_heads) {
   if (o.kind != KvCacheKind::kCompressed) {
-    PagedKvCache::Config c;
-    c.geometry = g;
-    c.block_size = block_size;
-    c.capacity_bytes = capacity_bytes;
-    c.dtype = o.kind == KvCacheKind::kQuantized ? o.kv_dtype : KvDtype::kF32;
-    absl::StatusOr<std::unique_ptr<PagedKvCache>> cache = PagedKvCache::Create(c);
-    if (!cache.ok()) return cache.status();
-    return std::unique_ptr<KvCache>(*std::move(cache));
+    return absl::InvalidArgumentError("a compressed KV cache is --kv-cache compressed");
   }
   absl::StatusOr<CompressionPolicy> policy = CompressionPolicyFor(o, g, bases.get());
   if (!policy.ok()) return policy.status();
@@ -230,6 +233,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
   c.capacity_bytes = capacity_bytes;
   c.refresh = o.refresh;
   c.n_query_heads = n_query_heads;
+  c.refresh_inline = o.refresh_inline;
   if (o.refresh.method == RefreshMethod::kKqsvd && n_query_heads == 0) {
     return absl::InvalidArgumentError("--refresh-method=kqsvd needs the model's query heads");
   }
@@ -242,7 +246,24 @@ absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
     if (absl::Status s = (*cache)->SetDefaultEpoch(*epoch); !s.ok()) return s;
     if (absl::Status s = (*cache)->ReleaseEpoch(*epoch); !s.ok()) return s;
   }
+  return cache;
+}
+
+absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
+                                                       const KvCacheGeometry& g, int block_size,
+                                                       int64_t capacity_bytes,
+                                                       std::shared_ptr<const Basis> bases,
+                                                       int n_query_heads) {
+  if (o.kind != KvCacheKind::kCompressed) {
+    absl::StatusOr<std::unique_ptr<PagedKvCache>> cache =
+        CreatePagedKvCache(o, g, block_size, capacity_bytes);
+    if (!cache.ok()) return cache.status();
+    return std::unique_ptr<KvCache>(*std::move(cache));
+  }
+  absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache =
+      CreateCompressedKvCache(o, g, block_size, capacity_bytes, std::move(bases), n_query_heads);
+  if (!cache.ok()) return cache.status();
   return std::unique_ptr<KvCache>(*std::move(cache));
 }
 
-}  // namespace subspace::server
+}  // namespace subspace::runtime
