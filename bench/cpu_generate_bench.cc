@@ -146,8 +146,7 @@ absl::StatusOr<runtime::Backend> CreateBackend(const std::shared_ptr<LlamaModel>
        .max_batch_tokens = std::max(prefill_seqs * config.prompt_len, max_batch),
        .max_running = max_batch,
        .cuda_graphs = config.cuda_graphs},
-      cpu_model, runtime::ResolveKvCacheOptions(options, cpu_model->config().cache_geometry()),
-      nullptr);
+      cpu_model, runtime::ResolveKvCacheOptions(options, cpu_model->config().cache_geometry()));
 }
 
 // Builds the kind's backend, measures every batch size (best of config.repeats) and drops the

@@ -85,14 +85,13 @@ const absl::StatusOr<const cuda::CudaPluginApi*>& CudaPlugin() {
 absl::StatusOr<Backend> CpuBackend(const BackendOptions& options,
                                    std::shared_ptr<LlamaModel> cpu_model,
                                    const KvCacheOptions& cache_options,
-                                   std::shared_ptr<const Basis> bases) {
+                                   const KvCacheInputs& inputs) {
   if (options.gpu_memory_fraction != 0.0) {
     return absl::InvalidArgumentError("--gpu-memory-fraction needs the CUDA backend");
   }
   const ModelConfig& m = cpu_model->config();
   absl::StatusOr<std::unique_ptr<KvCache>> cache =
-      CreateKvCache(cache_options, m.cache_geometry(), options.block_size, options.kv_cache_bytes,
-                    std::move(bases), m.n_heads);
+      CreateKvCache(cache_options, m, options.block_size, options.kv_cache_bytes, inputs);
   if (!cache.ok()) return cache.status();
   return Backend{std::move(cpu_model), *std::move(cache)};
 }
@@ -102,6 +101,7 @@ absl::StatusOr<Backend> CpuBackend(const BackendOptions& options,
 std::string CpuOnlyCompressedFeature(const KvCacheOptions& o) {
   const cuda::CudaCacheCapabilities& caps = cuda::kCudaCacheCapabilities;
   if (o.kind == KvCacheKind::kQuantized && !caps.quantized_paged) return "--kv-cache quantized";
+  if (o.kind == KvCacheKind::kTransform && !caps.transform_coded) return "--kv-cache transform";
   if (o.kind != KvCacheKind::kCompressed) return "";
   if (!caps.HoldsFullDtype(o.full_dtype)) {
     return absl::StrCat("--kv-full-dtype ", CoeffDtypeName(o.full_dtype));
@@ -150,12 +150,12 @@ bool CudaBackendBuilt() { return CudaPlugin().ok(); }
 absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
                                       std::shared_ptr<LlamaModel> cpu_model,
                                       const KvCacheOptions& cache_options,
-                                      std::shared_ptr<const Basis> bases) {
+                                      const KvCacheInputs& inputs) {
   if (!(options.gpu_memory_fraction >= 0.0 && options.gpu_memory_fraction <= 1.0)) {
     return absl::InvalidArgumentError("--gpu-memory-fraction must be in [0, 1]");
   }
   if (options.device == Device::kCpu) {
-    return CpuBackend(options, std::move(cpu_model), cache_options, std::move(bases));
+    return CpuBackend(options, std::move(cpu_model), cache_options, inputs);
   }
   const absl::StatusOr<const cuda::CudaPluginApi*>& plugin = CudaPlugin();
   const std::string cpu_only = CpuOnlyCompressedFeature(cache_options);
@@ -175,10 +175,10 @@ absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
     if (!has_device) {
       return absl::UnavailableError(absl::StrCat("--device cuda: no CUDA device (", why, ")"));
     }
-    return CudaBackend(**plugin, options, *cpu_model, cache_options, std::move(bases));
+    return CudaBackend(**plugin, options, *cpu_model, cache_options, inputs.bases);
   }
   if (has_device && cpu_only.empty()) {
-    return CudaBackend(**plugin, options, *cpu_model, cache_options, std::move(bases));
+    return CudaBackend(**plugin, options, *cpu_model, cache_options, inputs.bases);
   }
   spdlog::info("--device auto: serving on the CPU ({})",
                !plugin.ok() ? std::string(plugin.status().message())
@@ -186,7 +186,7 @@ absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
                             : absl::StrCat("no CUDA device: ", why));
   BackendOptions cpu = options;
   cpu.gpu_memory_fraction = 0.0;
-  return CpuBackend(cpu, std::move(cpu_model), cache_options, std::move(bases));
+  return CpuBackend(cpu, std::move(cpu_model), cache_options, inputs);
 }
 
 }  // namespace subspace::runtime

@@ -48,7 +48,7 @@ bool CudaBackendBuilt();
 absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
                                       std::shared_ptr<LlamaModel> cpu_model,
                                       const KvCacheOptions& cache_options,
-                                      std::shared_ptr<const Basis> bases);
+                                      const KvCacheInputs& inputs = {});
 
 }  // namespace subspace::runtime
 

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/compress/basis_file.h"
+#include "core/compress/codec_file.h"
 
 namespace subspace::runtime {
 namespace {
@@ -35,16 +36,20 @@ const char* KvCacheKindName(KvCacheKind kind) {
       return "compressed";
     case KvCacheKind::kQuantized:
       return "quantized";
+    case KvCacheKind::kTransform:
+      return "transform";
   }
   return "unknown";
 }
 
 absl::StatusOr<KvCacheKind> ParseKvCacheKind(std::string_view name) {
-  for (KvCacheKind kind : {KvCacheKind::kFull, KvCacheKind::kCompressed, KvCacheKind::kQuantized}) {
+  for (KvCacheKind kind : {KvCacheKind::kFull, KvCacheKind::kCompressed, KvCacheKind::kQuantized,
+                           KvCacheKind::kTransform}) {
     if (name == KvCacheKindName(kind)) return kind;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--kv-cache must be 'full', 'compressed' or 'quantized', got '", std::string(name), "'"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--kv-cache must be 'full', 'compressed', 'quantized' or 'transform', got '",
+                   std::string(name), "'"));
 }
 
 absl::StatusOr<KvDtype> ParseQuantizedKvDtype(std::string_view name) {
@@ -87,6 +92,18 @@ absl::StatusOr<CoeffDtype> ParseFullDtype(std::string_view name) {
 }
 
 absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
+  if (o.kind == KvCacheKind::kTransform && o.codec_path.empty()) {
+    return absl::InvalidArgumentError(
+        "--kv-cache transform needs --codec (a codec file: subspace-calibrate --kv-budget)");
+  }
+  if (o.kind != KvCacheKind::kTransform && !o.codec_path.empty()) {
+    return absl::InvalidArgumentError("--codec needs --kv-cache=transform");
+  }
+  if (o.kind == KvCacheKind::kTransform && (o.sink_tokens < 0 || o.window_tokens < 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(o.sink_tokens < 0 ? "--kv-sink-tokens" : "--kv-window-tokens",
+                     " must be >= 0, got ", o.sink_tokens < 0 ? o.sink_tokens : o.window_tokens));
+  }
   if (o.kind != KvCacheKind::kCompressed) {
     if (!o.bases_path.empty()) {
       return absl::InvalidArgumentError("--bases needs --kv-cache=compressed");
@@ -160,6 +177,14 @@ absl::StatusOr<std::shared_ptr<const Basis>> LoadBases(const std::string& path,
                                                        const GgufFile& model,
                                                        const KvCacheGeometry& geometry) {
   return LoadBasisForModel(path, model, geometry, "--bases " + path);
+}
+
+absl::StatusOr<std::shared_ptr<const CodecFile>> LoadCodec(const std::string& path,
+                                                           const GgufFile& model,
+                                                           const KvCacheGeometry& geometry) {
+  absl::StatusOr<CodecFile> codec = LoadCodecForModel(path, model, geometry, "--codec " + path);
+  if (!codec.ok()) return codec.status();
+  return std::make_shared<const CodecFile>(*std::move(codec));
 }
 
 KvCacheOptions ResolveKvCacheOptions(KvCacheOptions o, const KvCacheGeometry& g,
@@ -249,21 +274,50 @@ absl::StatusOr<std::unique_ptr<CompressedKvCache>> CreateCompressedKvCache(
   return cache;
 }
 
-absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
-                                                       const KvCacheGeometry& g, int block_size,
-                                                       int64_t capacity_bytes,
-                                                       std::shared_ptr<const Basis> bases,
-                                                       int n_query_heads) {
-  if (o.kind != KvCacheKind::kCompressed) {
-    absl::StatusOr<std::unique_ptr<PagedKvCache>> cache =
-        CreatePagedKvCache(o, g, block_size, capacity_bytes);
-    if (!cache.ok()) return cache.status();
-    return std::unique_ptr<KvCache>(*std::move(cache));
+absl::StatusOr<std::unique_ptr<TransformKvCache>> CreateTransformKvCache(
+    const KvCacheOptions& o, const KvCacheGeometry& g, int block_size, int64_t capacity_bytes,
+    const CodecFile& codec, const RopeSchedule& key_rope) {
+  if (o.kind != KvCacheKind::kTransform) {
+    return absl::InvalidArgumentError("a transform-coded KV cache is --kv-cache transform");
   }
-  absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache =
-      CreateCompressedKvCache(o, g, block_size, capacity_bytes, std::move(bases), n_query_heads);
-  if (!cache.ok()) return cache.status();
-  return std::unique_ptr<KvCache>(*std::move(cache));
+  TransformKvCacheConfig c;
+  c.geometry = g;
+  c.block_size = block_size;
+  c.sink_tokens = o.sink_tokens;
+  c.window_tokens = o.window_tokens;
+  c.key_codes = std::make_shared<const std::vector<TransformCode>>(codec.keys);
+  c.value_codes = std::make_shared<const std::vector<TransformCode>>(codec.values);
+  if (codec.info.pre_rope_keys) c.key_rope = key_rope;
+  c.capacity_bytes = capacity_bytes;
+  return TransformKvCache::Create(c);
+}
+
+absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& o,
+                                                       const ModelConfig& model, int block_size,
+                                                       int64_t capacity_bytes,
+                                                       const KvCacheInputs& inputs) {
+  const KvCacheGeometry g = model.cache_geometry();
+  absl::StatusOr<std::unique_ptr<KvCache>> cache;
+  switch (o.kind) {
+    case KvCacheKind::kFull:
+    case KvCacheKind::kQuantized:
+      cache = CreatePagedKvCache(o, g, block_size, capacity_bytes);
+      break;
+    case KvCacheKind::kCompressed:
+      cache =
+          CreateCompressedKvCache(o, g, block_size, capacity_bytes, inputs.bases, model.n_heads);
+      break;
+    case KvCacheKind::kTransform: {
+      if (inputs.codec == nullptr) {
+        return absl::InvalidArgumentError("--kv-cache transform needs the --codec file loaded");
+      }
+      absl::StatusOr<RopeSchedule> rope = model.rope();
+      if (!rope.ok()) return rope.status();
+      cache = CreateTransformKvCache(o, g, block_size, capacity_bytes, *inputs.codec, *rope);
+      break;
+    }
+  }
+  return cache;
 }
 
 }  // namespace subspace::runtime

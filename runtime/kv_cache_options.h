@@ -14,20 +14,25 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/base/coeff_codec.h"
+#include "core/base/rope.h"
 #include "core/compress/basis.h"
+#include "core/compress/codec_file.h"
 #include "core/compress/compressed_kv_cache.h"
 #include "core/compress/compression_policy.h"
+#include "core/compress/transform_kv_cache.h"
 #include "core/gguf/gguf.h"
 #include "core/kvcache/kv_cache.h"
 #include "core/kvcache/kv_quant.h"
 #include "core/kvcache/paged_kv_cache.h"
 #include "core/kvcache/refresh_config.h"
+#include "core/model/model_runner.h"
 
 namespace subspace::runtime {
 
 // kFull: paged fp32; kQuantized: paged rows in q8_0 / q4_0 (--kv-dtype), llama.cpp's quantized
-// cache types; kCompressed: low-rank blocks outside the sinks and the window.
-enum class KvCacheKind : uint8_t { kFull, kCompressed, kQuantized };
+// cache types; kCompressed: low-rank blocks outside the sinks and the window; kTransform: blocks
+// outside the sinks and the window stored as the transform codec's codes (--codec).
+enum class KvCacheKind : uint8_t { kFull, kCompressed, kQuantized, kTransform };
 
 // Both caches draw from one pool of --kv-cache-bytes cut into --block-size token blocks; those
 // two live in ServerAppConfig. The rest applies to the compressed cache only.
@@ -55,11 +60,21 @@ struct KvCacheOptions {
   RefreshConfig refresh;
   // Refresh on the engine thread instead of the refresher's: deterministic (tools, tests).
   bool refresh_inline = false;
+  // --codec: kTransform's codec file (subspace-calibrate --kv-budget); required by it, refused
+  // by every other kind. The sinks and the window above apply to it too.
+  std::string codec_path;
 };
 
-const char* KvCacheKindName(KvCacheKind kind);  // "full", "compressed" or "quantized"
+// What a cache is built from besides its options: the files loaded at start-up.
+struct KvCacheInputs {
+  std::shared_ptr<const Basis> bases;      // kCompressed: --bases (LoadBases), or none
+  std::shared_ptr<const CodecFile> codec;  // kTransform: --codec (LoadCodec)
+};
+
+// "full", "compressed", "quantized" or "transform"
+const char* KvCacheKindName(KvCacheKind kind);
 // INVALID_ARGUMENT naming the flag for anything but the names below.
-absl::StatusOr<KvCacheKind> ParseKvCacheKind(std::string_view name);   // full|compressed|quantized
+absl::StatusOr<KvCacheKind> ParseKvCacheKind(std::string_view name);   // full|compressed|...
 absl::StatusOr<KvDtype> ParseQuantizedKvDtype(std::string_view name);  // q8_0 | q4_0
 absl::StatusOr<CoeffDtype> ParseCoeffDtype(std::string_view name);     // fp32 | fp16 | int8
 absl::StatusOr<CoeffDtype> ParseFullDtype(std::string_view name);      // fp16 | fp32
@@ -81,6 +96,10 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& options, int block_siz
 absl::StatusOr<std::shared_ptr<const Basis>> LoadBases(const std::string& path,
                                                        const GgufFile& model,
                                                        const KvCacheGeometry& geometry);
+// Reads the --codec file and checks it against the model likewise (LoadCodecForModel).
+absl::StatusOr<std::shared_ptr<const CodecFile>> LoadCodec(const std::string& path,
+                                                           const GgufFile& model,
+                                                           const KvCacheGeometry& geometry);
 
 // `options` with the model-dependent defaults filled in: rank 0 becomes head_dim / 4 (at least
 // 1), or with `bases` the largest rank of its layers (for reporting; the cache takes the ranks
@@ -95,19 +114,20 @@ absl::StatusOr<CompressionPolicy> CompressionPolicyFor(const KvCacheOptions& res
                                                        const KvCacheGeometry& geometry,
                                                        const Basis* bases = nullptr);
 
-// Builds the cache from resolved options. INVALID_ARGUMENT naming the flag when a rank exceeds
-// the model's head_dim; otherwise whatever the cache's Create returns (a pool too small). With
-// `bases` (compressed only; from LoadBases), the cache gets the basis's per-layer ranks and the
-// basis is installed as its default epoch. n_query_heads: the model's (KQ-SVD refresh reads
-// queries); 0 rules out --refresh-method=kqsvd.
+// Builds the host cache of `model` from resolved options. INVALID_ARGUMENT naming the flag when
+// a rank exceeds the model's head_dim or an input the kind needs is missing; otherwise whatever
+// the cache's Create returns (a pool too small). kCompressed with inputs.bases: the basis's
+// per-layer ranks, installed as the default epoch; kqsvd refresh reads the model's query heads.
+// kTransform: inputs.codec's codes, keys rotated by the model's RoPE when coded before it.
 absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheOptions& resolved,
-                                                       const KvCacheGeometry& geometry,
-                                                       int block_size, int64_t capacity_bytes,
-                                                       std::shared_ptr<const Basis> bases = nullptr,
-                                                       int n_query_heads = 0);
-// The two halves of CreateKvCache, for callers that need the cache's own interface (the tools
-// read the compressed cache's Detail and install bases of their own). CreatePagedKvCache takes
-// kFull (fp32 rows) or kQuantized (kv_dtype rows); CreateCompressedKvCache kCompressed.
+                                                       const ModelConfig& model, int block_size,
+                                                       int64_t capacity_bytes,
+                                                       const KvCacheInputs& inputs = {});
+// The halves of CreateKvCache, for callers that need the cache's own interface (the tools read
+// the compressed cache's Detail and install bases of their own). CreatePagedKvCache takes kFull
+// (fp32 rows) or kQuantized (kv_dtype rows); CreateCompressedKvCache kCompressed;
+// CreateTransformKvCache kTransform (key_rope: the model's, used when the codec codes keys
+// before RoPE).
 absl::StatusOr<std::unique_ptr<PagedKvCache>> CreatePagedKvCache(const KvCacheOptions& options,
                                                                  const KvCacheGeometry& geometry,
                                                                  int block_size,
@@ -115,6 +135,9 @@ absl::StatusOr<std::unique_ptr<PagedKvCache>> CreatePagedKvCache(const KvCacheOp
 absl::StatusOr<std::unique_ptr<CompressedKvCache>> CreateCompressedKvCache(
     const KvCacheOptions& resolved, const KvCacheGeometry& geometry, int block_size,
     int64_t capacity_bytes, std::shared_ptr<const Basis> bases = nullptr, int n_query_heads = 0);
+absl::StatusOr<std::unique_ptr<TransformKvCache>> CreateTransformKvCache(
+    const KvCacheOptions& options, const KvCacheGeometry& geometry, int block_size,
+    int64_t capacity_bytes, const CodecFile& codec, const RopeSchedule& key_rope);
 
 }  // namespace subspace::runtime
 

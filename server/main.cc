@@ -44,12 +44,18 @@ ABSL_FLAG(bool, cuda_graphs, false,
 ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens (at most 64 when compressed)");
 ABSL_FLAG(std::string, kv_cache, "compressed",
           "KV cache: 'compressed' (low-rank blocks outside the sinks and the window), 'full' "
-          "(full-rank fp32 paged) or 'quantized' (full-rank paged, rows in --kv-dtype)");
+          "(full-rank fp32 paged), 'quantized' (full-rank paged, rows in --kv-dtype) or "
+          "'transform' (blocks outside the sinks and the window in the --codec file's codes)");
+ABSL_FLAG(std::string, codec, "",
+          "transform cache: codec file from subspace-calibrate --kv-budget (required by "
+          "--kv-cache transform, refused by the other kinds)");
 ABSL_FLAG(std::string, kv_dtype, "",
           "quantized cache: K/V row format, q8_0 (when empty) or q4_0 (llama.cpp's cache types); "
           "an error with any other --kv-cache");
-ABSL_FLAG(int32_t, kv_sink_tokens, 4, "compressed cache: first tokens kept full-rank (sinks)");
-ABSL_FLAG(int32_t, kv_window_tokens, 64, "compressed cache: last tokens kept full-rank");
+ABSL_FLAG(int32_t, kv_sink_tokens, 4,
+          "compressed and transform caches: first tokens kept full-rank (sinks)");
+ABSL_FLAG(int32_t, kv_window_tokens, 64,
+          "compressed and transform caches: last tokens kept full-rank");
 ABSL_FLAG(int32_t, kv_rank_k, 0, "compressed cache: key rank per KV head; 0 = head_dim / 4");
 ABSL_FLAG(int32_t, kv_rank_v, 0, "compressed cache: value rank per KV head; 0 = head_dim / 4");
 ABSL_FLAG(std::string, kv_coeff_dtype, "int8",
@@ -154,6 +160,7 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   if (!kv_dtype.ok()) return kv_dtype.status();
   c.kv_cache.kind = *kind;
   c.kv_cache.kv_dtype = *kv_dtype;
+  c.kv_cache.codec_path = absl::GetFlag(FLAGS_codec);
   c.kv_cache.sink_tokens = absl::GetFlag(FLAGS_kv_sink_tokens);
   c.kv_cache.window_tokens = absl::GetFlag(FLAGS_kv_window_tokens);
   c.kv_cache.rank_k = absl::GetFlag(FLAGS_kv_rank_k);

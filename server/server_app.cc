@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/compress/basis.h"
+#include "core/compress/codec_file.h"
 #include "core/gguf/gguf.h"
 #include "core/model/model.h"
 #include "core/model/model_file.h"
@@ -155,6 +156,16 @@ absl::Status ServerApp::Init() {
     spdlog::info("basis file {} loaded; it becomes the compressed cache's default epoch",
                  config_.kv_cache.bases_path);
   }
+  std::shared_ptr<const CodecFile> codec;
+  if (!config_.kv_cache.codec_path.empty()) {
+    absl::StatusOr<std::shared_ptr<const CodecFile>> loaded =
+        runtime::LoadCodec(config_.kv_cache.codec_path, *gguf, model_config.cache_geometry());
+    if (!loaded.ok()) return loaded.status();
+    codec = *std::move(loaded);
+    spdlog::info("codec file {} loaded: {} / {} bits per key / value element{}",
+                 config_.kv_cache.codec_path, codec->info.key_bits, codec->info.value_bits,
+                 codec->info.pre_rope_keys ? " (pre-RoPE keys)" : "");
+  }
   const runtime::KvCacheOptions cache_options =
       runtime::ResolveKvCacheOptions(config_.kv_cache, model_config.cache_geometry(), bases.get());
   absl::StatusOr<runtime::Backend> backend =
@@ -165,7 +176,8 @@ absl::Status ServerApp::Init() {
                               .max_batch_tokens = config_.engine.max_batch_tokens,
                               .max_running = config_.engine.max_running,
                               .cuda_graphs = config_.cuda_graphs},
-                             std::move(files->model), cache_options, std::move(bases));
+                             std::move(files->model), cache_options,
+                             {.bases = std::move(bases), .codec = std::move(codec)});
   if (!backend.ok()) return backend.status();
   const std::string device_name = backend->model->device_name();
 
@@ -199,6 +211,12 @@ absl::Status ServerApp::Init() {
       runtime::KvCacheKindName(cache_options.kind), cache_stats.bytes_total >> 20,
       cache_stats.blocks_total, config_.block_size,
       absl::ToDoubleSeconds(absl::Now() - load_start));
+  if (cache_options.kind == runtime::KvCacheKind::kTransform) {
+    spdlog::info(
+        "transform-coded KV cache: {} sink and {} window tokens at fp16, older blocks as "
+        "the codec's codes",
+        cache_options.sink_tokens, cache_options.window_tokens);
+  }
   if (cache_options.kind == runtime::KvCacheKind::kQuantized) {
     spdlog::info("quantized KV cache: K and V rows in {}", KvDtypeName(cache_options.kv_dtype));
   }

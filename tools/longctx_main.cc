@@ -50,7 +50,8 @@ ABSL_FLAG(std::string, caches, "evict,q8_0,q4_0,kivi4,kqsvd:16:fp16,kqsvd:16:int
           "joint, PCA basis unless id, errors weighted by attention (aw: queries on keys, W_O on "
           "values), widths {0,2,3,4,8} or with fine {0,1,2,3,4,5,6,8}, konly / vonly: the other "
           "side exact), tcfile:PATH (a codec "
-          "file from subspace-calibrate --kv-budget), "
+          "file from subspace-calibrate --kv-budget), tccache:PATH (the server's --kv-cache "
+          "transform on that file: whole blocks coded, bytes measured in its pool), "
           "METHOD:RANK:DTYPE (METHOD ksvd|eigen|kqsvd calibrated on --calib; DTYPE fp16|int8|int4) "
           "or self:RANK:DTYPE (self-calibrated, as the server without --bases) or "
           "file:PATH:DTYPE (a subspace-calibrate basis file, as the server's --bases); a fourth "
@@ -89,6 +90,7 @@ struct CacheSpec {
   RefreshMethod refresh = RefreshMethod::kNone;
   std::string basis_path;                     // file:PATH:DTYPE, the ranks per layer are the file's
   bool transform = false;                     // tc:BITS[:post][:joint][:id][:aw][:fine]
+  bool transform_cache = false;               // tccache:PATH, the codec file in the real cache
   bool exact_sinks_window = false;            // BASELINE:sw
   bool code_keys = true, code_values = true;  // tc:...:konly / vonly
   TransformFitOptions fit;
@@ -113,6 +115,14 @@ absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
     if (!k.ok()) return k.status();
     c.baseline = *k;
     c.exact_sinks_window = true;
+    return c;
+  }
+  if (parts[0] == "tccache") {  // tccache:PATH: TransformKvCache on a codec file
+    if (parts.size() != 2 || parts[1].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("bad cache spec ", s, " (tccache:PATH)"));
+    }
+    c.transform_cache = true;
+    c.basis_path = parts[1];
     return c;
   }
   if (parts[0] == "tcfile") {  // tcfile:PATH, a codec file from subspace-calibrate
@@ -345,6 +355,23 @@ absl::Status Run() {
           PagedKvCache::BlockBytes(geom, 16, dtype) * geom.n_layers * pages_per_item);
       if (!c.ok()) return c.status();
       cache = *std::move(c);
+    } else if (spec.transform_cache) {
+      // The server's `--kv-cache transform --codec PATH`.
+      absl::StatusOr<CodecFile> file =
+          LoadCodecForModel(spec.basis_path, *files->gguf, geom, spec.basis_path);
+      if (!file.ok()) return file.status();
+      absl::StatusOr<RopeSchedule> rope = mc.rope();
+      if (!rope.ok()) return rope.status();
+      runtime::KvCacheOptions options;
+      options.kind = runtime::KvCacheKind::kTransform;
+      options.sink_tokens = S;
+      options.window_tokens = W;
+      absl::StatusOr<std::unique_ptr<TransformKvCache>> c = runtime::CreateTransformKvCache(
+          options, geom, 16, TransformKvCache::PageBytes(geom, 16) * geom.n_layers * pages_per_item,
+          *file, *rope);
+      if (!c.ok()) return c.status();
+      cache = *std::move(c);
+      measured_bytes = true;
     } else if (!spec.lowrank) {
       baseline.capacity_bytes = PagedKvCache::BlockBytes(geom, 16) * geom.n_layers * pages_per_item;
       if (spec.transform && !spec.basis_path.empty()) {

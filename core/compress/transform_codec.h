@@ -3,8 +3,9 @@
 // scalar quantizer -- a static offset and step fitted on calibration data, and a width chosen by
 // a rate-distortion allocation under a bits-per-row budget (0 bits: the component is its mean).
 // Identity basis + equal widths is plain scalar quantization; a PCA basis + a 0-bit tail is a
-// truncated low-rank code; the allocation picks what lies between. Used by the long-context
-// evaluation (tools/eval) to study the codec before the cache stores it.
+// truncated low-rank code; the allocation picks what lies between. Stored by TransformKvCache
+// (transform_kv_cache.h, the server's --kv-cache transform) and emulated by the long-context
+// evaluation (tools/eval).
 #ifndef SUBSPACE_CORE_COMPRESS_TRANSFORM_CODEC_H_
 #define SUBSPACE_CORE_COMPRESS_TRANSFORM_CODEC_H_
 

@@ -13,7 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "core/base/int_math.h"
 #include "core/cpu/attention_kernels.h"
-#include "core/cpu/matmul_internal.h"
+#include "core/kvcache/paged_attention.h"
 
 namespace subspace {
 
@@ -106,190 +106,40 @@ void PagedKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, const flo
   }
 }
 
+namespace {
+
+// A layer's blocks for AttendPagedBlocks: fp32 rows in place; q8_0 / q4_0 rows dequantized.
+class PagedRows final : public BlockRowSource {
+ public:
+  PagedRows(const PagedKvCache& cache, int layer) : cache_(cache), layer_(layer) {}
+
+  const float* Rows(SeqId seq, int64_t block, bool values, int valid,
+                    float* scratch) const override {
+    const uint8_t* half = cache_.BlockBytesOf(seq, layer_, block) + (values ? cache_.v_half() : 0);
+    if (cache_.dtype() == KvDtype::kF32) return reinterpret_cast<const float*>(half);
+    const KvCacheGeometry& g = cache_.geometry();
+    const int bs = cache_.block_size();
+    for (int kvh = 0; kvh < g.n_kv_heads; ++kvh) {
+      DequantizeKvRows(cache_.dtype(), half + static_cast<int64_t>(kvh) * bs * cache_.row_bytes(),
+                       valid, g.head_dim, scratch + static_cast<int64_t>(kvh) * bs * g.head_dim);
+    }
+    return scratch;
+  }
+  bool NeedsScratch() const override { return cache_.dtype() != KvDtype::kF32; }
+  void Prefetch(SeqId seq, int64_t block) const override {
+    cpu::PrefetchBytes(cache_.BlockBytesOf(seq, layer_, block), cache_.pool().block_bytes());
+  }
+
+ private:
+  const PagedKvCache& cache_;
+  int layer_;
+};
+
+}  // namespace
+
 void PagedKvCache::Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) {
-  const int hd = geometry_.head_dim;
-  const int n_kv = geometry_.n_kv_heads;
-  assert(n_heads > 0 && n_heads % n_kv == 0);
   assert(layer >= 0 && layer < geometry_.n_layers);
-  const int group = n_heads / n_kv;
-  const int bs = block_size_;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
-  const int threads = cpu::internal::NumThreads();
-
-  // Plan. One work item per (request, query, run of blocks), over all KV heads, so an item
-  // reads whole pages (a block's K/V for every head fill one page) and can prefetch the next
-  // ones; items per KV head read an 8 KiB slice of each 128 KiB page instead (a read-only
-  // microbenchmark of that pattern: ~21 GB/s vs ~30-50 contiguous on the dev box). With fewer
-  // queries than kItemsPerThread * threads (decode at small batch), a query's context is
-  // split into runs of at least kMinSplitBlocks blocks, each with its own softmax state,
-  // merged at the end (split-KV, as in flash-decoding).
-  constexpr int64_t kItemsPerThread = 4;
-  constexpr int64_t kMinSplitBlocks = 16;
-  // Whole pages prefetched this many blocks ahead: 16k-token decode 18.5 -> 13 ms on one
-  // thread (bench/attention_bench.cc); distances 1 to 4 measured alike.
-  constexpr int64_t kPrefetchBlocks = 2;
-  int64_t queries = 0;
-  for (const AttentionRequest& req : requests) queries += req.n;
-  if (queries <= 0) return;
-  const int64_t splits_wanted =
-      queries >= kItemsPerThread * threads ? 1 : CeilDiv(kItemsPerThread * threads, queries);
-  struct Item {
-    int32_t req;
-    int64_t i;            // query within the request
-    int64_t block_begin;  // blocks [block_begin, block_end) of its causal context
-    int64_t block_end;
-    int64_t partial = -1;  // slot in `partials`, or -1: the item is the whole query
-  };
-  std::vector<Item> items;
-  items.reserve(static_cast<size_t>(queries));
-  int64_t n_partials = 0;
-  for (size_t r = 0; r < requests.size(); ++r) {
-    for (int64_t i = 0; i < requests[r].n; ++i) {
-      // Blocks [first, end) hold the query's context: causal, and inside its sliding window.
-      const int64_t end = CeilDiv(requests[r].pos + i + 1, bs);
-      const int64_t first = requests[r].FirstAttended(requests[r].pos + i) / bs;
-      const int64_t blocks = end - first;
-      const int64_t splits = std::clamp<int64_t>(blocks / kMinSplitBlocks, 1, splits_wanted);
-      for (int64_t c = 0; c < splits; ++c) {
-        items.push_back({static_cast<int32_t>(r), i, first + blocks * c / splits,
-                         first + blocks * (c + 1) / splits, splits > 1 ? n_partials++ : -1});
-      }
-    }
-  }
-  // Split items' states: [n_partials][n_heads] of (max, sum, acc[hd]).
-  const int64_t state_floats = static_cast<int64_t>(n_heads) * (hd + 2);
-  thread_local std::vector<float> partials;
-  if (partials.size() < static_cast<size_t>(n_partials * state_floats)) {
-    partials.resize(static_cast<size_t>(n_partials * state_floats));
-  }
-  float* partials_data = partials.data();
-  const int64_t total = static_cast<int64_t>(items.size());
-
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (total > 1)
-  for (int64_t it = 0; it < total; ++it) {
-    const Item& item = items[static_cast<size_t>(it)];
-    const AttentionRequest& req = requests[static_cast<size_t>(item.req)];
-    const auto& s = seqs_[req.seq];
-    const std::vector<int32_t>& table = s.tables[static_cast<size_t>(layer)];
-    const int64_t n_ctx = req.pos + item.i + 1;              // causal: tokens [0, pos + i]
-    const int64_t lo = req.FirstAttended(req.pos + item.i);  // sliding window: tokens >= lo
-
-    // Per-thread state sized by the largest shape seen; grows once, never per call. A
-    // quantized cache also dequantizes each block's K (then V) rows, all heads, into `rows`.
-    thread_local std::vector<float> scratch;
-    const int64_t row_floats = dtype_ == KvDtype::kF32 ? 0 : int64_t{n_kv} * bs * hd;
-    const size_t need = static_cast<size_t>(state_floats) + static_cast<size_t>(n_heads) * bs +
-                        static_cast<size_t>(row_floats);
-    if (scratch.size() < need) scratch.resize(need);
-    float* state = item.partial >= 0 ? partials_data + item.partial * state_floats : scratch.data();
-    float* run_max = state;                                     // [n_heads]
-    float* run_sum = run_max + n_heads;                         // [n_heads]
-    float* acc = run_sum + n_heads;                             // [n_heads, head_dim]
-    float* scores = scratch.data() + state_floats;              // [n_heads, B]
-    float* rows = scores + static_cast<int64_t>(n_heads) * bs;  // [n_kv_heads, B, head_dim]
-    // The K (or V) rows of head kvh in block `block`: in place for fp32, else dequantized.
-    auto head_rows = [&](const uint8_t* half, int kvh) -> const float* {
-      if (dtype_ == KvDtype::kF32) {
-        return reinterpret_cast<const float*>(half + static_cast<int64_t>(kvh) * bs * row_bytes_);
-      }
-      return rows + static_cast<int64_t>(kvh) * bs * hd;
-    };
-    std::fill(run_max, run_max + n_heads, -std::numeric_limits<float>::infinity());
-    std::fill(run_sum, run_sum + n_heads, 0.0f);
-    std::fill(acc, acc + static_cast<size_t>(n_heads) * hd, 0.0f);
-
-    const float* q_tok = req.q + item.i * n_heads * hd;  // [n_heads, head_dim]
-    for (int64_t b = item.block_begin; b < item.block_end; ++b) {
-      const uint8_t* block = BlockData(table[static_cast<size_t>(b)]);
-      const int nb = static_cast<int>(std::min<int64_t>(bs, n_ctx - b * bs));
-      // Rows of head h sit at [h * B, h * B + nb) of each half; slots past nb are not read.
-      auto dequantize = [&](const uint8_t* half) {
-        for (int kvh = 0; kvh < n_kv; ++kvh) {
-          DequantizeKvRows(dtype_, half + static_cast<int64_t>(kvh) * bs * row_bytes_, nb, hd,
-                           rows + static_cast<int64_t>(kvh) * bs * hd);
-        }
-      };
-      if (b + kPrefetchBlocks < item.block_end) {
-        cpu::PrefetchBytes(pool_->data(table[static_cast<size_t>(b + kPrefetchBlocks)]),
-                           pool_->block_bytes());
-      }
-      // All heads' keys, then all heads' values: two sequential 64 KiB-class streams through
-      // the page rather than alternating between its K and V halves head by head.
-      if (dtype_ != KvDtype::kF32) dequantize(block);
-      for (int kvh = 0; kvh < n_kv; ++kvh) {
-        const int h0 = kvh * group;  // first query head of the group
-        kernels.scores(q_tok + static_cast<int64_t>(h0) * hd, hd, group,
-                       cpu::KvRows{head_rows(block, kvh)}, nb, hd, scale,
-                       scores + static_cast<int64_t>(h0) * nb);
-      }
-      // The sliding window's first block: tokens before lo are masked (lo itself is in it).
-      const int64_t masked = std::min<int64_t>(nb, lo - b * bs);
-      for (int h = 0; h < n_heads && masked > 0; ++h) {
-        std::fill_n(scores + static_cast<int64_t>(h) * nb, masked,
-                    -std::numeric_limits<float>::infinity());
-      }
-      for (int h = 0; h < n_heads; ++h) {
-        float* p = scores + static_cast<int64_t>(h) * nb;
-        const float block_max = *std::max_element(p, p + nb);
-        // Online softmax: rescale what was accumulated under the old running max.
-        if (block_max > run_max[h]) {
-          const float correction = std::exp(run_max[h] - block_max);  // 0 on the first block
-          run_sum[h] *= correction;
-          kernels.scale(acc + static_cast<int64_t>(h) * hd, hd, correction);
-          run_max[h] = block_max;
-        }
-        run_sum[h] += kernels.exp_sum(p, nb, run_max[h]);
-      }
-      if (dtype_ != KvDtype::kF32) dequantize(block + v_half_);
-      for (int kvh = 0; kvh < n_kv; ++kvh) {
-        const int h0 = kvh * group;
-        kernels.accumulate(scores + static_cast<int64_t>(h0) * nb, group,
-                           cpu::KvRows{head_rows(block + v_half_, kvh)}, nb, hd,
-                           acc + static_cast<int64_t>(h0) * hd, hd);
-      }
-    }
-    if (item.partial >= 0) continue;
-    float* out_tok = req.out + item.i * n_heads * hd;
-    for (int h = 0; h < n_heads; ++h) {
-      const float inv = 1.0f / run_sum[h];
-      const float* acc_h = acc + static_cast<int64_t>(h) * hd;
-      float* o = out_tok + static_cast<int64_t>(h) * hd;
-      for (int d = 0; d < hd; ++d) o[d] = acc_h[d] * inv;
-    }
-  }
-
-  // Merge split queries: o = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) sum_c. Every run
-  // holds at least one token, so every m_c is finite.
-  for (size_t first = 0; first < items.size();) {
-    size_t end = first + 1;
-    if (items[first].partial < 0) {
-      first = end;
-      continue;
-    }
-    while (end < items.size() && items[end].req == items[first].req &&
-           items[end].i == items[first].i)
-      ++end;
-    const AttentionRequest& req = requests[static_cast<size_t>(items[first].req)];
-    float* out_tok = req.out + items[first].i * n_heads * hd;
-    for (int h = 0; h < n_heads; ++h) {
-      float m = -std::numeric_limits<float>::infinity();
-      for (size_t c = first; c < end; ++c)
-        m = std::max(m, partials_data[items[c].partial * state_floats + h]);
-      float sum = 0.0f;
-      float* o = out_tok + static_cast<int64_t>(h) * hd;
-      std::fill(o, o + hd, 0.0f);
-      for (size_t c = first; c < end; ++c) {
-        const float* st = partials_data + items[c].partial * state_floats;
-        const float w = std::exp(st[h] - m);
-        sum += w * st[n_heads + h];
-        const float* acc_h = st + 2 * n_heads + static_cast<int64_t>(h) * hd;
-        for (int d = 0; d < hd; ++d) o[d] += w * acc_h[d];
-      }
-      kernels.scale(o, hd, 1.0f / sum);
-    }
-    first = end;
-  }
+  AttendPagedBlocks(geometry_, block_size_, requests, n_heads, PagedRows(*this, layer));
 }
 
 absl::Status PagedKvCache::Commit(SeqId seq, int64_t length) { return seqs_.Commit(seq, length); }

@@ -62,6 +62,15 @@ class PagedKvCache final : public KvCache {
   std::span<const int32_t> BlockTable(SeqId seq, int layer) const;
   const BlockPool& pool() const { return *pool_; }
 
+  // --- Attention's view (paged_attention.h) ---
+  // The bytes of block `block` of `seq` in `layer` (ids the caller has validated): the K half,
+  // then the V half at v_half(); rows of row_bytes() each, [n_kv_heads][B].
+  const uint8_t* BlockBytesOf(SeqId seq, int layer, int64_t block) const {
+    return BlockData(seqs_[seq].tables[static_cast<size_t>(layer)][static_cast<size_t>(block)]);
+  }
+  int64_t v_half() const { return v_half_; }
+  int64_t row_bytes() const { return row_bytes_; }
+
  private:
   PagedKvCache(const Config& config, std::unique_ptr<BlockPool> pool);
 

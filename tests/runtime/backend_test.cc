@@ -42,7 +42,7 @@ TEST(BackendTest, CpuServesBothCacheKinds) {
     cache.kind = kind;
     cache.rank_k = cache.rank_v = 2;
     absl::StatusOr<Backend> b = CreateBackend(
-        {.device = Device::kCpu, .kv_cache_bytes = int64_t{4} << 20}, tiny->model, cache, nullptr);
+        {.device = Device::kCpu, .kv_cache_bytes = int64_t{4} << 20}, tiny->model, cache, {});
     ASSERT_TRUE(b.ok()) << b.status();
     EXPECT_EQ(b->model->device_name(), "cpu");
     EXPECT_EQ(b->cache->geometry().n_layers, tiny->model->config().n_layers);
@@ -54,13 +54,13 @@ TEST(BackendTest, GpuMemoryFractionNeedsCuda) {
   ASSERT_TRUE(tiny.ok());
   EXPECT_EQ(
       CreateBackend({.device = Device::kCpu, .kv_cache_bytes = 1 << 20, .gpu_memory_fraction = 0.5},
-                    tiny->model, Full(), nullptr)
+                    tiny->model, Full(), {})
           .status()
           .code(),
       absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CreateBackend(
                 {.device = Device::kAuto, .kv_cache_bytes = 1 << 20, .gpu_memory_fraction = 1.5},
-                tiny->model, Full(), nullptr)
+                tiny->model, Full(), {})
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
@@ -73,9 +73,9 @@ TEST(BackendTest, CudaRefusesCompressedFeaturesThatRunOnTheCpuOnly) {
   absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
   ASSERT_TRUE(tiny.ok());
   const auto refused = [&](const KvCacheOptions& cache, const char* flag) {
-    const absl::Status st = CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20},
-                                          tiny->model, cache, nullptr)
-                                .status();
+    const absl::Status st =
+        CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, cache, {})
+            .status();
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
     EXPECT_NE(st.message().find(flag), std::string::npos) << st;
   };
@@ -90,11 +90,11 @@ TEST(BackendTest, CudaRefusesCompressedFeaturesThatRunOnTheCpuOnly) {
   KvCacheOptions outliers = cache;
   outliers.outlier_threshold = 0.5f;
   for (const KvCacheOptions& runs : {pca, kqsvd, outliers}) {
-    EXPECT_NE(CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, runs,
-                            nullptr)
-                  .status()
-                  .code(),
-              absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(
+        CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, runs, {})
+            .status()
+            .code(),
+        absl::StatusCode::kInvalidArgument);
   }
   KvCacheOptions fp32 = cache;
   fp32.full_dtype = CoeffDtype::kFp32;
@@ -111,12 +111,12 @@ TEST(BackendTest, WithoutAGpuCudaIsUnavailableAndAutoFallsBackToCpu) {
   if (HasCudaDevice()) GTEST_SKIP() << "a CUDA device is present";
   absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
   ASSERT_TRUE(tiny.ok());
-  const absl::Status st = CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20},
-                                        tiny->model, Full(), nullptr)
-                              .status();
+  const absl::Status st =
+      CreateBackend({.device = Device::kCuda, .kv_cache_bytes = 1 << 20}, tiny->model, Full(), {})
+          .status();
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
-  absl::StatusOr<Backend> b = CreateBackend({.device = Device::kAuto, .kv_cache_bytes = 1 << 20},
-                                            tiny->model, Full(), nullptr);
+  absl::StatusOr<Backend> b =
+      CreateBackend({.device = Device::kAuto, .kv_cache_bytes = 1 << 20}, tiny->model, Full(), {});
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(b->model->device_name(), "cpu");
 }

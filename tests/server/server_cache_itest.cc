@@ -22,6 +22,8 @@
 #include "absl/strings/match.h"
 #include "core/compress/basis_file.h"
 #include "core/compress/calibration.h"
+#include "core/compress/codec_file.h"
+#include "core/compress/transform_calibration.h"
 #include "core/model/model.h"
 #include "gtest/gtest.h"
 #include "proto/subspace.grpc.pb.h"
@@ -510,6 +512,80 @@ TEST(CompressedCacheServerTest, BasesFileIsInstalledAndMismatchesAreRejected) {
   for (const std::string& p : {good, other, geometry}) std::remove(p.c_str());
 }
 
+// --kv-cache transform: a codec fitted on the tiny model (subspace-calibrate --kv-budget's code
+// path) serves sessions whose old blocks are stored as its codes: reported as "transform", the
+// pool holds coded pages, the ratio counts them; a continuation after the session's tokens were
+// coded still generates. A missing or foreign codec stops the start naming --codec.
+TEST(TransformCacheServerTest, CodecFileServesSessionsAndMisusesAreRefused) {
+  const std::string dir = ::testing::TempDir();
+  const std::string good = dir + "/tiny.codec.gguf", other = dir + "/other.codec.gguf";
+  auto fit = [](const std::shared_ptr<const GgufFile>& gguf, const std::string& path) {
+    absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(gguf);
+    ASSERT_TRUE(model.ok()) << model.status();
+    std::vector<int32_t> tokens;
+    for (int i = 0; i < 300; ++i) tokens.push_back(3 + (i * 37) % 250);
+    absl::StatusOr<KvRows> rows =
+        CollectKvRows(**model, tokens, {.window = 64, .max_tokens = 0, .bos = 1, .progress = {}});
+    ASSERT_TRUE(rows.ok()) << rows.status();
+    absl::StatusOr<TransformCodes> codes =
+        FitTransformCodes(*rows, {.key_bits = 3.0, .value_bits = 2.0});
+    ASSERT_TRUE(codes.ok()) << codes.status();
+    CodecFile file{.info = {.key_bits = 3.0,
+                            .value_bits = 2.0,
+                            .calibration_tokens = 300,
+                            .model_checksum = ModelChecksum(*gguf)},
+                   .geometry = (*model)->config().cache_geometry(),
+                   .keys = *codes->keys,
+                   .values = *codes->values};
+    ASSERT_TRUE(WriteCodecFile(path, file).ok());
+  };
+  absl::StatusOr<std::unique_ptr<GgufFile>> tiny = GgufFile::Open(testing::TinyModelPath());
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  fit(std::shared_ptr<const GgufFile>(*std::move(tiny)), good);
+  fit(*GgufFile::FromBytes(testing::BuildTinyLlamaGguf({.context = 256, .seed = 2})), other);
+
+  server::ServerAppConfig config = TestServerConfig();
+  config.kv_cache.kind = runtime::KvCacheKind::kTransform;
+  config.kv_cache.codec_path = good;
+  config.kv_cache.window_tokens = 16;
+  {
+    Server s(config);
+    ASSERT_TRUE(s.ok());
+    const v1::ModelInfo info = s.ModelInfo();
+    EXPECT_EQ(info.cache().kind(), "transform");
+    const std::string session = s.CreateSession();
+    const v1::GenerateResponse r = s.Generate(TokensRequest({1, 300, 301}, 60), session);
+    EXPECT_EQ(r.token_ids_size(), 60);
+    const v1::CacheStats held = s.CacheStats();
+    EXPECT_EQ(held.tokens_cached(), 3u + 60u - 1u);
+    EXPECT_GT(held.bytes_used_compressed(), 0u);
+    EXPECT_DOUBLE_EQ(held.compression_ratio(), ExpectedCompressionRatio(held, info));
+    // The continuation reads the coded blocks back.
+    const v1::GenerateResponse more = s.Generate(TokensRequest({302, 303}, 20), session);
+    EXPECT_EQ(more.token_ids_size(), 20);
+    s.DeleteSession(session);
+  }
+  for (const auto& [path, expected] :
+       {std::pair{other, "--codec " + other},
+        std::pair{dir + "/no_such.codec.gguf", std::string("no_such")}}) {
+    SCOPED_TRACE(path);
+    config.kv_cache.codec_path = path;
+    const absl::Status status = server::ServerApp::Start(config).status();
+    EXPECT_FALSE(status.ok());
+    EXPECT_TRUE(absl::StrContains(status.message(), expected)) << status;
+  }
+  config.kv_cache.codec_path = "";
+  absl::Status missing = server::ServerApp::Start(config).status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(missing.message(), "needs --codec")) << missing;
+  server::ServerAppConfig compressed = TestServerConfig();
+  compressed.kv_cache.codec_path = good;
+  absl::Status wrong = server::ServerApp::Start(compressed).status();
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(wrong.message(), "--codec needs --kv-cache=transform")) << wrong;
+  for (const std::string& p : {good, other}) std::remove(p.c_str());
+}
+
 // The compressed cache on every architecture the forward pass runs (random-weight fixtures of
 // tests/reference/make_reference.py): Qwen2 with 64-wide heads and biases, Qwen3 with 128-wide
 // heads and Q/K norms, Phi-3's fused tensors (also with a 13-token sliding window, which the
@@ -663,7 +739,8 @@ TEST(KvCacheOptionsTest, ParsesFlagNames) {
   EXPECT_EQ(runtime::ParseKvCacheKind("quantized").value(), runtime::KvCacheKind::kQuantized);
   const absl::Status kind = runtime::ParseKvCacheKind("paged").status();
   EXPECT_EQ(kind.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(kind.message(), "--kv-cache must be 'full', 'compressed' or 'quantized', got 'paged'");
+  EXPECT_EQ(kind.message(),
+            "--kv-cache must be 'full', 'compressed', 'quantized' or 'transform', got 'paged'");
   EXPECT_EQ(runtime::ParseQuantizedKvDtype("q8_0").value(), KvDtype::kQ8_0);
   EXPECT_EQ(runtime::ParseQuantizedKvDtype("q4_0").value(), KvDtype::kQ4_0);
   const absl::Status kv = runtime::ParseQuantizedKvDtype("f32").status();

@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """The transform codec's file end to end: subspace-calibrate --kv-budget writes it, and
 subspace-longctx's tcfile: cache reading it scores exactly as the codec it fits itself on the same
-tokens (tc:BITS), on the small suite and the default model; bad uses are refused by name.
+tokens (tc:BITS), on the small suite and the default model; the real cache (tccache:, the server's
+--kv-cache transform) stores its codes and scores as close; bad uses are refused by name.
   codec_file_itest.py BUILD/bin REPO_ROOT
 """
 import os
@@ -30,7 +31,8 @@ class CodecFileTest(unittest.TestCase):
         write_suite(ROOT, suite, "--small")
         cls.proc, cls.rows = run_longctx(
             os.path.join(BIN, "subspace-longctx"),
-            ["--model", MODEL, "--suite", suite, "--caches", "tcfile:%s,tc:3" % cls.codec,
+            ["--model", MODEL, "--suite", suite,
+             "--caches", "tcfile:{0},tc:3,tccache:{0}".format(cls.codec),
              "--calib", TEXT, "--calib-tokens", "3000", "--max-items", "6"],
             os.path.join(cls.tmp, "rows.json"), timeout=300)
 
@@ -46,6 +48,18 @@ class CodecFileTest(unittest.TestCase):
         for key in ("bytes_ratio", "kld", "top1", "passkey_hits", "kv_hits", "long_ppl"):
             self.assertEqual(a[key], b[key], key)
         self.assertGreater(a["kld"], 0.0)
+
+    def test_the_cache_stores_the_codes(self):
+        # tccache: the server's --kv-cache transform on the file: whole blocks coded, the rest
+        # fp16, bytes measured in its pool. It keeps more full (block-granular window), so it is
+        # a little larger and at least as close as the token-precise emulation.
+        self.assertEqual(self.proc.returncode, 0, self.proc.stderr)
+        emu, real = self.rows["tcfile:%s" % self.codec], self.rows["tccache:%s" % self.codec]
+        self.assertLess(real["bytes_ratio"], 0.7)
+        self.assertGreaterEqual(real["bytes_ratio"], emu["bytes_ratio"])
+        self.assertGreater(real["kld"], 0.0)
+        self.assertLessEqual(real["kld"], 2 * emu["kld"] + 1e-3)
+        self.assertGreaterEqual(real["top1"], 0.95)
 
     def test_bad_uses_are_refused_by_name(self):
         both = subprocess.run(

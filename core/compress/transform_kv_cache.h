@@ -1,0 +1,162 @@
+// The transform-coded KV cache (CPU reference): full-rank fp16 blocks for the attention sinks
+// and the recent window, and every older block stored as the transform codec's packed codes
+// (core/compress/transform_codec.h: mean, PCA basis over all head dims, a per-component uniform
+// quantizer of 0-8 bits), one code per layer and KV head for keys and one for values, as
+// subspace-calibrate --kv-budget writes them (core/compress/codec_file.h). Keys are coded before
+// RoPE when the codec says so (rotated back at coding, rotated again at decoding).
+//
+// Pool: one BlockPool of pages of one full block ([2][n_kv][B][head_dim] fp16); coded blocks,
+// smaller, packed into pages by a SlabAllocator (one class per distinct coded-block size), so
+// full and coded blocks draw from one budget. A coded block holds, per KV head, B key rows of
+// the head's key code's BytesPerRow(), then the value rows likewise: [K: h0 t0..tB-1, h1 ...]
+// [V: ...]. Sequences and block tables: the SequenceManager every cache uses.
+//
+// Policy, at Commit, as the compressed cache's (CompressionPolicy::CompressibleBlocks): blocks
+// overlapping the first S tokens stay full; a block is coded once it ends at or before
+// length - W; its page is freed before its slot is taken, so coding never needs a free page.
+// Attention decodes the coded blocks a call reads into fp32, once per call (a row costs O(d^2):
+// the basis), and runs the paged attention every paged cache shares
+// (core/kvcache/paged_attention.h); attention in code space, and its AVX2 and CUDA kernels, are
+// the next step.
+#ifndef SUBSPACE_CORE_COMPRESS_TRANSFORM_KV_CACHE_H_
+#define SUBSPACE_CORE_COMPRESS_TRANSFORM_KV_CACHE_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/base/rope.h"
+#include "core/compress/compression_policy.h"
+#include "core/compress/transform_codec.h"
+#include "core/kvcache/block_pool.h"
+#include "core/kvcache/kv_cache.h"
+#include "core/kvcache/sequence_manager.h"
+
+namespace subspace {
+
+struct TransformKvCacheConfig {
+  KvCacheGeometry geometry;
+  int block_size = 16;  // B tokens per block
+  int sink_tokens = CompressionPolicy::kDefaultSinkTokens;
+  int window_tokens = CompressionPolicy::kDefaultWindowTokens;
+  // The codes of layer l, KV head h at [l * n_kv_heads + h], each of dim head_dim (CodecFile's
+  // keys and values).
+  std::shared_ptr<const std::vector<TransformCode>> key_codes, value_codes;
+  // Set: keys are coded before RoPE with this schedule (CodecFileInfo::pre_rope_keys).
+  std::optional<RopeSchedule> key_rope;
+  int64_t capacity_bytes = 0;  // pool budget; pages = capacity_bytes / PageBytes
+};
+
+// Beyond KvCacheStats (tests, benchmarks).
+struct TransformKvCacheDetail {
+  int64_t pages_full = 0;
+  int64_t pages_coded = 0;       // slab pages holding coded blocks
+  int64_t blocks_coded = 0;      // summed over layers
+  int64_t coded_slot_bytes = 0;  // payload of the coded blocks (slab pages minus waste)
+};
+
+class TransformKvCache final : public KvCache {
+ public:
+  // INVALID_ARGUMENT for a bad geometry or block size, codes missing or of the wrong count or
+  // dim, a key_rope of another dim than head_dim, or a capacity below one page per layer.
+  static absl::StatusOr<std::unique_ptr<TransformKvCache>> Create(
+      const TransformKvCacheConfig& config);
+
+  // Bytes of one page = one full fp16 block: [2][n_kv_heads][B][head_dim] x 2.
+  static int64_t PageBytes(const KvCacheGeometry& geometry, int block_size);
+  // Bytes of one coded block of `layer`: B x sum over KV heads of the key and value codes'
+  // BytesPerRow (before the slab's 16-byte rounding).
+  int64_t CodedBlockBytes(int layer) const;
+
+  const KvCacheGeometry& geometry() const override { return config_.geometry; }
+  int block_size() const override { return config_.block_size; }
+
+  absl::StatusOr<SeqId> CreateSequence() override;
+  absl::Status FreeSequence(SeqId seq) override;
+  int64_t Length(SeqId seq) const override { return seqs_.Length(seq); }
+  // New tokens land in full blocks: counted as the paged cache counts them.
+  absl::Status Reserve(SeqId seq, int64_t n) override;
+  int64_t BlocksNeeded(SeqId seq, int64_t n) const override;
+  // k (post-RoPE), v: [n, n_kv_heads, head_dim], stored at fp16; the range must be reserved and
+  // not yet coded.
+  void Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k, const float* v) override;
+  void Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) override;
+  // Commits, then codes every full block that has left the window (and the sinks).
+  absl::Status Commit(SeqId seq, int64_t length) override;
+  // Drops tokens at and past `length`. A coded block cut in the middle is decoded back into a
+  // full block (its rows as attention read them, at fp16) so new tokens can follow it;
+  // RESOURCE_EXHAUSTED when no page is free for that.
+  absl::Status Truncate(SeqId seq, int64_t length) override;
+
+  KvCacheStats Stats() const override { return seqs_.Stats(config_.geometry); }
+  TransformKvCacheDetail Detail() const;
+
+  // Whether block `block` of `seq` in `layer` is coded (tests).
+  bool IsCoded(SeqId seq, int layer, int64_t block) const;
+  const BlockPool& pool() const { return *pool_; }
+
+ private:
+  struct Block {
+    int32_t page = -1;  // full block: its page; coded: the slab page
+    int32_t slot = -1;  // -1: full block; else the slot index in the slab page
+  };
+  struct SequenceState {
+    int64_t next_compress = 0;  // first block not yet considered for coding
+  };
+  using Sequences = SequenceManager<Block, SequenceState>;
+  using Sequence = Sequences::Sequence;
+  class RowSource;  // the paged attention's view of a layer
+
+  TransformKvCache(const TransformKvCacheConfig& config, std::unique_ptr<BlockPool> pool);
+
+  const TransformCode& KeyCode(int layer, int h) const {
+    return (*config_.key_codes)[static_cast<size_t>(layer * config_.geometry.n_kv_heads + h)];
+  }
+  const TransformCode& ValueCode(int layer, int h) const {
+    return (*config_.value_codes)[static_cast<size_t>(layer * config_.geometry.n_kv_heads + h)];
+  }
+  // Element offsets of row t of head h in a full page: keys, then values after all keys.
+  int64_t KOffset(int h, int64_t t) const {
+    return (static_cast<int64_t>(h) * config_.block_size + t) * config_.geometry.head_dim;
+  }
+  int64_t VOffset(int h, int64_t t) const { return v_half_ + KOffset(h, t); }
+  uint16_t* FullAt(int32_t page, int64_t offset) {
+    return reinterpret_cast<uint16_t*>(pool_->data(page)) + offset;
+  }
+  const uint16_t* FullAt(int32_t page, int64_t offset) const {
+    return reinterpret_cast<const uint16_t*>(pool_->data(page)) + offset;
+  }
+  // The bytes of head h's key (values = false) or value rows in a coded block of `layer`.
+  int64_t CodedOffset(int layer, int h, bool values) const {
+    return coded_offsets_[static_cast<size_t>(
+        (layer * 2 + (values ? 1 : 0)) * config_.geometry.n_kv_heads + h)];
+  }
+  // Decodes rows [0, valid) of every head of one side of a coded block into `out`
+  // ([n_kv][B][head_dim] fp32): keys rotated back to their positions when coded pre-RoPE.
+  void DecodeRows(int layer, const uint8_t* codes, int64_t block, bool values, int valid,
+                  float* out) const;
+  // Codes full block b of `layer` (every token committed) into a slab slot.
+  void CodeBlock(Sequence& s, int layer, int64_t b);
+  // Decodes coded block b of `layer` back into a full page (Truncate).
+  absl::Status ExpandBlock(Sequence& s, int layer, int64_t b);
+  void FreeBlock(Block& e);
+
+  TransformKvCacheConfig config_;
+  CompressionPolicy policy_;                // sinks and window: which blocks a Commit codes
+  std::optional<RopeSchedule> key_unrope_;  // key_rope's inverse (scale divided out)
+  int64_t v_half_;  // elements of the K half of a full page: n_kv * B * head_dim
+  std::vector<int64_t> coded_offsets_;  // [n_layers][2][n_kv] byte offsets in a coded block
+  std::vector<int64_t> coded_bytes_;    // [n_layers] CodedBlockBytes
+  std::unique_ptr<BlockPool> pool_;
+  SlabAllocator slabs_;
+  std::vector<int> slab_class_;  // [n_layers]
+  Sequences seqs_;
+};
+
+}  // namespace subspace
+
+#endif  // SUBSPACE_CORE_COMPRESS_TRANSFORM_KV_CACHE_H_

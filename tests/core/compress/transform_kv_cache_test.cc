@@ -1,0 +1,247 @@
+// The transform-coded KV cache against an independent reference: attention in double over rows
+// as the cache must hold them (fp16 for the sinks and the window, the codec's round trip of the
+// pre-RoPE key -- rotated back and forth -- and of the value for every coded block), after
+// chunked commits, a truncation into a coded block and new tokens after it; and its accounting.
+#include "core/compress/transform_kv_cache.h"
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "core/base/coeff_codec.h"
+#include "core/base/ggml_types.h"
+#include "core/cpu/ops.h"
+#include "gtest/gtest.h"
+
+namespace subspace {
+namespace {
+
+constexpr int kLayers = 2, kKv = 2, kHeads = 4, kDim = 32, kBlock = 4, kSinks = 4, kWindow = 8;
+
+KvCacheGeometry Geometry() { return {.n_layers = kLayers, .n_kv_heads = kKv, .head_dim = kDim}; }
+
+float Fp16(float x) { return HalfToFloat(Fp32ToFp16(x)); }
+
+// Codes fitted on correlated random rows (a few strong directions, as real keys have), under a
+// budget of `bits` per component, for every (layer, KV head).
+std::shared_ptr<const std::vector<TransformCode>> FitCodes(double bits, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  std::vector<TransformStream> streams;
+  for (int s = 0; s < kLayers * kKv; ++s) {
+    const int rows = 400;
+    std::vector<float> mix(kDim * kDim), x(static_cast<size_t>(rows) * kDim);
+    for (float& m : mix) m = n01(rng) * 0.3f;
+    for (int r = 0; r < rows; ++r) {
+      std::vector<float> z(kDim);
+      for (int i = 0; i < kDim; ++i) z[i] = n01(rng) * (i < 6 ? 3.0f : 0.3f);
+      for (int j = 0; j < kDim; ++j) {
+        float acc = 0.5f;
+        for (int i = 0; i < kDim; ++i) acc += mix[i * kDim + j] * z[i];
+        x[static_cast<size_t>(r) * kDim + j] = acc + z[j];
+      }
+    }
+    absl::StatusOr<TransformStream> st = AnalyzeStream(x.data(), rows, kDim, {});
+    EXPECT_TRUE(st.ok()) << st.status();
+    streams.push_back(*std::move(st));
+  }
+  const std::vector<int> widths = {0, 2, 3, 4, 8};
+  absl::StatusOr<std::vector<TransformCode>> codes =
+      AllocateTransformCodes(streams, widths, bits, /*joint=*/false);
+  EXPECT_TRUE(codes.ok()) << codes.status();
+  return std::make_shared<const std::vector<TransformCode>>(*std::move(codes));
+}
+
+struct Fixture {
+  RopeSchedule rope;
+  std::shared_ptr<const std::vector<TransformCode>> kc, vc;
+  std::unique_ptr<TransformKvCache> cache;
+  // What the cache must hold: [layer][pos][kv head][dim], post-RoPE keys.
+  std::vector<std::vector<float>> k_ref, v_ref;
+};
+
+Fixture Make(int64_t tokens, uint32_t seed, int64_t pages = 200) {
+  Fixture f;
+  f.rope = *RopeSchedule::Make({.dim = kDim, .theta = 10000.0});
+  f.kc = FitCodes(3.0, seed);
+  f.vc = FitCodes(2.0, seed + 1);
+  absl::StatusOr<std::unique_ptr<TransformKvCache>> cache = TransformKvCache::Create(
+      {.geometry = Geometry(),
+       .block_size = kBlock,
+       .sink_tokens = kSinks,
+       .window_tokens = kWindow,
+       .key_codes = f.kc,
+       .value_codes = f.vc,
+       .key_rope = f.rope,
+       .capacity_bytes = pages * TransformKvCache::PageBytes(Geometry(), kBlock)});
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  f.cache = *std::move(cache);
+  f.k_ref.assign(kLayers, std::vector<float>(static_cast<size_t>(tokens) * kKv * kDim));
+  f.v_ref = f.k_ref;
+  return f;
+}
+
+// Random K/V for positions [pos, pos + n) of every layer, written to the cache and, as stored
+// full-rank (fp16), to the reference.
+void WriteTokens(Fixture& f, SeqId seq, int64_t pos, int64_t n, std::mt19937& rng) {
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<float> k(static_cast<size_t>(n) * kKv * kDim), v(k.size());
+    for (float& x : k) x = n01(rng) * 2.0f + 0.5f;
+    for (float& x : v) x = n01(rng);
+    f.cache->Write(l, seq, pos, n, k.data(), v.data());
+    for (size_t i = 0; i < k.size(); ++i) {
+      f.k_ref[l][static_cast<size_t>(pos) * kKv * kDim + i] = Fp16(k[i]);
+      f.v_ref[l][static_cast<size_t>(pos) * kKv * kDim + i] = Fp16(v[i]);
+    }
+  }
+}
+
+// The reference's rows of block b as coded: the value's round trip; the key rotated back to
+// before RoPE, round-tripped, rotated again.
+void CodeReferenceBlock(Fixture& f, int64_t b) {
+  RopeSchedule unrope = f.rope;
+  unrope.mscale = 1.0 / unrope.mscale;
+  for (int l = 0; l < kLayers; ++l) {
+    for (int64_t p = b * kBlock; p < (b + 1) * kBlock; ++p) {
+      const int64_t neg = -p;
+      float* k = f.k_ref[l].data() + p * kKv * kDim;
+      float* v = f.v_ref[l].data() + p * kKv * kDim;
+      cpu::Rope(k, 1, kKv, kDim, unrope, &neg);
+      for (int h = 0; h < kKv; ++h) {
+        (*f.kc)[static_cast<size_t>(l * kKv + h)].RoundTrip(k + h * kDim);
+        (*f.vc)[static_cast<size_t>(l * kKv + h)].RoundTrip(v + h * kDim);
+      }
+      cpu::Rope(k, 1, kKv, kDim, f.rope, &p);
+    }
+  }
+}
+
+// Attention in double of queries at [pos, pos + n) over the reference's rows [0, p].
+std::vector<float> ReferenceAttend(const Fixture& f, int layer, int64_t pos, int64_t n,
+                                   const std::vector<float>& q) {
+  std::vector<float> out(q.size());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kDim));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int h = 0; h < kHeads; ++h) {
+      const int kvh = h / (kHeads / kKv);
+      const float* qh = q.data() + (i * kHeads + h) * kDim;
+      std::vector<double> w;
+      double m = -1e300;
+      for (int64_t p = 0; p <= pos + i; ++p) {
+        const float* k = f.k_ref[layer].data() + (p * kKv + kvh) * kDim;
+        double s = 0.0;
+        for (int d = 0; d < kDim; ++d) s += static_cast<double>(qh[d]) * k[d];
+        w.push_back(s * scale);
+        m = std::max(m, w.back());
+      }
+      double sum = 0.0;
+      for (double& x : w) sum += (x = std::exp(x - m));
+      for (int d = 0; d < kDim; ++d) {
+        double acc = 0.0;
+        for (int64_t p = 0; p <= pos + i; ++p) {
+          acc += w[static_cast<size_t>(p)] * f.v_ref[layer][(p * kKv + kvh) * kDim + d];
+        }
+        out[(i * kHeads + h) * kDim + d] = static_cast<float>(acc / sum);
+      }
+    }
+  }
+  return out;
+}
+
+void ExpectAttentionMatches(Fixture& f, SeqId seq, int64_t pos, int64_t n, std::mt19937& rng) {
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<float> q(static_cast<size_t>(n) * kHeads * kDim), out(q.size());
+    for (float& x : q) x = n01(rng);
+    const AttentionRequest req{.seq = seq, .pos = pos, .n = n, .q = q.data(), .out = out.data()};
+    f.cache->Attend(l, {&req, 1}, kHeads);
+    const std::vector<float> want = ReferenceAttend(f, l, pos, n, q);
+    for (size_t i = 0; i < out.size(); ++i) {
+      ASSERT_NEAR(out[i], want[i], 2e-4 * (1.0 + std::abs(want[i])))
+          << "layer " << l << " element " << i << " (queries at " << pos << ")";
+    }
+  }
+}
+
+TEST(TransformKvCacheTest, AttentionMatchesTheCodedReferenceOverChunkedCommits) {
+  std::mt19937 rng(7);
+  Fixture f = Make(40, 11);
+  const SeqId seq = *f.cache->CreateSequence();
+  ASSERT_TRUE(f.cache->Reserve(seq, 40).ok());
+  WriteTokens(f, seq, 0, 20, rng);
+  ASSERT_TRUE(f.cache->Commit(seq, 20).ok());
+  // Blocks past the sinks that end at or before 20 - W = 12: 1 and 2.
+  for (int64_t b = 0; b < 5; ++b) EXPECT_EQ(f.cache->IsCoded(seq, 1, b), b == 1 || b == 2) << b;
+  for (int64_t b : {1, 2}) CodeReferenceBlock(f, b);
+  ExpectAttentionMatches(f, seq, 17, 3, rng);  // a prefill-like chunk over coded blocks
+
+  WriteTokens(f, seq, 20, 20, rng);
+  ASSERT_TRUE(f.cache->Commit(seq, 40).ok());
+  for (int64_t b = 3; b < 8; ++b) CodeReferenceBlock(f, b);
+  EXPECT_EQ(f.cache->Detail().blocks_coded, 7 * kLayers);
+  ExpectAttentionMatches(f, seq, 39, 1, rng);  // decode
+
+  const KvCacheStats st = f.cache->Stats();
+  EXPECT_EQ(st.tokens_cached, 40);
+  EXPECT_GT(st.bytes_used_compressed, 0);
+  EXPECT_EQ(st.bytes_used_full, 3 * kLayers * TransformKvCache::PageBytes(Geometry(), kBlock));
+  int64_t coded = 0;
+  for (int l = 0; l < kLayers; ++l) coded += 7 * ((f.cache->CodedBlockBytes(l) + 15) / 16 * 16);
+  EXPECT_EQ(f.cache->Detail().coded_slot_bytes, coded);
+  // A coded block is far smaller than its fp16 page: ~2.5 bits a value against 16.
+  EXPECT_LT(f.cache->CodedBlockBytes(0), TransformKvCache::PageBytes(Geometry(), kBlock) / 4);
+  ASSERT_TRUE(f.cache->FreeSequence(seq).ok());
+  EXPECT_EQ(f.cache->pool().num_free(), f.cache->pool().num_blocks());
+}
+
+TEST(TransformKvCacheTest, TruncationIntoACodedBlockDecodesItAndTokensFollow) {
+  std::mt19937 rng(3);
+  Fixture f = Make(40, 5);
+  const SeqId seq = *f.cache->CreateSequence();
+  ASSERT_TRUE(f.cache->Reserve(seq, 40).ok());
+  WriteTokens(f, seq, 0, 40, rng);
+  ASSERT_TRUE(f.cache->Commit(seq, 40).ok());
+  for (int64_t b = 1; b < 8; ++b) CodeReferenceBlock(f, b);
+  // Block 5 holds 20..23: cut at 22, decoded back into a full page at fp16.
+  ASSERT_TRUE(f.cache->Truncate(seq, 22).ok());
+  EXPECT_FALSE(f.cache->IsCoded(seq, 0, 5));
+  EXPECT_TRUE(f.cache->IsCoded(seq, 0, 4));
+  for (int l = 0; l < kLayers; ++l) {
+    for (size_t i = 20 * kKv * kDim; i < 22 * kKv * kDim; ++i) {
+      f.k_ref[l][i] = Fp16(f.k_ref[l][i]);
+      f.v_ref[l][i] = Fp16(f.v_ref[l][i]);
+    }
+  }
+  ASSERT_TRUE(f.cache->Reserve(seq, 6).ok());
+  WriteTokens(f, seq, 22, 6, rng);
+  ExpectAttentionMatches(f, seq, 22, 6, rng);
+  ASSERT_TRUE(f.cache->Commit(seq, 28).ok());
+  EXPECT_EQ(f.cache->Length(seq), 28);
+}
+
+TEST(TransformKvCacheTest, RefusesCodesThatDoNotFitTheModel) {
+  auto codes = FitCodes(3.0, 1);
+  TransformKvCacheConfig c{.geometry = Geometry(),
+                           .block_size = kBlock,
+                           .key_codes = codes,
+                           .value_codes = codes,
+                           .capacity_bytes = 100 * TransformKvCache::PageBytes(Geometry(), kBlock)};
+  EXPECT_TRUE(TransformKvCache::Create(c).ok());
+  TransformKvCacheConfig few = c;
+  few.value_codes =
+      std::make_shared<const std::vector<TransformCode>>(codes->begin(), codes->end() - 1);
+  const absl::Status st = TransformKvCache::Create(few).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("value codes"), std::string::npos) << st.message();
+  TransformKvCacheConfig wide = c;
+  wide.geometry.head_dim = 64;
+  EXPECT_EQ(TransformKvCache::Create(wide).status().code(), absl::StatusCode::kInvalidArgument);
+  TransformKvCacheConfig small = c;
+  small.capacity_bytes = TransformKvCache::PageBytes(Geometry(), kBlock);
+  EXPECT_EQ(TransformKvCache::Create(small).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace subspace
