@@ -33,7 +33,6 @@ using ::subspace::testing::HttpGet;
 using ::subspace::testing::MetricValue;
 using ::subspace::testing::ReflectionListServices;
 using ::subspace::testing::TestServerConfig;
-using ::subspace::testing::WaitFor;
 
 constexpr int kServing = 1;
 constexpr int kNotServing = 2;
@@ -242,7 +241,7 @@ TEST(ServerAppConfigTest, BadConfigIsRejected) {
 TEST(ServerBinaryTest, SigtermDrainsAndExitsZero) {
   int out_pipe[2];
   ASSERT_EQ(pipe(out_pipe), 0);
-  const std::string model = subspace::testing::TinyModelPath();
+  const std::string& model = subspace::testing::TinyModelPath();
   const pid_t pid = fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
