@@ -1,8 +1,10 @@
 // Decode attention time vs context and batch: full-rank paged cache against the compressed
 // cache (fp16, int8 coefficients, r = d/4, S = 4, W = 64, B = 16), one layer, random K/V and
-// an installed orthonormal basis. Prints time per step and, beside the time ratio, the ratio
-// of bytes the cache holds. With --epoch_table, first the cost of building a PCA epoch 0
-// (Gram matrices + eigendecomposition) and of the Commit that triggers it.
+// an installed orthonormal basis; the quantized paged cache (q8_0, q4_0); and the transform-coded
+// cache (codes at 2.5 / 1.5 bits fitted on rows drawn like the K/V, pre-RoPE keys). Prints time
+// per step and, beside the time ratio, the ratio of bytes the cache holds. With --epoch_table,
+// first the cost of building a PCA epoch 0 (Gram matrices + eigendecomposition) and of the Commit
+// that triggers it.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -16,6 +18,7 @@
 #include "cli/flags.h"
 #include "core/base/pca.h"
 #include "core/compress/compressed_kv_cache.h"
+#include "core/compress/transform_kv_cache.h"
 #include "core/kvcache/paged_kv_cache.h"
 
 ABSL_FLAG(std::string, contexts, "1024,4096,16384", "context lengths");
@@ -69,6 +72,23 @@ std::shared_ptr<Basis> RandomBasis(const KvCacheGeometry& g, int r, std::mt19937
   return b;
 }
 
+// Transform codes at `bits` per element for every KV head of a one-layer geometry, fitted on
+// standard normal rows (what Run writes).
+std::shared_ptr<const std::vector<TransformCode>> RandomCodes(const KvCacheGeometry& g, double bits,
+                                                              std::mt19937& rng) {
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<TransformStream> streams;
+  const int rows = 2048;
+  std::vector<float> x(static_cast<size_t>(rows) * g.head_dim);
+  for (int h = 0; h < g.n_kv_heads; ++h) {
+    for (float& v : x) v = n(rng);
+    streams.push_back(*AnalyzeStream(x.data(), rows, g.head_dim, {}));
+  }
+  const std::vector<int> widths = {0, 2, 3, 4, 8};
+  return std::make_shared<const std::vector<TransformCode>>(
+      *AllocateTransformCodes(streams, widths, bits, /*joint=*/false));
+}
+
 // Fills `batch` sequences to `ctx` tokens, then times decode attention (one query each).
 // Returns {median seconds per step, bytes used}.
 std::pair<double, int64_t> Run(KvCache& cache, const Geo& geo, int ctx, int batch, int iters,
@@ -120,9 +140,12 @@ void Table(const Geo& geo, const std::vector<int>& contexts, const std::vector<i
            int iters) {
   std::printf("\nheads %d, kv heads %d, head_dim %d, r_k = r_v = %d, B 16, S 4, W 64 (1 layer)\n",
               geo.n_heads, geo.n_kv, geo.hd, geo.hd / 4);
-  std::printf("%7s %5s | %10s | %10s %7s %7s | %10s %7s %7s | %10s %7s %7s | %10s %7s %7s\n",
-              "context", "batch", "full ms", "fp16 ms", "t ratio", "B ratio", "int8 ms", "t ratio",
-              "B ratio", "q8_0 ms", "t ratio", "B ratio", "q4_0 ms", "t ratio", "B ratio");
+  std::printf(
+      "%7s %5s | %10s | %10s %7s %7s | %10s %7s %7s | %10s %7s %7s | %10s %7s %7s | %10s %7s "
+      "%7s\n",
+      "context", "batch", "full ms", "fp16 ms", "t ratio", "B ratio", "int8 ms", "t ratio",
+      "B ratio", "q8_0 ms", "t ratio", "B ratio", "q4_0 ms", "t ratio", "B ratio", "tc ms",
+      "t ratio", "B ratio");
   const KvCacheGeometry g{1, geo.n_kv, geo.hd};
   std::mt19937 rng(1);
   for (int ctx : contexts) {
@@ -161,14 +184,32 @@ void Table(const Geo& geo, const std::vector<int>& contexts, const std::vector<i
         auto paged = *PagedKvCache::Create(qc);
         std::tie(qt[i], qb[i]) = Run(*paged, geo, ctx, batch, iters, rng);
       }
+      // The transform-coded cache (--kv-cache transform) at 2.5 / 1.5 bits.
+      double tt;
+      int64_t tb;
+      {
+        TransformKvCacheConfig c{
+            .geometry = g,
+            .block_size = 16,
+            .sink_tokens = 4,
+            .window_tokens = 64,
+            .key_codes = RandomCodes(g, 2.5, rng),
+            .value_codes = RandomCodes(g, 1.5, rng),
+            .key_rope = *RopeSchedule::Make({.dim = geo.hd}),
+            .capacity_bytes = (static_cast<int64_t>(batch) * (ctx / 16 / 3 + 8) + 72) *
+                              TransformKvCache::PageBytes(g, 16)};
+        auto cache = *TransformKvCache::Create(c);
+        std::tie(tt, tb) = Run(*cache, geo, ctx, batch, iters, rng);
+      }
       std::printf(
           "%7d %5d | %10.3f | %10.3f %7.3f %7.3f | %10.3f %7.3f %7.3f | %10.3f %7.3f %7.3f | "
-          "%10.3f %7.3f %7.3f\n",
+          "%10.3f %7.3f %7.3f | %10.3f %7.3f %7.3f\n",
           ctx, batch, full_t * 1e3, ct[0] * 1e3, ct[0] / full_t,
           static_cast<double>(cb[0]) / full_b, ct[1] * 1e3, ct[1] / full_t,
           static_cast<double>(cb[1]) / full_b, qt[0] * 1e3, qt[0] / full_t,
           static_cast<double>(qb[0]) / full_b, qt[1] * 1e3, qt[1] / full_t,
-          static_cast<double>(qb[1]) / full_b);
+          static_cast<double>(qb[1]) / full_b, tt * 1e3, tt / full_t,
+          static_cast<double>(tb) / full_b);
       std::fflush(stdout);
     }
   }
