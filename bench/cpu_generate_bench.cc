@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cli/flags.h"
+#include "core/gguf/gguf.h"
 #include "core/model/model.h"
 #include "runtime/backend.h"
 
@@ -31,13 +32,18 @@ ABSL_FLAG(std::vector<std::string>, batch, std::vector<std::string>({"1", "8"}),
 ABSL_FLAG(int32_t, prefill_batch, 0,
           "sequences per prefill step (0: the whole batch in one step); bounds the activations "
           "of long prompts at large batch");
-ABSL_FLAG(int32_t, repeats, 3, "measurements per cell; the best is reported");
+ABSL_FLAG(int32_t, repeats, 3,
+          "measurements per cell; the median is reported, with the decode spread "
+          "(max - min) / median");
 ABSL_FLAG(int64_t, kv_cache_bytes, 1ll << 30, "KV cache pool size in bytes (per kind)");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda (the CUDA backend)");
 ABSL_FLAG(bool, cuda_graphs, false, "cuda: decode steps as CUDA graphs (false: eager launches)");
 ABSL_FLAG(std::vector<std::string>, kv_cache, std::vector<std::string>({"full", "compressed"}),
           "comma-separated KV cache kinds, each measured in turn: full (paged full-rank), "
-          "quantized (paged q8_0 rows, CPU only), compressed (low-rank)");
+          "quantized (paged q8_0 rows, CPU only), compressed (low-rank), transform (the codec "
+          "of --codec, CPU only)");
+ABSL_FLAG(std::string, codec, "",
+          "transform: codec file from subspace-calibrate --kv-budget, as the server's --codec");
 
 namespace subspace {
 namespace {
@@ -45,7 +51,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct BenchConfig {
-  std::string device;  // cpu or cuda
+  std::string device;                      // cpu or cuda
+  std::string codec_path;                  // --codec (transform)
+  std::shared_ptr<const CodecFile> codec;  // loaded, checked against the model
   bool cuda_graphs = false;
   std::vector<int> batches;
   int prompt_len = 0;
@@ -56,9 +64,10 @@ struct BenchConfig {
 };
 
 struct Cell {
-  double prefill_tps = 0;
-  double decode_tps = 0;
-  KvCacheStats stats;  // at the end of decode, before the sequences are freed
+  double prefill_tps = 0;    // median over the repeats
+  double decode_tps = 0;     // median over the repeats
+  double decode_spread = 0;  // (max - min) / median of decode tokens/s over the repeats
+  KvCacheStats stats;        // at the end of decode, before the sequences are freed
 };
 
 // One kind's results, one cell per batch size.
@@ -134,6 +143,7 @@ absl::StatusOr<runtime::Backend> CreateBackend(const std::shared_ptr<LlamaModel>
   if (!cache_kind.ok()) return cache_kind.status();
   runtime::KvCacheOptions options;
   options.kind = *cache_kind;
+  if (options.kind == runtime::KvCacheKind::kTransform) options.codec_path = config.codec_path;
   constexpr int kBlockSize = 16;
   if (absl::Status st = runtime::ValidateKvCacheOptions(options, kBlockSize); !st.ok()) return st;
   const int max_batch = *std::max_element(config.batches.begin(), config.batches.end());
@@ -146,10 +156,11 @@ absl::StatusOr<runtime::Backend> CreateBackend(const std::shared_ptr<LlamaModel>
        .max_batch_tokens = std::max(prefill_seqs * config.prompt_len, max_batch),
        .max_running = max_batch,
        .cuda_graphs = config.cuda_graphs},
-      cpu_model, runtime::ResolveKvCacheOptions(options, cpu_model->config().cache_geometry()));
+      cpu_model, runtime::ResolveKvCacheOptions(options, cpu_model->config().cache_geometry()),
+      {.codec = config.codec});
 }
 
-// Builds the kind's backend, measures every batch size (best of config.repeats) and drops the
+// Builds the kind's backend, measures every batch size (median of config.repeats) and drops the
 // backend again before the next kind takes its memory.
 absl::StatusOr<KindResult> MeasureKind(const std::shared_ptr<LlamaModel>& cpu_model,
                                        const BenchConfig& config, const std::string& kind) {
@@ -157,7 +168,8 @@ absl::StatusOr<KindResult> MeasureKind(const std::shared_ptr<LlamaModel>& cpu_mo
   if (!backend.ok()) return backend.status();
   KindResult result{.kind = kind, .device_name = backend->model->device_name()};
   for (const int batch : config.batches) {
-    Cell best;
+    Cell median;
+    std::vector<double> prefill, decode;
     for (int r = 0; r < config.repeats; ++r) {
       absl::StatusOr<Cell> cell =
           Measure(*backend->model, *backend->cache, batch, config.prompt_len, config.decode_len,
@@ -166,11 +178,16 @@ absl::StatusOr<KindResult> MeasureKind(const std::shared_ptr<LlamaModel>& cpu_mo
         return absl::Status(cell.status().code(), absl::StrCat(kind, " cache, batch ", batch, ": ",
                                                                cell.status().message()));
       }
-      best.prefill_tps = std::max(best.prefill_tps, cell->prefill_tps);
-      best.decode_tps = std::max(best.decode_tps, cell->decode_tps);
-      best.stats = cell->stats;  // the same every repeat: same lengths, same block rounding
+      prefill.push_back(cell->prefill_tps);
+      decode.push_back(cell->decode_tps);
+      median.stats = cell->stats;  // the same every repeat: same lengths, same block rounding
     }
-    result.cells.push_back(best);
+    std::sort(prefill.begin(), prefill.end());
+    std::sort(decode.begin(), decode.end());
+    median.prefill_tps = prefill[prefill.size() / 2];
+    median.decode_tps = decode[decode.size() / 2];
+    median.decode_spread = Ratio(decode.back() - decode.front(), median.decode_tps);
+    result.cells.push_back(median);
   }
   return result;
 }
@@ -192,19 +209,19 @@ uint64_t DecodeWeightBytes(const LlamaModel& model) {
 
 void PrintTables(const BenchConfig& config, const std::vector<KindResult>& results) {
   std::printf(
-      "| batch | KV cache   | prefill tokens/s | decode tokens/s | decode ms/step "
-      "| KV MiB used | fp16-equivalent / used |\n");
+      "| batch | KV cache   | prefill tokens/s | decode tokens/s | decode spread "
+      "| decode ms/step | KV MiB used | fp16-equivalent / used |\n");
   std::printf(
-      "|------:|:-----------|-----------------:|----------------:|---------------:"
-      "|------------:|-----------------------:|\n");
+      "|------:|:-----------|-----------------:|----------------:|--------------:"
+      "|---------------:|------------:|-----------------------:|\n");
   for (size_t i = 0; i < config.batches.size(); ++i) {
     for (const KindResult& r : results) {
       const Cell& c = r.cells[i];
       const int64_t used = BytesUsed(c.stats);
-      std::printf("| %5d | %-10s | %16.1f | %15.1f | %14.2f | %11.2f | %22.2f |\n",
+      std::printf("| %5d | %-10s | %16.1f | %15.1f | %12.0f%% | %14.2f | %11.2f | %22.2f |\n",
                   config.batches[i], r.kind.c_str(), c.prefill_tps, c.decode_tps,
-                  Ratio(1000.0 * config.batches[i], c.decode_tps), used / 1048576.0,
-                  Ratio(c.stats.bytes_full_fp16_equivalent, used));
+                  100.0 * c.decode_spread, Ratio(1000.0 * config.batches[i], c.decode_tps),
+                  used / 1048576.0, Ratio(c.stats.bytes_full_fp16_equivalent, used));
     }
   }
   const KindResult* full = nullptr;
@@ -255,6 +272,15 @@ absl::Status Run() {
   if (!opened.ok()) return opened.status();
   const std::shared_ptr<LlamaModel> cpu_model = *std::move(opened);
   const ModelConfig cfg = cpu_model->config();
+  config.codec_path = absl::GetFlag(FLAGS_codec);
+  if (!config.codec_path.empty()) {
+    absl::StatusOr<std::unique_ptr<GgufFile>> gguf = GgufFile::Open(absl::GetFlag(FLAGS_model));
+    if (!gguf.ok()) return gguf.status();
+    absl::StatusOr<std::shared_ptr<const CodecFile>> codec =
+        runtime::LoadCodec(config.codec_path, **gguf, cfg.cache_geometry());
+    if (!codec.ok()) return codec.status();
+    config.codec = *std::move(codec);
+  }
   config.prompt_len = absl::GetFlag(FLAGS_prompt_tokens);
   config.decode_len = absl::GetFlag(FLAGS_decode_tokens);
   if (config.prompt_len + config.decode_len > cfg.context_length) {
@@ -276,7 +302,7 @@ absl::Status Run() {
   std::printf("model %s: dim %d, layers %d, heads %d/%d, vocab %d, context %d\n",
               absl::GetFlag(FLAGS_model).c_str(), cfg.dim, cfg.n_layers, cfg.n_heads,
               cfg.n_kv_heads, cfg.n_vocab, cfg.context_length);
-  std::printf("prompt %d tokens, decode %d tokens, best of %d; KV bytes at the end of decode\n\n",
+  std::printf("prompt %d tokens, decode %d tokens, median of %d; KV bytes at the end of decode\n\n",
               config.prompt_len, config.decode_len, config.repeats);
   PrintTables(config, results);
   // Decode on the CPU is a stream of the weights: their read rate at batch 1, for a
