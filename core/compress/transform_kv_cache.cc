@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -39,6 +40,32 @@ absl::Status CheckCodes(const std::shared_ptr<const std::vector<TransformCode>>&
 }
 
 }  // namespace
+
+TransformKvCache::DecodeTable TransformKvCache::DecodeTable::Of(const TransformCode& code) {
+  DecodeTable t;
+  const int d = code.dim;
+  t.base.assign(static_cast<size_t>(d), 0.0f);
+  int bit = 0;
+  for (int j = 0; j < d; ++j) {
+    const ComponentQuantizer& q = code.components[static_cast<size_t>(j)];
+    const float* row = code.basis.data() + static_cast<int64_t>(j) * d;
+    if (q.bits == 0) {
+      for (int i = 0; i < d; ++i) t.base[static_cast<size_t>(i)] += q.offset * row[i];
+      continue;
+    }
+    t.bit_at.push_back(bit);
+    t.bits.push_back(q.bits);
+    t.offset.push_back(q.offset);
+    t.step.push_back(q.step);
+    t.basis.insert(t.basis.end(), row, row + d);
+    bit += q.bits;
+  }
+  if (!code.scale.empty()) {
+    for (float s : code.scale) t.inv_scale.push_back(1.0f / s);
+  }
+  t.mean = code.mean.data();
+  return t;
+}
 
 int64_t TransformKvCache::PageBytes(const KvCacheGeometry& g, int block_size) {
   return 2 * static_cast<int64_t>(g.n_kv_heads) * block_size * g.head_dim * 2;
@@ -113,6 +140,7 @@ TransformKvCache::TransformKvCache(const TransformKvCacheConfig& config,
         coded_offsets_.push_back(at);
         const TransformCode& c = side == 0 ? KeyCode(l, h) : ValueCode(l, h);
         at += config_.block_size * c.BytesPerRow();
+        decode_.push_back(DecodeTable::Of(c));
       }
     }
     coded_bytes_.push_back(at);
@@ -186,20 +214,86 @@ void TransformKvCache::DecodeRows(int layer, const uint8_t* codes, int64_t block
                                   int valid, float* out) const {
   const int hd = config_.geometry.head_dim;
   const int bs = config_.block_size;
-  thread_local std::vector<int64_t> positions;
-  if (!values && key_unrope_.has_value()) {
-    positions.resize(static_cast<size_t>(valid));
-    for (int t = 0; t < valid; ++t) positions[static_cast<size_t>(t)] = block * bs + t;
-  }
+  const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
+  thread_local std::vector<float> coeffs;  // [valid, active] the block's decoded components
   for (int h = 0; h < config_.geometry.n_kv_heads; ++h) {
     const TransformCode& c = values ? ValueCode(layer, h) : KeyCode(layer, h);
+    const DecodeTable& table = decode_[static_cast<size_t>(
+        (layer * 2 + (values ? 1 : 0)) * config_.geometry.n_kv_heads + h)];
+    const int active = static_cast<int>(table.bits.size());
     const uint8_t* rows = codes + CodedOffset(layer, h, values);
     float* dst = out + static_cast<int64_t>(h) * bs * hd;
+    // The components of every row, then all rows at once: [valid, active] x [active, d].
+    coeffs.resize(static_cast<size_t>(valid) * static_cast<size_t>(active));
+    const int64_t row_bytes = c.BytesPerRow();
     for (int t = 0; t < valid; ++t) {
-      c.Decode(rows + t * c.BytesPerRow(), dst + static_cast<int64_t>(t) * hd);
+      const uint8_t* row = rows + t * row_bytes;
+      float* ct = coeffs.data() + static_cast<size_t>(t) * static_cast<size_t>(active);
+      for (int a = 0; a < active; ++a) {
+        // A code of at most 8 bits spans at most two bytes, least significant bit first; the
+        // second is read only when it is still in the row.
+        const int at = table.bit_at[static_cast<size_t>(a)];
+        const int64_t byte = at >> 3;
+        uint32_t window = row[byte];
+        if (byte + 1 < row_bytes) window |= static_cast<uint32_t>(row[byte + 1]) << 8;
+        const uint32_t code =
+            (window >> (at & 7)) & ((1u << table.bits[static_cast<size_t>(a)]) - 1u);
+        ct[a] = table.offset[static_cast<size_t>(a)] +
+                static_cast<float>(code) * table.step[static_cast<size_t>(a)];
+      }
+      std::copy(table.base.begin(), table.base.end(), dst + static_cast<int64_t>(t) * hd);
     }
-    if (!values && key_unrope_.has_value()) {
-      cpu::Rope(dst, valid, 1, hd, *config_.key_rope, positions.data());
+    if (active > 0) {
+      kernels.accumulate(coeffs.data(), valid, cpu::KvRows{table.basis.data()}, active, hd, dst,
+                         hd);
+    }
+    for (int t = 0; t < valid; ++t) {
+      float* x = dst + static_cast<int64_t>(t) * hd;
+      if (table.inv_scale.empty()) {
+        for (int i = 0; i < hd; ++i) x[i] += table.mean[i];
+      } else {
+        for (int i = 0; i < hd; ++i)
+          x[i] = x[i] * table.inv_scale[static_cast<size_t>(i)] + table.mean[i];
+      }
+    }
+    if (!values && key_unrope_.has_value()) RotateKeys(dst, valid, block * bs);
+  }
+}
+
+void TransformKvCache::EnsureRopeTable(int64_t end) {
+  const RopeSchedule& rope = *config_.key_rope;
+  const int pairs = std::min(rope.dim, config_.geometry.head_dim) / 2;
+  const int64_t have = static_cast<int64_t>(rope_cos_sin_.size()) / (2 * pairs);
+  if (end <= have) return;
+  const int64_t grow = std::max(end, 2 * have);
+  rope_cos_sin_.resize(static_cast<size_t>(grow * 2 * pairs));
+  for (int64_t p = have; p < grow; ++p) {
+    float* cs = rope_cos_sin_.data() + p * 2 * pairs;
+    for (int i = 0; i < pairs; ++i) {
+      const double angle = static_cast<double>(p) * rope.inv_freq[static_cast<size_t>(i)];
+      cs[2 * i] = static_cast<float>(std::cos(angle) * rope.mscale);
+      cs[2 * i + 1] = static_cast<float>(std::sin(angle) * rope.mscale);
+    }
+  }
+}
+
+void TransformKvCache::RotateKeys(float* rows, int valid, int64_t first) const {
+  const RopeSchedule& rope = *config_.key_rope;
+  const int hd = config_.geometry.head_dim;
+  const int pairs = std::min(rope.dim, hd) / 2;
+  // With kHalves, pair p is (p, p + dim/2); with kAdjacentPairs (2p, 2p + 1): as cpu::Rope.
+  const bool halves = rope.layout == RopeLayout::kHalves;
+  const int stride = halves ? 1 : 2;
+  const int offset = halves ? rope.dim / 2 : 1;
+  for (int t = 0; t < valid; ++t) {
+    const float* cs = rope_cos_sin_.data() + (first + t) * 2 * pairs;
+    float* row = rows + static_cast<int64_t>(t) * hd;
+    for (int p = 0; p < pairs; ++p) {
+      float* a = row + p * stride;
+      float* b = a + offset;
+      const float x0 = *a, x1 = *b, c = cs[2 * p], s = cs[2 * p + 1];
+      *a = x0 * c - x1 * s;
+      *b = x0 * s + x1 * c;
     }
   }
 }
@@ -242,7 +336,11 @@ class TransformKvCache::RowSource final : public BlockRowSource {
         if (table[static_cast<size_t>(b)].slot >= 0) work.emplace_back(i, b);
       }
     }
-    decoded_.resize(floats);
+    // Reused by the calling thread from call to call: no allocation, no clearing per step
+    // (every block read is written first).
+    thread_local std::vector<float> buffer;
+    if (buffer.size() < floats) buffer.resize(floats);
+    decoded_ = buffer.data();
     const int64_t n = static_cast<int64_t>(work.size());
 #pragma omp parallel for schedule(dynamic, 1) if (n > 1)
     for (int64_t w = 0; w < n; ++w) {
@@ -291,17 +389,14 @@ class TransformKvCache::RowSource final : public BlockRowSource {
     }
     return nullptr;
   }
-  float* BlockRows(const Decoded& d, int64_t b) {
-    return decoded_.data() + d.offset + static_cast<size_t>((b - d.first) * 2 * cache_.v_half_);
-  }
-  const float* BlockRows(const Decoded& d, int64_t b) const {
-    return decoded_.data() + d.offset + static_cast<size_t>((b - d.first) * 2 * cache_.v_half_);
+  float* BlockRows(const Decoded& d, int64_t b) const {
+    return decoded_ + d.offset + static_cast<size_t>((b - d.first) * 2 * cache_.v_half_);
   }
 
   const TransformKvCache& cache_;
   int layer_;
   std::vector<Decoded> seqs_;
-  std::vector<float> decoded_;
+  float* decoded_ = nullptr;  // the constructing thread's buffer, valid for this call
 };
 
 void TransformKvCache::Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) {
@@ -321,6 +416,7 @@ void TransformKvCache::CodeBlock(Sequence& s, int layer, int64_t b) {
   const uint16_t* page = FullAt(e.page, 0);
   for (int64_t i = 0; i < 2 * v_half_; ++i) full[static_cast<size_t>(i)] = HalfToFloat(page[i]);
   if (key_unrope_.has_value()) {
+    EnsureRopeTable((b + 1) * bs);  // the positions decoding will rotate forward
     thread_local std::vector<int64_t> negated;
     negated.resize(static_cast<size_t>(bs));
     for (int t = 0; t < bs; ++t) negated[static_cast<size_t>(t)] = -(b * bs + t);

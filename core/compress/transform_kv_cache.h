@@ -110,6 +110,20 @@ class TransformKvCache final : public KvCache {
   using Sequences = SequenceManager<Block, SequenceState>;
   using Sequence = Sequences::Sequence;
   class RowSource;  // the paged attention's view of a layer
+  // One code laid out for decoding a block of rows as a small matrix product: its components
+  // with bits, their quantizers and bit positions in a packed row, their basis rows stacked
+  // [active, d], and the constant the components without bits contribute. A row is
+  // x = (base + sum_a c_a basis_a) / scale + mean, c_a = offset_a + code_a step_a: the same
+  // numbers as TransformCode::Decode (summed in another order).
+  struct DecodeTable {
+    std::vector<int> bit_at, bits;    // [active]
+    std::vector<float> offset, step;  // [active]
+    std::vector<float> basis;         // [active, d]
+    std::vector<float> base;          // [d]
+    std::vector<float> inv_scale;     // [d] or empty
+    const float* mean = nullptr;      // [d], the code's
+    static DecodeTable Of(const TransformCode& code);
+  };
 
   TransformKvCache(const TransformKvCacheConfig& config, std::unique_ptr<BlockPool> pool);
 
@@ -139,6 +153,11 @@ class TransformKvCache final : public KvCache {
   // ([n_kv][B][head_dim] fp32): keys rotated back to their positions when coded pre-RoPE.
   void DecodeRows(int layer, const uint8_t* codes, int64_t block, bool values, int valid,
                   float* out) const;
+  // Rotates rows [0, valid) of one head ([valid, head_dim], positions first, first + 1, ...) by
+  // the keys' RoPE, from rope_cos_sin_ (which covers every coded position).
+  void RotateKeys(float* rows, int valid, int64_t first) const;
+  // Grows rope_cos_sin_ to cover positions [0, end) (engine thread, at coding).
+  void EnsureRopeTable(int64_t end);
   // Codes full block b of `layer` (every token committed) into a slab slot.
   void CodeBlock(Sequence& s, int layer, int64_t b);
   // Decodes coded block b of `layer` back into a full page (Truncate).
@@ -148,9 +167,14 @@ class TransformKvCache final : public KvCache {
   TransformKvCacheConfig config_;
   CompressionPolicy policy_;                // sinks and window: which blocks a Commit codes
   std::optional<RopeSchedule> key_unrope_;  // key_rope's inverse (scale divided out)
+  // key_rope's cos and sin (times its scale) per position and pair, as cpu::Rope computes them:
+  // [positions][pairs][2]. Decoding rotates every coded key row each step, and a sincos per
+  // pair and row cost more than the decoding itself.
+  std::vector<float> rope_cos_sin_;
   int64_t v_half_;  // elements of the K half of a full page: n_kv * B * head_dim
   std::vector<int64_t> coded_offsets_;  // [n_layers][2][n_kv] byte offsets in a coded block
   std::vector<int64_t> coded_bytes_;    // [n_layers] CodedBlockBytes
+  std::vector<DecodeTable> decode_;     // [n_layers][2][n_kv], as coded_offsets_
   std::unique_ptr<BlockPool> pool_;
   SlabAllocator slabs_;
   std::vector<int> slab_class_;  // [n_layers]
