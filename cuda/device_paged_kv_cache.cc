@@ -15,11 +15,7 @@ int64_t DevicePagedKvCache::BlockBytes(const KvCacheGeometry& g, int block_size)
 absl::StatusOr<std::unique_ptr<DevicePagedKvCache>> DevicePagedKvCache::Create(
     const Config& config, uint8_t* pool, int64_t pool_bytes, std::shared_ptr<const void> owner) {
   const KvCacheGeometry& g = config.geometry;
-  if (g.n_layers <= 0 || g.n_kv_heads <= 0 || g.head_dim <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("KV cache geometry must be positive: n_layers=%d n_kv_heads=%d head_dim=%d",
-                        g.n_layers, g.n_kv_heads, g.head_dim));
-  }
+  if (absl::Status st = CheckKvGeometry(g); !st.ok()) return st;
   if (config.block_size < 1 || config.block_size > kernels::kMaxBlockSize) {
     return absl::InvalidArgumentError(
         absl::StrFormat("block_size must be in [1, %d] on the CUDA backend, got %d",

@@ -123,14 +123,11 @@ absl::StatusOr<std::unique_ptr<CompressedKvCache>> CompressedKvCache::Create(
           CoeffDtypeName(config.full_dtype), page_bytes));
     }
   }
-  const int64_t num_pages = config.capacity_bytes / page_bytes;
-  if (num_pages < g.n_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "KV cache capacity %d bytes holds %d pages of %d bytes; one token needs %d (one per layer)",
-        config.capacity_bytes, std::max<int64_t>(num_pages, 0), page_bytes, g.n_layers));
-  }
+  absl::StatusOr<int64_t> num_pages =
+      BlocksForCapacity(config.capacity_bytes, page_bytes, g.n_layers);
+  if (!num_pages.ok()) return num_pages.status();
   absl::StatusOr<std::unique_ptr<BlockPool>> pool =
-      BlockPool::Create(page_bytes / static_cast<int64_t>(sizeof(float)), num_pages);
+      BlockPool::Create(page_bytes / static_cast<int64_t>(sizeof(float)), *num_pages);
   if (!pool.ok()) return pool.status();
   CompressedKvCacheConfig resolved = config;
   resolved.policy = *std::move(policy);

@@ -5,17 +5,14 @@
 
 #include "absl/strings/str_format.h"
 #include "core/compress/online_statistics.h"
+#include "core/kvcache/sequence_manager.h"
 
 namespace subspace {
 
 absl::Status ValidateCompressedCacheSetup(const KvCacheGeometry& g, int block_size,
                                           const RefreshConfig& refresh, int n_query_heads,
                                           std::string_view kqsvd_refused) {
-  if (g.n_layers <= 0 || g.n_kv_heads <= 0 || g.head_dim <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("KV cache geometry must be positive: n_layers=%d n_kv_heads=%d head_dim=%d",
-                        g.n_layers, g.n_kv_heads, g.head_dim));
-  }
+  if (absl::Status st = CheckKvGeometry(g); !st.ok()) return st;
   if (block_size < 1 || block_size > 64) {
     return absl::InvalidArgumentError(
         absl::StrFormat("block_size must be in [1, 64], got %d", block_size));

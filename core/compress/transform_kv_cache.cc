@@ -78,11 +78,7 @@ int64_t TransformKvCache::CodedBlockBytes(int layer) const {
 absl::StatusOr<std::unique_ptr<TransformKvCache>> TransformKvCache::Create(
     const TransformKvCacheConfig& config) {
   const KvCacheGeometry& g = config.geometry;
-  if (g.n_layers <= 0 || g.n_kv_heads <= 0 || g.head_dim <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("KV cache geometry must be positive: n_layers=%d n_kv_heads=%d head_dim=%d",
-                        g.n_layers, g.n_kv_heads, g.head_dim));
-  }
+  if (absl::Status st = CheckKvGeometry(g); !st.ok()) return st;
   if (config.block_size <= 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("block_size must be positive, got %d", config.block_size));
@@ -101,14 +97,11 @@ absl::StatusOr<std::unique_ptr<TransformKvCache>> TransformKvCache::Create(
                         config.key_rope->dim, g.head_dim));
   }
   const int64_t page_bytes = PageBytes(g, config.block_size);
-  const int64_t num_pages = config.capacity_bytes / page_bytes;
-  if (num_pages < g.n_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "KV cache capacity %d bytes holds %d pages of %d bytes; one token needs %d (one per layer)",
-        config.capacity_bytes, std::max<int64_t>(num_pages, 0), page_bytes, g.n_layers));
-  }
+  absl::StatusOr<int64_t> num_pages =
+      BlocksForCapacity(config.capacity_bytes, page_bytes, g.n_layers);
+  if (!num_pages.ok()) return num_pages.status();
   absl::StatusOr<std::unique_ptr<BlockPool>> pool =
-      BlockPool::Create(page_bytes / static_cast<int64_t>(sizeof(float)), num_pages);
+      BlockPool::Create(page_bytes / static_cast<int64_t>(sizeof(float)), *num_pages);
   if (!pool.ok()) return pool.status();
   return std::unique_ptr<TransformKvCache>(new TransformKvCache(config, *std::move(pool)));
 }

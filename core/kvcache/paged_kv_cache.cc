@@ -25,11 +25,7 @@ int64_t PagedKvCache::BlockBytes(const KvCacheGeometry& geometry, int block_size
 
 absl::StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const Config& config) {
   const KvCacheGeometry& g = config.geometry;
-  if (g.n_layers <= 0 || g.n_kv_heads <= 0 || g.head_dim <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("KV cache geometry must be positive: n_layers=%d n_kv_heads=%d head_dim=%d",
-                        g.n_layers, g.n_kv_heads, g.head_dim));
-  }
+  if (absl::Status st = CheckKvGeometry(g); !st.ok()) return st;
   if (config.block_size <= 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("block_size must be positive, got %d", config.block_size));
@@ -40,15 +36,11 @@ absl::StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const Config&
                         KvDtypeName(config.dtype), kKvQuantBlock, g.head_dim));
   }
   const int64_t block_bytes = BlockBytes(g, config.block_size, config.dtype);
-  const int64_t num_blocks = config.capacity_bytes / block_bytes;
-  if (num_blocks < g.n_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "KV cache capacity %d bytes holds %d blocks of %d bytes; one token needs %d (one per "
-        "layer)",
-        config.capacity_bytes, std::max<int64_t>(num_blocks, 0), block_bytes, g.n_layers));
-  }
+  absl::StatusOr<int64_t> num_blocks =
+      BlocksForCapacity(config.capacity_bytes, block_bytes, g.n_layers);
+  if (!num_blocks.ok()) return num_blocks.status();
   absl::StatusOr<std::unique_ptr<BlockPool>> pool =
-      BlockPool::Create(block_bytes / static_cast<int64_t>(sizeof(float)), num_blocks);
+      BlockPool::Create(block_bytes / static_cast<int64_t>(sizeof(float)), *num_blocks);
   if (!pool.ok()) return pool.status();
   return std::unique_ptr<PagedKvCache>(new PagedKvCache(config, *std::move(pool)));
 }

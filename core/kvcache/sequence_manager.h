@@ -35,6 +35,30 @@ inline int64_t Fp16Bytes(const KvCacheGeometry& g, int64_t tokens) {
   return tokens * g.n_layers * 2 * static_cast<int64_t>(g.n_kv_heads) * g.head_dim * 2;
 }
 
+// What every cache's Create checks alike: INVALID_ARGUMENT unless every size is positive.
+inline absl::Status CheckKvGeometry(const KvCacheGeometry& g) {
+  if (g.n_layers <= 0 || g.n_kv_heads <= 0 || g.head_dim <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("KV cache geometry must be positive: n_layers=%d n_kv_heads=%d head_dim=%d",
+                        g.n_layers, g.n_kv_heads, g.head_dim));
+  }
+  return absl::OkStatus();
+}
+
+// The blocks of `block_bytes` a host pool of `capacity_bytes` holds; INVALID_ARGUMENT below one
+// per layer (a token needs one in every layer).
+inline absl::StatusOr<int64_t> BlocksForCapacity(int64_t capacity_bytes, int64_t block_bytes,
+                                                 int n_layers) {
+  const int64_t blocks = capacity_bytes / block_bytes;
+  if (blocks < n_layers) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "KV cache capacity %d bytes holds %d blocks of %d bytes; one token needs %d (one per "
+        "layer)",
+        capacity_bytes, std::max<int64_t>(blocks, 0), block_bytes, n_layers));
+  }
+  return blocks;
+}
+
 // No per-sequence state beyond the manager's.
 struct NoSequenceExtra {};
 
