@@ -91,10 +91,13 @@ absl::StatusOr<std::unique_ptr<TransformKvCache>> TransformKvCache::Create(
   if (absl::Status st = CheckCodes(config.key_codes, g, "key"); !st.ok()) return st;
   if (absl::Status st = CheckCodes(config.value_codes, g, "value"); !st.ok()) return st;
   if (config.key_rope.has_value() &&
-      (config.key_rope->dim <= 0 || config.key_rope->dim > g.head_dim)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("transform KV cache: the keys' RoPE rotates %d dims of a head of %d",
-                        config.key_rope->dim, g.head_dim));
+      (config.key_rope->dim < 2 || config.key_rope->dim % 2 != 0 ||
+       config.key_rope->dim > g.head_dim ||
+       config.key_rope->inv_freq.size() != static_cast<size_t>(config.key_rope->dim / 2))) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "transform KV cache: the keys' RoPE must rotate an even number of dims, at most the "
+        "head's %d, with a frequency per pair; got %d dims and %d frequencies",
+        g.head_dim, config.key_rope->dim, config.key_rope->inv_freq.size()));
   }
   const int64_t page_bytes = PageBytes(g, config.block_size);
   absl::StatusOr<int64_t> num_pages =

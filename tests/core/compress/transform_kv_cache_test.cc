@@ -238,6 +238,10 @@ TEST(TransformKvCacheTest, RefusesCodesThatDoNotFitTheModel) {
   TransformKvCacheConfig wide = c;
   wide.geometry.head_dim = 64;
   EXPECT_EQ(TransformKvCache::Create(wide).status().code(), absl::StatusCode::kInvalidArgument);
+  TransformKvCacheConfig odd = c;
+  odd.key_rope = *RopeSchedule::Make({.dim = kDim});
+  odd.key_rope->dim = 3;
+  EXPECT_EQ(TransformKvCache::Create(odd).status().code(), absl::StatusCode::kInvalidArgument);
   TransformKvCacheConfig small = c;
   small.capacity_bytes = TransformKvCache::PageBytes(Geometry(), kBlock);
   EXPECT_EQ(TransformKvCache::Create(small).status().code(), absl::StatusCode::kInvalidArgument);
