@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cassert>
-#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -264,12 +263,7 @@ void TransformKvCache::EnsureRopeTable(int64_t end) {
   const int64_t grow = std::max(end, 2 * have);
   rope_cos_sin_.resize(static_cast<size_t>(grow * 2 * pairs));
   for (int64_t p = have; p < grow; ++p) {
-    float* cs = rope_cos_sin_.data() + p * 2 * pairs;
-    for (int i = 0; i < pairs; ++i) {
-      const double angle = static_cast<double>(p) * rope.inv_freq[static_cast<size_t>(i)];
-      cs[2 * i] = static_cast<float>(std::cos(angle) * rope.mscale);
-      cs[2 * i + 1] = static_cast<float>(std::sin(angle) * rope.mscale);
-    }
+    cpu::RopeCosSin(rope, p, pairs, rope_cos_sin_.data() + p * 2 * pairs);
   }
 }
 
@@ -277,20 +271,9 @@ void TransformKvCache::RotateKeys(float* rows, int valid, int64_t first) const {
   const RopeSchedule& rope = *config_.key_rope;
   const int hd = config_.geometry.head_dim;
   const int pairs = std::min(rope.dim, hd) / 2;
-  // With kHalves, pair p is (p, p + dim/2); with kAdjacentPairs (2p, 2p + 1): as cpu::Rope.
-  const bool halves = rope.layout == RopeLayout::kHalves;
-  const int stride = halves ? 1 : 2;
-  const int offset = halves ? rope.dim / 2 : 1;
   for (int t = 0; t < valid; ++t) {
-    const float* cs = rope_cos_sin_.data() + (first + t) * 2 * pairs;
-    float* row = rows + static_cast<int64_t>(t) * hd;
-    for (int p = 0; p < pairs; ++p) {
-      float* a = row + p * stride;
-      float* b = a + offset;
-      const float x0 = *a, x1 = *b, c = cs[2 * p], s = cs[2 * p + 1];
-      *a = x0 * c - x1 * s;
-      *b = x0 * s + x1 * c;
-    }
+    cpu::RotatePairs(rows + static_cast<int64_t>(t) * hd, 1, hd, rope,
+                     rope_cos_sin_.data() + (first + t) * 2 * pairs);
   }
 }
 

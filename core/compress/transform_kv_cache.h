@@ -167,7 +167,7 @@ class TransformKvCache final : public KvCache {
   TransformKvCacheConfig config_;
   CompressionPolicy policy_;                // sinks and window: which blocks a Commit codes
   std::optional<RopeSchedule> key_unrope_;  // key_rope's inverse (scale divided out)
-  // key_rope's cos and sin (times its scale) per position and pair, as cpu::Rope computes them:
+  // key_rope's cos and sin (times its scale) per position and pair (cpu::RopeCosSin):
   // [positions][pairs][2]. Decoding rotates every coded key row each step, and a sincos per
   // pair and row cost more than the decoding itself.
   std::vector<float> rope_cos_sin_;

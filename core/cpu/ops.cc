@@ -160,10 +160,6 @@ void RmsNorm(const float* x, const float* weight, int64_t n, int64_t dim, float 
 void Rope(float* x, int64_t n, int n_heads, int head_dim, const RopeSchedule& rope,
           const int64_t* positions) {
   const int pairs = std::min(rope.dim, head_dim) / 2;
-  // With kHalves, pair p is (p, p + dim/2); with kAdjacentPairs (2p, 2p + 1).
-  const bool halves = rope.layout == RopeLayout::kHalves;
-  const int stride = halves ? 1 : 2;
-  const int offset = halves ? rope.dim / 2 : 1;
   // Each element costs a few flops more here than in the other ops (and a sincos per pair).
   const bool parallel = n > 1 && n * n_heads * pairs >= kMinParallelElems / 4;
 #pragma omp parallel num_threads(internal::NumThreads()) if (parallel)
@@ -171,25 +167,38 @@ void Rope(float* x, int64_t n, int n_heads, int head_dim, const RopeSchedule& ro
     std::vector<float> cos_sin(2 * pairs);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      for (int p = 0; p < pairs; ++p) {
-        const double angle = static_cast<double>(positions[i]) * rope.inv_freq[p];
-        cos_sin[2 * p] = static_cast<float>(std::cos(angle) * rope.mscale);
-        cos_sin[2 * p + 1] = static_cast<float>(std::sin(angle) * rope.mscale);
-      }
-      float* row = x + i * n_heads * head_dim;
-      for (int h = 0; h < n_heads; ++h) {
-        float* head = row + static_cast<int64_t>(h) * head_dim;
-        for (int p = 0; p < pairs; ++p) {
-          const float c = cos_sin[2 * p];
-          const float s = cos_sin[2 * p + 1];
-          float* a = head + p * stride;
-          float* b = a + offset;
-          const float x0 = *a;
-          const float x1 = *b;
-          *a = x0 * c - x1 * s;
-          *b = x0 * s + x1 * c;
-        }
-      }
+      RopeCosSin(rope, positions[i], pairs, cos_sin.data());
+      RotatePairs(x + i * n_heads * head_dim, n_heads, head_dim, rope, cos_sin.data());
+    }
+  }
+}
+
+void RopeCosSin(const RopeSchedule& rope, int64_t pos, int pairs, float* cos_sin) {
+  for (int p = 0; p < pairs; ++p) {
+    const double angle = static_cast<double>(pos) * rope.inv_freq[static_cast<size_t>(p)];
+    cos_sin[2 * p] = static_cast<float>(std::cos(angle) * rope.mscale);
+    cos_sin[2 * p + 1] = static_cast<float>(std::sin(angle) * rope.mscale);
+  }
+}
+
+void RotatePairs(float* row, int n_heads, int head_dim, const RopeSchedule& rope,
+                 const float* cos_sin) {
+  const int pairs = std::min(rope.dim, head_dim) / 2;
+  // With kHalves, pair p is (p, p + dim/2); with kAdjacentPairs (2p, 2p + 1).
+  const bool halves = rope.layout == RopeLayout::kHalves;
+  const int stride = halves ? 1 : 2;
+  const int offset = halves ? rope.dim / 2 : 1;
+  for (int h = 0; h < n_heads; ++h) {
+    float* head = row + static_cast<int64_t>(h) * head_dim;
+    for (int p = 0; p < pairs; ++p) {
+      const float c = cos_sin[2 * p];
+      const float s = cos_sin[2 * p + 1];
+      float* a = head + p * stride;
+      float* b = a + offset;
+      const float x0 = *a;
+      const float x1 = *b;
+      *a = x0 * c - x1 * s;
+      *b = x0 * s + x1 * c;
     }
   }
 }

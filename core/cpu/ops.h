@@ -47,6 +47,14 @@ void RmsNorm(const float* x, const float* weight, int64_t n, int64_t dim, float 
 // x: [n, n_heads, head_dim]; positions: [n]; rope.dim <= head_dim.
 void Rope(float* x, int64_t n, int n_heads, int head_dim, const RopeSchedule& rope,
           const int64_t* positions);
+// The cos and sin (times rope.mscale) of position `pos` for the first `pairs` pairs, as Rope
+// uses them. cos_sin: [pairs][2]
+void RopeCosSin(const RopeSchedule& rope, int64_t pos, int pairs, float* cos_sin);
+// One row of Rope with its angles given: the first rope.dim dims of every head rotated pair by
+// pair (laid out as rope.layout says) by cos_sin ([rope.dim / 2][2]: cos, sin, the scale
+// included). For callers that keep a table of them. row: [n_heads, head_dim]
+void RotatePairs(float* row, int n_heads, int head_dim, const RopeSchedule& rope,
+                 const float* cos_sin);
 
 // x[i, :] += bias.   x: [n, width]; bias: [width]
 void AddBias(float* x, const float* bias, int64_t n, int64_t width);
