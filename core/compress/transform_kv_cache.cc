@@ -40,26 +40,32 @@ absl::Status CheckCodes(const std::shared_ptr<const std::vector<TransformCode>>&
 
 }  // namespace
 
-TransformKvCache::DecodeTable TransformKvCache::DecodeTable::Of(const TransformCode& code) {
+TransformKvCache::DecodeTable TransformKvCache::DecodeTable::Of(const TransformCode& code,
+                                                                int block_size) {
   DecodeTable t;
   const int d = code.dim;
-  t.base.assign(static_cast<size_t>(d), 0.0f);
-  int bit = 0;
+  std::vector<double> ext(static_cast<size_t>(d), 0.0);
   for (int j = 0; j < d; ++j) {
     const ComponentQuantizer& q = code.components[static_cast<size_t>(j)];
     const float* row = code.basis.data() + static_cast<int64_t>(j) * d;
     if (q.bits == 0) {
-      for (int i = 0; i < d; ++i) t.base[static_cast<size_t>(i)] += q.offset * row[i];
+      for (int i = 0; i < d; ++i) ext[static_cast<size_t>(i)] += double{q.offset} * row[i];
       continue;
     }
-    t.bit_at.push_back(bit);
     t.bits.push_back(q.bits);
+    t.byte_at.push_back(t.run_bytes);
     t.offset.push_back(q.offset);
     t.step.push_back(q.step);
     t.basis.insert(t.basis.end(), row, row + d);
-    bit += q.bits;
+    t.run_bytes += CeilDiv(int64_t{block_size} * q.bits, int64_t{8});
   }
+  for (int i = 0; i < d; ++i) {
+    const double s = code.scale.empty() ? 1.0 : code.scale[static_cast<size_t>(i)];
+    ext[static_cast<size_t>(i)] += code.mean[static_cast<size_t>(i)] * s;
+  }
+  t.ext.assign(ext.begin(), ext.end());
   if (!code.scale.empty()) {
+    t.scale = code.scale;
     for (float s : code.scale) t.inv_scale.push_back(1.0f / s);
   }
   t.mean = code.mean.data();
@@ -134,8 +140,9 @@ TransformKvCache::TransformKvCache(const TransformKvCacheConfig& config,
       for (int h = 0; h < g.n_kv_heads; ++h) {
         coded_offsets_.push_back(at);
         const TransformCode& c = side == 0 ? KeyCode(l, h) : ValueCode(l, h);
-        at += config_.block_size * c.BytesPerRow();
-        decode_.push_back(DecodeTable::Of(c));
+        decode_.push_back(DecodeTable::Of(c, config_.block_size));
+        at += decode_.back().run_bytes;
+        max_active_ = std::max(max_active_, decode_.back().active());
       }
     }
     coded_bytes_.push_back(at);
@@ -205,53 +212,82 @@ void TransformKvCache::Write(int layer, SeqId seq, int64_t pos, int64_t n, const
   }
 }
 
+void TransformKvCache::Unpack(const DecodeTable& table, const uint8_t* run, int n, float* out) {
+  const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
+  for (int a = 0; a < table.active(); ++a) {
+    const auto i = static_cast<size_t>(a);
+    kernels.dequantize_codes(run + table.byte_at[i], table.bits[i], n, table.offset[i],
+                             table.step[i], out + static_cast<int64_t>(a) * n);
+  }
+}
+
 void TransformKvCache::DecodeRows(int layer, const uint8_t* codes, int64_t block, bool values,
                                   int valid, float* out) const {
   const int hd = config_.geometry.head_dim;
   const int bs = config_.block_size;
   const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
-  thread_local std::vector<float> coeffs;  // [valid, active] the block's decoded components
+  thread_local std::vector<float> unpacked, coeffs;  // [active][valid], then [valid][active]
   for (int h = 0; h < config_.geometry.n_kv_heads; ++h) {
-    const TransformCode& c = values ? ValueCode(layer, h) : KeyCode(layer, h);
-    const DecodeTable& table = decode_[static_cast<size_t>(
-        (layer * 2 + (values ? 1 : 0)) * config_.geometry.n_kv_heads + h)];
-    const int active = static_cast<int>(table.bits.size());
-    const uint8_t* rows = codes + CodedOffset(layer, h, values);
+    const DecodeTable& table = Table(layer, values, h);
+    const int active = table.active();
     float* dst = out + static_cast<int64_t>(h) * bs * hd;
     // The components of every row, then all rows at once: [valid, active] x [active, d].
-    coeffs.resize(static_cast<size_t>(valid) * static_cast<size_t>(active));
-    const int64_t row_bytes = c.BytesPerRow();
-    for (int t = 0; t < valid; ++t) {
-      const uint8_t* row = rows + t * row_bytes;
-      float* ct = coeffs.data() + static_cast<size_t>(t) * static_cast<size_t>(active);
-      for (int a = 0; a < active; ++a) {
-        // A code of at most 8 bits spans at most two bytes, least significant bit first; the
-        // second is read only when it is still in the row.
-        const int at = table.bit_at[static_cast<size_t>(a)];
-        const int64_t byte = at >> 3;
-        uint32_t window = row[byte];
-        if (byte + 1 < row_bytes) window |= static_cast<uint32_t>(row[byte + 1]) << 8;
-        const uint32_t code =
-            (window >> (at & 7)) & ((1u << table.bits[static_cast<size_t>(a)]) - 1u);
-        ct[a] = table.offset[static_cast<size_t>(a)] +
-                static_cast<float>(code) * table.step[static_cast<size_t>(a)];
+    unpacked.resize(static_cast<size_t>(valid) * static_cast<size_t>(active));
+    coeffs.resize(unpacked.size());
+    Unpack(table, codes + CodedOffset(layer, h, values), valid, unpacked.data());
+    for (int a = 0; a < active; ++a) {
+      for (int t = 0; t < valid; ++t) {
+        coeffs[static_cast<size_t>(t * active + a)] = unpacked[static_cast<size_t>(a * valid + t)];
       }
-      std::copy(table.base.begin(), table.base.end(), dst + static_cast<int64_t>(t) * hd);
+    }
+    for (int t = 0; t < valid; ++t) {
+      std::copy(table.ext.begin(), table.ext.end(), dst + static_cast<int64_t>(t) * hd);
     }
     if (active > 0) {
       kernels.accumulate(coeffs.data(), valid, cpu::KvRows{table.basis.data()}, active, hd, dst,
                          hd);
     }
-    for (int t = 0; t < valid; ++t) {
-      float* x = dst + static_cast<int64_t>(t) * hd;
-      if (table.inv_scale.empty()) {
-        for (int i = 0; i < hd; ++i) x[i] += table.mean[i];
-      } else {
-        for (int i = 0; i < hd; ++i)
-          x[i] = x[i] * table.inv_scale[static_cast<size_t>(i)] + table.mean[i];
+    if (!table.inv_scale.empty()) {
+      for (int t = 0; t < valid; ++t) {
+        float* x = dst + static_cast<int64_t>(t) * hd;
+        for (int i = 0; i < hd; ++i) x[i] *= table.inv_scale[static_cast<size_t>(i)];
       }
     }
     if (!values && key_unrope_.has_value()) RotateKeys(dst, valid, block * bs);
+  }
+}
+
+void TransformKvCache::EncodeRows(const DecodeTable& table, float* rows, uint8_t* run) const {
+  const int hd = config_.geometry.head_dim;
+  const int bs = config_.block_size;
+  const int active = table.active();
+  if (active == 0) return;
+  // Centred and weighted in place, projected on the components with bits at once (fp32: the
+  // codes of a value on a rounding boundary may differ from TransformCode::Encode's float64).
+  for (int t = 0; t < bs; ++t) {
+    float* x = rows + static_cast<int64_t>(t) * hd;
+    for (int i = 0; i < hd; ++i) {
+      x[i] -= table.mean[i];
+      if (!table.scale.empty()) x[i] *= table.scale[static_cast<size_t>(i)];
+    }
+  }
+  thread_local std::vector<float> coeffs;  // [B, active]
+  coeffs.resize(static_cast<size_t>(bs) * static_cast<size_t>(active));
+  cpu::ActiveAttentionKernels().scores(rows, hd, bs, cpu::KvRows{table.basis.data()}, active, hd,
+                                       1.0f, coeffs.data());
+  std::fill(run, run + table.run_bytes, uint8_t{0});
+  for (int a = 0; a < active; ++a) {
+    const auto i = static_cast<size_t>(a);
+    const ComponentQuantizer q{
+        .bits = table.bits[i], .offset = table.offset[i], .step = table.step[i]};
+    uint8_t* dst = run + table.byte_at[i];
+    for (int t = 0; t < bs; ++t) {
+      const uint32_t code = q.Encode(coeffs[static_cast<size_t>(t * active + a)]);
+      const int at = t * q.bits;
+      const uint32_t shifted = code << (at & 7);  // at most 15 bits: two bytes
+      dst[at >> 3] |= static_cast<uint8_t>(shifted);
+      if ((at & 7) + q.bits > 8) dst[(at >> 3) + 1] |= static_cast<uint8_t>(shifted >> 8);
+    }
   }
 }
 
@@ -278,12 +314,13 @@ void TransformKvCache::RotateKeys(float* rows, int valid, int64_t first) const {
 }
 
 // A layer's blocks for AttendPagedBlocks: full pages widened from fp16 (O(d) a row, done where
-// they are read), coded blocks decoded beforehand, once per call: decoding a row costs O(d^2)
-// (the basis), and a prefill chunk's every query reads every block.
+// they are read); coded blocks read in code space, except keys coded before RoPE, which are
+// decoded beforehand, once per call (a row costs O(d x active), and a prefill chunk's every
+// query reads every block).
 class TransformKvCache::RowSource final : public BlockRowSource {
  public:
-  // The coded blocks of one sequence this call reads, decoded: block b's K rows at
-  // decoded[offset + (b - first) * 2 * v_half], its V rows v_half after them.
+  // The coded blocks of one sequence whose keys this call decodes: block b's K rows at
+  // decoded[offset + (b - first) * v_half].
   struct Decoded {
     SeqId seq = -1;
     int64_t first = 0, end = 0;
@@ -291,7 +328,8 @@ class TransformKvCache::RowSource final : public BlockRowSource {
   };
 
   RowSource(const TransformKvCache& cache, int layer, std::span<const AttentionRequest> requests)
-      : cache_(cache), layer_(layer) {
+      : cache_(cache), layer_(layer), pre_rope_(cache.key_unrope_.has_value()) {
+    if (!pre_rope_) return;
     const int bs = cache_.config_.block_size;
     size_t floats = 0;
     for (const AttentionRequest& r : requests) {
@@ -309,7 +347,7 @@ class TransformKvCache::RowSource final : public BlockRowSource {
     std::vector<std::pair<size_t, int64_t>> work;  // (sequence, block) to decode
     for (size_t i = 0; i < seqs_.size(); ++i) {
       seqs_[i].offset = floats;
-      floats += static_cast<size_t>((seqs_[i].end - seqs_[i].first) * 2 * cache_.v_half_);
+      floats += static_cast<size_t>((seqs_[i].end - seqs_[i].first) * cache_.v_half_);
       const std::vector<Block>& table = Table(seqs_[i].seq);
       for (int64_t b = seqs_[i].first; b < seqs_[i].end; ++b) {
         if (table[static_cast<size_t>(b)].slot >= 0) work.emplace_back(i, b);
@@ -325,19 +363,15 @@ class TransformKvCache::RowSource final : public BlockRowSource {
     for (int64_t w = 0; w < n; ++w) {
       const auto [i, b] = work[static_cast<size_t>(w)];
       const Block& e = Table(seqs_[i].seq)[static_cast<size_t>(b)];
-      const uint8_t* codes = cache_.slabs_.data({e.page, e.slot});
-      float* dst = BlockRows(seqs_[i], b);
-      cache_.DecodeRows(layer_, codes, b, /*values=*/false, bs, dst);
-      cache_.DecodeRows(layer_, codes, b, /*values=*/true, bs, dst + cache_.v_half_);
+      cache_.DecodeRows(layer_, cache_.slabs_.data({e.page, e.slot}), b, /*values=*/false, bs,
+                        KeyRows(seqs_[i], b));
     }
   }
 
   const float* Rows(SeqId seq, int64_t block, bool values, int valid,
                     float* scratch) const override {
     const Block& e = Table(seq)[static_cast<size_t>(block)];
-    if (e.slot >= 0) {
-      return BlockRows(*Find(seq), block) + (values ? cache_.v_half_ : 0);
-    }
+    if (e.slot >= 0) return values || !pre_rope_ ? nullptr : KeyRows(*Find(seq), block);
     const KvCacheGeometry& g = cache_.config_.geometry;
     const int bs = cache_.config_.block_size;
     for (int h = 0; h < g.n_kv_heads; ++h) {
@@ -351,6 +385,105 @@ class TransformKvCache::RowSource final : public BlockRowSource {
     return scratch;
   }
   bool NeedsScratch() const override { return true; }
+
+  void Prefetch(SeqId seq, int64_t block) const override {
+    const Block& e = Table(seq)[static_cast<size_t>(block)];
+    if (e.slot >= 0) {
+      cpu::PrefetchBytes(cache_.slabs_.data({e.page, e.slot}), cache_.CodedBlockBytes(layer_));
+    }
+  }
+
+  // Keys coded after RoPE: per query head the projected query U (q s^-1) [active] scaled, then
+  // after the group's, e . q s^-1 per head. Values: per query head sum_t p_t c_t [active], then
+  // sum_t p_t.
+  CodedFloats CodedStateFloats(int kvh) const override {
+    return {.query = pre_rope_ ? 0 : cache_.Table(layer_, false, kvh).active() + 1,
+            .value = cache_.Table(layer_, true, kvh).active() + 1};
+  }
+
+  void PrepareQueries(int kvh, const float* q, int group, float scale,
+                      float* query) const override {
+    const DecodeTable& t = cache_.Table(layer_, false, kvh);
+    const int hd = cache_.config_.geometry.head_dim;
+    const int active = t.active();
+    thread_local std::vector<float> weighted;  // [group, hd] q s^-1
+    const float* qs = q;
+    if (!t.inv_scale.empty()) {
+      weighted.resize(static_cast<size_t>(group) * static_cast<size_t>(hd));
+      for (int g = 0; g < group; ++g) {
+        for (int i = 0; i < hd; ++i) {
+          weighted[static_cast<size_t>(g * hd + i)] =
+              q[static_cast<int64_t>(g) * hd + i] * t.inv_scale[static_cast<size_t>(i)];
+        }
+      }
+      qs = weighted.data();
+    }
+    const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
+    if (active > 0) {
+      kernels.scores(qs, hd, group, cpu::KvRows{t.basis.data()}, active, hd, scale, query);
+    }
+    kernels.scores(qs, hd, group, cpu::KvRows{t.ext.data()}, 1, hd, scale,
+                   query + static_cast<int64_t>(group) * active);
+  }
+
+  void CodedScores(SeqId seq, int64_t block, int kvh, int group, int nb, const float* query,
+                   float* scores) const override {
+    const DecodeTable& t = cache_.Table(layer_, false, kvh);
+    const int active = t.active();
+    for (int g = 0; g < group; ++g) {
+      std::fill_n(scores + static_cast<int64_t>(g) * nb, nb,
+                  query[static_cast<int64_t>(group) * active + g]);
+    }
+    if (active == 0) return;
+    float* c = Unpacked(seq, block, kvh, false, nb);
+    cpu::ActiveAttentionKernels().accumulate(query, group, cpu::KvRows{c}, active, nb, scores, nb);
+  }
+
+  void CodedAccumulate(SeqId seq, int64_t block, int kvh, int group, int nb, const float* p,
+                       float* value) const override {
+    const DecodeTable& t = cache_.Table(layer_, true, kvh);
+    const int active = t.active();
+    thread_local std::vector<float> sums;  // [group, active]
+    sums.resize(static_cast<size_t>(group) * static_cast<size_t>(active));
+    if (active > 0) {
+      float* c = Unpacked(seq, block, kvh, true, nb);
+      cpu::ActiveAttentionKernels().scores(p, nb, group, cpu::KvRows{c}, active, nb, 1.0f,
+                                           sums.data());
+    }
+    for (int g = 0; g < group; ++g) {
+      float* v = value + static_cast<int64_t>(g) * (active + 1);
+      for (int a = 0; a < active; ++a) v[a] += sums[static_cast<size_t>(g * active + a)];
+      const float* pg = p + static_cast<int64_t>(g) * nb;
+      for (int i = 0; i < nb; ++i) v[active] += pg[i];
+    }
+  }
+
+  void ExpandValues(int kvh, int group, const float* value, float* acc) const override {
+    const DecodeTable& t = cache_.Table(layer_, true, kvh);
+    const int hd = cache_.config_.geometry.head_dim;
+    const int active = t.active();
+    thread_local std::vector<float> row;  // [hd]
+    row.resize(static_cast<size_t>(hd));
+    for (int g = 0; g < group; ++g) {
+      const float* v = value + static_cast<int64_t>(g) * (active + 1);
+      const float weight = v[active];  // the coded tokens' share of the softmax
+      if (weight == 0.0f) continue;    // none read
+      for (int i = 0; i < hd; ++i)
+        row[static_cast<size_t>(i)] = weight * t.ext[static_cast<size_t>(i)];
+      if (active > 0) {
+        cpu::ActiveAttentionKernels().accumulate(v, 1, cpu::KvRows{t.basis.data()}, active, hd,
+                                                 row.data(), hd);
+      }
+      float* o = acc + static_cast<int64_t>(g) * hd;
+      if (t.inv_scale.empty()) {
+        for (int i = 0; i < hd; ++i) o[i] += row[static_cast<size_t>(i)];
+      } else {
+        for (int i = 0; i < hd; ++i) {
+          o[i] += row[static_cast<size_t>(i)] * t.inv_scale[static_cast<size_t>(i)];
+        }
+      }
+    }
+  }
 
  private:
   const std::vector<Block>& Table(SeqId seq) const {
@@ -368,12 +501,24 @@ class TransformKvCache::RowSource final : public BlockRowSource {
     }
     return nullptr;
   }
-  float* BlockRows(const Decoded& d, int64_t b) const {
-    return decoded_ + d.offset + static_cast<size_t>((b - d.first) * 2 * cache_.v_half_);
+  float* KeyRows(const Decoded& d, int64_t b) const {
+    return decoded_ + d.offset + static_cast<size_t>((b - d.first) * cache_.v_half_);
+  }
+  // Head kvh's components of the first nb rows of a coded block's keys or values, widened into
+  // the calling thread's buffer: [active][nb].
+  float* Unpacked(SeqId seq, int64_t block, int kvh, bool values, int nb) const {
+    thread_local std::vector<float> buffer;
+    const DecodeTable& t = cache_.Table(layer_, values, kvh);
+    buffer.resize(static_cast<size_t>(t.active()) * static_cast<size_t>(nb));
+    const Block& e = Table(seq)[static_cast<size_t>(block)];
+    Unpack(t, cache_.slabs_.data({e.page, e.slot}) + cache_.CodedOffset(layer_, kvh, values), nb,
+           buffer.data());
+    return buffer.data();
   }
 
   const TransformKvCache& cache_;
   int layer_;
+  bool pre_rope_;
   std::vector<Decoded> seqs_;
   float* decoded_ = nullptr;  // the constructing thread's buffer, valid for this call
 };
@@ -384,18 +529,16 @@ void TransformKvCache::Attend(int layer, std::span<const AttentionRequest> reque
   AttendPagedBlocks(config_.geometry, config_.block_size, requests, n_heads, rows);
 }
 
-void TransformKvCache::CodeBlock(Sequence& s, int layer, int64_t b) {
+void TransformKvCache::CodeBlock(const Block& e, int layer, int64_t b, uint8_t* out) const {
   const int hd = config_.geometry.head_dim;
   const int n_kv = config_.geometry.n_kv_heads;
   const int bs = config_.block_size;
-  Block& e = s.tables[static_cast<size_t>(layer)][static_cast<size_t>(b)];
   assert(e.slot < 0);
   thread_local std::vector<float> full;  // [2, n_kv, B, hd] widened to fp32
   full.resize(static_cast<size_t>(2 * v_half_));
   const uint16_t* page = FullAt(e.page, 0);
   for (int64_t i = 0; i < 2 * v_half_; ++i) full[static_cast<size_t>(i)] = HalfToFloat(page[i]);
   if (key_unrope_.has_value()) {
-    EnsureRopeTable((b + 1) * bs);  // the positions decoding will rotate forward
     thread_local std::vector<int64_t> negated;
     negated.resize(static_cast<size_t>(bs));
     for (int t = 0; t < bs; ++t) negated[static_cast<size_t>(t)] = -(b * bs + t);
@@ -403,21 +546,12 @@ void TransformKvCache::CodeBlock(Sequence& s, int layer, int64_t b) {
       cpu::Rope(full.data() + KOffset(h, 0), bs, 1, hd, *key_unrope_, negated.data());
     }
   }
-  pool_->Free(e.page);  // before the slot: coding never needs a free page
-  const SlabAllocator::Slot slot = slabs_.Allocate(slab_class_[static_cast<size_t>(layer)]);
-  assert(slot.page >= 0);
-  uint8_t* base = slabs_.data(slot);
   for (int h = 0; h < n_kv; ++h) {
-    const TransformCode& kc = KeyCode(layer, h);
-    const TransformCode& vc = ValueCode(layer, h);
-    uint8_t* k_rows = base + CodedOffset(layer, h, false);
-    uint8_t* v_rows = base + CodedOffset(layer, h, true);
-    for (int t = 0; t < bs; ++t) {
-      kc.Encode(full.data() + KOffset(h, t), k_rows + t * kc.BytesPerRow());
-      vc.Encode(full.data() + VOffset(h, t), v_rows + t * vc.BytesPerRow());
-    }
+    EncodeRows(Table(layer, false, h), full.data() + KOffset(h, 0),
+               out + CodedOffset(layer, h, false));
+    EncodeRows(Table(layer, true, h), full.data() + VOffset(h, 0),
+               out + CodedOffset(layer, h, true));
   }
-  e = {slot.page, slot.index};
 }
 
 absl::Status TransformKvCache::Commit(SeqId seq, int64_t length) {
@@ -425,11 +559,40 @@ absl::Status TransformKvCache::Commit(SeqId seq, int64_t length) {
   Sequence& s = *seqs_.Find(seq);
   const BlockRange range = policy_.CompressibleBlocks(s.next_compress, length, config_.block_size);
   if (range.empty()) return absl::OkStatus();
-  const int n_layers = config_.geometry.n_layers;
+  if (key_unrope_.has_value()) EnsureRopeTable(range.end * config_.block_size);
+  // Code every (layer, block) on worker threads into a staging buffer (reading the pages only),
+  // then swap pages for slots on this thread: each page is freed before its slot is taken.
+  struct Job {
+    int layer;
+    int64_t block;
+    size_t at;  // in staging
+  };
+  std::vector<Job> jobs;
+  size_t bytes = 0;
   for (int64_t b = range.begin; b < range.end; ++b) {
-    for (int l = 0; l < n_layers; ++l) {
-      if (s.tables[static_cast<size_t>(l)][static_cast<size_t>(b)].slot < 0) CodeBlock(s, l, b);
+    for (int l = 0; l < config_.geometry.n_layers; ++l) {
+      if (s.tables[static_cast<size_t>(l)][static_cast<size_t>(b)].slot >= 0) continue;
+      jobs.push_back({l, b, bytes});
+      bytes += static_cast<size_t>(CodedBlockBytes(l));
     }
+  }
+  thread_local std::vector<uint8_t> staging;  // this thread's: workers see it through `out`
+  staging.resize(bytes);
+  uint8_t* out = staging.data();
+  const int64_t n = static_cast<int64_t>(jobs.size());
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+  for (int64_t j = 0; j < n; ++j) {
+    const Job& job = jobs[static_cast<size_t>(j)];
+    CodeBlock(s.tables[static_cast<size_t>(job.layer)][static_cast<size_t>(job.block)], job.layer,
+              job.block, out + job.at);
+  }
+  for (const Job& job : jobs) {
+    Block& e = s.tables[static_cast<size_t>(job.layer)][static_cast<size_t>(job.block)];
+    pool_->Free(e.page);  // before the slot: coding never needs a free page
+    const SlabAllocator::Slot slot = slabs_.Allocate(slab_class_[static_cast<size_t>(job.layer)]);
+    assert(slot.page >= 0);
+    std::copy_n(out + job.at, CodedBlockBytes(job.layer), slabs_.data(slot));
+    e = {slot.page, slot.index};
   }
   s.next_compress = range.end;
   return absl::OkStatus();

@@ -1,5 +1,5 @@
-// The transform-coded KV cache (CPU reference): full-rank fp16 blocks for the attention sinks
-// and the recent window, and every older block stored as the transform codec's packed codes
+// The transform-coded KV cache (CPU): full-rank fp16 blocks for the attention sinks and the
+// recent window, and every older block stored as the transform codec's codes
 // (core/compress/transform_codec.h: mean, PCA basis over all head dims, a per-component uniform
 // quantizer of 0-8 bits), one code per layer and KV head for keys and one for values, as
 // subspace-calibrate --kv-budget writes them (core/compress/codec_file.h). Keys are coded before
@@ -7,17 +7,23 @@
 //
 // Pool: one BlockPool of pages of one full block ([2][n_kv][B][head_dim] fp16); coded blocks,
 // smaller, packed into pages by a SlabAllocator (one class per distinct coded-block size), so
-// full and coded blocks draw from one budget. A coded block holds, per KV head, B key rows of
-// the head's key code's BytesPerRow(), then the value rows likewise: [K: h0 t0..tB-1, h1 ...]
-// [V: ...]. Sequences and block tables: the SequenceManager every cache uses.
+// full and coded blocks draw from one budget. A coded block holds, per KV head, the key codes
+// and then (after every head's keys) the value codes, component-major: component a's B codes
+// of w_a bits packed least significant bit first in ceil(B w_a / 8) bytes, components with bits
+// one after the other ([K: h0 (c0 t0..tB-1)(c1 ...) h1 ...][V: ...]), so a kernel widens eight
+// tokens' codes of one component at once. Sequences and block tables: the SequenceManager every
+// cache uses.
 //
 // Policy, at Commit, as the compressed cache's (CompressionPolicy::CompressibleBlocks): blocks
 // overlapping the first S tokens stay full; a block is coded once it ends at or before
 // length - W; its page is freed before its slot is taken, so coding never needs a free page.
-// Attention decodes the coded blocks a call reads into fp32, once per call (a row costs O(d^2):
-// the basis), and runs the paged attention every paged cache shares
-// (core/kvcache/paged_attention.h); attention in code space, and its AVX2 and CUDA kernels, are
-// the next step.
+//
+// Attention (the paged attention every paged cache shares, core/kvcache/paged_attention.h)
+// reads coded blocks in code space: a value row is linear in its components,
+// v = (sum_a c_a u_a + e) * s^-1, so the softmax weights accumulate the components
+// (sum_t p_t c_t) and the sum is expanded once per query; keys coded after RoPE are scored as
+// (U q s^-1) . c + e . q s^-1, the query projected once. Keys coded before RoPE must be rotated
+// to their positions: they are decoded (a small product a block) once per Attend call.
 #ifndef SUBSPACE_CORE_COMPRESS_TRANSFORM_KV_CACHE_H_
 #define SUBSPACE_CORE_COMPRESS_TRANSFORM_KV_CACHE_H_
 
@@ -68,8 +74,8 @@ class TransformKvCache final : public KvCache {
 
   // Bytes of one page = one full fp16 block: [2][n_kv_heads][B][head_dim] x 2.
   static int64_t PageBytes(const KvCacheGeometry& geometry, int block_size);
-  // Bytes of one coded block of `layer`: B x sum over KV heads of the key and value codes'
-  // BytesPerRow (before the slab's 16-byte rounding).
+  // Bytes of one coded block of `layer`: sum over KV heads and components of the key and value
+  // codes of ceil(B x width / 8) bytes (before the slab's 16-byte rounding).
   int64_t CodedBlockBytes(int layer) const;
 
   const KvCacheGeometry& geometry() const override { return config_.geometry; }
@@ -110,19 +116,22 @@ class TransformKvCache final : public KvCache {
   using Sequences = SequenceManager<Block, SequenceState>;
   using Sequence = Sequences::Sequence;
   class RowSource;  // the paged attention's view of a layer
-  // One code laid out for decoding a block of rows as a small matrix product: its components
-  // with bits, their quantizers and bit positions in a packed row, their basis rows stacked
-  // [active, d], and the constant the components without bits contribute. A row is
-  // x = (base + sum_a c_a basis_a) / scale + mean, c_a = offset_a + code_a step_a: the same
-  // numbers as TransformCode::Decode (summed in another order).
+  // One code laid out for a block's component-major codes: its components with bits, their
+  // quantizers and byte offsets in a head's run of codes, their basis rows stacked [active, d],
+  // and what the components without bits and the mean add. A row is
+  // x = (sum_a c_a basis_a + ext) * inv_scale with c_a = offset_a + code_a step_a and
+  // ext = sum_{0-bit j} offset_j basis_j + mean * scale: TransformCode::Decode's numbers.
   struct DecodeTable {
-    std::vector<int> bit_at, bits;    // [active]
-    std::vector<float> offset, step;  // [active]
-    std::vector<float> basis;         // [active, d]
-    std::vector<float> base;          // [d]
-    std::vector<float> inv_scale;     // [d] or empty
-    const float* mean = nullptr;      // [d], the code's
-    static DecodeTable Of(const TransformCode& code);
+    std::vector<int> bits;                // [active]
+    std::vector<int64_t> byte_at;         // [active] in a head's run of B rows
+    std::vector<float> offset, step;      // [active]
+    std::vector<float> basis;             // [active, d]
+    std::vector<float> ext;               // [d]
+    std::vector<float> inv_scale, scale;  // [d] or empty
+    const float* mean = nullptr;          // [d], the code's
+    int64_t run_bytes = 0;                // one head's codes in a block
+    int active() const { return static_cast<int>(bits.size()); }
+    static DecodeTable Of(const TransformCode& code, int block_size);
   };
 
   TransformKvCache(const TransformKvCacheConfig& config, std::unique_ptr<BlockPool> pool);
@@ -149,17 +158,27 @@ class TransformKvCache final : public KvCache {
     return coded_offsets_[static_cast<size_t>(
         (layer * 2 + (values ? 1 : 0)) * config_.geometry.n_kv_heads + h)];
   }
+  const DecodeTable& Table(int layer, bool values, int h) const {
+    return decode_[static_cast<size_t>(
+        (layer * 2 + (values ? 1 : 0)) * config_.geometry.n_kv_heads + h)];
+  }
+  // The components of rows [0, n) of one head's run of codes, widened: [active][n].
+  static void Unpack(const DecodeTable& table, const uint8_t* run, int n, float* out);
   // Decodes rows [0, valid) of every head of one side of a coded block into `out`
   // ([n_kv][B][head_dim] fp32): keys rotated back to their positions when coded pre-RoPE.
   void DecodeRows(int layer, const uint8_t* codes, int64_t block, bool values, int valid,
                   float* out) const;
+  // Codes the B rows of one head (rows: [B, head_dim] fp32, keys already rotated back) into
+  // its run of codes.
+  void EncodeRows(const DecodeTable& table, float* rows, uint8_t* run) const;
   // Rotates rows [0, valid) of one head ([valid, head_dim], positions first, first + 1, ...) by
   // the keys' RoPE, from rope_cos_sin_ (which covers every coded position).
   void RotateKeys(float* rows, int valid, int64_t first) const;
   // Grows rope_cos_sin_ to cover positions [0, end) (engine thread, at coding).
   void EnsureRopeTable(int64_t end);
-  // Codes full block b of `layer` (every token committed) into a slab slot.
-  void CodeBlock(Sequence& s, int layer, int64_t b);
+  // Codes full block b of `layer` (every token committed) into out[CodedBlockBytes(layer)];
+  // reads the cache only (Commit runs it on worker threads).
+  void CodeBlock(const Block& e, int layer, int64_t b, uint8_t* out) const;
   // Decodes coded block b of `layer` back into a full page (Truncate).
   absl::Status ExpandBlock(Sequence& s, int layer, int64_t b);
   void FreeBlock(Block& e);
@@ -175,6 +194,7 @@ class TransformKvCache final : public KvCache {
   std::vector<int64_t> coded_offsets_;  // [n_layers][2][n_kv] byte offsets in a coded block
   std::vector<int64_t> coded_bytes_;    // [n_layers] CodedBlockBytes
   std::vector<DecodeTable> decode_;     // [n_layers][2][n_kv], as coded_offsets_
+  int max_active_ = 0;                  // the most components with bits of any code
   std::unique_ptr<BlockPool> pool_;
   SlabAllocator slabs_;
   std::vector<int> slab_class_;  // [n_layers]

@@ -103,9 +103,23 @@ void DequantizeQ4_0Scalar(const uint8_t* src, int64_t blocks, float* dst) {
   }
 }
 
+// Code t spans bits [t * bits, (t + 1) * bits): at most two bytes.
+inline uint32_t CodeAt(const uint8_t* src, int bits, int t) {
+  const int at = t * bits;
+  const int byte = at >> 3;
+  uint32_t window = src[byte];
+  if ((at & 7) + bits > 8) window |= static_cast<uint32_t>(src[byte + 1]) << 8;
+  return (window >> (at & 7)) & ((1u << bits) - 1u);
+}
+
+void DequantizeCodesScalar(const uint8_t* src, int bits, int n, float offset, float step,
+                           float* dst) {
+  for (int t = 0; t < n; ++t) dst[t] = offset + static_cast<float>(CodeAt(src, bits, t)) * step;
+}
+
 constexpr AttentionKernels kScalarKernels = {
-    ScoresScalar, AccumulateScalar,     ExpSumScalar,        ScaleScalar,
-    ToFp16Scalar, DequantizeQ8_0Scalar, DequantizeQ4_0Scalar};
+    ScoresScalar, AccumulateScalar,     ExpSumScalar,         ScaleScalar,
+    ToFp16Scalar, DequantizeQ8_0Scalar, DequantizeQ4_0Scalar, DequantizeCodesScalar};
 
 #ifdef SUBSPACE_HAVE_X86
 
@@ -390,9 +404,34 @@ SUBSPACE_AVX2 void DequantizeQ4_0Avx2(const uint8_t* src, int64_t blocks, float*
   }
 }
 
-constexpr AttentionKernels kAvx2Kernels = {ScoresAvx2,        AccumulateAvx2, ExpSumAvx2,
-                                           ScaleAvx2,         ToFp16Avx2,     DequantizeQ8_0Avx2,
-                                           DequantizeQ4_0Avx2};
+// Eight codes of w bits are w whole bytes: codes 0-3 in the low 4w bits, 4-7 in the next 4w
+// (at most 32 bits each), broadcast to four lanes apiece, shifted per lane and masked. offset +
+// code * step as two roundings, like the scalar twin, so both give the same bits.
+SUBSPACE_AVX2 void DequantizeCodesAvx2(const uint8_t* src, int bits, int n, float offset,
+                                       float step, float* dst) {
+  const __m256i shifts =
+      _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 0, bits, 2 * bits, 3 * bits);
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>((1u << bits) - 1u));
+  const __m256 off = _mm256_set1_ps(offset), st = _mm256_set1_ps(step);
+  int t = 0;
+  for (; t + 8 <= n; t += 8, src += bits) {
+    uint64_t v = 0;
+    std::memcpy(&v, src, static_cast<size_t>(bits));
+    const auto lo = static_cast<int>(static_cast<uint32_t>(v));
+    const auto hi = static_cast<int>(static_cast<uint32_t>(v >> (4 * bits)));
+    const __m256i codes = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi), shifts), mask);
+    _mm256_storeu_ps(dst + t, _mm256_add_ps(off, _mm256_mul_ps(_mm256_cvtepi32_ps(codes), st)));
+  }
+  // The tail: src has advanced t * bits bits (whole bytes).
+  for (int i = 0; t < n; ++t, ++i) {
+    dst[t] = offset + static_cast<float>(CodeAt(src, bits, i)) * step;
+  }
+}
+
+constexpr AttentionKernels kAvx2Kernels = {
+    ScoresAvx2, AccumulateAvx2,     ExpSumAvx2,         ScaleAvx2,
+    ToFp16Avx2, DequantizeQ8_0Avx2, DequantizeQ4_0Avx2, DequantizeCodesAvx2};
 
 #endif  // SUBSPACE_HAVE_X86
 

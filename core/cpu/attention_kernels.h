@@ -42,6 +42,11 @@ struct AttentionKernels {
   // The same for q4_0 blocks (fp16 d, 16 bytes: value j in the low nibble of byte j, value
   // j + 16 in its high nibble; x = d (q - 8)).
   void (*dequantize_q4_0)(const uint8_t* src, int64_t blocks, float* dst);
+  // n codes of `bits` bits (1..8) packed least significant bit first from bit 0 of src (the
+  // ceil(n * bits / 8) bytes of one component of a transform-coded block), as floats
+  // dst[t] = offset + code_t * step. dst: [n]
+  void (*dequantize_codes)(const uint8_t* src, int bits, int n, float offset, float step,
+                           float* dst);
 };
 
 // Asks for [p, p + bytes) to be brought into cache. Blocks sit on scattered pool pages, so

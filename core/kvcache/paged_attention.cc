@@ -75,6 +75,19 @@ void AttendPagedBlocks(const KvCacheGeometry& geometry, int block_size,
   }
   float* partials_data = partials.data();
   const int64_t total = static_cast<int64_t>(items.size());
+  // Code-space state per item: KV head kvh's group of projected queries at q_off[kvh], of value
+  // accumulators at v_off[kvh] (floats per query head: dims[kvh]).
+  std::vector<CodedFloats> dims(static_cast<size_t>(n_kv));
+  std::vector<int64_t> q_off(static_cast<size_t>(n_kv) + 1, 0), v_off(q_off);
+  for (int kvh = 0; kvh < n_kv; ++kvh) {
+    const CodedFloats f = source.CodedStateFloats(kvh);
+    dims[static_cast<size_t>(kvh)] = f;
+    q_off[static_cast<size_t>(kvh) + 1] =
+        q_off[static_cast<size_t>(kvh)] + int64_t{group} * f.query;
+    v_off[static_cast<size_t>(kvh) + 1] =
+        v_off[static_cast<size_t>(kvh)] + int64_t{group} * f.value;
+  }
+  const int64_t coded_floats = q_off.back() + v_off.back();
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (total > 1)
   for (int64_t it = 0; it < total; ++it) {
@@ -89,7 +102,7 @@ void AttendPagedBlocks(const KvCacheGeometry& geometry, int block_size,
     thread_local std::vector<float> scratch;
     const int64_t row_floats = source.NeedsScratch() ? int64_t{n_kv} * bs * hd : 0;
     const size_t need = static_cast<size_t>(state_floats) + static_cast<size_t>(n_heads) * bs +
-                        static_cast<size_t>(row_floats);
+                        static_cast<size_t>(row_floats) + static_cast<size_t>(coded_floats);
     if (scratch.size() < need) scratch.resize(need);
     float* state = item.partial >= 0 ? partials_data + item.partial * state_floats : scratch.data();
     float* run_max = state;                                     // [n_heads]
@@ -97,11 +110,19 @@ void AttendPagedBlocks(const KvCacheGeometry& geometry, int block_size,
     float* acc = run_sum + n_heads;                             // [n_heads, head_dim]
     float* scores = scratch.data() + state_floats;              // [n_heads, B]
     float* rows = scores + static_cast<int64_t>(n_heads) * bs;  // [n_kv_heads, B, head_dim]
+    float* coded_q = rows + row_floats;                         // [q_off.back()]
+    float* coded_v = coded_q + q_off.back();                    // [v_off.back()]
     std::fill(run_max, run_max + n_heads, -std::numeric_limits<float>::infinity());
     std::fill(run_sum, run_sum + n_heads, 0.0f);
     std::fill(acc, acc + static_cast<size_t>(n_heads) * hd, 0.0f);
+    std::fill(coded_v, coded_v + v_off.back(), 0.0f);
 
     const float* q_tok = req.q + item.i * n_heads * hd;  // [n_heads, head_dim]
+    for (int kvh = 0; kvh < n_kv; ++kvh) {
+      if (dims[static_cast<size_t>(kvh)].query == 0) continue;
+      source.PrepareQueries(kvh, q_tok + static_cast<int64_t>(kvh) * group * hd, group, scale,
+                            coded_q + q_off[static_cast<size_t>(kvh)]);
+    }
     for (int64_t b = item.block_begin; b < item.block_end; ++b) {
       const int nb = static_cast<int>(std::min<int64_t>(bs, n_ctx - b * bs));
       if (b + kPrefetchBlocks < item.block_end) source.Prefetch(req.seq, b + kPrefetchBlocks);
@@ -111,6 +132,11 @@ void AttendPagedBlocks(const KvCacheGeometry& geometry, int block_size,
       const float* k_rows = source.Rows(req.seq, b, /*values=*/false, nb, rows);
       for (int kvh = 0; kvh < n_kv; ++kvh) {
         const int h0 = kvh * group;  // first query head of the group
+        if (k_rows == nullptr) {
+          source.CodedScores(req.seq, b, kvh, group, nb, coded_q + q_off[static_cast<size_t>(kvh)],
+                             scores + static_cast<int64_t>(h0) * nb);
+          continue;
+        }
         kernels.scores(q_tok + static_cast<int64_t>(h0) * hd, hd, group,
                        cpu::KvRows{k_rows + static_cast<int64_t>(kvh) * bs * hd}, nb, hd, scale,
                        scores + static_cast<int64_t>(h0) * nb);
@@ -129,6 +155,11 @@ void AttendPagedBlocks(const KvCacheGeometry& geometry, int block_size,
           const float correction = std::exp(run_max[h] - block_max);  // 0 on the first block
           run_sum[h] *= correction;
           kernels.scale(acc + static_cast<int64_t>(h) * hd, hd, correction);
+          const size_t kvh = static_cast<size_t>(h / group);
+          if (dims[kvh].value > 0) {
+            kernels.scale(coded_v + v_off[kvh] + int64_t{h % group} * dims[kvh].value,
+                          dims[kvh].value, correction);
+          }
           run_max[h] = block_max;
         }
         run_sum[h] += kernels.exp_sum(p, nb, run_max[h]);
@@ -136,10 +167,21 @@ void AttendPagedBlocks(const KvCacheGeometry& geometry, int block_size,
       const float* v_rows = source.Rows(req.seq, b, /*values=*/true, nb, rows);
       for (int kvh = 0; kvh < n_kv; ++kvh) {
         const int h0 = kvh * group;
+        if (v_rows == nullptr) {
+          source.CodedAccumulate(req.seq, b, kvh, group, nb, scores + static_cast<int64_t>(h0) * nb,
+                                 coded_v + v_off[static_cast<size_t>(kvh)]);
+          continue;
+        }
         kernels.accumulate(scores + static_cast<int64_t>(h0) * nb, group,
                            cpu::KvRows{v_rows + static_cast<int64_t>(kvh) * bs * hd}, nb, hd,
                            acc + static_cast<int64_t>(h0) * hd, hd);
       }
+    }
+    // What code space accumulated joins acc, before acc is merged or written out.
+    for (int kvh = 0; kvh < n_kv; ++kvh) {
+      if (dims[static_cast<size_t>(kvh)].value == 0) continue;
+      source.ExpandValues(kvh, group, coded_v + v_off[static_cast<size_t>(kvh)],
+                          acc + static_cast<int64_t>(kvh) * group * hd);
     }
     if (item.partial >= 0) continue;
     float* out_tok = req.out + item.i * n_heads * hd;

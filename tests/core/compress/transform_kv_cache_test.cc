@@ -1,12 +1,16 @@
 // The transform-coded KV cache against an independent reference: attention in double over rows
 // as the cache must hold them (fp16 for the sinks and the window, the codec's round trip of the
-// pre-RoPE key -- rotated back and forth -- and of the value for every coded block), after
-// chunked commits, a truncation into a coded block and new tokens after it; and its accounting.
+// key -- rotated back and forth when coded before RoPE -- and of the value for every coded
+// block), after chunked commits, a truncation into a coded block and new tokens after it; keys
+// coded before and after RoPE (decoded, or scored in code space), codes with and without an
+// error metric, blocks narrower and wider than the kernels' eight codes; and its accounting.
 #include "core/compress/transform_kv_cache.h"
 
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/base/coeff_codec.h"
@@ -19,13 +23,20 @@ namespace {
 
 constexpr int kLayers = 2, kKv = 2, kHeads = 4, kDim = 32, kBlock = 4, kSinks = 4, kWindow = 8;
 
+struct Variant {
+  bool pre_rope = true;   // keys coded before RoPE
+  bool weighted = false;  // codes fitted under a per-dim error metric (TransformCode::scale)
+  int block = kBlock, sinks = kSinks, window = kWindow;
+};
+
 KvCacheGeometry Geometry() { return {.n_layers = kLayers, .n_kv_heads = kKv, .head_dim = kDim}; }
 
 float Fp16(float x) { return HalfToFloat(Fp32ToFp16(x)); }
 
 // Codes fitted on correlated random rows (a few strong directions, as real keys have), under a
 // budget of `bits` per component, for every (layer, KV head).
-std::shared_ptr<const std::vector<TransformCode>> FitCodes(double bits, uint32_t seed) {
+std::shared_ptr<const std::vector<TransformCode>> FitCodes(double bits, uint32_t seed,
+                                                           bool weighted = false) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> n01(0.0f, 1.0f);
   std::vector<TransformStream> streams;
@@ -42,7 +53,9 @@ std::shared_ptr<const std::vector<TransformCode>> FitCodes(double bits, uint32_t
         x[static_cast<size_t>(r) * kDim + j] = acc + z[j];
       }
     }
-    absl::StatusOr<TransformStream> st = AnalyzeStream(x.data(), rows, kDim, {});
+    std::vector<float> metric;
+    for (int i = 0; weighted && i < kDim; ++i) metric.push_back(0.25f + (i % 5) * 0.5f);
+    absl::StatusOr<TransformStream> st = AnalyzeStream(x.data(), rows, kDim, {}, metric);
     EXPECT_TRUE(st.ok()) << st.status();
     streams.push_back(*std::move(st));
   }
@@ -54,6 +67,7 @@ std::shared_ptr<const std::vector<TransformCode>> FitCodes(double bits, uint32_t
 }
 
 struct Fixture {
+  Variant variant;
   RopeSchedule rope;
   std::shared_ptr<const std::vector<TransformCode>> kc, vc;
   std::unique_ptr<TransformKvCache> cache;
@@ -61,20 +75,23 @@ struct Fixture {
   std::vector<std::vector<float>> k_ref, v_ref;
 };
 
-Fixture Make(int64_t tokens, uint32_t seed, int64_t pages = 200) {
+Fixture Make(int64_t tokens, uint32_t seed, const Variant& variant = {}, int64_t pages = 200) {
   Fixture f;
+  f.variant = variant;
   f.rope = *RopeSchedule::Make({.dim = kDim, .theta = 10000.0});
-  f.kc = FitCodes(3.0, seed);
-  f.vc = FitCodes(2.0, seed + 1);
+  f.kc = FitCodes(3.0, seed, variant.weighted);
+  f.vc = FitCodes(2.0, seed + 1, variant.weighted);
+  std::optional<RopeSchedule> key_rope;
+  if (variant.pre_rope) key_rope = f.rope;
   absl::StatusOr<std::unique_ptr<TransformKvCache>> cache = TransformKvCache::Create(
       {.geometry = Geometry(),
-       .block_size = kBlock,
-       .sink_tokens = kSinks,
-       .window_tokens = kWindow,
+       .block_size = variant.block,
+       .sink_tokens = variant.sinks,
+       .window_tokens = variant.window,
        .key_codes = f.kc,
        .value_codes = f.vc,
-       .key_rope = f.rope,
-       .capacity_bytes = pages * TransformKvCache::PageBytes(Geometry(), kBlock)});
+       .key_rope = key_rope,
+       .capacity_bytes = pages * TransformKvCache::PageBytes(Geometry(), variant.block)});
   EXPECT_TRUE(cache.ok()) << cache.status();
   f.cache = *std::move(cache);
   f.k_ref.assign(kLayers, std::vector<float>(static_cast<size_t>(tokens) * kKv * kDim));
@@ -98,22 +115,23 @@ void WriteTokens(Fixture& f, SeqId seq, int64_t pos, int64_t n, std::mt19937& rn
   }
 }
 
-// The reference's rows of block b as coded: the value's round trip; the key rotated back to
-// before RoPE, round-tripped, rotated again.
+// The reference's rows of block b as coded: the value's round trip; the key's, rotated back to
+// before RoPE and forward again when coded before RoPE.
 void CodeReferenceBlock(Fixture& f, int64_t b) {
   RopeSchedule unrope = f.rope;
   unrope.mscale = 1.0 / unrope.mscale;
   for (int l = 0; l < kLayers; ++l) {
-    for (int64_t p = b * kBlock; p < (b + 1) * kBlock; ++p) {
+    const int bs = f.variant.block;
+    for (int64_t p = b * bs; p < (b + 1) * bs; ++p) {
       const int64_t neg = -p;
       float* k = f.k_ref[l].data() + p * kKv * kDim;
       float* v = f.v_ref[l].data() + p * kKv * kDim;
-      cpu::Rope(k, 1, kKv, kDim, unrope, &neg);
+      if (f.variant.pre_rope) cpu::Rope(k, 1, kKv, kDim, unrope, &neg);
       for (int h = 0; h < kKv; ++h) {
         (*f.kc)[static_cast<size_t>(l * kKv + h)].RoundTrip(k + h * kDim);
         (*f.vc)[static_cast<size_t>(l * kKv + h)].RoundTrip(v + h * kDim);
       }
-      cpu::Rope(k, 1, kKv, kDim, f.rope, &p);
+      if (f.variant.pre_rope) cpu::Rope(k, 1, kKv, kDim, f.rope, &p);
     }
   }
 }
@@ -165,9 +183,11 @@ void ExpectAttentionMatches(Fixture& f, SeqId seq, int64_t pos, int64_t n, std::
   }
 }
 
-TEST(TransformKvCacheTest, AttentionMatchesTheCodedReferenceOverChunkedCommits) {
+class TransformKvCacheVariantTest : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(TransformKvCacheVariantTest, AttentionMatchesTheCodedReferenceOverChunkedCommits) {
   std::mt19937 rng(7);
-  Fixture f = Make(40, 11);
+  Fixture f = Make(40, 11, GetParam());
   const SeqId seq = *f.cache->CreateSequence();
   ASSERT_TRUE(f.cache->Reserve(seq, 40).ok());
   WriteTokens(f, seq, 0, 20, rng);
@@ -196,9 +216,9 @@ TEST(TransformKvCacheTest, AttentionMatchesTheCodedReferenceOverChunkedCommits) 
   EXPECT_EQ(f.cache->pool().num_free(), f.cache->pool().num_blocks());
 }
 
-TEST(TransformKvCacheTest, TruncationIntoACodedBlockDecodesItAndTokensFollow) {
+TEST_P(TransformKvCacheVariantTest, TruncationIntoACodedBlockDecodesItAndTokensFollow) {
   std::mt19937 rng(3);
-  Fixture f = Make(40, 5);
+  Fixture f = Make(40, 5, GetParam());
   const SeqId seq = *f.cache->CreateSequence();
   ASSERT_TRUE(f.cache->Reserve(seq, 40).ok());
   WriteTokens(f, seq, 0, 40, rng);
@@ -219,6 +239,41 @@ TEST(TransformKvCacheTest, TruncationIntoACodedBlockDecodesItAndTokensFollow) {
   ExpectAttentionMatches(f, seq, 22, 6, rng);
   ASSERT_TRUE(f.cache->Commit(seq, 28).ok());
   EXPECT_EQ(f.cache->Length(seq), 28);
+}
+
+INSTANTIATE_TEST_SUITE_P(KeysAndMetric, TransformKvCacheVariantTest,
+                         ::testing::Values(Variant{}, Variant{.pre_rope = false},
+                                           Variant{.weighted = true},
+                                           Variant{.pre_rope = false, .weighted = true}),
+                         [](const ::testing::TestParamInfo<Variant>& info) {
+                           return std::string(info.param.pre_rope ? "PreRope" : "PostRope") +
+                                  (info.param.weighted ? "Weighted" : "");
+                         });
+
+// Blocks of 16 tokens: whole groups of eight codes (the kernels' vector path), several blocks
+// coded per commit, split-KV decode and a prefill chunk, keys both ways.
+TEST(TransformKvCacheTest, WideBlocksMatchTheReferenceBothWays) {
+  for (const bool pre_rope : {true, false}) {
+    SCOPED_TRACE(pre_rope ? "pre-RoPE keys" : "post-RoPE keys");
+    std::mt19937 rng(13);
+    const Variant v{.pre_rope = pre_rope, .weighted = true, .block = 16, .sinks = 16, .window = 32};
+    const int64_t tokens = 16 * 40;
+    Fixture f = Make(tokens, 21, v, 400);
+    const SeqId seq = *f.cache->CreateSequence();
+    ASSERT_TRUE(f.cache->Reserve(seq, tokens).ok());
+    WriteTokens(f, seq, 0, tokens - 5, rng);
+    ASSERT_TRUE(f.cache->Commit(seq, tokens - 5).ok());
+    // Blocks past the sink that end at or before (tokens - 5) - 32.
+    int64_t coded = 0;
+    for (int64_t b = 1; (b + 1) * 16 <= tokens - 5 - 32; ++b, ++coded) {
+      ASSERT_TRUE(f.cache->IsCoded(seq, 0, b)) << b;
+      CodeReferenceBlock(f, b);
+    }
+    EXPECT_EQ(f.cache->Detail().blocks_coded, coded * kLayers);
+    ExpectAttentionMatches(f, seq, tokens - 6, 1, rng);  // decode
+    WriteTokens(f, seq, tokens - 5, 5, rng);
+    ExpectAttentionMatches(f, seq, tokens - 5, 5, rng);  // a chunk of five
+  }
 }
 
 TEST(TransformKvCacheTest, RefusesCodesThatDoNotFitTheModel) {

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -227,6 +228,46 @@ TEST(AttentionKernelsTest, DequantizeQuantizedBlocks) {
       (q4 ? k.dequantize_q4_0 : k.dequantize_q8_0)(src.data(), blocks, got.data());
       for (size_t i = 0; i < want.size(); ++i) {
         ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i])) << i;
+      }
+    }
+  }
+}
+
+// Packed codes of every width, every code value, at lengths with and without a tail of fewer
+// than eight: offset + code * step within two fp32 roundings of the exact value, every ISA.
+TEST(AttentionKernelsTest, DequantizeCodesOfEveryWidthAndValue) {
+  std::mt19937 rng(9);
+  for (int bits = 1; bits <= 8; ++bits) {
+    for (int n : {1, 3, 8, 13, 16, 64, 300}) {
+      std::vector<uint32_t> codes(static_cast<size_t>(n));
+      for (int t = 0; t < n; ++t) {  // every value in turn, then shuffled
+        codes[static_cast<size_t>(t)] = static_cast<uint32_t>(t) & ((1u << bits) - 1u);
+      }
+      std::shuffle(codes.begin(), codes.end(), rng);
+      // Packed LSB first, plus a guard byte of ones that must not leak into the last code.
+      const size_t bytes = (static_cast<size_t>(n) * bits + 7) / 8;
+      std::vector<uint8_t> src(bytes + 1, 0);
+      src[bytes] = 0xff;
+      for (int t = 0; t < n; ++t) {
+        for (int k = 0; k < bits; ++k) {
+          const int at = t * bits + k;
+          if ((codes[static_cast<size_t>(t)] >> k) & 1u) src[at / 8] |= uint8_t(1u << (at % 8));
+        }
+      }
+      // Padding bits of the last byte set too: a width-aligned reader must ignore them.
+      const int used = (n * bits) % 8;
+      if (used != 0) src[bytes - 1] |= static_cast<uint8_t>(0xffu << used);
+      const float offset = -1.75f, step = 0.3125f / static_cast<float>(bits);
+      for (Isa isa : IsasToTest()) {
+        SCOPED_TRACE(std::string(isa == Isa::kScalar ? "scalar" : "avx2") + " bits " +
+                     std::to_string(bits) + " n " + std::to_string(n));
+        std::vector<float> got(static_cast<size_t>(n) + 1, -123.0f);
+        AttentionKernelsFor(isa).dequantize_codes(src.data(), bits, n, offset, step, got.data());
+        for (int t = 0; t < n; ++t) {
+          const double want = offset + static_cast<double>(codes[static_cast<size_t>(t)]) * step;
+          ASSERT_NEAR(got[static_cast<size_t>(t)], want, 2.4e-7 * (1.75 + 0.3125 * 256)) << t;
+        }
+        EXPECT_EQ(got[static_cast<size_t>(n)], -123.0f) << "wrote past n";
       }
     }
   }
