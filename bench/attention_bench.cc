@@ -1,7 +1,8 @@
 // Decode attention time vs context and batch: full-rank paged cache against the compressed
 // cache (fp16, int8 coefficients, r = d/4, S = 4, W = 64, B = 16), one layer, random K/V and
 // an installed orthonormal basis; the quantized paged cache (q8_0, q4_0); and the transform-coded
-// cache (codes at 2.5 / 1.5 bits fitted on rows drawn like the K/V, pre-RoPE keys). Prints time
+// cache (codes at 2.5 / 1.5 bits fitted on rows drawn like the K/V, keys coded before RoPE and
+// after it; bytes alike). Prints time
 // per step and, beside the time ratio, the ratio of bytes the cache holds. With --epoch_table,
 // first the cost of building a PCA epoch 0 (Gram matrices + eigendecomposition) and of the Commit
 // that triggers it.
@@ -142,10 +143,10 @@ void Table(const Geo& geo, const std::vector<int>& contexts, const std::vector<i
               geo.n_heads, geo.n_kv, geo.hd, geo.hd / 4);
   std::printf(
       "%7s %5s | %10s | %10s %7s %7s | %10s %7s %7s | %10s %7s %7s | %10s %7s %7s | %10s %7s "
-      "%7s\n",
+      "%7s | %10s %7s\n",
       "context", "batch", "full ms", "fp16 ms", "t ratio", "B ratio", "int8 ms", "t ratio",
-      "B ratio", "q8_0 ms", "t ratio", "B ratio", "q4_0 ms", "t ratio", "B ratio", "tc ms",
-      "t ratio", "B ratio");
+      "B ratio", "q8_0 ms", "t ratio", "B ratio", "q4_0 ms", "t ratio", "B ratio", "tc pre ms",
+      "t ratio", "B ratio", "tc post ms", "t ratio");
   const KvCacheGeometry g{1, geo.n_kv, geo.hd};
   std::mt19937 rng(1);
   for (int ctx : contexts) {
@@ -184,10 +185,11 @@ void Table(const Geo& geo, const std::vector<int>& contexts, const std::vector<i
         auto paged = *PagedKvCache::Create(qc);
         std::tie(qt[i], qb[i]) = Run(*paged, geo, ctx, batch, iters, rng);
       }
-      // The transform-coded cache (--kv-cache transform) at 2.5 / 1.5 bits.
-      double tt;
+      // The transform-coded cache (--kv-cache transform) at 2.5 / 1.5 bits, keys coded before
+      // RoPE (decoded each step) and after it (scored in code space).
+      double tt, tt_post;
       int64_t tb;
-      {
+      for (const bool pre_rope : {true, false}) {
         TransformKvCacheConfig c{
             .geometry = g,
             .block_size = 16,
@@ -198,18 +200,19 @@ void Table(const Geo& geo, const std::vector<int>& contexts, const std::vector<i
             .key_rope = *RopeSchedule::Make({.dim = geo.hd}),
             .capacity_bytes = (static_cast<int64_t>(batch) * (ctx / 16 / 3 + 8) + 72) *
                               TransformKvCache::PageBytes(g, 16)};
+        if (!pre_rope) c.key_rope.reset();
         auto cache = *TransformKvCache::Create(c);
-        std::tie(tt, tb) = Run(*cache, geo, ctx, batch, iters, rng);
+        std::tie(pre_rope ? tt : tt_post, tb) = Run(*cache, geo, ctx, batch, iters, rng);
       }
       std::printf(
           "%7d %5d | %10.3f | %10.3f %7.3f %7.3f | %10.3f %7.3f %7.3f | %10.3f %7.3f %7.3f | "
-          "%10.3f %7.3f %7.3f | %10.3f %7.3f %7.3f\n",
+          "%10.3f %7.3f %7.3f | %10.3f %7.3f %7.3f | %10.3f %7.3f\n",
           ctx, batch, full_t * 1e3, ct[0] * 1e3, ct[0] / full_t,
           static_cast<double>(cb[0]) / full_b, ct[1] * 1e3, ct[1] / full_t,
           static_cast<double>(cb[1]) / full_b, qt[0] * 1e3, qt[0] / full_t,
           static_cast<double>(qb[0]) / full_b, qt[1] * 1e3, qt[1] / full_t,
           static_cast<double>(qb[1]) / full_b, tt * 1e3, tt / full_t,
-          static_cast<double>(tb) / full_b);
+          static_cast<double>(tb) / full_b, tt_post * 1e3, tt_post / full_t);
       std::fflush(stdout);
     }
   }

@@ -393,12 +393,13 @@ class TransformKvCache::RowSource final : public BlockRowSource {
     }
   }
 
-  // Keys coded after RoPE: per query head the projected query U (q s^-1) [active] scaled, then
-  // after the group's, e . q s^-1 per head. Values: per query head sum_t p_t c_t [active], then
-  // sum_t p_t.
+  // Keys coded after RoPE, per query head: w_a = scale step_a u_a . q s^-1 [active], then
+  // after the group's, its constant scale (e . q s^-1 + sum_a offset_a u_a . q s^-1): a score
+  // is w . code + constant. Values, per query head: eight partial sums of p_t code_a(t) per
+  // component [active][8], then sum_t p_t.
   CodedFloats CodedStateFloats(int kvh) const override {
     return {.query = pre_rope_ ? 0 : cache_.Table(layer_, false, kvh).active() + 1,
-            .value = cache_.Table(layer_, true, kvh).active() + 1};
+            .value = 8 * cache_.Table(layer_, true, kvh).active() + 1};
   }
 
   void PrepareQueries(int kvh, const float* q, int group, float scale,
@@ -419,11 +420,17 @@ class TransformKvCache::RowSource final : public BlockRowSource {
       qs = weighted.data();
     }
     const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
-    if (active > 0) {
-      kernels.scores(qs, hd, group, cpu::KvRows{t.basis.data()}, active, hd, scale, query);
+    float* constant = query + static_cast<int64_t>(group) * active;
+    kernels.scores(qs, hd, group, cpu::KvRows{t.ext.data()}, 1, hd, scale, constant);
+    if (active == 0) return;
+    kernels.scores(qs, hd, group, cpu::KvRows{t.basis.data()}, active, hd, scale, query);
+    for (int g = 0; g < group; ++g) {
+      float* w = query + static_cast<int64_t>(g) * active;
+      for (int a = 0; a < active; ++a) {
+        constant[g] += w[a] * t.offset[static_cast<size_t>(a)];
+        w[a] *= t.step[static_cast<size_t>(a)];
+      }
     }
-    kernels.scores(qs, hd, group, cpu::KvRows{t.ext.data()}, 1, hd, scale,
-                   query + static_cast<int64_t>(group) * active);
   }
 
   void CodedScores(SeqId seq, int64_t block, int kvh, int group, int nb, const float* query,
@@ -435,26 +442,23 @@ class TransformKvCache::RowSource final : public BlockRowSource {
                   query[static_cast<int64_t>(group) * active + g]);
     }
     if (active == 0) return;
-    float* c = Unpacked(seq, block, kvh, false, nb);
-    cpu::ActiveAttentionKernels().accumulate(query, group, cpu::KvRows{c}, active, nb, scores, nb);
+    cpu::ActiveAttentionKernels().code_scores(Run(seq, block, kvh, false), t.bits.data(),
+                                              t.byte_at.data(), active, nb, query, group, scores);
   }
 
   void CodedAccumulate(SeqId seq, int64_t block, int kvh, int group, int nb, const float* p,
                        float* value) const override {
     const DecodeTable& t = cache_.Table(layer_, true, kvh);
     const int active = t.active();
-    thread_local std::vector<float> sums;  // [group, active]
-    sums.resize(static_cast<size_t>(group) * static_cast<size_t>(active));
-    if (active > 0) {
-      float* c = Unpacked(seq, block, kvh, true, nb);
-      cpu::ActiveAttentionKernels().scores(p, nb, group, cpu::KvRows{c}, active, nb, 1.0f,
-                                           sums.data());
-    }
+    const uint8_t* run = Run(seq, block, kvh, true);
+    const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
     for (int g = 0; g < group; ++g) {
-      float* v = value + static_cast<int64_t>(g) * (active + 1);
-      for (int a = 0; a < active; ++a) v[a] += sums[static_cast<size_t>(g * active + a)];
+      float* v = value + static_cast<int64_t>(g) * (8 * active + 1);
       const float* pg = p + static_cast<int64_t>(g) * nb;
-      for (int i = 0; i < nb; ++i) v[active] += pg[i];
+      if (active > 0) {
+        kernels.code_sums(run, t.bits.data(), t.byte_at.data(), active, nb, pg, 1, v);
+      }
+      for (int i = 0; i < nb; ++i) v[8 * active] += pg[i];
     }
   }
 
@@ -462,17 +466,26 @@ class TransformKvCache::RowSource final : public BlockRowSource {
     const DecodeTable& t = cache_.Table(layer_, true, kvh);
     const int hd = cache_.config_.geometry.head_dim;
     const int active = t.active();
-    thread_local std::vector<float> row;  // [hd]
+    thread_local std::vector<float> row, u;  // [hd], [active]
     row.resize(static_cast<size_t>(hd));
+    u.resize(static_cast<size_t>(active));
     for (int g = 0; g < group; ++g) {
-      const float* v = value + static_cast<int64_t>(g) * (active + 1);
-      const float weight = v[active];  // the coded tokens' share of the softmax
-      if (weight == 0.0f) continue;    // none read
-      for (int i = 0; i < hd; ++i)
+      const float* v = value + static_cast<int64_t>(g) * (8 * active + 1);
+      const float weight = v[8 * active];  // the coded tokens' share of the softmax
+      if (weight == 0.0f) continue;        // none read
+      // u_a = sum_t p_t c_a(t) = step_a sum_t p_t code_a(t) + offset_a sum_t p_t.
+      for (int a = 0; a < active; ++a) {
+        float lanes = 0.0f;
+        for (int l = 0; l < 8; ++l) lanes += v[8 * a + l];
+        u[static_cast<size_t>(a)] =
+            t.step[static_cast<size_t>(a)] * lanes + t.offset[static_cast<size_t>(a)] * weight;
+      }
+      for (int i = 0; i < hd; ++i) {
         row[static_cast<size_t>(i)] = weight * t.ext[static_cast<size_t>(i)];
+      }
       if (active > 0) {
-        cpu::ActiveAttentionKernels().accumulate(v, 1, cpu::KvRows{t.basis.data()}, active, hd,
-                                                 row.data(), hd);
+        cpu::ActiveAttentionKernels().accumulate(u.data(), 1, cpu::KvRows{t.basis.data()}, active,
+                                                 hd, row.data(), hd);
       }
       float* o = acc + static_cast<int64_t>(g) * hd;
       if (t.inv_scale.empty()) {
@@ -504,16 +517,10 @@ class TransformKvCache::RowSource final : public BlockRowSource {
   float* KeyRows(const Decoded& d, int64_t b) const {
     return decoded_ + d.offset + static_cast<size_t>((b - d.first) * cache_.v_half_);
   }
-  // Head kvh's components of the first nb rows of a coded block's keys or values, widened into
-  // the calling thread's buffer: [active][nb].
-  float* Unpacked(SeqId seq, int64_t block, int kvh, bool values, int nb) const {
-    thread_local std::vector<float> buffer;
-    const DecodeTable& t = cache_.Table(layer_, values, kvh);
-    buffer.resize(static_cast<size_t>(t.active()) * static_cast<size_t>(nb));
+  // Head kvh's run of key or value codes in a coded block.
+  const uint8_t* Run(SeqId seq, int64_t block, int kvh, bool values) const {
     const Block& e = Table(seq)[static_cast<size_t>(block)];
-    Unpack(t, cache_.slabs_.data({e.page, e.slot}) + cache_.CodedOffset(layer_, kvh, values), nb,
-           buffer.data());
-    return buffer.data();
+    return cache_.slabs_.data({e.page, e.slot}) + cache_.CodedOffset(layer_, kvh, values);
   }
 
   const TransformKvCache& cache_;

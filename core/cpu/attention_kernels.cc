@@ -117,9 +117,36 @@ void DequantizeCodesScalar(const uint8_t* src, int bits, int n, float offset, fl
   for (int t = 0; t < n; ++t) dst[t] = offset + static_cast<float>(CodeAt(src, bits, t)) * step;
 }
 
+void CodeScoresScalar(const uint8_t* run, const int* bits, const int64_t* byte_at, int active,
+                      int n, const float* w, int group, float* scores) {
+  for (int g = 0; g < group; ++g) {
+    for (int a = 0; a < active; ++a) {
+      const float wa = w[static_cast<int64_t>(g) * active + a];
+      for (int t = 0; t < n; ++t) {
+        scores[static_cast<int64_t>(g) * n + t] +=
+            wa * static_cast<float>(CodeAt(run + byte_at[a], bits[a], t));
+      }
+    }
+  }
+}
+
+void CodeSumsScalar(const uint8_t* run, const int* bits, const int64_t* byte_at, int active, int n,
+                    const float* p, int group, float* sums) {
+  for (int g = 0; g < group; ++g) {
+    for (int a = 0; a < active; ++a) {
+      float* lanes = sums + (static_cast<int64_t>(g) * active + a) * 8;
+      for (int t = 0; t < n; ++t) {
+        lanes[t % 8] += p[static_cast<int64_t>(g) * n + t] *
+                        static_cast<float>(CodeAt(run + byte_at[a], bits[a], t));
+      }
+    }
+  }
+}
+
 constexpr AttentionKernels kScalarKernels = {
-    ScoresScalar, AccumulateScalar,     ExpSumScalar,         ScaleScalar,
-    ToFp16Scalar, DequantizeQ8_0Scalar, DequantizeQ4_0Scalar, DequantizeCodesScalar};
+    ScoresScalar,     AccumulateScalar,     ExpSumScalar,         ScaleScalar,
+    ToFp16Scalar,     DequantizeQ8_0Scalar, DequantizeQ4_0Scalar, DequantizeCodesScalar,
+    CodeScoresScalar, CodeSumsScalar};
 
 #ifdef SUBSPACE_HAVE_X86
 
@@ -404,24 +431,55 @@ SUBSPACE_AVX2 void DequantizeQ4_0Avx2(const uint8_t* src, int64_t blocks, float*
   }
 }
 
+// The w bytes at src (w = 1..8) as the low bytes of a word, reading no further.
+SUBSPACE_AVX2 inline uint64_t LoadBytes(const uint8_t* src, int w) {
+  uint64_t v = 0;
+  uint32_t lo = 0;
+  uint16_t two = 0;
+  switch (w) {
+    case 8:
+      std::memcpy(&v, src, 8);
+      return v;
+    case 7:
+    case 6:
+    case 5:
+      std::memcpy(&lo, src, 4);
+      for (int i = 4; i < w; ++i) v |= static_cast<uint64_t>(src[i]) << (8 * i);
+      return v | lo;
+    case 4:
+      std::memcpy(&lo, src, 4);
+      return lo;
+    case 3:
+      std::memcpy(&two, src, 2);
+      return two | (static_cast<uint64_t>(src[2]) << 16);
+    case 2:
+      std::memcpy(&two, src, 2);
+      return two;
+    default:
+      return src[0];
+  }
+}
+
 // Eight codes of w bits are w whole bytes: codes 0-3 in the low 4w bits, 4-7 in the next 4w
-// (at most 32 bits each), broadcast to four lanes apiece, shifted per lane and masked. offset +
-// code * step as two roundings, like the scalar twin, so both give the same bits.
+// (at most 32 bits each), broadcast to four lanes apiece, shifted per lane and masked.
+SUBSPACE_AVX2 inline __m256i Codes8(const uint8_t* src, int w) {
+  const uint64_t v = LoadBytes(src, w);
+  const auto lo = static_cast<int>(static_cast<uint32_t>(v));
+  const auto hi = static_cast<int>(static_cast<uint32_t>(v >> (4 * w)));
+  const __m256i shifts = _mm256_setr_epi32(0, w, 2 * w, 3 * w, 0, w, 2 * w, 3 * w);
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>((1u << w) - 1u));
+  return _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi), shifts), mask);
+}
+
+// offset + code * step as two roundings, like the scalar twin, so both give the same bits.
 SUBSPACE_AVX2 void DequantizeCodesAvx2(const uint8_t* src, int bits, int n, float offset,
                                        float step, float* dst) {
-  const __m256i shifts =
-      _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 0, bits, 2 * bits, 3 * bits);
-  const __m256i mask = _mm256_set1_epi32(static_cast<int>((1u << bits) - 1u));
   const __m256 off = _mm256_set1_ps(offset), st = _mm256_set1_ps(step);
   int t = 0;
   for (; t + 8 <= n; t += 8, src += bits) {
-    uint64_t v = 0;
-    std::memcpy(&v, src, static_cast<size_t>(bits));
-    const auto lo = static_cast<int>(static_cast<uint32_t>(v));
-    const auto hi = static_cast<int>(static_cast<uint32_t>(v >> (4 * bits)));
-    const __m256i codes = _mm256_and_si256(
-        _mm256_srlv_epi32(_mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi), shifts), mask);
-    _mm256_storeu_ps(dst + t, _mm256_add_ps(off, _mm256_mul_ps(_mm256_cvtepi32_ps(codes), st)));
+    const __m256 codes = _mm256_cvtepi32_ps(Codes8(src, bits));
+    _mm256_storeu_ps(dst + t, _mm256_add_ps(off, _mm256_mul_ps(codes, st)));
   }
   // The tail: src has advanced t * bits bits (whole bytes).
   for (int i = 0; t < n; ++t, ++i) {
@@ -429,9 +487,83 @@ SUBSPACE_AVX2 void DequantizeCodesAvx2(const uint8_t* src, int bits, int n, floa
   }
 }
 
+// Up to four query heads' scores of eight tokens stay in registers over every component; each
+// component's eight codes are widened once for all of them.
+template <int G>
+SUBSPACE_AVX2 inline void CodeScoresTile(const uint8_t* run, const int* bits,
+                                         const int64_t* byte_at, int active, int n, int t0,
+                                         const float* w, float* scores) {
+  __m256 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_loadu_ps(scores + static_cast<int64_t>(g) * n + t0);
+  for (int a = 0; a < active; ++a) {
+    const __m256 c = _mm256_cvtepi32_ps(Codes8(run + byte_at[a] + (t0 / 8) * bits[a], bits[a]));
+    for (int g = 0; g < G; ++g) {
+      acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(w[static_cast<int64_t>(g) * active + a]), c, acc[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores + static_cast<int64_t>(g) * n + t0, acc[g]);
+}
+
+SUBSPACE_AVX2 void CodeScoresAvx2(const uint8_t* run, const int* bits, const int64_t* byte_at,
+                                  int active, int n, const float* w, int group, float* scores) {
+  const int whole = n / 8 * 8;
+  for (int t0 = 0; t0 < whole; t0 += 8) {
+    int g = 0;
+    for (; g + 4 <= group; g += 4) {
+      CodeScoresTile<4>(run, bits, byte_at, active, n, t0, w + static_cast<int64_t>(g) * active,
+                        scores + static_cast<int64_t>(g) * n);
+    }
+    const float* wg = w + static_cast<int64_t>(g) * active;
+    float* sg = scores + static_cast<int64_t>(g) * n;
+    switch (group - g) {
+      case 3:
+        CodeScoresTile<3>(run, bits, byte_at, active, n, t0, wg, sg);
+        break;
+      case 2:
+        CodeScoresTile<2>(run, bits, byte_at, active, n, t0, wg, sg);
+        break;
+      case 1:
+        CodeScoresTile<1>(run, bits, byte_at, active, n, t0, wg, sg);
+        break;
+      default:
+        break;
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    for (int a = 0; a < active; ++a) {
+      const float wa = w[static_cast<int64_t>(g) * active + a];
+      for (int t = whole; t < n; ++t) {
+        scores[static_cast<int64_t>(g) * n + t] +=
+            wa * static_cast<float>(CodeAt(run + byte_at[a], bits[a], t));
+      }
+    }
+  }
+}
+
+SUBSPACE_AVX2 void CodeSumsAvx2(const uint8_t* run, const int* bits, const int64_t* byte_at,
+                                int active, int n, const float* p, int group, float* sums) {
+  const int whole = n / 8 * 8;
+  for (int a = 0; a < active; ++a) {
+    const uint8_t* src = run + byte_at[a];
+    for (int g = 0; g < group; ++g) {
+      float* lanes = sums + (static_cast<int64_t>(g) * active + a) * 8;
+      const float* pg = p + static_cast<int64_t>(g) * n;
+      __m256 acc = _mm256_loadu_ps(lanes);
+      for (int t0 = 0; t0 < whole; t0 += 8) {
+        const __m256 c = _mm256_cvtepi32_ps(Codes8(src + (t0 / 8) * bits[a], bits[a]));
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(pg + t0), c, acc);
+      }
+      _mm256_storeu_ps(lanes, acc);
+      for (int t = whole; t < n; ++t) {
+        lanes[t % 8] += pg[t] * static_cast<float>(CodeAt(src, bits[a], t));
+      }
+    }
+  }
+}
+
 constexpr AttentionKernels kAvx2Kernels = {
-    ScoresAvx2, AccumulateAvx2,     ExpSumAvx2,         ScaleAvx2,
-    ToFp16Avx2, DequantizeQ8_0Avx2, DequantizeQ4_0Avx2, DequantizeCodesAvx2};
+    ScoresAvx2,         AccumulateAvx2,     ExpSumAvx2,          ScaleAvx2,      ToFp16Avx2,
+    DequantizeQ8_0Avx2, DequantizeQ4_0Avx2, DequantizeCodesAvx2, CodeScoresAvx2, CodeSumsAvx2};
 
 #endif  // SUBSPACE_HAVE_X86
 

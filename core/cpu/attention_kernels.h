@@ -47,6 +47,18 @@ struct AttentionKernels {
   // dst[t] = offset + code_t * step. dst: [n]
   void (*dequantize_codes)(const uint8_t* src, int bits, int n, float offset, float step,
                            float* dst);
+  // One KV head's run of a transform-coded block, component-major: component a < active holds
+  // n codes of bits[a] bits from byte byte_at[a], packed as dequantize_codes reads them; code_a(t)
+  // is the integer code. The kernels below read the codes in registers, never widening a run.
+  // scores[g * n + t] += sum_a w[g * active + a] * code_a(t) for g < group, t < n.
+  // w: [group, active]; scores: [group, n]
+  void (*code_scores)(const uint8_t* run, const int* bits, const int64_t* byte_at, int active,
+                      int n, const float* w, int group, float* scores);
+  // sums[(g * active + a) * 8 + t % 8] += p[g * n + t] * code_a(t) for g < group, t < n: per
+  // component, eight partial sums of the weighted codes (their total is the caller's).
+  // p: [group, n]; sums: [group, active, 8]
+  void (*code_sums)(const uint8_t* run, const int* bits, const int64_t* byte_at, int active, int n,
+                    const float* p, int group, float* sums);
 };
 
 // Asks for [p, p + bytes) to be brought into cache. Blocks sit on scattered pool pages, so

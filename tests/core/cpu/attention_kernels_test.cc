@@ -273,6 +273,73 @@ TEST(AttentionKernelsTest, DequantizeCodesOfEveryWidthAndValue) {
   }
 }
 
+// A run of components of random widths (every width 1..8) and random codes, tails shorter than
+// eight included: the weighted code sums against float64, every ISA, and the partial sums of
+// each component in the lanes the contract names.
+TEST(AttentionKernelsTest, CodeScoresAndSumsOverMixedWidths) {
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int> width(1, 8);
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  for (int n : {5, 8, 16, 21}) {
+    for (int group : {1, 2, 3, 4, 5}) {
+      const int active = 11;
+      std::vector<int> bits(active);
+      std::vector<int64_t> byte_at(active);
+      std::vector<std::vector<uint32_t>> codes(active);
+      std::vector<uint8_t> run;
+      for (int a = 0; a < active; ++a) {
+        bits[a] = a < 8 ? a + 1 : width(rng);
+        byte_at[a] = static_cast<int64_t>(run.size());
+        run.resize(run.size() + (static_cast<size_t>(n) * bits[a] + 7) / 8, 0);
+        for (int t = 0; t < n; ++t) {
+          const uint32_t c = static_cast<uint32_t>(rng()) & ((1u << bits[a]) - 1u);
+          codes[a].push_back(c);
+          for (int k = 0; k < bits[a]; ++k) {
+            const int at = t * bits[a] + k;
+            if ((c >> k) & 1u)
+              run[static_cast<size_t>(byte_at[a] + at / 8)] |= uint8_t(1u << (at % 8));
+          }
+        }
+      }
+      std::vector<float> w(static_cast<size_t>(group) * active), p(static_cast<size_t>(group) * n);
+      for (float& x : w) x = n01(rng);
+      for (float& x : p) x = std::fabs(n01(rng));
+      for (Isa isa : IsasToTest()) {
+        SCOPED_TRACE(std::string(isa == Isa::kScalar ? "scalar" : "avx2") + " n " +
+                     std::to_string(n) + " group " + std::to_string(group));
+        const AttentionKernels& k = AttentionKernelsFor(isa);
+        std::vector<float> scores(static_cast<size_t>(group) * n, 0.5f);
+        k.code_scores(run.data(), bits.data(), byte_at.data(), active, n, w.data(), group,
+                      scores.data());
+        std::vector<float> sums(static_cast<size_t>(group) * active * 8, 0.25f);
+        k.code_sums(run.data(), bits.data(), byte_at.data(), active, n, p.data(), group,
+                    sums.data());
+        for (int g = 0; g < group; ++g) {
+          for (int t = 0; t < n; ++t) {
+            double want = 0.5, mag = 0.5;
+            for (int a = 0; a < active; ++a) {
+              want += double{w[static_cast<size_t>(g * active + a)]} * codes[a][t];
+              mag += std::fabs(double{w[static_cast<size_t>(g * active + a)]}) * codes[a][t];
+            }
+            ASSERT_NEAR(scores[static_cast<size_t>(g * n + t)], want, 1e-6 * mag) << g << " " << t;
+          }
+          for (int a = 0; a < active; ++a) {
+            for (int lane = 0; lane < 8; ++lane) {
+              double want = 0.25, mag = 0.25;
+              for (int t = lane; t < n; t += 8) {
+                want += double{p[static_cast<size_t>(g * n + t)]} * codes[a][t];
+                mag += std::fabs(want);
+              }
+              ASSERT_NEAR(sums[static_cast<size_t>((g * active + a) * 8 + lane)], want, 1e-6 * mag)
+                  << "group member " << g << " component " << a << " lane " << lane;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(AttentionKernelsTest, ActiveFollowsScopedMaxIsa) {
   internal::ScopedMaxIsa cap(Isa::kScalar);
   EXPECT_EQ(&ActiveAttentionKernels(), &AttentionKernelsFor(Isa::kScalar));
