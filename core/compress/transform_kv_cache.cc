@@ -45,7 +45,15 @@ TransformKvCache::DecodeTable TransformKvCache::DecodeTable::Of(const TransformC
   DecodeTable t;
   const int d = code.dim;
   std::vector<double> ext(static_cast<size_t>(d), 0.0);
-  for (int j = 0; j < d; ++j) {
+  // Components widest first (stable): a run holds each width's components together, which the
+  // kernels widen with compile-time shifts.
+  std::vector<int> order(static_cast<size_t>(d));
+  for (int j = 0; j < d; ++j) order[static_cast<size_t>(j)] = j;
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
+    return code.components[static_cast<size_t>(x)].bits >
+           code.components[static_cast<size_t>(y)].bits;
+  });
+  for (int j : order) {
     const ComponentQuantizer& q = code.components[static_cast<size_t>(j)];
     const float* row = code.basis.data() + static_cast<int64_t>(j) * d;
     if (q.bits == 0) {
@@ -450,15 +458,15 @@ class TransformKvCache::RowSource final : public BlockRowSource {
                        float* value) const override {
     const DecodeTable& t = cache_.Table(layer_, true, kvh);
     const int active = t.active();
-    const uint8_t* run = Run(seq, block, kvh, true);
-    const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
+    const int64_t stride = 8 * active + 1;  // one query head's floats
+    if (active > 0) {
+      cpu::ActiveAttentionKernels().code_sums(Run(seq, block, kvh, true), t.bits.data(),
+                                              t.byte_at.data(), active, nb, p, group, value,
+                                              stride);
+    }
     for (int g = 0; g < group; ++g) {
-      float* v = value + static_cast<int64_t>(g) * (8 * active + 1);
       const float* pg = p + static_cast<int64_t>(g) * nb;
-      if (active > 0) {
-        kernels.code_sums(run, t.bits.data(), t.byte_at.data(), active, nb, pg, 1, v);
-      }
-      for (int i = 0; i < nb; ++i) v[8 * active] += pg[i];
+      for (int i = 0; i < nb; ++i) value[g * stride + 8 * active] += pg[i];
     }
   }
 

@@ -9,10 +9,10 @@
 // smaller, packed into pages by a SlabAllocator (one class per distinct coded-block size), so
 // full and coded blocks draw from one budget. A coded block holds, per KV head, the key codes
 // and then (after every head's keys) the value codes, component-major: component a's B codes
-// of w_a bits packed least significant bit first in ceil(B w_a / 8) bytes, components with bits
-// one after the other ([K: h0 (c0 t0..tB-1)(c1 ...) h1 ...][V: ...]), so a kernel widens eight
-// tokens' codes of one component at once. Sequences and block tables: the SequenceManager every
-// cache uses.
+// of w_a bits packed least significant bit first in ceil(B w_a / 8) bytes, the components with
+// bits one after the other, widest first ([K: h0 (c0 t0..tB-1)(c1 ...) h1 ...][V: ...]), so a
+// kernel widens eight tokens' codes of one component at once, with shifts fixed per width.
+// Sequences and block tables: the SequenceManager every cache uses.
 //
 // Policy, at Commit, as the compressed cache's (CompressionPolicy::CompressibleBlocks): blocks
 // overlapping the first S tokens stay full; a block is coded once it ends at or before

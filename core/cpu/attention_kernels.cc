@@ -131,10 +131,10 @@ void CodeScoresScalar(const uint8_t* run, const int* bits, const int64_t* byte_a
 }
 
 void CodeSumsScalar(const uint8_t* run, const int* bits, const int64_t* byte_at, int active, int n,
-                    const float* p, int group, float* sums) {
+                    const float* p, int group, float* sums, int64_t sums_stride) {
   for (int g = 0; g < group; ++g) {
     for (int a = 0; a < active; ++a) {
-      float* lanes = sums + (static_cast<int64_t>(g) * active + a) * 8;
+      float* lanes = sums + g * sums_stride + static_cast<int64_t>(a) * 8;
       for (int t = 0; t < n; ++t) {
         lanes[t % 8] += p[static_cast<int64_t>(g) * n + t] *
                         static_cast<float>(CodeAt(run + byte_at[a], bits[a], t));
@@ -487,6 +487,91 @@ SUBSPACE_AVX2 void DequantizeCodesAvx2(const uint8_t* src, int bits, int n, floa
   }
 }
 
+// LoadBytes for a width known at compile time, as loads of whole integers (a memcpy of W bytes
+// into a stack word stalls on store-to-load forwarding when W is not a power of two).
+template <int W>
+SUBSPACE_AVX2 inline uint64_t LoadBytesW(const uint8_t* src) {
+  uint32_t u32 = 0;
+  uint16_t u16 = 0;
+  if constexpr (W == 8) {
+    uint64_t u64;
+    std::memcpy(&u64, src, 8);
+    return u64;
+  } else if constexpr (W >= 4) {
+    std::memcpy(&u32, src, 4);
+    uint64_t v = u32;
+    if constexpr (W >= 6) {
+      std::memcpy(&u16, src + 4, 2);
+      v |= static_cast<uint64_t>(u16) << 32;
+    }
+    if constexpr (W == 5) v |= static_cast<uint64_t>(src[4]) << 32;
+    if constexpr (W == 7) v |= static_cast<uint64_t>(src[6]) << 48;
+    return v;
+  } else if constexpr (W >= 2) {
+    std::memcpy(&u16, src, 2);
+    return W == 3 ? (u16 | (static_cast<uint64_t>(src[2]) << 16)) : u16;
+  } else {
+    return src[0];
+  }
+}
+
+// Codes8 for a width known at compile time: whole-integer loads, constant shifts.
+template <int W>
+SUBSPACE_AVX2 inline __m256 Codes8F(const uint8_t* src) {
+  if constexpr (W == 8) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
+  } else {
+    const uint64_t v = LoadBytesW<W>(src);
+    const auto lo = static_cast<int>(static_cast<uint32_t>(v));
+    const auto hi = static_cast<int>(static_cast<uint32_t>(v >> (4 * W)));
+    const __m256i shifts = _mm256_setr_epi32(0, W, 2 * W, 3 * W, 0, W, 2 * W, 3 * W);
+    const __m256i codes = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi), shifts),
+        _mm256_set1_epi32((1 << W) - 1));
+    return _mm256_cvtepi32_ps(codes);
+  }
+}
+
+// Calls f.template operator()<W>(a_begin, a_end) for each run of components of one width W:
+// a run's codes widen with compile-time shifts. Runs are long when components are ordered by
+// width, as the transform-coded cache stores them.
+template <class F>
+SUBSPACE_AVX2 __attribute__((always_inline)) inline void ForEachWidthRun(const int* bits,
+                                                                         int active, F&& f) {
+  for (int a = 0; a < active;) {
+    int end = a + 1;
+    while (end < active && bits[end] == bits[a]) ++end;
+    switch (bits[a]) {
+      case 1:
+        f.template operator()<1>(a, end);
+        break;
+      case 2:
+        f.template operator()<2>(a, end);
+        break;
+      case 3:
+        f.template operator()<3>(a, end);
+        break;
+      case 4:
+        f.template operator()<4>(a, end);
+        break;
+      case 5:
+        f.template operator()<5>(a, end);
+        break;
+      case 6:
+        f.template operator()<6>(a, end);
+        break;
+      case 7:
+        f.template operator()<7>(a, end);
+        break;
+      default:
+        f.template operator()<8>(a, end);
+        break;
+    }
+    a = end;
+  }
+}
+
 // Up to four query heads' scores of eight tokens stay in registers over every component; each
 // component's eight codes are widened once for all of them.
 template <int G>
@@ -495,12 +580,16 @@ SUBSPACE_AVX2 inline void CodeScoresTile(const uint8_t* run, const int* bits,
                                          const float* w, float* scores) {
   __m256 acc[G];
   for (int g = 0; g < G; ++g) acc[g] = _mm256_loadu_ps(scores + static_cast<int64_t>(g) * n + t0);
-  for (int a = 0; a < active; ++a) {
-    const __m256 c = _mm256_cvtepi32_ps(Codes8(run + byte_at[a] + (t0 / 8) * bits[a], bits[a]));
-    for (int g = 0; g < G; ++g) {
-      acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(w[static_cast<int64_t>(g) * active + a]), c, acc[g]);
-    }
-  }
+  ForEachWidthRun(
+      bits, active, [&]<int W>(int begin, int end) SUBSPACE_AVX2 __attribute__((always_inline)) {
+        for (int a = begin; a < end; ++a) {
+          const __m256 c = Codes8F<W>(run + byte_at[a] + (t0 / 8) * W);
+          for (int g = 0; g < G; ++g) {
+            acc[g] =
+                _mm256_fmadd_ps(_mm256_set1_ps(w[static_cast<int64_t>(g) * active + a]), c, acc[g]);
+          }
+        }
+      });
   for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores + static_cast<int64_t>(g) * n + t0, acc[g]);
 }
 
@@ -540,25 +629,59 @@ SUBSPACE_AVX2 void CodeScoresAvx2(const uint8_t* run, const int* bits, const int
   }
 }
 
-SUBSPACE_AVX2 void CodeSumsAvx2(const uint8_t* run, const int* bits, const int64_t* byte_at,
-                                int active, int n, const float* p, int group, float* sums) {
+// Up to four query heads' partial sums of one component stay in registers over the tokens;
+// each eight codes are widened once for all of them.
+template <int G, int W>
+SUBSPACE_AVX2 inline void CodeSumsTile(const uint8_t* src, int n, const float* p, float* sums,
+                                       int64_t sums_stride) {
   const int whole = n / 8 * 8;
-  for (int a = 0; a < active; ++a) {
-    const uint8_t* src = run + byte_at[a];
-    for (int g = 0; g < group; ++g) {
-      float* lanes = sums + (static_cast<int64_t>(g) * active + a) * 8;
-      const float* pg = p + static_cast<int64_t>(g) * n;
-      __m256 acc = _mm256_loadu_ps(lanes);
-      for (int t0 = 0; t0 < whole; t0 += 8) {
-        const __m256 c = _mm256_cvtepi32_ps(Codes8(src + (t0 / 8) * bits[a], bits[a]));
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(pg + t0), c, acc);
-      }
-      _mm256_storeu_ps(lanes, acc);
-      for (int t = whole; t < n; ++t) {
-        lanes[t % 8] += pg[t] * static_cast<float>(CodeAt(src, bits[a], t));
-      }
+  __m256 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_loadu_ps(sums + g * sums_stride);
+  for (int t0 = 0; t0 < whole; t0 += 8) {
+    const __m256 c = Codes8F<W>(src + (t0 / 8) * W);
+    for (int g = 0; g < G; ++g) {
+      acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(p + static_cast<int64_t>(g) * n + t0), c, acc[g]);
     }
   }
+  for (int g = 0; g < G; ++g) {
+    float* lanes = sums + g * sums_stride;
+    _mm256_storeu_ps(lanes, acc[g]);
+    for (int t = whole; t < n; ++t) {
+      lanes[t % 8] += p[static_cast<int64_t>(g) * n + t] * static_cast<float>(CodeAt(src, W, t));
+    }
+  }
+}
+
+SUBSPACE_AVX2 void CodeSumsAvx2(const uint8_t* run, const int* bits, const int64_t* byte_at,
+                                int active, int n, const float* p, int group, float* sums,
+                                int64_t sums_stride) {
+  ForEachWidthRun(
+      bits, active, [&]<int W>(int begin, int end) SUBSPACE_AVX2 __attribute__((always_inline)) {
+        for (int a = begin; a < end; ++a) {
+          const uint8_t* src = run + byte_at[a];
+          float* sa = sums + static_cast<int64_t>(a) * 8;
+          int g = 0;
+          for (; g + 4 <= group; g += 4) {
+            CodeSumsTile<4, W>(src, n, p + static_cast<int64_t>(g) * n, sa + g * sums_stride,
+                               sums_stride);
+          }
+          const float* pg = p + static_cast<int64_t>(g) * n;
+          float* sg = sa + g * sums_stride;
+          switch (group - g) {
+            case 3:
+              CodeSumsTile<3, W>(src, n, pg, sg, sums_stride);
+              break;
+            case 2:
+              CodeSumsTile<2, W>(src, n, pg, sg, sums_stride);
+              break;
+            case 1:
+              CodeSumsTile<1, W>(src, n, pg, sg, sums_stride);
+              break;
+            default:
+              break;
+          }
+        }
+      });
 }
 
 constexpr AttentionKernels kAvx2Kernels = {

@@ -54,11 +54,11 @@ struct AttentionKernels {
   // w: [group, active]; scores: [group, n]
   void (*code_scores)(const uint8_t* run, const int* bits, const int64_t* byte_at, int active,
                       int n, const float* w, int group, float* scores);
-  // sums[(g * active + a) * 8 + t % 8] += p[g * n + t] * code_a(t) for g < group, t < n: per
-  // component, eight partial sums of the weighted codes (their total is the caller's).
-  // p: [group, n]; sums: [group, active, 8]
+  // sums[g * sums_stride + a * 8 + t % 8] += p[g * n + t] * code_a(t) for g < group, t < n:
+  // per component, eight partial sums of the weighted codes (their total is the caller's).
+  // p: [group, n]; sums: [group] blocks of [active, 8] at sums_stride
   void (*code_sums)(const uint8_t* run, const int* bits, const int64_t* byte_at, int active, int n,
-                    const float* p, int group, float* sums);
+                    const float* p, int group, float* sums, int64_t sums_stride);
 };
 
 // Asks for [p, p + bytes) to be brought into cache. Blocks sit on scattered pool pages, so

@@ -311,9 +311,11 @@ TEST(AttentionKernelsTest, CodeScoresAndSumsOverMixedWidths) {
         std::vector<float> scores(static_cast<size_t>(group) * n, 0.5f);
         k.code_scores(run.data(), bits.data(), byte_at.data(), active, n, w.data(), group,
                       scores.data());
-        std::vector<float> sums(static_cast<size_t>(group) * active * 8, 0.25f);
+        // Each query head's sums a few floats apart (the cache keeps its softmax share there).
+        const int64_t stride = int64_t{active} * 8 + 3;
+        std::vector<float> sums(static_cast<size_t>(group * stride), 0.25f);
         k.code_sums(run.data(), bits.data(), byte_at.data(), active, n, p.data(), group,
-                    sums.data());
+                    sums.data(), stride);
         for (int g = 0; g < group; ++g) {
           for (int t = 0; t < n; ++t) {
             double want = 0.5, mag = 0.5;
@@ -330,9 +332,12 @@ TEST(AttentionKernelsTest, CodeScoresAndSumsOverMixedWidths) {
                 want += double{p[static_cast<size_t>(g * n + t)]} * codes[a][t];
                 mag += std::fabs(want);
               }
-              ASSERT_NEAR(sums[static_cast<size_t>((g * active + a) * 8 + lane)], want, 1e-6 * mag)
+              ASSERT_NEAR(sums[static_cast<size_t>(g * stride + a * 8 + lane)], want, 1e-6 * mag)
                   << "group member " << g << " component " << a << " lane " << lane;
             }
+          }
+          for (int64_t gap = int64_t{active} * 8; gap < stride; ++gap) {
+            ASSERT_EQ(sums[static_cast<size_t>(g * stride + gap)], 0.25f) << "wrote between heads";
           }
         }
       }
