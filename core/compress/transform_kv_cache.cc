@@ -321,8 +321,8 @@ void TransformKvCache::RotateKeys(float* rows, int valid, int64_t first) const {
   }
 }
 
-// A layer's blocks for AttendPagedBlocks: full pages widened from fp16 (O(d) a row, done where
-// they are read); coded blocks read in code space, except keys coded before RoPE, which are
+// A layer's blocks for AttendPagedBlocks: full pages read in place at fp16; coded blocks read in
+// code space, except keys coded before RoPE, which are
 // decoded beforehand, once per call (a row costs O(d x active), and a prefill chunk's every
 // query reads every block).
 class TransformKvCache::RowSource final : public BlockRowSource {
@@ -376,28 +376,26 @@ class TransformKvCache::RowSource final : public BlockRowSource {
     }
   }
 
-  const float* Rows(SeqId seq, int64_t block, bool values, int valid,
-                    float* scratch) const override {
+  // Full blocks are read in place at fp16; coded ones in code space, or (keys coded before
+  // RoPE) from this call's decoded rows.
+  BlockRows Rows(SeqId seq, int64_t block, bool values, int valid, float* scratch) const override {
+    (void)valid, (void)scratch;
     const Block& e = Table(seq)[static_cast<size_t>(block)];
-    if (e.slot >= 0) return values || !pre_rope_ ? nullptr : KeyRows(*Find(seq), block);
-    const KvCacheGeometry& g = cache_.config_.geometry;
-    const int bs = cache_.config_.block_size;
-    for (int h = 0; h < g.n_kv_heads; ++h) {
-      const int64_t at = values ? cache_.VOffset(h, 0) : cache_.KOffset(h, 0);
-      const uint16_t* src = cache_.FullAt(e.page, at);
-      float* dst = scratch + static_cast<int64_t>(h) * bs * g.head_dim;
-      for (int64_t i = 0; i < static_cast<int64_t>(valid) * g.head_dim; ++i) {
-        dst[i] = HalfToFloat(src[i]);
-      }
+    if (e.slot >= 0) {
+      if (values || !pre_rope_) return {};
+      return {KeyRows(*Find(seq), block), CoeffDtype::kFp32};
     }
-    return scratch;
+    return {cache_.FullAt(e.page, values ? cache_.VOffset(0, 0) : cache_.KOffset(0, 0)),
+            CoeffDtype::kFp16};
   }
-  bool NeedsScratch() const override { return true; }
+  bool NeedsScratch() const override { return false; }
 
   void Prefetch(SeqId seq, int64_t block) const override {
     const Block& e = Table(seq)[static_cast<size_t>(block)];
     if (e.slot >= 0) {
       cpu::PrefetchBytes(cache_.slabs_.data({e.page, e.slot}), cache_.CodedBlockBytes(layer_));
+    } else {
+      cpu::PrefetchBytes(cache_.pool_->data(e.page), cache_.pool_->block_bytes());
     }
   }
 

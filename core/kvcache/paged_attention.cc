@@ -118,6 +118,12 @@ void AttendPagedBlocks(const KvCacheGeometry& geometry, int block_size,
     std::fill(coded_v, coded_v + v_off.back(), 0.0f);
 
     const float* q_tok = req.q + item.i * n_heads * hd;  // [n_heads, head_dim]
+    // KV head kvh's rows in a block.
+    const auto head_rows = [&](const BlockRows& r, int kvh) {
+      return cpu::KvRows{static_cast<const uint8_t*>(r.data) +
+                             CodeBytes(r.dtype, static_cast<int64_t>(kvh) * bs * hd),
+                         nullptr, r.dtype};
+    };
     for (int kvh = 0; kvh < n_kv; ++kvh) {
       if (dims[static_cast<size_t>(kvh)].query == 0) continue;
       source.PrepareQueries(kvh, q_tok + static_cast<int64_t>(kvh) * group * hd, group, scale,
@@ -129,17 +135,16 @@ void AttendPagedBlocks(const KvCacheGeometry& geometry, int block_size,
       // All heads' keys, then all heads' values: two sequential 64 KiB-class streams through
       // the page rather than alternating between its K and V halves head by head. Rows of head
       // h sit at [h * B, h * B + nb); slots past nb are not read.
-      const float* k_rows = source.Rows(req.seq, b, /*values=*/false, nb, rows);
+      const BlockRows k_rows = source.Rows(req.seq, b, /*values=*/false, nb, rows);
       for (int kvh = 0; kvh < n_kv; ++kvh) {
         const int h0 = kvh * group;  // first query head of the group
-        if (k_rows == nullptr) {
+        if (k_rows.data == nullptr) {
           source.CodedScores(req.seq, b, kvh, group, nb, coded_q + q_off[static_cast<size_t>(kvh)],
                              scores + static_cast<int64_t>(h0) * nb);
           continue;
         }
-        kernels.scores(q_tok + static_cast<int64_t>(h0) * hd, hd, group,
-                       cpu::KvRows{k_rows + static_cast<int64_t>(kvh) * bs * hd}, nb, hd, scale,
-                       scores + static_cast<int64_t>(h0) * nb);
+        kernels.scores(q_tok + static_cast<int64_t>(h0) * hd, hd, group, head_rows(k_rows, kvh), nb,
+                       hd, scale, scores + static_cast<int64_t>(h0) * nb);
       }
       // The sliding window's first block: tokens before lo are masked (lo itself is in it).
       const int64_t masked = std::min<int64_t>(nb, lo - b * bs);
@@ -164,17 +169,16 @@ void AttendPagedBlocks(const KvCacheGeometry& geometry, int block_size,
         }
         run_sum[h] += kernels.exp_sum(p, nb, run_max[h]);
       }
-      const float* v_rows = source.Rows(req.seq, b, /*values=*/true, nb, rows);
+      const BlockRows v_rows = source.Rows(req.seq, b, /*values=*/true, nb, rows);
       for (int kvh = 0; kvh < n_kv; ++kvh) {
         const int h0 = kvh * group;
-        if (v_rows == nullptr) {
+        if (v_rows.data == nullptr) {
           source.CodedAccumulate(req.seq, b, kvh, group, nb, scores + static_cast<int64_t>(h0) * nb,
                                  coded_v + v_off[static_cast<size_t>(kvh)]);
           continue;
         }
-        kernels.accumulate(scores + static_cast<int64_t>(h0) * nb, group,
-                           cpu::KvRows{v_rows + static_cast<int64_t>(kvh) * bs * hd}, nb, hd,
-                           acc + static_cast<int64_t>(h0) * hd, hd);
+        kernels.accumulate(scores + static_cast<int64_t>(h0) * nb, group, head_rows(v_rows, kvh),
+                           nb, hd, acc + static_cast<int64_t>(h0) * hd, hd);
       }
     }
     // What code space accumulated joins acc, before acc is merged or written out.

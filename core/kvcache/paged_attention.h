@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <span>
 
+#include "core/base/coeff_codec.h"
 #include "core/kvcache/kv_cache.h"
 
 namespace subspace {
@@ -21,17 +22,25 @@ struct CodedFloats {
   int value = 0;  // the value accumulator
 };
 
+// A block's key or value rows as attention reads them: [n_kv_heads][B][head_dim] of `dtype`
+// (fp32, or fp16 widened in the kernels' registers). data == nullptr: the block is read in the
+// source's code space.
+struct BlockRows {
+  const void* data = nullptr;
+  CoeffDtype dtype = CoeffDtype::kFp32;
+};
+
 // One layer's blocks, as the attention reads them. Called from worker threads at once: every
 // method must only read the cache.
 class BlockRowSource {
  public:
   virtual ~BlockRowSource() = default;
-  // The key (values = false) or value rows of block `block` of `seq`: [n_kv_heads][B][head_dim]
-  // fp32, of which rows [0, valid) of each head are read. In place, or written into `scratch`
-  // ([n_kv_heads * B * head_dim], the calling thread's) when NeedsScratch(). nullptr: the block
-  // is read in the source's code space, through the methods below.
-  virtual const float* Rows(SeqId seq, int64_t block, bool values, int valid,
-                            float* scratch) const = 0;
+  // The key (values = false) or value rows of block `block` of `seq`, of which rows [0, valid)
+  // of each head are read. In place, or written into `scratch` ([n_kv_heads * B * head_dim]
+  // fp32, the calling thread's) when NeedsScratch(). No data: the block is read in the source's
+  // code space, through the methods below.
+  virtual BlockRows Rows(SeqId seq, int64_t block, bool values, int valid,
+                         float* scratch) const = 0;
   virtual bool NeedsScratch() const = 0;
   // Block `block` of `seq` will be read soon (a hint; the default does nothing).
   virtual void Prefetch(SeqId seq, int64_t block) const {

@@ -105,17 +105,16 @@ class PagedRows final : public BlockRowSource {
  public:
   PagedRows(const PagedKvCache& cache, int layer) : cache_(cache), layer_(layer) {}
 
-  const float* Rows(SeqId seq, int64_t block, bool values, int valid,
-                    float* scratch) const override {
+  BlockRows Rows(SeqId seq, int64_t block, bool values, int valid, float* scratch) const override {
     const uint8_t* half = cache_.BlockBytesOf(seq, layer_, block) + (values ? cache_.v_half() : 0);
-    if (cache_.dtype() == KvDtype::kF32) return reinterpret_cast<const float*>(half);
+    if (cache_.dtype() == KvDtype::kF32) return {half, CoeffDtype::kFp32};
     const KvCacheGeometry& g = cache_.geometry();
     const int bs = cache_.block_size();
     for (int kvh = 0; kvh < g.n_kv_heads; ++kvh) {
       DequantizeKvRows(cache_.dtype(), half + static_cast<int64_t>(kvh) * bs * cache_.row_bytes(),
                        valid, g.head_dim, scratch + static_cast<int64_t>(kvh) * bs * g.head_dim);
     }
-    return scratch;
+    return {scratch, CoeffDtype::kFp32};
   }
   bool NeedsScratch() const override { return cache_.dtype() != KvDtype::kF32; }
   void Prefetch(SeqId seq, int64_t block) const override {
