@@ -92,12 +92,46 @@ absl::StatusOr<CoeffDtype> ParseFullDtype(std::string_view name) {
 }
 
 absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
-  if (o.kind == KvCacheKind::kTransform && o.codec_path.empty()) {
-    return absl::InvalidArgumentError(
-        "--kv-cache transform needs --codec (a codec file: subspace-calibrate --kv-budget)");
+  const bool budget =
+      o.kv_budget != 0.0 || o.kv_budget_v != 0.0 || !o.calib_text_path.empty() || o.codec_post_rope;
+  if (o.kind != KvCacheKind::kTransform && (!o.codec_path.empty() || budget)) {
+    return absl::InvalidArgumentError(absl::StrCat(!o.codec_path.empty()  ? "--codec"
+                                                   : o.kv_budget != 0.0   ? "--kv-budget"
+                                                   : o.kv_budget_v != 0.0 ? "--kv-budget-v"
+                                                   : !o.calib_text_path.empty()
+                                                       ? "--calib-text"
+                                                       : "--codec-post-rope",
+                                                   " needs --kv-cache=transform"));
   }
-  if (o.kind != KvCacheKind::kTransform && !o.codec_path.empty()) {
-    return absl::InvalidArgumentError("--codec needs --kv-cache=transform");
+  if (o.kind == KvCacheKind::kTransform) {
+    if (o.codec_path.empty() == (o.kv_budget == 0.0)) {
+      return absl::InvalidArgumentError(
+          o.codec_path.empty()
+              ? "--kv-cache transform needs a codec: --codec FILE (subspace-calibrate "
+                "--kv-budget), or --kv-budget BITS with --calib-text TEXT to fit one at start-up"
+              : "--codec and --kv-budget exclude each other: the codec file carries its budget");
+    }
+    if (o.codec_path.empty()) {
+      if (!(o.kv_budget > 0.0 && o.kv_budget <= 8.0) ||
+          !(o.kv_budget_v >= 0.0 && o.kv_budget_v <= 8.0)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--kv-budget must be in (0, 8] bits per element and --kv-budget-v in "
+                         "[0, 8] (0: the key budget), got ",
+                         o.kv_budget, " and ", o.kv_budget_v));
+      }
+      if (o.calib_text_path.empty()) {
+        return absl::InvalidArgumentError(
+            "--kv-budget needs --calib-text (a file or a directory of text to fit the codec on)");
+      }
+      if (o.calib_tokens < 64) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--calib-tokens must be at least 64, got ", o.calib_tokens));
+      }
+    } else if (budget) {
+      return absl::InvalidArgumentError(
+          "--kv-budget-v, --calib-text and --codec-post-rope fit a codec at start-up: they "
+          "need --kv-budget instead of --codec");
+    }
   }
   if (o.kind == KvCacheKind::kTransform && (o.sink_tokens < 0 || o.window_tokens < 0)) {
     return absl::InvalidArgumentError(

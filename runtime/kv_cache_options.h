@@ -60,9 +60,19 @@ struct KvCacheOptions {
   RefreshConfig refresh;
   // Refresh on the engine thread instead of the refresher's: deterministic (tools, tests).
   bool refresh_inline = false;
-  // --codec: kTransform's codec file (subspace-calibrate --kv-budget); required by it, refused
-  // by every other kind. The sinks and the window above apply to it too.
+  // --codec: kTransform's codec file (subspace-calibrate --kv-budget); it or kv_budget is
+  // required by kTransform, and both are refused by every other kind. The sinks and the window
+  // above apply to it too.
   std::string codec_path;
+  // --kv-budget / --kv-budget-v: kTransform without a codec file: the codec is fitted at
+  // start-up (FitCodecFile) for this many bits per key / value element (value 0: the key
+  // budget), on the first calib_tokens tokens of --calib-text (a file or a directory of text);
+  // keys coded before RoPE unless codec_post_rope (--codec-post-rope: faster decode, lower
+  // quality per byte, docs/transform_codec.md).
+  double kv_budget = 0.0, kv_budget_v = 0.0;
+  std::string calib_text_path;
+  int64_t calib_tokens = 20000;
+  bool codec_post_rope = false;
 };
 
 // What a cache is built from besides its options: the files loaded at start-up.

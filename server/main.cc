@@ -47,8 +47,18 @@ ABSL_FLAG(std::string, kv_cache, "compressed",
           "(full-rank fp32 paged), 'quantized' (full-rank paged, rows in --kv-dtype) or "
           "'transform' (blocks outside the sinks and the window in the --codec file's codes)");
 ABSL_FLAG(std::string, codec, "",
-          "transform cache: codec file from subspace-calibrate --kv-budget (required by "
-          "--kv-cache transform, refused by the other kinds)");
+          "transform cache: codec file from subspace-calibrate --kv-budget (it or --kv-budget is "
+          "required by --kv-cache transform; refused by the other kinds)");
+ABSL_FLAG(double, kv_budget, 0.0,
+          "transform cache without --codec: fit the codec at start-up for this many bits per "
+          "key element (values: --kv-budget-v), on --calib-text");
+ABSL_FLAG(double, kv_budget_v, 0.0, "--kv-budget: bits per value element; 0 = --kv-budget");
+ABSL_FLAG(std::string, calib_text, "",
+          "--kv-budget: a text file, or a directory of them, to fit the codec on");
+ABSL_FLAG(int64_t, calib_tokens, 20000, "--kv-budget: fit on at most this many tokens of it");
+ABSL_FLAG(bool, codec_post_rope, false,
+          "--kv-budget: code keys after RoPE (scored on their codes: decode as fast as the full "
+          "cache, but more bits for the same quality) instead of before it");
 ABSL_FLAG(std::string, kv_dtype, "",
           "quantized cache: K/V row format, q8_0 (when empty) or q4_0 (llama.cpp's cache types); "
           "an error with any other --kv-cache");
@@ -161,6 +171,11 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.kv_cache.kind = *kind;
   c.kv_cache.kv_dtype = *kv_dtype;
   c.kv_cache.codec_path = absl::GetFlag(FLAGS_codec);
+  c.kv_cache.kv_budget = absl::GetFlag(FLAGS_kv_budget);
+  c.kv_cache.kv_budget_v = absl::GetFlag(FLAGS_kv_budget_v);
+  c.kv_cache.calib_text_path = absl::GetFlag(FLAGS_calib_text);
+  c.kv_cache.calib_tokens = absl::GetFlag(FLAGS_calib_tokens);
+  c.kv_cache.codec_post_rope = absl::GetFlag(FLAGS_codec_post_rope);
   c.kv_cache.sink_tokens = absl::GetFlag(FLAGS_kv_sink_tokens);
   c.kv_cache.window_tokens = absl::GetFlag(FLAGS_kv_window_tokens);
   c.kv_cache.rank_k = absl::GetFlag(FLAGS_kv_rank_k);

@@ -18,6 +18,7 @@
 #include "core/model/model.h"
 #include "core/model/model_file.h"
 #include "core/tokenizer/tokenizer.h"
+#include "runtime/codec_calibration.h"
 #include "server/auth.h"
 #include "server/net_util.h"
 #include "spdlog/spdlog.h"
@@ -165,6 +166,28 @@ absl::Status ServerApp::Init() {
     spdlog::info("codec file {} loaded: {} / {} bits per key / value element{}",
                  config_.kv_cache.codec_path, codec->info.key_bits, codec->info.value_bits,
                  codec->info.pre_rope_keys ? " (pre-RoPE keys)" : "");
+  } else if (config_.kv_cache.kv_budget > 0.0) {
+    const runtime::KvCacheOptions& o = config_.kv_cache;
+    const absl::Time fit_start = absl::Now();
+    absl::StatusOr<std::vector<int32_t>> tokens =
+        runtime::ReadCalibrationTokens(o.calib_text_path, *files->tokenizer, o.calib_tokens);
+    if (!tokens.ok()) {
+      return absl::Status(tokens.status().code(),
+                          absl::StrCat("--calib-text: ", tokens.status().message()));
+    }
+    const TransformFitOptions fit{.key_bits = o.kv_budget,
+                                  .value_bits = o.kv_budget_v > 0.0 ? o.kv_budget_v : o.kv_budget,
+                                  .pre_rope_keys = !o.codec_post_rope};
+    absl::StatusOr<CodecFile> fitted = runtime::FitCodecFile(
+        *files->model, *gguf, *tokens, fit,
+        {.window = 512, .max_tokens = 0, .bos = files->tokenizer->bos_id(), .progress = {}});
+    if (!fitted.ok()) return fitted.status();
+    codec = std::make_shared<const CodecFile>(*std::move(fitted));
+    spdlog::info(
+        "codec fitted on {} tokens of {} in {:.1f} s: {} / {} bits per key / value "
+        "element ({} keys)",
+        tokens->size(), o.calib_text_path, absl::ToDoubleSeconds(absl::Now() - fit_start),
+        fit.key_bits, fit.value_bits, fit.pre_rope_keys ? "pre-RoPE" : "post-RoPE");
   }
   const runtime::KvCacheOptions cache_options =
       runtime::ResolveKvCacheOptions(config_.kv_cache, model_config.cache_geometry(), bases.get());

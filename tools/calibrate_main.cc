@@ -6,9 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -24,6 +21,7 @@
 #include "core/model/model.h"
 #include "core/model/model_file.h"
 #include "core/tokenizer/tokenizer.h"
+#include "runtime/codec_calibration.h"
 
 ABSL_FLAG(std::string, model, "", "path of the GGUF model");
 ABSL_FLAG(std::string, text, "", "calibration text: a file, or a directory of files (sorted)");
@@ -49,21 +47,6 @@ ABSL_FLAG(bool, codec_weighted, false,
 
 namespace subspace {
 namespace {
-
-absl::StatusOr<std::vector<std::string>> TextFiles(const std::string& path) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (fs::is_regular_file(path, ec)) return std::vector<std::string>{path};
-  if (!fs::is_directory(path, ec)) return absl::NotFoundError(absl::StrCat("no such file: ", path));
-  std::vector<std::string> files;
-  for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
-    if (e.is_regular_file()) files.push_back(e.path().string());
-  }
-  if (ec) return absl::InternalError(absl::StrCat("cannot list ", path, ": ", ec.message()));
-  std::sort(files.begin(), files.end());  // deterministic order
-  if (files.empty()) return absl::NotFoundError(absl::StrCat("no files in ", path));
-  return files;
-}
 
 absl::Status Run() {
   const std::string model_path = absl::GetFlag(FLAGS_model), out = absl::GetFlag(FLAGS_out);
@@ -97,27 +80,16 @@ absl::Status Run() {
     return absl::InvalidArgumentError(absl::StrCat("--rank must be at most head_dim ", c.head_dim));
   }
 
-  absl::StatusOr<std::vector<std::string>> files = TextFiles(absl::GetFlag(FLAGS_text));
-  if (!files.ok()) return files.status();
-  std::vector<int32_t> tokens;
   const int64_t max_tokens = absl::GetFlag(FLAGS_max_tokens);
-  for (const std::string& f : *files) {
-    std::ifstream in(f, std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    if (!in) return absl::InternalError(absl::StrCat("cannot read ", f));
-    const std::vector<int32_t> t = tokenizer.Encode(ss.str(), {.add_bos = false});
-    tokens.insert(tokens.end(), t.begin(), t.end());
-    if (max_tokens > 0 && static_cast<int64_t>(tokens.size()) >= max_tokens) break;
-  }
+  absl::StatusOr<std::vector<int32_t>> read =
+      runtime::ReadCalibrationTokens(absl::GetFlag(FLAGS_text), tokenizer, max_tokens);
+  if (!read.ok()) return read.status();
+  const std::vector<int32_t>& tokens = *read;
   const uint64_t checksum = ModelChecksum(*gguf);
   std::fprintf(stderr,
-               "model %s: %d layers, %d heads (%d kv), head_dim %d; %zu text tokens from %zu "
-               "file(s), calibrating on %lld\n",
-               model_path.c_str(), c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, tokens.size(),
-               files->size(),
-               static_cast<long long>(max_tokens > 0 ? std::min<int64_t>(max_tokens, tokens.size())
-                                                     : static_cast<int64_t>(tokens.size())));
+               "model %s: %d layers, %d heads (%d kv), head_dim %d; calibrating on %zu text "
+               "tokens\n",
+               model_path.c_str(), c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, tokens.size());
 
   const auto start = std::chrono::steady_clock::now();
   auto seconds_since = [](std::chrono::steady_clock::time_point t) {
@@ -136,8 +108,6 @@ absl::Status Run() {
     if (done == total) std::fprintf(stderr, "\n");
   };
   if (budget > 0.0) {
-    absl::StatusOr<KvRows> rows = CollectKvRows(model, tokens, ro);
-    if (!rows.ok()) return rows.status();
     const double value_budget =
         absl::GetFlag(FLAGS_kv_budget_v) > 0.0 ? absl::GetFlag(FLAGS_kv_budget_v) : budget;
     if (value_budget > 8.0) return absl::InvalidArgumentError("--kv-budget-v must be <= 8");
@@ -146,25 +116,16 @@ absl::Status Run() {
                            .pre_rope_keys = !absl::GetFlag(FLAGS_codec_post_rope),
                            .joint = absl::GetFlag(FLAGS_codec_joint),
                            .attention_weighted = absl::GetFlag(FLAGS_codec_weighted)};
-    absl::StatusOr<TransformCodes> codes = FitTransformCodes(*rows, fo);
-    if (!codes.ok()) return codes.status();
-    CodecFile file{.info = {.key_bits = budget,
-                            .value_bits = value_budget,
-                            .pre_rope_keys = fo.pre_rope_keys,
-                            .attention_weighted = fo.attention_weighted,
-                            .joint = fo.joint,
-                            .calibration_tokens = static_cast<uint64_t>(rows->tokens),
-                            .model_checksum = checksum},
-                   .geometry = c.cache_geometry(),
-                   .keys = *codes->keys,
-                   .values = *codes->values};
+    absl::StatusOr<CodecFile> fitted = runtime::FitCodecFile(model, *gguf, tokens, fo, ro);
+    if (!fitted.ok()) return fitted.status();
+    const CodecFile& file = *fitted;
     if (absl::Status s = WriteCodecFile(out, file); !s.ok()) return s;
     std::printf(
         "transform codec, %.3g / %.3g bits per key / value element (%s keys%s%s); "
         "%lld tokens\n",
         budget, value_budget, fo.pre_rope_keys ? "pre-RoPE" : "post-RoPE",
         fo.joint ? ", joint" : "", fo.attention_weighted ? ", attention-weighted" : "",
-        static_cast<long long>(rows->tokens));
+        static_cast<long long>(file.info.calibration_tokens));
     std::printf("%5s %5s %12s %12s\n", "layer", "head", "key bits", "value bits");
     for (size_t at = 0; at < file.keys.size(); ++at) {
       std::printf("%5zu %5zu %12d %12d\n", at / c.n_kv_heads, at % c.n_kv_heads,

@@ -577,13 +577,50 @@ TEST(TransformCacheServerTest, CodecFileServesSessionsAndMisusesAreRefused) {
   config.kv_cache.codec_path = "";
   absl::Status missing = server::ServerApp::Start(config).status();
   EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StrContains(missing.message(), "needs --codec")) << missing;
+  EXPECT_TRUE(absl::StrContains(missing.message(), "--codec FILE")) << missing;
   server::ServerAppConfig compressed = TestServerConfig();
   compressed.kv_cache.codec_path = good;
   absl::Status wrong = server::ServerApp::Start(compressed).status();
   EXPECT_EQ(wrong.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(wrong.message(), "--codec needs --kv-cache=transform")) << wrong;
   for (const std::string& p : {good, other}) std::remove(p.c_str());
+}
+
+// --kv-budget: the server fits the codec itself at start-up, on --calib-text, and serves with
+// it; a missing text is refused naming the flag.
+TEST(TransformCacheServerTest, BudgetFitsTheCodecAtStartUp) {
+  const std::string text = ::testing::TempDir() + "/calib.txt";
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 60; ++i) {
+      out << "The quick brown fox " << i << " jumps over the lazy dog, and the cache keeps "
+          << "its keys and values in codes. ";
+    }
+  }
+  server::ServerAppConfig config = TestServerConfig();
+  config.kv_cache.kind = runtime::KvCacheKind::kTransform;
+  config.kv_cache.kv_budget = 3.0;
+  config.kv_cache.kv_budget_v = 2.0;
+  config.kv_cache.calib_text_path = text;
+  config.kv_cache.calib_tokens = 600;
+  config.kv_cache.window_tokens = 16;
+  for (const bool post_rope : {false, true}) {
+    SCOPED_TRACE(post_rope ? "post-RoPE keys" : "pre-RoPE keys");
+    config.kv_cache.codec_post_rope = post_rope;
+    Server s(config);
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ(s.ModelInfo().cache().kind(), "transform");
+    const std::string session = s.CreateSession();
+    const v1::GenerateResponse r = s.Generate(TokensRequest({1, 300, 301}, 60), session);
+    EXPECT_EQ(r.token_ids_size(), 60);
+    EXPECT_GT(s.CacheStats().bytes_used_compressed(), 0u);
+    s.DeleteSession(session);
+  }
+  config.kv_cache.calib_text_path = ::testing::TempDir() + "/no_such_text";
+  const absl::Status missing = server::ServerApp::Start(config).status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
+  EXPECT_TRUE(absl::StrContains(missing.message(), "--calib-text")) << missing;
+  std::remove(text.c_str());
 }
 
 // The compressed cache on every architecture the forward pass runs (random-weight fixtures of

@@ -1,0 +1,39 @@
+// The transform codec fitted from calibration text, for subspace-calibrate --kv-budget and for
+// the server's --kv-budget (a codec fitted at start-up instead of read from --codec): the text
+// read and tokenized, the model run over it, the codes fitted and stamped with the model.
+#ifndef SUBSPACE_RUNTIME_CODEC_CALIBRATION_H_
+#define SUBSPACE_RUNTIME_CODEC_CALIBRATION_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/compress/basis_file.h"
+#include "core/compress/calibration.h"
+#include "core/compress/codec_file.h"
+#include "core/compress/transform_calibration.h"
+#include "core/gguf/gguf.h"
+#include "core/model/model.h"
+#include "core/tokenizer/tokenizer.h"
+
+namespace subspace::runtime {
+
+// A file, or every regular file of a directory in name order, tokenized without BOS and joined,
+// until max_tokens are read (0: all). NOT_FOUND for a missing path or an empty directory;
+// INVALID_ARGUMENT when the text holds no token.
+absl::StatusOr<std::vector<int32_t>> ReadCalibrationTokens(const std::string& path,
+                                                           const Tokenizer& tokenizer,
+                                                           int64_t max_tokens);
+
+// Runs `model` over `tokens` (CollectKvRows), fits the codes (FitTransformCodes) and returns
+// them as a codec file for `model_file` (its geometry and checksum).
+absl::StatusOr<CodecFile> FitCodecFile(LlamaModel& model, const GgufFile& model_file,
+                                       std::span<const int32_t> tokens,
+                                       const TransformFitOptions& fit,
+                                       const CalibrationRunOptions& run);
+
+}  // namespace subspace::runtime
+
+#endif  // SUBSPACE_RUNTIME_CODEC_CALIBRATION_H_
