@@ -593,30 +593,36 @@ SUBSPACE_AVX2 inline void CodeScoresTile(const uint8_t* run, const int* bits,
   for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores + static_cast<int64_t>(g) * n + t0, acc[g]);
 }
 
+// Calls f.template operator()<G>(g0) for tiles of G <= 4 query heads from g0 covering
+// [0, group): kernels keep a tile's accumulators in registers.
+template <class F>
+SUBSPACE_AVX2 __attribute__((always_inline)) inline void ForEachGroupTile(int group, F&& f) {
+  int g = 0;
+  for (; g + 4 <= group; g += 4) f.template operator()<4>(g);
+  switch (group - g) {
+    case 3:
+      f.template operator()<3>(g);
+      break;
+    case 2:
+      f.template operator()<2>(g);
+      break;
+    case 1:
+      f.template operator()<1>(g);
+      break;
+    default:
+      break;
+  }
+}
+
 SUBSPACE_AVX2 void CodeScoresAvx2(const uint8_t* run, const int* bits, const int64_t* byte_at,
                                   int active, int n, const float* w, int group, float* scores) {
   const int whole = n / 8 * 8;
   for (int t0 = 0; t0 < whole; t0 += 8) {
-    int g = 0;
-    for (; g + 4 <= group; g += 4) {
-      CodeScoresTile<4>(run, bits, byte_at, active, n, t0, w + static_cast<int64_t>(g) * active,
-                        scores + static_cast<int64_t>(g) * n);
-    }
-    const float* wg = w + static_cast<int64_t>(g) * active;
-    float* sg = scores + static_cast<int64_t>(g) * n;
-    switch (group - g) {
-      case 3:
-        CodeScoresTile<3>(run, bits, byte_at, active, n, t0, wg, sg);
-        break;
-      case 2:
-        CodeScoresTile<2>(run, bits, byte_at, active, n, t0, wg, sg);
-        break;
-      case 1:
-        CodeScoresTile<1>(run, bits, byte_at, active, n, t0, wg, sg);
-        break;
-      default:
-        break;
-    }
+    ForEachGroupTile(
+        group, [&]<int G>(int g) SUBSPACE_AVX2 __attribute__((always_inline)) {
+          CodeScoresTile<G>(run, bits, byte_at, active, n, t0, w + static_cast<int64_t>(g) * active,
+                            scores + static_cast<int64_t>(g) * n);
+        });
   }
   for (int g = 0; g < group; ++g) {
     for (int a = 0; a < active; ++a) {
@@ -660,26 +666,11 @@ SUBSPACE_AVX2 void CodeSumsAvx2(const uint8_t* run, const int* bits, const int64
         for (int a = begin; a < end; ++a) {
           const uint8_t* src = run + byte_at[a];
           float* sa = sums + static_cast<int64_t>(a) * 8;
-          int g = 0;
-          for (; g + 4 <= group; g += 4) {
-            CodeSumsTile<4, W>(src, n, p + static_cast<int64_t>(g) * n, sa + g * sums_stride,
-                               sums_stride);
-          }
-          const float* pg = p + static_cast<int64_t>(g) * n;
-          float* sg = sa + g * sums_stride;
-          switch (group - g) {
-            case 3:
-              CodeSumsTile<3, W>(src, n, pg, sg, sums_stride);
-              break;
-            case 2:
-              CodeSumsTile<2, W>(src, n, pg, sg, sums_stride);
-              break;
-            case 1:
-              CodeSumsTile<1, W>(src, n, pg, sg, sums_stride);
-              break;
-            default:
-              break;
-          }
+          ForEachGroupTile(
+              group, [&]<int G>(int g) SUBSPACE_AVX2 __attribute__((always_inline)) {
+                CodeSumsTile<G, W>(src, n, p + static_cast<int64_t>(g) * n, sa + g * sums_stride,
+                                   sums_stride);
+              });
         }
       });
 }
