@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/model/sampler.h"
 #include "fuzz/fuzz_util.h"
 #include "proto/subspace.pb.h"
 #include "server/chat_request.h"
@@ -38,10 +39,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       s->source = "file";
       return s;
     }();
-    const absl::Status chat_valid = server::ValidateChatRequest(chat, limits);
+    const absl::StatusOr<server::ValidChatRequest> chat_valid =
+        server::ValidateChatRequest(chat, limits);
+    if (!chat_valid.ok()) FUZZ_CHECK(absl::IsInvalidArgument(chat_valid.status()));
     absl::StatusOr<GenerateRequest> converted =
-        server::ChatToEngineRequest(chat, *setup, *model.tokenizer, model.config, limits);
-    if (!chat_valid.ok()) FUZZ_CHECK(!converted.ok());
+        chat_valid.ok() ? server::ChatToEngineRequest(*chat_valid, *setup, *model.tokenizer,
+                                                      model.config, limits)
+                        : chat_valid.status();
     if (converted.ok()) {
       FUZZ_CHECK(!converted->prompt.empty());
       for (int32_t id : converted->prompt) FUZZ_CHECK(id >= 0 && id < model.config.n_vocab);
@@ -57,15 +61,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(!server::DiagnoseUnparsable(wire, *v1::GenerateRequest::descriptor()).ok());
     return 0;
   }
-  const absl::Status valid = server::ValidateGenerateRequest(request, model.config, limits);
+  const absl::StatusOr<server::ValidGenerateRequest> valid =
+      server::ValidateGenerateRequest(request, model.config, limits);
+  if (!valid.ok()) {
+    FUZZ_CHECK(absl::IsInvalidArgument(valid.status()));
+    return 0;
+  }
   for (bool continues : {false, true}) {
+    // Conversion may still refuse what needs the tokenizer (a prompt that encodes to nothing);
+    // what it builds, the engine's own check of the sampling parameters must accept.
     absl::StatusOr<GenerateRequest> converted =
-        server::ToEngineRequest(request, *model.tokenizer, model.config, limits, continues);
-    // Conversion validates first: it may fail where validation passed (e.g. a prompt that
-    // encodes to nothing), never succeed where validation failed.
-    if (!valid.ok()) FUZZ_CHECK(!converted.ok());
+        server::ToEngineRequest(*valid, *model.tokenizer, model.config, limits, continues);
     if (converted.ok()) {
       for (int32_t id : converted->prompt) FUZZ_CHECK(id >= 0 && id < model.config.n_vocab);
+      FUZZ_CHECK(ValidateSamplingParams(converted->sampling).ok());
+    } else {
+      FUZZ_CHECK(absl::IsInvalidArgument(converted.status()));
     }
   }
   return 0;

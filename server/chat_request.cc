@@ -112,7 +112,8 @@ absl::StatusOr<ChatSetup> LoadChatSetup(const std::string& path, const GgufFile&
   return setup;
 }
 
-absl::Status ValidateChatRequest(const v1::ChatRequest& request, const RequestLimits& limits) {
+absl::StatusOr<ValidChatRequest> ValidateChatRequest(const v1::ChatRequest& request,
+                                                     const RequestLimits& limits) {
   if (request.messages().empty()) return Invalid("messages must not be empty");
   if (request.messages_size() > kMaxChatMessages) {
     return Invalid("messages has ", request.messages_size(), " entries, more than ",
@@ -154,15 +155,15 @@ absl::Status ValidateChatRequest(const v1::ChatRequest& request, const RequestLi
   if (!request.request_id().empty()) {
     if (absl::Status s = ValidateId(request.request_id(), "request_id", limits); !s.ok()) return s;
   }
-  return absl::OkStatus();
+  return ValidChatRequest(request);
 }
 
-absl::StatusOr<GenerateRequest> ChatToEngineRequest(const v1::ChatRequest& request,
+absl::StatusOr<GenerateRequest> ChatToEngineRequest(const ValidChatRequest& valid,
                                                     const ChatSetup& chat,
                                                     const Tokenizer& tokenizer,
                                                     const ModelConfig& model,
                                                     const RequestLimits& limits) {
-  if (absl::Status s = ValidateChatRequest(request, limits); !s.ok()) return s;
+  const v1::ChatRequest& request = valid.get();
   if (chat.chat_template == nullptr) return chat.unavailable;
   std::vector<ChatMessage> messages;
   messages.reserve(static_cast<size_t>(request.messages_size()));
@@ -189,8 +190,12 @@ absl::StatusOr<GenerateRequest> ChatToEngineRequest(const v1::ChatRequest& reque
   generate.set_session_id(request.session_id());
   generate.set_request_id(request.request_id());
   if (request.has_sampling()) *generate.mutable_sampling() = request.sampling();
+  // The generate request checks the sampling fields (the chat check leaves them to it).
+  absl::StatusOr<ValidGenerateRequest> valid_generate =
+      ValidateGenerateRequest(generate, model, limits);
+  if (!valid_generate.ok()) return valid_generate.status();
   absl::StatusOr<GenerateRequest> out =
-      ToEngineRequest(generate, tokenizer, model, limits, /*continues_session=*/false);
+      ToEngineRequest(*valid_generate, tokenizer, model, limits, /*continues_session=*/false);
   if (!out.ok()) return out.status();
   out->prompt_replaces_history = !request.session_id().empty();
   return out;

@@ -34,16 +34,33 @@ absl::StatusOr<ChatSetup> LoadChatSetup(const std::string& path, const GgufFile&
 
 inline constexpr int kMaxChatMessages = 4096;
 
+class ValidChatRequest;
+
 // What needs no template: messages present (at most kMaxChatMessages), roles among system,
 // user, assistant and tool, the content within max_prompt_bytes in all, template_kwargs names
-// and JSON-scalar values, ids well-formed; INVALID_ARGUMENT naming the field otherwise.
-absl::Status ValidateChatRequest(const v1::ChatRequest& request, const RequestLimits& limits);
+// and JSON-scalar values, ids well-formed; INVALID_ARGUMENT naming the field otherwise. The one
+// check of a wire request: its answer is the proof ChatToEngineRequest takes.
+absl::StatusOr<ValidChatRequest> ValidateChatRequest(const v1::ChatRequest& request,
+                                                     const RequestLimits& limits);
 
-// Validates, renders, encodes and builds the engine request (sampling as for Generate).
-// FAILED_PRECONDITION when chat is unavailable or the template cannot be rendered;
-// INVALID_ARGUMENT for bad fields, a conversation the template rejects, or a prompt past the
-// context.
-absl::StatusOr<GenerateRequest> ChatToEngineRequest(const v1::ChatRequest& request,
+// A ChatRequest that ValidateChatRequest passed (only it makes one). It refers to the request,
+// which must outlive it.
+class ValidChatRequest {
+ public:
+  const v1::ChatRequest& get() const { return *request_; }
+
+ private:
+  friend absl::StatusOr<ValidChatRequest> ValidateChatRequest(const v1::ChatRequest& request,
+                                                              const RequestLimits& limits);
+  explicit ValidChatRequest(const v1::ChatRequest& request) : request_(&request) {}
+  const v1::ChatRequest* request_;
+};
+
+// Renders, encodes and builds the engine request from a validated one (sampling as for
+// Generate, checked in the generate request it becomes). FAILED_PRECONDITION when chat is
+// unavailable or the template cannot be rendered; INVALID_ARGUMENT for bad sampling fields, a
+// conversation the template rejects, or a prompt past the context.
+absl::StatusOr<GenerateRequest> ChatToEngineRequest(const ValidChatRequest& valid,
                                                     const ChatSetup& chat,
                                                     const Tokenizer& tokenizer,
                                                     const ModelConfig& model,

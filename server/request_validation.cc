@@ -218,8 +218,9 @@ absl::Status ValidateProposedSessionId(std::string_view id, std::string_view fie
   return absl::OkStatus();
 }
 
-absl::Status ValidateGenerateRequest(const v1::GenerateRequest& request, const ModelConfig& model,
-                                     const RequestLimits& limits) {
+absl::StatusOr<ValidGenerateRequest> ValidateGenerateRequest(const v1::GenerateRequest& request,
+                                                             const ModelConfig& model,
+                                                             const RequestLimits& limits) {
   switch (request.prompt_case()) {
     case v1::GenerateRequest::kText:
       if (absl::Status s = ValidateText(request.text(), "text", limits.max_prompt_bytes); !s.ok()) {
@@ -249,16 +250,18 @@ absl::Status ValidateGenerateRequest(const v1::GenerateRequest& request, const M
   if (!request.request_id().empty()) {
     if (absl::Status s = ValidateId(request.request_id(), "request_id", limits); !s.ok()) return s;
   }
-  if (request.has_sampling()) return ValidateSampling(request.sampling(), model, limits);
-  return absl::OkStatus();
+  if (request.has_sampling()) {
+    if (absl::Status s = ValidateSampling(request.sampling(), model, limits); !s.ok()) return s;
+  }
+  return ValidGenerateRequest(request);
 }
 
-absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& request,
+absl::StatusOr<GenerateRequest> ToEngineRequest(const ValidGenerateRequest& valid,
                                                 const Tokenizer& tokenizer,
                                                 const ModelConfig& model,
                                                 const RequestLimits& limits,
                                                 bool continues_session) {
-  if (absl::Status s = ValidateGenerateRequest(request, model, limits); !s.ok()) return s;
+  const v1::GenerateRequest& request = valid.get();
   GenerateRequest out;
   out.request_id = request.request_id().empty() ? NewRequestId() : request.request_id();
   out.session_id = request.session_id();
@@ -288,10 +291,6 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
   out.sampling.logprobs = s.has_logprobs() ? static_cast<int32_t>(s.logprobs()) : 0;
   out.stop.assign(s.stop().begin(), s.stop().end());
   out.ignore_eos = s.ignore_eos();
-  // The checks above mirror the sampler's; this catches drift between the two.
-  if (absl::Status st = ValidateSamplingParams(out.sampling); !st.ok()) {
-    return Invalid("sampling: ", st.message());
-  }
   return out;
 }
 

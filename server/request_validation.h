@@ -55,16 +55,36 @@ inline constexpr int kMinProposedSessionIdBytes = 32;
 inline constexpr int kMaxProposedSessionIdBytes = 64;
 absl::Status ValidateProposedSessionId(std::string_view id, std::string_view field);
 
+class ValidGenerateRequest;
+
 // Everything in `request` that needs no tokenizer: the prompt is set and non-empty, text is valid
 // UTF-8 within the size limit, token ids lie in [0, vocab), ids are well-formed and every
-// sampling parameter is in range.
-absl::Status ValidateGenerateRequest(const v1::GenerateRequest& request, const ModelConfig& model,
-                                     const RequestLimits& limits);
+// sampling parameter is in range. The one check of a wire request: its answer is the proof
+// ToEngineRequest takes.
+absl::StatusOr<ValidGenerateRequest> ValidateGenerateRequest(const v1::GenerateRequest& request,
+                                                             const ModelConfig& model,
+                                                             const RequestLimits& limits);
 
-// Validates, then builds the core request: encodes text (BOS when the tokenizer asks for one and
-// the request starts a sequence rather than continuing a session that has tokens), fills the
-// documented defaults, draws a seed when none is given and generates a request id when empty.
-absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& request,
+// A GenerateRequest that ValidateGenerateRequest passed (only it makes one). It refers to the
+// request, which must outlive it.
+class ValidGenerateRequest {
+ public:
+  const v1::GenerateRequest& get() const { return *request_; }
+
+ private:
+  friend absl::StatusOr<ValidGenerateRequest> ValidateGenerateRequest(
+      const v1::GenerateRequest& request, const ModelConfig& model, const RequestLimits& limits);
+  explicit ValidGenerateRequest(const v1::GenerateRequest& request) : request_(&request) {}
+  const v1::GenerateRequest* request_;
+};
+
+// Builds the core request from a validated one: encodes text (BOS when the tokenizer asks for
+// one and the request starts a sequence rather than continuing a session that has tokens),
+// fills the documented defaults, draws a seed when none is given and generates a request id
+// when empty. INVALID_ARGUMENT only for what needs the tokenizer: text that encodes to no
+// tokens or to more than the context. (The engine checks the sampling parameters again at
+// Submit, as its own API: a drift between the two checks surfaces there.)
+absl::StatusOr<GenerateRequest> ToEngineRequest(const ValidGenerateRequest& valid,
                                                 const Tokenizer& tokenizer,
                                                 const ModelConfig& model,
                                                 const RequestLimits& limits,

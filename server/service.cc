@@ -125,7 +125,10 @@ absl::StatusOr<GenerateRequest> SubspaceService::Prepare(const grpc::ByteBuffer&
     return absl::UnavailableError("the server is draining and accepts no new requests");
   }
   const ModelConfig& model = (*engine)->model_config();
-  if (absl::Status s = ValidateGenerateRequest(request, model, limits_); !s.ok()) return s;
+  // Checked once, before the session is looked up (a bad request is INVALID_ARGUMENT whatever
+  // its session).
+  absl::StatusOr<ValidGenerateRequest> valid = ValidateGenerateRequest(request, model, limits_);
+  if (!valid.ok()) return valid.status();
   // A session with tokens continues its sequence, so its text gets no BOS.
   bool continues_session = false;
   if (!request.session_id().empty()) {
@@ -134,7 +137,7 @@ absl::StatusOr<GenerateRequest> SubspaceService::Prepare(const grpc::ByteBuffer&
     continues_session = session->tokens > 0;
   }
   absl::StatusOr<GenerateRequest> out =
-      ToEngineRequest(request, (*engine)->tokenizer(), model, limits_, continues_session);
+      ToEngineRequest(*valid, (*engine)->tokenizer(), model, limits_, continues_session);
   if (!out.ok()) return out.status();
   out->session_owner = std::move(caller);
   out->deadline = DeadlineOf(context);
@@ -156,12 +159,13 @@ absl::StatusOr<GenerateRequest> SubspaceService::PrepareChat(
   if (draining_.load(std::memory_order_acquire)) {
     return absl::UnavailableError("the server is draining and accepts no new requests");
   }
-  if (absl::Status s = ValidateChatRequest(request, limits_); !s.ok()) return s;
+  absl::StatusOr<ValidChatRequest> valid = ValidateChatRequest(request, limits_);
+  if (!valid.ok()) return valid.status();
   if (!request.session_id().empty()) {
     absl::StatusOr<SessionInfo> session = (*engine)->GetSession(request.session_id(), caller);
     if (!session.ok()) return session.status();
   }
-  absl::StatusOr<GenerateRequest> out = ChatToEngineRequest(request, chat_, (*engine)->tokenizer(),
+  absl::StatusOr<GenerateRequest> out = ChatToEngineRequest(*valid, chat_, (*engine)->tokenizer(),
                                                             (*engine)->model_config(), limits_);
   if (!out.ok()) return out.status();
   out->session_owner = std::move(caller);

@@ -8,6 +8,7 @@
 #include <set>
 #include <string>
 
+#include "core/model/sampler.h"
 #include "gtest/gtest.h"
 #include "tests/core/model/tiny_model_util.h"
 
@@ -71,8 +72,16 @@ class ToEngineRequestTest : public ::testing::Test {
     ASSERT_TRUE(m.ok()) << m.status();
     model_ = *std::move(m);
   }
+  // As the service does: checked once, then converted.
   absl::StatusOr<GenerateRequest> Convert(const v1::GenerateRequest& r, bool continues = false) {
-    return ToEngineRequest(r, *model_.tokenizer, model_.model->config(), limits_, continues);
+    absl::StatusOr<ValidGenerateRequest> valid =
+        ValidateGenerateRequest(r, model_.model->config(), limits_);
+    if (!valid.ok()) return valid.status();
+    absl::StatusOr<GenerateRequest> out =
+        ToEngineRequest(*valid, *model_.tokenizer, model_.model->config(), limits_, continues);
+    // What the server accepts, the sampler must accept: the two checks agree.
+    if (out.ok()) EXPECT_TRUE(ValidateSamplingParams(out->sampling).ok());
+    return out;
   }
   testing::TinyModel model_;
   RequestLimits limits_;
