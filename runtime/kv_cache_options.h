@@ -68,11 +68,13 @@ struct KvCacheOptions {
   // start-up (FitCodecFile) for this many bits per key / value element (value 0: the key
   // budget), on the first calib_tokens tokens of --calib-text (a file or a directory of text);
   // keys coded before RoPE unless codec_post_rope (--codec-post-rope: faster decode, lower
-  // quality per byte, docs/transform_codec.md).
+  // quality per byte), errors weighted by attention unless !codec_weighted (the defaults of
+  // subspace-calibrate; docs/transform_codec.md measures both).
   double kv_budget = 0.0, kv_budget_v = 0.0;
   std::string calib_text_path;
   int64_t calib_tokens = 20000;
   bool codec_post_rope = false;
+  bool codec_weighted = true;
 };
 
 // What a cache is built from besides its options: the files loaded at start-up.

@@ -59,6 +59,8 @@ ABSL_FLAG(int64_t, calib_tokens, 20000, "--kv-budget: fit on at most this many t
 ABSL_FLAG(bool, codec_post_rope, false,
           "--kv-budget: code keys after RoPE (scored on their codes: decode as fast as the full "
           "cache, but more bits for the same quality) instead of before it");
+ABSL_FLAG(bool, codec_weighted, true,
+          "--kv-budget: weigh the codec's errors by attention (queries on keys, W_O on values)");
 ABSL_FLAG(std::string, kv_dtype, "",
           "quantized cache: K/V row format, q8_0 (when empty) or q4_0 (llama.cpp's cache types); "
           "an error with any other --kv-cache");
@@ -176,6 +178,7 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.kv_cache.calib_text_path = absl::GetFlag(FLAGS_calib_text);
   c.kv_cache.calib_tokens = absl::GetFlag(FLAGS_calib_tokens);
   c.kv_cache.codec_post_rope = absl::GetFlag(FLAGS_codec_post_rope);
+  c.kv_cache.codec_weighted = absl::GetFlag(FLAGS_codec_weighted);
   c.kv_cache.sink_tokens = absl::GetFlag(FLAGS_kv_sink_tokens);
   c.kv_cache.window_tokens = absl::GetFlag(FLAGS_kv_window_tokens);
   c.kv_cache.rank_k = absl::GetFlag(FLAGS_kv_rank_k);

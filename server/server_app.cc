@@ -177,7 +177,8 @@ absl::Status ServerApp::Init() {
     }
     const TransformFitOptions fit{.key_bits = o.kv_budget,
                                   .value_bits = o.kv_budget_v > 0.0 ? o.kv_budget_v : o.kv_budget,
-                                  .pre_rope_keys = !o.codec_post_rope};
+                                  .pre_rope_keys = !o.codec_post_rope,
+                                  .attention_weighted = o.codec_weighted};
     absl::StatusOr<CodecFile> fitted = runtime::FitCodecFile(
         *files->model, *gguf, *tokens, fit,
         {.window = 512, .max_tokens = 0, .bos = files->tokenizer->bos_id(), .progress = {}});
@@ -185,9 +186,10 @@ absl::Status ServerApp::Init() {
     codec = std::make_shared<const CodecFile>(*std::move(fitted));
     spdlog::info(
         "codec fitted on {} tokens of {} in {:.1f} s: {} / {} bits per key / value "
-        "element ({} keys)",
+        "element ({} keys{})",
         tokens->size(), o.calib_text_path, absl::ToDoubleSeconds(absl::Now() - fit_start),
-        fit.key_bits, fit.value_bits, fit.pre_rope_keys ? "pre-RoPE" : "post-RoPE");
+        fit.key_bits, fit.value_bits, fit.pre_rope_keys ? "pre-RoPE" : "post-RoPE",
+        fit.attention_weighted ? ", attention-weighted" : "");
   }
   const runtime::KvCacheOptions cache_options =
       runtime::ResolveKvCacheOptions(config_.kv_cache, model_config.cache_geometry(), bases.get());

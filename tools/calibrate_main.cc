@@ -42,8 +42,9 @@ ABSL_FLAG(double, kv_budget_v, 0.0,
 ABSL_FLAG(bool, codec_post_rope, false, "--kv-budget: code keys after RoPE (default: before)");
 ABSL_FLAG(bool, codec_joint, false,
           "--kv-budget: one budget shared by every layer-head, K and V (default: each its own)");
-ABSL_FLAG(bool, codec_weighted, false,
-          "--kv-budget: weigh errors by attention (queries on keys, W_O on values)");
+ABSL_FLAG(bool, codec_weighted, true,
+          "--kv-budget: weigh errors by attention (queries on keys, W_O on values); on the "
+          "long-context suite KLD 0.0078 -> 0.0054 at 2.5 / 1.5 bits (docs/transform_codec.md)");
 
 namespace subspace {
 namespace {

@@ -108,7 +108,10 @@ TEST(CodecCalibrationTest, FitsACodecForTheModelAndItsBudgets) {
   std::vector<int32_t> tokens;
   for (int i = 0; i < 400; ++i) tokens.push_back(3 + (i * 37) % 250);
   for (const bool pre_rope : {true, false}) {
-    const TransformFitOptions fit{.key_bits = 3.0, .value_bits = 2.0, .pre_rope_keys = pre_rope};
+    const TransformFitOptions fit{.key_bits = 3.0,
+                                  .value_bits = 2.0,
+                                  .pre_rope_keys = pre_rope,
+                                  .attention_weighted = !pre_rope};
     absl::StatusOr<CodecFile> file =
         FitCodecFile(*tiny->model, *tiny->file, tokens, fit,
                      {.window = 128, .max_tokens = 0, .bos = 1, .progress = {}});
@@ -116,6 +119,8 @@ TEST(CodecCalibrationTest, FitsACodecForTheModelAndItsBudgets) {
     const ModelConfig& c = tiny->model->config();
     EXPECT_EQ(file->info.model_checksum, ModelChecksum(*tiny->file));
     EXPECT_EQ(file->info.pre_rope_keys, pre_rope);
+    EXPECT_EQ(file->info.attention_weighted, !pre_rope);
+    EXPECT_EQ(file->keys[0].scale.empty(), pre_rope);  // the weights ride in the codes
     EXPECT_EQ(file->info.key_bits, 3.0);
     EXPECT_EQ(file->info.value_bits, 2.0);
     EXPECT_GE(file->info.calibration_tokens, tokens.size());

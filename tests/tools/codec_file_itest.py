@@ -32,19 +32,21 @@ class CodecFileTest(unittest.TestCase):
         cls.proc, cls.rows = run_longctx(
             os.path.join(BIN, "subspace-longctx"),
             ["--model", MODEL, "--suite", suite,
-             "--caches", "tcfile:{0},tc:3,tccache:{0}".format(cls.codec),
+             "--caches", "tcfile:{0},tc:3:aw,tccache:{0}".format(cls.codec),
              "--calib", TEXT, "--calib-tokens", "3000", "--max-items", "6"],
             os.path.join(cls.tmp, "rows.json"), timeout=300)
 
     def test_calibrate_writes_the_codec(self):
         self.assertEqual(self.calib.returncode, 0, self.calib.stderr)
-        self.assertIn("transform codec, 3 / 3 bits per key / value element (pre-RoPE keys)",
+        self.assertIn("transform codec, 3 / 3 bits per key / value element (pre-RoPE keys, "
+                      "attention-weighted)",
                       self.calib.stdout)
         self.assertGreater(os.path.getsize(self.codec), 1000)
 
     def test_the_file_codes_as_the_fit_it_holds(self):
         self.assertEqual(self.proc.returncode, 0, self.proc.stderr)
-        a, b = self.rows["tcfile:%s" % self.codec], self.rows["tc:3"]
+        # subspace-calibrate weighs errors by attention by default, as tc:...:aw does.
+        a, b = self.rows["tcfile:%s" % self.codec], self.rows["tc:3:aw"]
         for key in ("bytes_ratio", "kld", "top1", "passkey_hits", "kv_hits", "long_ppl"):
             self.assertEqual(a[key], b[key], key)
         self.assertGreater(a["kld"], 0.0)
