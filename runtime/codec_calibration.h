@@ -1,6 +1,7 @@
 // The transform codec fitted from calibration text, for subspace-calibrate --kv-budget and for
 // the server's --kv-budget (a codec fitted at start-up instead of read from --codec): the text
-// read and tokenized, the model run over it, the codes fitted and stamped with the model.
+// read and tokenized -- or written by the model itself when there is none -- the model run over
+// it, the codes fitted and stamped with the model.
 #ifndef SUBSPACE_RUNTIME_CODEC_CALIBRATION_H_
 #define SUBSPACE_RUNTIME_CODEC_CALIBRATION_H_
 
@@ -26,6 +27,15 @@ namespace subspace::runtime {
 absl::StatusOr<std::vector<int32_t>> ReadCalibrationTokens(const std::string& path,
                                                            const Tokenizer& tokenizer,
                                                            int64_t max_tokens);
+
+// Text the model writes itself, for a codec fitted without calibration text: n_tokens tokens
+// in streams of up to `window` (and the context) sampled at temperature 1 from BOS, sixteen
+// streams at a time, end-of-sequence never drawn. On the long-context suite a codec fitted on
+// 20,000 of them scores as one fitted on held-out text (docs/transform_codec.md). The same seed
+// gives the same tokens. INVALID_ARGUMENT for n_tokens < 1, a window < 1 or no BOS.
+absl::StatusOr<std::vector<int32_t>> SampleCalibrationTokens(LlamaModel& model, int32_t bos,
+                                                             int32_t eos, int64_t n_tokens,
+                                                             int window, uint64_t seed);
 
 // Runs `model` over `tokens` (CollectKvRows), fits the codes (FitTransformCodes) and returns
 // them as a codec file for `model_file` (its geometry and checksum).

@@ -119,10 +119,6 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
                          "[0, 8] (0: the key budget), got ",
                          o.kv_budget, " and ", o.kv_budget_v));
       }
-      if (o.calib_text_path.empty()) {
-        return absl::InvalidArgumentError(
-            "--kv-budget needs --calib-text (a file or a directory of text to fit the codec on)");
-      }
       if (o.calib_tokens < 64) {
         return absl::InvalidArgumentError(
             absl::StrCat("--calib-tokens must be at least 64, got ", o.calib_tokens));

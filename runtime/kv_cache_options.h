@@ -66,7 +66,8 @@ struct KvCacheOptions {
   std::string codec_path;
   // --kv-budget / --kv-budget-v: kTransform without a codec file: the codec is fitted at
   // start-up (FitCodecFile) for this many bits per key / value element (value 0: the key
-  // budget), on the first calib_tokens tokens of --calib-text (a file or a directory of text);
+  // budget), on the first calib_tokens tokens of --calib-text (a file or a directory of text),
+  // or with no text on as many tokens the model writes itself (SampleCalibrationTokens);
   // keys coded before RoPE unless codec_post_rope (--codec-post-rope: faster decode, lower
   // quality per byte), errors weighted by attention unless !codec_weighted (the defaults of
   // subspace-calibrate; docs/transform_codec.md measures both).

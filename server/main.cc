@@ -51,10 +51,12 @@ ABSL_FLAG(std::string, codec, "",
           "required by --kv-cache transform; refused by the other kinds)");
 ABSL_FLAG(double, kv_budget, 0.0,
           "transform cache without --codec: fit the codec at start-up for this many bits per "
-          "key element (values: --kv-budget-v), on --calib-text");
+          "key element (values: --kv-budget-v), on --calib-text, or without it on text the model "
+          "samples itself");
 ABSL_FLAG(double, kv_budget_v, 0.0, "--kv-budget: bits per value element; 0 = --kv-budget");
 ABSL_FLAG(std::string, calib_text, "",
-          "--kv-budget: a text file, or a directory of them, to fit the codec on");
+          "--kv-budget: a text file, or a directory of them, to fit the codec on; empty: "
+          "--calib-tokens the model writes itself (temperature 1, from BOS)");
 ABSL_FLAG(int64_t, calib_tokens, 20000, "--kv-budget: fit on at most this many tokens of it");
 ABSL_FLAG(bool, codec_post_rope, false,
           "--kv-budget: code keys after RoPE (scored on their codes: decode as fast as the full "

@@ -169,11 +169,19 @@ absl::Status ServerApp::Init() {
   } else if (config_.kv_cache.kv_budget > 0.0) {
     const runtime::KvCacheOptions& o = config_.kv_cache;
     const absl::Time fit_start = absl::Now();
+    // Without text, the model writes its own (scored as held-out text on the long-context
+    // suite: docs/transform_codec.md).
     absl::StatusOr<std::vector<int32_t>> tokens =
-        runtime::ReadCalibrationTokens(o.calib_text_path, *files->tokenizer, o.calib_tokens);
+        o.calib_text_path.empty()
+            ? runtime::SampleCalibrationTokens(*files->model, files->tokenizer->bos_id(),
+                                               files->tokenizer->eos_id(), o.calib_tokens,
+                                               /*window=*/512, /*seed=*/1)
+            : runtime::ReadCalibrationTokens(o.calib_text_path, *files->tokenizer, o.calib_tokens);
     if (!tokens.ok()) {
-      return absl::Status(tokens.status().code(),
-                          absl::StrCat("--calib-text: ", tokens.status().message()));
+      return absl::Status(
+          tokens.status().code(),
+          absl::StrCat(o.calib_text_path.empty() ? "sampling calibration text: " : "--calib-text: ",
+                       tokens.status().message()));
     }
     const TransformFitOptions fit{.key_bits = o.kv_budget,
                                   .value_bits = o.kv_budget_v > 0.0 ? o.kv_budget_v : o.kv_budget,
@@ -187,8 +195,9 @@ absl::Status ServerApp::Init() {
     spdlog::info(
         "codec fitted on {} tokens of {} in {:.1f} s: {} / {} bits per key / value "
         "element ({} keys{})",
-        tokens->size(), o.calib_text_path, absl::ToDoubleSeconds(absl::Now() - fit_start),
-        fit.key_bits, fit.value_bits, fit.pre_rope_keys ? "pre-RoPE" : "post-RoPE",
+        tokens->size(), o.calib_text_path.empty() ? "the model's own text" : o.calib_text_path,
+        absl::ToDoubleSeconds(absl::Now() - fit_start), fit.key_bits, fit.value_bits,
+        fit.pre_rope_keys ? "pre-RoPE" : "post-RoPE",
         fit.attention_weighted ? ", attention-weighted" : "");
   }
   const runtime::KvCacheOptions cache_options =

@@ -24,7 +24,10 @@
 #include "runtime/codec_calibration.h"
 
 ABSL_FLAG(std::string, model, "", "path of the GGUF model");
-ABSL_FLAG(std::string, text, "", "calibration text: a file, or a directory of files (sorted)");
+ABSL_FLAG(std::string, text, "",
+          "calibration text: a file, or a directory of files (sorted); empty: text the model "
+          "writes itself (--max-tokens of it, 20000 when 0; as the server's --kv-budget does "
+          "without --calib-text)");
 ABSL_FLAG(std::string, out, "", "path of the basis file to write");
 ABSL_FLAG(std::string, method_k, "kqsvd", "key basis: kqsvd | ksvd | eigen");
 ABSL_FLAG(std::string, method_v, "kqsvd", "value basis: kqsvd | ksvd");
@@ -51,8 +54,8 @@ namespace {
 
 absl::Status Run() {
   const std::string model_path = absl::GetFlag(FLAGS_model), out = absl::GetFlag(FLAGS_out);
-  if (model_path.empty() || out.empty() || absl::GetFlag(FLAGS_text).empty()) {
-    return absl::InvalidArgumentError("--model, --text and --out are required");
+  if (model_path.empty() || out.empty()) {
+    return absl::InvalidArgumentError("--model and --out are required");
   }
   absl::StatusOr<KeyBasisMethod> method_k = ParseKeyBasisMethod(absl::GetFlag(FLAGS_method_k));
   if (!method_k.ok()) return method_k.status();
@@ -82,15 +85,20 @@ absl::Status Run() {
   }
 
   const int64_t max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  const std::string text = absl::GetFlag(FLAGS_text);
   absl::StatusOr<std::vector<int32_t>> read =
-      runtime::ReadCalibrationTokens(absl::GetFlag(FLAGS_text), tokenizer, max_tokens);
+      text.empty() ? runtime::SampleCalibrationTokens(model, tokenizer.bos_id(), tokenizer.eos_id(),
+                                                      max_tokens > 0 ? max_tokens : 20000,
+                                                      absl::GetFlag(FLAGS_window), 1)
+                   : runtime::ReadCalibrationTokens(text, tokenizer, max_tokens);
   if (!read.ok()) return read.status();
   const std::vector<int32_t>& tokens = *read;
   const uint64_t checksum = ModelChecksum(*gguf);
   std::fprintf(stderr,
-               "model %s: %d layers, %d heads (%d kv), head_dim %d; calibrating on %zu text "
-               "tokens\n",
-               model_path.c_str(), c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, tokens.size());
+               "model %s: %d layers, %d heads (%d kv), head_dim %d; calibrating on %zu tokens of "
+               "%s\n",
+               model_path.c_str(), c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, tokens.size(),
+               text.empty() ? "its own text" : "text");
 
   const auto start = std::chrono::steady_clock::now();
   auto seconds_since = [](std::chrono::steady_clock::time_point t) {
@@ -177,7 +185,7 @@ absl::Status Run() {
 int main(int argc, char** argv) {
   subspace::cli::ParseFlags(
       argc, argv,
-      "subspace-calibrate --model M.gguf --text FILE_OR_DIR --out bases.gguf "
+      "subspace-calibrate --model M.gguf [--text FILE_OR_DIR] --out bases.gguf "
       "[--method-k kqsvd|ksvd|eigen] [--method-v kqsvd|ksvd] (--rank R | --energy E | "
       "--kv-budget BITS [--codec-post-rope] [--codec-joint] [--codec-weighted]) "
       "[--max-tokens N] [--window 512]");

@@ -47,8 +47,8 @@ TEST(CodecCalibrationTest, BudgetOptionsAreCheckedNamingTheFlag) {
   o.kv_budget_v = -1.0;
   EXPECT_NE(Message(o).find("--kv-budget-v"), std::string::npos);
   o = Transform();
-  o.calib_text_path.clear();
-  EXPECT_NE(Message(o).find("--calib-text"), std::string::npos);
+  o.calib_text_path.clear();  // the model writes its own
+  EXPECT_TRUE(ValidateKvCacheOptions(o, 16).ok());
   o = Transform();
   o.calib_tokens = 10;
   EXPECT_NE(Message(o).find("--calib-tokens"), std::string::npos);
@@ -100,6 +100,46 @@ TEST(CodecCalibrationTest, ReadsAFileOrADirectoryInNameOrderUpToTheLimit) {
   EXPECT_EQ(ReadCalibrationTokens(empty_dir.string(), tok, 0).status().code(),
             absl::StatusCode::kInvalidArgument);
   fs::remove_all(dir);
+}
+
+// The model's own text: as many tokens as asked, in the vocabulary, never EOS, the same for a
+// seed and another for another seed, in streams that each restart from BOS (a stream's first
+// token follows BOS as the model's first tokens do).
+TEST(CodecCalibrationTest, SamplesItsOwnTextReproducibly) {
+  absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  const int32_t vocab = tiny->model->config().n_vocab;
+  // Windows of 40: 140 tokens are four streams (the last cut to 20), 700 two rounds (sixteen
+  // streams, 640 tokens, at once).
+  for (const int64_t n : {int64_t{140}, int64_t{700}}) {
+    absl::StatusOr<std::vector<int32_t>> a =
+        runtime::SampleCalibrationTokens(*tiny->model, testing::kTinyBos, testing::kTinyEos, n,
+                                         /*window=*/40, /*seed=*/7);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_EQ(static_cast<int64_t>(a->size()), n);
+    for (int32_t t : *a) {
+      ASSERT_GE(t, 0);
+      ASSERT_LT(t, vocab);
+      ASSERT_NE(t, testing::kTinyEos);
+    }
+    absl::StatusOr<std::vector<int32_t>> again = runtime::SampleCalibrationTokens(
+        *tiny->model, testing::kTinyBos, testing::kTinyEos, n, 40, 7);
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(*a, *again);
+    absl::StatusOr<std::vector<int32_t>> other = runtime::SampleCalibrationTokens(
+        *tiny->model, testing::kTinyBos, testing::kTinyEos, n, 40, 8);
+    ASSERT_TRUE(other.ok());
+    EXPECT_NE(*a, *other);
+  }
+  EXPECT_EQ(
+      runtime::SampleCalibrationTokens(*tiny->model, testing::kTinyBos, testing::kTinyEos, 0, 40, 1)
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(runtime::SampleCalibrationTokens(*tiny->model, -1, testing::kTinyEos, 10, 40, 1)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CodecCalibrationTest, FitsACodecForTheModelAndItsBudgets) {

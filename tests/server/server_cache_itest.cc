@@ -586,8 +586,8 @@ TEST(TransformCacheServerTest, CodecFileServesSessionsAndMisusesAreRefused) {
   for (const std::string& p : {good, other}) std::remove(p.c_str());
 }
 
-// --kv-budget: the server fits the codec itself at start-up, on --calib-text, and serves with
-// it; a missing text is refused naming the flag.
+// --kv-budget: the server fits the codec itself at start-up, on --calib-text or on text the
+// model writes itself, and serves with it; a missing text is refused naming the flag.
 TEST(TransformCacheServerTest, BudgetFitsTheCodecAtStartUp) {
   const std::string text = ::testing::TempDir() + "/calib.txt";
   {
@@ -605,8 +605,9 @@ TEST(TransformCacheServerTest, BudgetFitsTheCodecAtStartUp) {
   config.kv_cache.calib_tokens = 600;
   config.kv_cache.window_tokens = 16;
   for (const bool post_rope : {false, true}) {
-    SCOPED_TRACE(post_rope ? "post-RoPE keys" : "pre-RoPE keys");
+    SCOPED_TRACE(post_rope ? "post-RoPE keys, the model's own text" : "pre-RoPE keys");
     config.kv_cache.codec_post_rope = post_rope;
+    config.kv_cache.calib_text_path = post_rope ? "" : text;
     Server s(config);
     ASSERT_TRUE(s.ok());
     EXPECT_EQ(s.ModelInfo().cache().kind(), "transform");
@@ -616,6 +617,7 @@ TEST(TransformCacheServerTest, BudgetFitsTheCodecAtStartUp) {
     EXPECT_GT(s.CacheStats().bytes_used_compressed(), 0u);
     s.DeleteSession(session);
   }
+  config.kv_cache.codec_post_rope = false;
   config.kv_cache.calib_text_path = ::testing::TempDir() + "/no_such_text";
   const absl::Status missing = server::ServerApp::Start(config).status();
   EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
