@@ -147,6 +147,15 @@ absl::StatusOr<Backend> CudaBackend(const cuda::CudaPluginApi& plugin,
 
 bool CudaBackendBuilt() { return CudaPlugin().ok(); }
 
+absl::Status CheckCacheRunsOn(Device device, const KvCacheOptions& cache_options) {
+  const std::string cpu_only = CpuOnlyCompressedFeature(cache_options);
+  if (device == Device::kCuda && !cpu_only.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device cuda: ", cpu_only, " runs on the CPU backend only"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
                                       std::shared_ptr<LlamaModel> cpu_model,
                                       const KvCacheOptions& cache_options,
@@ -159,11 +168,8 @@ absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
   }
   const absl::StatusOr<const cuda::CudaPluginApi*>& plugin = CudaPlugin();
   const std::string cpu_only = CpuOnlyCompressedFeature(cache_options);
+  if (absl::Status s = CheckCacheRunsOn(options.device, cache_options); !s.ok()) return s;
   if (options.device == Device::kCuda) {
-    if (!cpu_only.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--device cuda: ", cpu_only, " runs on the CPU backend only"));
-    }
     if (!plugin.ok()) {
       return absl::UnavailableError(
           absl::StrCat("--device cuda: ", std::string(plugin.status().message())));

@@ -40,6 +40,11 @@ struct Backend {
 // executable, in ../bin or ../lib, or at $SUBSPACE_CUDA_PLUGIN. It is built whenever nvcc is.
 bool CudaBackendBuilt();
 
+// INVALID_ARGUMENT when `device` is kCuda and the cache as configured runs on the CPU backend
+// only (--kv-cache quantized or transform, a CPU-only dtype): CreateBackend's first refusal,
+// which a server asks before its start-up work (fitting a codec) rather than after.
+absl::Status CheckCacheRunsOn(Device device, const KvCacheOptions& cache_options);
+
 // kCpu: `cpu_model` with the cache CreateKvCache builds. kCuda: UNAVAILABLE when the CUDA plugin
 // is missing or the machine has no device, INVALID_ARGUMENT for a compressed cache with a
 // CPU-only feature. kAuto: CUDA when it is built, a device is present and the cache configuration

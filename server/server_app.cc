@@ -157,6 +157,10 @@ absl::Status ServerApp::Init() {
     spdlog::info("basis file {} loaded; it becomes the compressed cache's default epoch",
                  config_.kv_cache.bases_path);
   }
+  // Refused now rather than after the codec is fitted.
+  if (absl::Status s = runtime::CheckCacheRunsOn(config_.device, config_.kv_cache); !s.ok()) {
+    return s;
+  }
   std::shared_ptr<const CodecFile> codec;
   if (!config_.kv_cache.codec_path.empty()) {
     absl::StatusOr<std::shared_ptr<const CodecFile>> loaded =

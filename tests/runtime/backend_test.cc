@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <utility>
+
 #include "kernels/device_info.h"
 #include "tests/core/model/tiny_model_util.h"
 
@@ -105,6 +107,24 @@ TEST(BackendTest, CudaRefusesCompressedFeaturesThatRunOnTheCpuOnly) {
   KvCacheOptions coeff4 = cache;
   coeff4.coeff_dtype = CoeffDtype::kInt4;
   refused(coeff4, "--kv-coeff-dtype int4");
+}
+
+// The refusal a server asks for before its start-up work: the CPU-only cache kinds on --device
+// cuda, whatever the build, and nothing for the CPU or auto.
+TEST(BackendTest, CpuOnlyCachesAreRefusedForCudaBeforeAnyWork) {
+  KvCacheOptions transform;
+  transform.kind = KvCacheKind::kTransform;
+  KvCacheOptions quantized;
+  quantized.kind = KvCacheKind::kQuantized;
+  for (const auto& [cache, flag] : {std::pair{transform, "--kv-cache transform"},
+                                    std::pair{quantized, "--kv-cache quantized"}}) {
+    const absl::Status st = CheckCacheRunsOn(Device::kCuda, cache);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find(flag), std::string::npos) << st;
+    EXPECT_TRUE(CheckCacheRunsOn(Device::kCpu, cache).ok());
+    EXPECT_TRUE(CheckCacheRunsOn(Device::kAuto, cache).ok());
+  }
+  EXPECT_TRUE(CheckCacheRunsOn(Device::kCuda, KvCacheOptions{}).ok());  // compressed
 }
 
 TEST(BackendTest, WithoutAGpuCudaIsUnavailableAndAutoFallsBackToCpu) {
