@@ -22,13 +22,12 @@
 #include "absl/strings/match.h"
 #include "core/compress/basis_file.h"
 #include "core/compress/calibration.h"
-#include "core/compress/codec_file.h"
-#include "core/compress/transform_calibration.h"
 #include "core/model/model.h"
 #include "gtest/gtest.h"
 #include "proto/subspace.grpc.pb.h"
 #include "runtime/kv_cache_options.h"
 #include "server/server_app.h"
+#include "tests/server/cache_server.h"
 #include "tests/server/server_test_util.h"
 #include "tests/test_util.h"
 
@@ -63,79 +62,9 @@ server::ServerAppConfig FullConfig() {
   return c;
 }
 
-v1::GenerateRequest TokensRequest(const std::vector<int32_t>& ids, uint32_t max_new) {
-  v1::GenerateRequest r;
-  for (int32_t id : ids) r.mutable_tokens()->add_ids(id);
-  r.mutable_sampling()->set_max_new_tokens(max_new);
-  r.mutable_sampling()->set_ignore_eos(true);
-  return r;
-}
-
-std::vector<int32_t> Ids(const v1::GenerateResponse& r) {
-  return {r.token_ids().begin(), r.token_ids().end()};
-}
-
-// One in-process server and a stub for it.
-class Server {
- public:
-  explicit Server(const server::ServerAppConfig& config) {
-    absl::StatusOr<std::unique_ptr<server::ServerApp>> app = server::ServerApp::Start(config);
-    EXPECT_TRUE(app.ok()) << app.status();
-    if (!app.ok()) return;
-    app_ = *std::move(app);
-    stub_ = v1::Subspace::NewStub(ChannelTo(app_->port()));
-  }
-  ~Server() {
-    if (app_ != nullptr) {
-      EXPECT_TRUE(app_->Shutdown());
-    }
-  }
-  bool ok() const { return app_ != nullptr; }
-  server::ServerApp& app() { return *app_; }
-
-  v1::GenerateResponse Generate(const v1::GenerateRequest& request) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    v1::GenerateResponse response;
-    const grpc::Status status = stub_->Generate(&context, request, &response);
-    EXPECT_TRUE(status.ok()) << status.error_message();
-    return response;
-  }
-  v1::GenerateResponse Generate(const v1::GenerateRequest& request, const std::string& session) {
-    v1::GenerateRequest with_session = request;
-    with_session.set_session_id(session);
-    return Generate(with_session);
-  }
-  std::string CreateSession() {
-    grpc::ClientContext context;
-    v1::Session session;
-    EXPECT_TRUE(stub_->CreateSession(&context, v1::CreateSessionRequest(), &session).ok());
-    return session.session_id();
-  }
-  void DeleteSession(const std::string& id) {
-    grpc::ClientContext context;
-    v1::DeleteSessionRequest request;
-    request.set_session_id(id);
-    v1::DeleteSessionResponse response;
-    EXPECT_TRUE(stub_->DeleteSession(&context, request, &response).ok());
-  }
-  v1::ModelInfo ModelInfo() {
-    grpc::ClientContext context;
-    v1::ModelInfo info;
-    EXPECT_TRUE(stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok());
-    return info;
-  }
-  v1::CacheStats CacheStats() {
-    grpc::ClientContext context;
-    v1::CacheStats stats;
-    EXPECT_TRUE(stub_->GetCacheStats(&context, v1::GetCacheStatsRequest(), &stats).ok());
-    return stats;
-  }
-
- private:
-  std::unique_ptr<server::ServerApp> app_;
-  std::unique_ptr<v1::Subspace::Stub> stub_;
-};
+using ::subspace::testing::Ids;
+using ::subspace::testing::TokensRequest;
+using Server = ::subspace::testing::InProcessServer;
 
 TEST(CompressedCacheServerTest, ModelInfoReportsTheCacheConfig) {
   server::ServerAppConfig config = CompressedConfig(/*rank=*/0, CoeffDtype::kInt8);
@@ -510,119 +439,6 @@ TEST(CompressedCacheServerTest, BasesFileIsInstalledAndMismatchesAreRejected) {
   full.kv_cache.bases_path = good;
   EXPECT_EQ(server::ServerApp::Start(full).status().code(), absl::StatusCode::kInvalidArgument);
   for (const std::string& p : {good, other, geometry}) std::remove(p.c_str());
-}
-
-// --kv-cache transform: a codec fitted on the tiny model (subspace-calibrate --kv-budget's code
-// path) serves sessions whose old blocks are stored as its codes: reported as "transform", the
-// pool holds coded pages, the ratio counts them; a continuation after the session's tokens were
-// coded still generates. A missing or foreign codec stops the start naming --codec.
-TEST(TransformCacheServerTest, CodecFileServesSessionsAndMisusesAreRefused) {
-  const std::string dir = ::testing::TempDir();
-  const std::string good = dir + "/tiny.codec.gguf", other = dir + "/other.codec.gguf";
-  auto fit = [](const std::shared_ptr<const GgufFile>& gguf, const std::string& path) {
-    absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(gguf);
-    ASSERT_TRUE(model.ok()) << model.status();
-    std::vector<int32_t> tokens;
-    for (int i = 0; i < 300; ++i) tokens.push_back(3 + (i * 37) % 250);
-    absl::StatusOr<KvRows> rows =
-        CollectKvRows(**model, tokens, {.window = 64, .max_tokens = 0, .bos = 1, .progress = {}});
-    ASSERT_TRUE(rows.ok()) << rows.status();
-    absl::StatusOr<TransformCodes> codes =
-        FitTransformCodes(*rows, {.key_bits = 3.0, .value_bits = 2.0});
-    ASSERT_TRUE(codes.ok()) << codes.status();
-    CodecFile file{.info = {.key_bits = 3.0,
-                            .value_bits = 2.0,
-                            .calibration_tokens = 300,
-                            .model_checksum = ModelChecksum(*gguf)},
-                   .geometry = (*model)->config().cache_geometry(),
-                   .keys = *codes->keys,
-                   .values = *codes->values};
-    ASSERT_TRUE(WriteCodecFile(path, file).ok());
-  };
-  absl::StatusOr<std::unique_ptr<GgufFile>> tiny = GgufFile::Open(testing::TinyModelPath());
-  ASSERT_TRUE(tiny.ok()) << tiny.status();
-  fit(std::shared_ptr<const GgufFile>(*std::move(tiny)), good);
-  fit(*GgufFile::FromBytes(testing::BuildTinyLlamaGguf({.context = 256, .seed = 2})), other);
-
-  server::ServerAppConfig config = TestServerConfig();
-  config.kv_cache.kind = runtime::KvCacheKind::kTransform;
-  config.kv_cache.codec_path = good;
-  config.kv_cache.window_tokens = 16;
-  {
-    Server s(config);
-    ASSERT_TRUE(s.ok());
-    const v1::ModelInfo info = s.ModelInfo();
-    EXPECT_EQ(info.cache().kind(), "transform");
-    const std::string session = s.CreateSession();
-    const v1::GenerateResponse r = s.Generate(TokensRequest({1, 300, 301}, 60), session);
-    EXPECT_EQ(r.token_ids_size(), 60);
-    const v1::CacheStats held = s.CacheStats();
-    EXPECT_EQ(held.tokens_cached(), 3u + 60u - 1u);
-    EXPECT_GT(held.bytes_used_compressed(), 0u);
-    EXPECT_DOUBLE_EQ(held.compression_ratio(), ExpectedCompressionRatio(held, info));
-    // The continuation reads the coded blocks back.
-    const v1::GenerateResponse more = s.Generate(TokensRequest({302, 303}, 20), session);
-    EXPECT_EQ(more.token_ids_size(), 20);
-    s.DeleteSession(session);
-  }
-  for (const auto& [path, expected] :
-       {std::pair{other, "--codec " + other},
-        std::pair{dir + "/no_such.codec.gguf", std::string("no_such")}}) {
-    SCOPED_TRACE(path);
-    config.kv_cache.codec_path = path;
-    const absl::Status status = server::ServerApp::Start(config).status();
-    EXPECT_FALSE(status.ok());
-    EXPECT_TRUE(absl::StrContains(status.message(), expected)) << status;
-  }
-  config.kv_cache.codec_path = "";
-  absl::Status missing = server::ServerApp::Start(config).status();
-  EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StrContains(missing.message(), "--codec FILE")) << missing;
-  server::ServerAppConfig compressed = TestServerConfig();
-  compressed.kv_cache.codec_path = good;
-  absl::Status wrong = server::ServerApp::Start(compressed).status();
-  EXPECT_EQ(wrong.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StrContains(wrong.message(), "--codec needs --kv-cache=transform")) << wrong;
-  for (const std::string& p : {good, other}) std::remove(p.c_str());
-}
-
-// --kv-budget: the server fits the codec itself at start-up, on --calib-text or on text the
-// model writes itself, and serves with it; a missing text is refused naming the flag.
-TEST(TransformCacheServerTest, BudgetFitsTheCodecAtStartUp) {
-  const std::string text = ::testing::TempDir() + "/calib.txt";
-  {
-    std::ofstream out(text);
-    for (int i = 0; i < 60; ++i) {
-      out << "The quick brown fox " << i << " jumps over the lazy dog, and the cache keeps "
-          << "its keys and values in codes. ";
-    }
-  }
-  server::ServerAppConfig config = TestServerConfig();
-  config.kv_cache.kind = runtime::KvCacheKind::kTransform;
-  config.kv_cache.kv_budget = 3.0;
-  config.kv_cache.kv_budget_v = 2.0;
-  config.kv_cache.calib_text_path = text;
-  config.kv_cache.calib_tokens = 600;
-  config.kv_cache.window_tokens = 16;
-  for (const bool post_rope : {false, true}) {
-    SCOPED_TRACE(post_rope ? "post-RoPE keys, the model's own text" : "pre-RoPE keys");
-    config.kv_cache.codec_post_rope = post_rope;
-    config.kv_cache.calib_text_path = post_rope ? "" : text;
-    Server s(config);
-    ASSERT_TRUE(s.ok());
-    EXPECT_EQ(s.ModelInfo().cache().kind(), "transform");
-    const std::string session = s.CreateSession();
-    const v1::GenerateResponse r = s.Generate(TokensRequest({1, 300, 301}, 60), session);
-    EXPECT_EQ(r.token_ids_size(), 60);
-    EXPECT_GT(s.CacheStats().bytes_used_compressed(), 0u);
-    s.DeleteSession(session);
-  }
-  config.kv_cache.codec_post_rope = false;
-  config.kv_cache.calib_text_path = ::testing::TempDir() + "/no_such_text";
-  const absl::Status missing = server::ServerApp::Start(config).status();
-  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
-  EXPECT_TRUE(absl::StrContains(missing.message(), "--calib-text")) << missing;
-  std::remove(text.c_str());
 }
 
 // The compressed cache on every architecture the forward pass runs (random-weight fixtures of
