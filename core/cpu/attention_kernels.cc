@@ -431,64 +431,9 @@ SUBSPACE_AVX2 void DequantizeQ4_0Avx2(const uint8_t* src, int64_t blocks, float*
   }
 }
 
-// The w bytes at src (w = 1..8) as the low bytes of a word, reading no further.
-SUBSPACE_AVX2 inline uint64_t LoadBytes(const uint8_t* src, int w) {
-  uint64_t v = 0;
-  uint32_t lo = 0;
-  uint16_t two = 0;
-  switch (w) {
-    case 8:
-      std::memcpy(&v, src, 8);
-      return v;
-    case 7:
-    case 6:
-    case 5:
-      std::memcpy(&lo, src, 4);
-      for (int i = 4; i < w; ++i) v |= static_cast<uint64_t>(src[i]) << (8 * i);
-      return v | lo;
-    case 4:
-      std::memcpy(&lo, src, 4);
-      return lo;
-    case 3:
-      std::memcpy(&two, src, 2);
-      return two | (static_cast<uint64_t>(src[2]) << 16);
-    case 2:
-      std::memcpy(&two, src, 2);
-      return two;
-    default:
-      return src[0];
-  }
-}
-
-// Eight codes of w bits are w whole bytes: codes 0-3 in the low 4w bits, 4-7 in the next 4w
-// (at most 32 bits each), broadcast to four lanes apiece, shifted per lane and masked.
-SUBSPACE_AVX2 inline __m256i Codes8(const uint8_t* src, int w) {
-  const uint64_t v = LoadBytes(src, w);
-  const auto lo = static_cast<int>(static_cast<uint32_t>(v));
-  const auto hi = static_cast<int>(static_cast<uint32_t>(v >> (4 * w)));
-  const __m256i shifts = _mm256_setr_epi32(0, w, 2 * w, 3 * w, 0, w, 2 * w, 3 * w);
-  const __m256i mask = _mm256_set1_epi32(static_cast<int>((1u << w) - 1u));
-  return _mm256_and_si256(
-      _mm256_srlv_epi32(_mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi), shifts), mask);
-}
-
-// offset + code * step as two roundings, like the scalar twin, so both give the same bits.
-SUBSPACE_AVX2 void DequantizeCodesAvx2(const uint8_t* src, int bits, int n, float offset,
-                                       float step, float* dst) {
-  const __m256 off = _mm256_set1_ps(offset), st = _mm256_set1_ps(step);
-  int t = 0;
-  for (; t + 8 <= n; t += 8, src += bits) {
-    const __m256 codes = _mm256_cvtepi32_ps(Codes8(src, bits));
-    _mm256_storeu_ps(dst + t, _mm256_add_ps(off, _mm256_mul_ps(codes, st)));
-  }
-  // The tail: src has advanced t * bits bits (whole bytes).
-  for (int i = 0; t < n; ++t, ++i) {
-    dst[t] = offset + static_cast<float>(CodeAt(src, bits, i)) * step;
-  }
-}
-
-// LoadBytes for a width known at compile time, as loads of whole integers (a memcpy of W bytes
-// into a stack word stalls on store-to-load forwarding when W is not a power of two).
+// The W bytes at src (W = 1..8) as the low bytes of a word, reading no further, as loads of
+// whole integers (a memcpy of W bytes into a stack word stalls on store-to-load forwarding when
+// W is not a power of two).
 template <int W>
 SUBSPACE_AVX2 inline uint64_t LoadBytesW(const uint8_t* src) {
   uint32_t u32 = 0;
@@ -515,7 +460,8 @@ SUBSPACE_AVX2 inline uint64_t LoadBytesW(const uint8_t* src) {
   }
 }
 
-// Codes8 for a width known at compile time: whole-integer loads, constant shifts.
+// Eight codes of W bits are W whole bytes: codes 0-3 in the low 4W bits, 4-7 in the next 4W
+// (at most 32 bits each), broadcast to four lanes apiece, shifted per lane and masked.
 template <int W>
 SUBSPACE_AVX2 inline __m256 Codes8F(const uint8_t* src) {
   if constexpr (W == 8) {
@@ -569,6 +515,23 @@ SUBSPACE_AVX2 __attribute__((always_inline)) inline void ForEachWidthRun(const i
         break;
     }
     a = end;
+  }
+}
+
+// offset + code * step as two roundings, like the scalar twin, so both give the same bits.
+SUBSPACE_AVX2 void DequantizeCodesAvx2(const uint8_t* src, int bits, int n, float offset,
+                                       float step, float* dst) {
+  const __m256 off = _mm256_set1_ps(offset), st = _mm256_set1_ps(step);
+  int t = 0;
+  ForEachWidthRun(
+      &bits, 1, [&]<int W>(int, int) SUBSPACE_AVX2 __attribute__((always_inline)) {
+        for (; t + 8 <= n; t += 8, src += W) {
+          _mm256_storeu_ps(dst + t, _mm256_add_ps(off, _mm256_mul_ps(Codes8F<W>(src), st)));
+        }
+      });
+  // The tail: src has advanced t * bits bits (whole bytes).
+  for (int i = 0; t < n; ++t, ++i) {
+    dst[t] = offset + static_cast<float>(CodeAt(src, bits, i)) * step;
   }
 }
 
