@@ -94,6 +94,18 @@ class InProcessServer {
   std::unique_ptr<v1::Subspace::Stub> stub_;
 };
 
+// A 3-token prompt and 60 generated tokens in `session`: every token but the last is cached,
+// some blocks are coded, and the reported compression ratio is the one the stats give.
+inline void ExpectSessionCompresses(InProcessServer& s, const v1::ModelInfo& info,
+                                    const std::string& session) {
+  const v1::GenerateResponse r = s.Generate(TokensRequest({1, 300, 301}, 60), session);
+  EXPECT_EQ(r.token_ids_size(), 60);
+  const v1::CacheStats held = s.CacheStats();
+  EXPECT_EQ(held.tokens_cached(), 3u + 60u - 1u);
+  EXPECT_GT(held.bytes_used_compressed(), 0u);
+  EXPECT_DOUBLE_EQ(held.compression_ratio(), ExpectedCompressionRatio(held, info));
+}
+
 }  // namespace subspace::testing
 
 #endif  // SUBSPACE_TESTS_SERVER_CACHE_SERVER_H_

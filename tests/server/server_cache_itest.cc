@@ -62,6 +62,7 @@ server::ServerAppConfig FullConfig() {
   return c;
 }
 
+using ::subspace::testing::ExpectSessionCompresses;
 using ::subspace::testing::Ids;
 using ::subspace::testing::TokensRequest;
 using Server = ::subspace::testing::InProcessServer;
@@ -412,12 +413,7 @@ TEST(CompressedCacheServerTest, BasesFileIsInstalledAndMismatchesAreRejected) {
     EXPECT_EQ(info.cache().rank_k(), max_rank_k);  // reported: the largest layer rank
     EXPECT_EQ(info.cache().rank_v(), max_rank_v);
     const std::string session = s.CreateSession();
-    const v1::GenerateResponse r = s.Generate(TokensRequest({1, 300, 301}, 60), session);
-    EXPECT_EQ(r.token_ids_size(), 60);
-    const v1::CacheStats held = s.CacheStats();
-    EXPECT_EQ(held.tokens_cached(), 3u + 60u - 1u);
-    EXPECT_GT(held.bytes_used_compressed(), 0u);
-    EXPECT_DOUBLE_EQ(held.compression_ratio(), ExpectedCompressionRatio(held, info));
+    ExpectSessionCompresses(s, info, session);
     s.DeleteSession(session);
   }
   for (const auto& [path, expected] :

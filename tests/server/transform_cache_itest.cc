@@ -24,7 +24,7 @@
 namespace subspace {
 namespace {
 
-using ::subspace::testing::ExpectedCompressionRatio;
+using ::subspace::testing::ExpectSessionCompresses;
 using ::subspace::testing::TestServerConfig;
 using ::subspace::testing::TokensRequest;
 using Server = ::subspace::testing::InProcessServer;
@@ -71,12 +71,7 @@ TEST(TransformCacheServerTest, CodecFileServesSessionsAndMisusesAreRefused) {
     const v1::ModelInfo info = s.ModelInfo();
     EXPECT_EQ(info.cache().kind(), "transform");
     const std::string session = s.CreateSession();
-    const v1::GenerateResponse r = s.Generate(TokensRequest({1, 300, 301}, 60), session);
-    EXPECT_EQ(r.token_ids_size(), 60);
-    const v1::CacheStats held = s.CacheStats();
-    EXPECT_EQ(held.tokens_cached(), 3u + 60u - 1u);
-    EXPECT_GT(held.bytes_used_compressed(), 0u);
-    EXPECT_DOUBLE_EQ(held.compression_ratio(), ExpectedCompressionRatio(held, info));
+    ExpectSessionCompresses(s, info, session);
     // The continuation reads the coded blocks back.
     const v1::GenerateResponse more = s.Generate(TokensRequest({302, 303}, 20), session);
     EXPECT_EQ(more.token_ids_size(), 20);
