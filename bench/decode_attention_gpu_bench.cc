@@ -54,8 +54,8 @@ ABSL_FLAG(int, copy_mib, 1024, "MiB per device-to-device copy");
 ABSL_FLAG(int, copy_reps, 10, "timed copies (median)");
 ABSL_FLAG(int, device, 0, "CUDA device index");
 ABSL_FLAG(
-    int, ctas_per_sm, 2,
-    "split-K plan: target CTAs (work items x KV heads) per multiprocessor; the server's is 2");
+    int, ctas_per_sm, 8,
+    "split-K plan: target CTAs (work items x KV heads) per multiprocessor; the server's is 8");
 ABSL_FLAG(bool, cold, true,
           "rotate over copies of the pool so that every launch reads HBM, not L2");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the data and of the page shuffle");

@@ -63,7 +63,10 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   }
   s.options = options;
   s.device_name = absl::StrFormat("cuda:%d (%s)", dev.index, dev.name);
-  s.target_ctas = 2 * dev.multiprocessors;
+  // Decode split-K: 8 CTAs per multiprocessor. On an H200 (2026-11-28, bench/RESULTS.md) 8
+  // against 2 took the full-rank kernel from 10-15 % to 20-26 % of copy bandwidth at batch >= 8
+  // and was never slower; until the kernel is rebuilt (issue 32) more CTAs hide its latency.
+  s.target_ctas = 8 * dev.multiprocessors;
   s.max_blocks_per_seq = CeilDiv(s.config.context_length, options.block_size);
   if (options.compressed) {
     if (absl::Status st = s.LayoutCompressedLayers(); !st.ok()) return st;

@@ -59,7 +59,7 @@ struct CudaLlamaModel::Impl {
   ModelConfig config;
   CudaModelOptions options;
   std::string device_name;
-  int target_ctas = 0;  // decode split-K: 2 CTAs per multiprocessor
+  int target_ctas = 0;  // decode split-K: 8 CTAs per multiprocessor
   int64_t max_blocks_per_seq = 0;
   std::unique_ptr<DeviceAllocation> memory;
   cudaStream_t stream = nullptr;

@@ -66,10 +66,11 @@ if [[ $quick != --quick ]]; then
   lim 120 "$bundle/bin/subspace-bench-decode-attention" --coeff int8 \
     >"$out/bench-decode-attention-int8.md" 2>&1
   note "bench decode attention int8" "rc=$?"
-  # 2026-11-26's profile: 0.29 waves per SM at the server's 2 CTAs per SM. The same at 8.
-  lim 120 "$bundle/bin/subspace-bench-decode-attention" --ctas_per_sm 8 \
-    >"$out/bench-decode-attention-8ctas.md" 2>&1
-  note "bench decode attention 8 CTAs/SM" "rc=$?"
+  # The server asks for 8 CTAs per SM since 2026-11-28 (2 gave 0.29 waves per SM); 2 for
+  # comparison.
+  lim 120 "$bundle/bin/subspace-bench-decode-attention" --ctas_per_sm 2 \
+    >"$out/bench-decode-attention-2ctas.md" 2>&1
+  note "bench decode attention 2 CTAs/SM" "rc=$?"
   # Both caches in one run: per-kind rows, then compressed/full decode speedup next to bytes.
   lim 90 "$bench" --device cuda --kv-cache full,compressed --batch 1,16,64 \
     --prompt-tokens 128 --decode-tokens 128 >"$out/bench-generate-cuda.md" 2>&1
@@ -93,6 +94,28 @@ if [[ $quick != --quick ]]; then
       [[ $ctx == 8192 ]] && break  # graphs vs eager once, at 2k
     done
   done
+  # One batch-1 decode step at 2k, kernel by kernel (issue 32): Nsight Compute times every
+  # launch alone; scripts/ncu_step_table.py picks each cache's last decode step.
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [[ -n $ncu && -f $m1b ]]; then
+    lim 150 "$ncu" --clock-control none --csv --page raw --log-file "$out/ncu-step.csv" \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+      "$bench" --model "$m1b" --device cuda --kv-cache full,compressed --batch 1 \
+      --prompt-tokens 2048 --decode-tokens 3 --repeats 1 >"$out/ncu-step-app.log" 2>&1
+    note "ncu 1B decode step" "rc=$?"
+    copy=$(grep -oE '[0-9]+ GB/s read \+ write' "$out/bench-decode-attention.md" | grep -oE '^[0-9]+')
+    # The bytes of weights a decode step reads (all but the embedding table), as the 2k bench
+    # counted them.
+    mb=$(grep -oE 'decode weight reads \(full, batch 1\): [0-9.]+' \
+      "$out/bench-generate-cuda-1b-ctx2048-graphs-false.md" | grep -oE '[0-9.]+$')
+    python3 scripts/ncu_step_table.py "$out/ncu-step.csv" --labels full,compressed \
+      --weight-bytes "$(python3 -c "print(${mb:-0} * 1e6)")" --copy-gbps "${copy:-0}" \
+      >"$out/decode-step-profile.md" 2>&1
+    note "decode step table" "rc=$?"
+    cp "$out/decode-step-profile.md" "$dest/"
+  else
+    note "ncu 1B decode step" "skipped (ncu: ${ncu:-none})"
+  fi
 fi
 
 # Racecheck last: the slowest tool, it gets what time is left.

@@ -66,7 +66,7 @@ void CheckAgainstTwin(const testing::DecodeCase& c) {
   const cuda::DecodePlanOptions partitions[] = {
       {},                                       // one work item per sequence
       {.blocks_per_split = 3},                  // many, with uneven tails
-      {.target_ctas = 2 * MultiProcessors()}};  // what a server would ask for
+      {.target_ctas = 8 * MultiProcessors()}};  // what a server would ask for
   for (const cuda::DecodePlanOptions& o : partitions) {
     SCOPED_TRACE(::testing::Message()
                  << "blocks_per_split " << o.blocks_per_split << " target_ctas " << o.target_ctas);
