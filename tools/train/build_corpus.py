@@ -1,12 +1,19 @@
 #!/usr/bin/python3
 """Builds the Subspace-tiny text corpus from public-domain / permissively licensed Debian data.
 
-Sources: the King James Bible (package bible-kjv, via the `bible` program) and a curated list of
-BSD-licensed fortune-cookie sets (packages fortunes, fortunes-min). Every document (a Bible
-chapter or a single fortune) is cleaned to printable ASCII and assigned to train / val / test by
-hashing its identity, so the split is deterministic and independent of document order.
+Sources (--sources): the King James Bible (package bible-kjv, via the `bible` program) and a
+curated list of BSD-licensed fortune-cookie sets (packages fortunes, fortunes-min), the default
+and the corpus of models/subspace-tiny.gguf; for the wide corpus (models/data-wide, the
+evaluation model of issue 36) also The Devil's Dictionary (dict-devil, public domain), the
+Jargon File 4.4.7 (dict-jargon, public domain) and the Python 3.11 documentation's reST sources
+(python3.11-doc, PSF licence): definitions, hacker lore and technical prose, so that text from
+outside scripture and fortunes is not foreign to the model. Every document (a Bible chapter, a
+fortune, a dictionary entry, a documentation page) is cleaned to printable ASCII and assigned to
+train / val / test by hashing its identity, so the split is deterministic and independent of
+document order.
 """
 import argparse
+import gzip
 import hashlib
 import os
 import re
@@ -73,6 +80,57 @@ def fortune_documents():
                 yield "fortune:" + text, text
 
 
+DICTD_DIR = "/usr/share/dictd"
+PYDOC_DIR = "/usr/share/doc/python3.11/html/_sources"
+B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+def dictd_number(text):
+    n = 0
+    for c in text:
+        n = n * 64 + B64.index(c)
+    return n
+
+
+def dictd_documents(name):
+    """Entries of a dictd database (NAME.index: headword, base-64 offset and length)."""
+    with gzip.open(os.path.join(DICTD_DIR, name + ".dict.dz"), "rb") as f:
+        data = f.read()
+    with open(os.path.join(DICTD_DIR, name + ".index"), encoding="utf-8", errors="replace") as f:
+        for line in f:
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) < 3 or parts[0].startswith("00-database") or parts[0].startswith("00database"):
+                continue
+            off, size = dictd_number(parts[1]), dictd_number(parts[2])
+            text = to_ascii(data[off:off + size].decode("utf-8", errors="replace"))
+            if len(text) >= 16:
+                yield "%s:%s:%d" % (name, parts[0], off), text
+
+
+def pydoc_documents():
+    """The Python documentation's pages (reST sources), the changelog excepted (a list of
+    issue numbers)."""
+    for root, dirs, files in os.walk(PYDOC_DIR):
+        dirs.sort()
+        for name in sorted(files):
+            rel = os.path.relpath(os.path.join(root, name), PYDOC_DIR)
+            if not name.endswith(".rst.txt") or rel.startswith("whatsnew/changelog"):
+                continue
+            with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
+                text = to_ascii(f.read())
+            if len(text) >= 64:
+                yield "pydoc:" + rel, text
+
+
+SOURCES = {
+    "kjv": bible_documents,
+    "fortunes": fortune_documents,
+    "devil": lambda: dictd_documents("devil"),
+    "jargon": lambda: dictd_documents("jargon"),
+    "pydoc": pydoc_documents,
+}
+
+
 def bucket(doc_id):
     return int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "little") % 100
 
@@ -80,13 +138,19 @@ def bucket(doc_id):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out-dir", default="models/data")
+    ap.add_argument("--sources", default="kjv,fortunes",
+                    help="comma-separated, of %s (models/data-wide: all)" % ",".join(SOURCES))
     args = ap.parse_args()
+    sources = args.sources.split(",")
+    unknown = [x for x in sources if x not in SOURCES]
+    if unknown:
+        ap.error("unknown --sources: " + ",".join(unknown))
     os.makedirs(args.out_dir, exist_ok=True)
     splits = {"train": [], "val": [], "test": []}
     seen = set()
     stats = {}
-    for source, docs in (("kjv", bible_documents()), ("fortunes", fortune_documents())):
-        for doc_id, text in docs:
+    for source in sources:
+        for doc_id, text in SOURCES[source]():
             if doc_id in seen:
                 continue
             seen.add(doc_id)

@@ -9,6 +9,9 @@ Three kinds of document need context from far back to predict their last tokens:
     far back: what induction heads do).
   * random repeat -- a run of random tokens that recurs, with natural text between: nothing but
     copying predicts it, so the copying circuit forms fast (training only).
+  * far copy -- a passage that recurs once, anywhere from right after itself to the far end of
+    the window (training only): the long model of round two copied its own formats but lost
+    text from elsewhere past ~300 tokens, the gap its random repeats were limited to.
 Training mixes them with plain natural text (`Mixer`); the evaluation suite draws them from the
 held-out test split with its own seed (`tools/train/longctx_suite.py`). Every generator takes a
 numpy Generator, so the same seed gives the same documents.
@@ -191,6 +194,22 @@ def passage_repeat_ids(texts, rng, n_tokens, run_len=(12, 48), max_gap=16):
     return out[:n_tokens]
 
 
+def far_copy_ids(texts, rng, n_tokens, run_len=(16, 192)):
+    """[lead][P][gap][P][tail]: a natural passage P that recurs once at a distance drawn
+    uniformly over what the window allows (all distances, short and far), cut to n_tokens."""
+    m = int(rng.integers(run_len[0], run_len[1] + 1))
+    m = max(1, min(m, n_tokens // 3))
+    room = max(0, n_tokens - 2 * m)
+    gap = int(rng.integers(0, room + 1))
+    lead = int(rng.integers(0, room - gap + 1))
+    p = texts.span_ids(rng, m).tolist()
+    out = texts.span_ids(rng, lead).tolist() if lead else []
+    out += p + (texts.span_ids(rng, gap).tolist() if gap else []) + p
+    if len(out) < n_tokens:
+        out += texts.span_ids(rng, n_tokens - len(out)).tolist()
+    return out[:n_tokens]
+
+
 def copy_gain(model_fn, rng, vocab_size, n_seqs=4, run=32, seq=128):
     """Mean NLL of a random run's first occurrence minus its repeats' (nats): 0 without
     copying, up to ~ln(vocab) with it. model_fn(ids) -> per-token NLL of ids[1:]."""
@@ -232,6 +251,10 @@ class Mixer:
         "copy": (("natural", "random_repeat_short", "kv"), (0.2, 0.5, 0.3)),
         # Induction first: natural passages that recur within a few dozen tokens.
         "induct": (("natural", "passage_repeat", "random_repeat_short"), (0.1, 0.7, 0.2)),
+        # The wide mix (models/data-wide): copying at every distance, of any text, beside the
+        # retrieval kinds, so the skill is not tied to the training formats.
+        "wide": (("natural", "recurrence", "far_copy", "random_repeat_far", "passkey_filler",
+                  "passkey_natural", "kv"), (0.2, 0.1, 0.25, 0.15, 0.05, 0.1, 0.15)),
     }
 
     def __init__(self, sp, texts, rng, seq, bos=1, profile="long"):
@@ -248,6 +271,11 @@ class Mixer:
             return recurrence_ids(self.texts, rng, n)[0]
         if kind == "random_repeat":
             return random_repeat_ids(self.texts, rng, n, self.sp.vocab_size())
+        if kind == "far_copy":
+            return far_copy_ids(self.texts, rng, n)
+        if kind == "random_repeat_far":
+            return random_repeat_ids(self.texts, rng, n, self.sp.vocab_size(), run_len=(16, 128),
+                                     max_gap=n)
         if kind == "passage_repeat":
             return passage_repeat_ids(self.texts, rng, n)
         if kind == "random_repeat_short":

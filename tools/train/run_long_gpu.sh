@@ -8,6 +8,9 @@
 # lowest validation loss as GGUF files into OUTDIR (default models/work), with the checkpoint
 # history. Needs PyTorch >= 2.0 with CUDA, numpy and sentencepiece; models/data from
 # build_corpus.py. Run from the repository root.
+# Phase 4, the evaluation model of issue 36 (copying at every distance, of any text):
+#   DATA=models/data-wide MIX=wide INIT=models/subspace-long.gguf NAME=wide MINUTES=4
+# with models/data-wide from `build_corpus.py --sources kjv,fortunes,devil,jargon,pydoc`.
 set -eu
 PY=${PYTHON:-python3}
 OUTDIR=${OUTDIR:-models/work}
@@ -18,11 +21,14 @@ DEVICE=${DEVICE:-cuda}
 BATCH=${BATCH:-32}
 INIT=${INIT:-models/work/long-p2.gguf}
 NAME=${NAME:-long-gpu}
+DATA=${DATA:-models/data}
+MIX=${MIX:-long}
 TOK=models/subspace-tiny.tokenizer.model
 cd "$(dirname "$0")/../.."
 mkdir -p models/work "$OUTDIR"
-[ -f models/data/train.txt ] || $PY tools/train/build_corpus.py --out-dir models/data
-$PY tools/train/train.py --data longctx --tokenizer $TOK --init-gguf "$INIT" \
+[ -f "$DATA/train.txt" ] || $PY tools/train/build_corpus.py --out-dir "$DATA"
+$PY tools/train/train.py --data longctx --mix "$MIX" --data-dir "$DATA" --tokenizer $TOK \
+  --init-gguf "$INIT" \
   --seq 2048 --context 2048 --batch "$BATCH" --steps "$STEPS" --time-budget-min "$MINUTES" \
   --lr 1e-3 --warmup 100 --device "$DEVICE" --workers "$WORKERS" --threads 4 --eval-every 250 \
   --eval-chunks 16 --eval-retrieval 48 --out models/work/$NAME.pt --resume

@@ -63,7 +63,7 @@ def main():
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-chunks", type=int, default=24)
     ap.add_argument("--data", choices=("natural", "longctx"), default="natural")
-    ap.add_argument("--mix", choices=("long", "copy", "induct"), default="long",
+    ap.add_argument("--mix", choices=("long", "copy", "induct", "wide"), default="long",
                     help="longctx: the long mix, or the copy curriculum for short windows")
     ap.add_argument("--context", type=int, default=0,
                     help="model context length (default: max(512, --seq))")
@@ -230,6 +230,9 @@ def main():
                     seq=min(args.seq, 256))
                 acc["copy_gain_text"] = longctx.passage_copy_gain(
                     lambda ids: token_nll(model, ids), val_texts, np.random.default_rng(7))
+                acc["copy_gain_far"] = longctx.passage_copy_gain(
+                    lambda ids: token_nll(model, ids), val_texts, np.random.default_rng(7),
+                    gap=int(0.75 * args.seq))
             model.train()
             entry = {"step": done, "train_loss_ema": round(run_loss, 4),
                      "val_loss": round(vl, 4), "elapsed_s": round(time.time() - t_start)}
