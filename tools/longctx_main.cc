@@ -1,7 +1,8 @@
 // subspace-longctx: the long-context evaluation. Runs a suite (tools/train/longctx_suite.py)
 // through the full cache and through each cache a user could pick instead -- eviction,
 // quantized full-rank K/V, low-rank compression at several ranks and dtypes -- and prints, per
-// cache, bytes per token against fp16, retrieval accuracy, long-range and plain perplexity, and
+// cache, bytes per token against fp16, retrieval accuracy, long-range and plain perplexity, how
+// much of an unseen passage it copies (continuation items), and
 // the KL divergence and top-1 agreement of its next-token distributions with the full cache's.
 #include <algorithm>
 #include <chrono>
@@ -212,6 +213,7 @@ struct Tally {
   int64_t retrieval = 0, retrieved = 0;  // pass keys and key-value items
   double nll_long = 0, nll_plain = 0;    // recurrence / plain
   int64_t n_long = 0, n_plain = 0;
+  int64_t copied = 0, n_copy = 0;  // continuation: scored tokens greedy decoding gets right
   double kld = 0;
   int64_t positions = 0, top1 = 0;
   double bytes_ratio_sum = 0;  // bytes per token / fp16's, summed over items
@@ -319,9 +321,9 @@ absl::Status Run() {
       items.size(), S, W, chunk);
   std::printf(
       "| cache | bytes/token vs fp16 | pass key | kv recall | long-range ppl | plain ppl | "
-      "KLD (nats) | top-1 agree | bytes @long | retrieval @long | long-range ppl @long | "
-      "KLD @long | s |\n"
-      "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n");
+      "copy acc | KLD (nats) | top-1 agree | bytes @long | retrieval @long | "
+      "long-range ppl @long | KLD @long | s |\n"
+      "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n");
   std::unique_ptr<std::ofstream> json;
   if (!absl::GetFlag(FLAGS_json).empty()) {
     json = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_json));
@@ -490,6 +492,9 @@ absl::Status Run() {
       } else if (item.kind == "recurrence") {
         t.nll_long += sc.nll;
         t.n_long += sc.scored;
+      } else if (item.kind == "continuation") {
+        t.copied += sc.correct;
+        t.n_copy += sc.scored;
       } else {
         t.nll_plain += sc.nll;
         t.n_plain += sc.scored;
@@ -531,6 +536,8 @@ absl::Status Run() {
         t.long_items > 0 ? t.long_bytes_ratio_sum / static_cast<double>(t.long_items) : 0.0;
     const double long_kld =
         t.long_positions > 0 ? t.long_kld / static_cast<double>(t.long_positions) : 0.0;
+    const double copy_acc =
+        t.n_copy > 0 ? static_cast<double>(t.copied) / static_cast<double>(t.n_copy) : 0.0;
     if (json) {
       // null for what the suite has no items of; names are the --caches specs (no quotes).
       auto num = [](double x, bool present) {
@@ -541,19 +548,20 @@ absl::Status Run() {
           "\"kv_hits\": %d, \"kv_n\": %d, \"long_ppl\": %s, \"plain_ppl\": %s, "
           "\"kld\": %.6g, \"top1\": %.6g, \"long_items\": %d, \"long_bytes_ratio\": %s, "
           "\"long_retrieval_hits\": %d, \"long_retrieval_n\": %d, \"long_long_ppl\": %s, "
-          "\"long_kld\": %s, "
+          "\"long_kld\": %s, \"copy_acc\": %s, \"copy_n\": %d, "
           "\"seconds\": %.1f}\n",
           spec.name, bytes_ratio, passkey.first, passkey.second, kv.first, kv.second,
           num(std::exp(t.nll_long / std::max<double>(t.n_long, 1)), t.n_long > 0),
           num(std::exp(t.nll_plain / std::max<double>(t.n_plain, 1)), t.n_plain > 0), kld, top1,
           t.long_items, num(long_bytes, t.long_items > 0), t.long_retrieved, t.long_retrieval,
           num(std::exp(t.long_nll / std::max<double>(t.long_n, 1)), t.long_n > 0),
-          num(long_kld, t.long_positions > 0), seconds);
+          num(long_kld, t.long_positions > 0), num(copy_acc, t.n_copy > 0), t.n_copy, seconds);
       json->flush();
     }
-    std::printf("| %s | %.3f | %s | %s | %s | %s | %.4f | %.4f | %s | %s | %s | %s | %.0f |\n",
+    std::printf("| %s | %.3f | %s | %s | %s | %s | %s | %.4f | %.4f | %s | %s | %s | %s | %.0f |\n",
                 spec.name.c_str(), bytes_ratio, acc(passkey).c_str(), acc(kv).c_str(),
-                ppl(t.nll_long, t.n_long).c_str(), ppl(t.nll_plain, t.n_plain).c_str(), kld, top1,
+                ppl(t.nll_long, t.n_long).c_str(), ppl(t.nll_plain, t.n_plain).c_str(),
+                t.n_copy > 0 ? absl::StrFormat("%.3f", copy_acc).c_str() : "—", kld, top1,
                 t.long_items > 0 ? absl::StrFormat("%.3f", long_bytes).c_str() : "—",
                 acc({t.long_retrieved, t.long_retrieval}).c_str(),
                 ppl(t.long_nll, t.long_n).c_str(),

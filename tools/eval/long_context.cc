@@ -56,15 +56,16 @@ absl::StatusOr<LongContextItem> ParseSuiteLine(std::string_view line, const Toke
     if (!std::equal(head.begin(), head.end(), item.tokens.begin())) {
       return absl::InvalidArgumentError("the prompt's tokens are no prefix of prompt + answer's");
     }
-  } else if (item.kind == "recurrence" || item.kind == "plain") {
+  } else if (item.kind == "recurrence" || item.kind == "continuation" || item.kind == "plain") {
     absl::StatusOr<std::string> body = text("text");
     if (!body.ok()) return body.status();
     item.tokens = tokenizer.Encode(*body, with_bos);
     item.scored_from = 1;
-    if (item.kind == "recurrence") {
+    if (item.kind != "plain") {
       const double from = number("scored_from", -1);
       if (from < 0 || from > static_cast<double>(body->size())) {
-        return absl::InvalidArgumentError("recurrence item without a valid \"scored_from\"");
+        return absl::InvalidArgumentError(
+            absl::StrCat(item.kind, " item without a valid \"scored_from\""));
       }
       // body[:from] ends before the space that starts the passage (a trailing space would be
       // a token of its own).
@@ -142,7 +143,11 @@ ItemScore ScoreItem(const LongContextItem& item, const ItemRun& run, const ItemR
     const int32_t target = item.tokens[static_cast<size_t>(item.scored_from + j)];
     const float* lp = &run.logprobs[static_cast<size_t>(j * n_vocab)];
     s.nll -= lp[target];
-    if (run.argmax[static_cast<size_t>(j)] != target) s.exact = false;
+    if (run.argmax[static_cast<size_t>(j)] != target) {
+      s.exact = false;
+    } else {
+      ++s.correct;
+    }
     if (reference == nullptr) {
       ++s.top1_agree;
       continue;

@@ -21,7 +21,8 @@
 namespace subspace::eval {
 
 struct LongContextItem {
-  std::string kind;             // passkey_filler, passkey_natural, kv, recurrence, plain
+  std::string kind;             // passkey_filler, passkey_natural, kv, recurrence,
+                                // continuation, plain
   int64_t length = 0;           // the suite's nominal length in tokens (of the suite's tokenizer)
   double depth = -1.0;          // retrieval: where the answer sits, 0 (start) .. 1 (end)
   int64_t distance = 0;         // recurrence: tokens between the passage's two occurrences
@@ -53,6 +54,7 @@ struct ItemScore {
   int64_t scored = 0;
   double kld = 0.0;        // summed KL(reference || run) over the scored positions
   int64_t top1_agree = 0;  // positions whose argmax equals the reference's
+  int64_t correct = 0;     // positions whose argmax is the text's next token
 };
 // `reference` may be null (then kld = 0 and top1_agree = scored).
 ItemScore ScoreItem(const LongContextItem& item, const ItemRun& run, const ItemRun* reference,

@@ -8,6 +8,11 @@ One JSON object per line:
   {"kind": "recurrence", "length": L, "distance": N, "text": TEXT, "scored_from": C}
       long-range perplexity: the tokens of TEXT[C:] (a passage that appeared N tokens earlier;
       TEXT[C] is the space that starts it)
+  {"kind": "continuation", "length": L, "distance": N, "text": TEXT, "scored_from": C}
+      copying an unseen document: a passage of held-out text, unrelated text, then the
+      passage's first words again; TEXT[C:] is the rest of the passage (from a space), which only
+      copying from N tokens back predicts. Scored by top-1 accuracy against the text (how much
+      of the passage greedy decoding would copy) and perplexity
   {"kind": "plain", "length": L, "text": TEXT}
       plain perplexity of natural text, for comparison
 
@@ -40,6 +45,30 @@ def recurrence_doc(sp, texts, rng, length, distance, passage=48):
     return prefix + " " + sp.decode(p), len(prefix)
 
 
+def continuation_doc(sp, texts, rng, length, distance, passage=96, cue=12):
+    """[lead][P][unrelated text][P's first `cue` tokens] + the rest of P, where P starts
+    `distance` tokens before the cue ends and the unrelated text comes from elsewhere in the
+    split. Returns (text, scored_from) with text[scored_from] the space that starts the first
+    scored word, or None when the cut would split a piece."""
+    lead = max(0, length - distance - passage)
+    ids = texts.span_ids(rng, lead + passage).tolist()
+    p_text = sp.decode(ids[lead:])
+    head = sp.decode(ids[:lead])
+    filler = sp.decode(texts.span_ids(rng, max(0, distance - passage)).tolist())
+    cue_chars = len(sp.decode(ids[lead:lead + cue]))
+    cut = p_text.find(" ", cue_chars)
+    if cut < 0 or cut > len(p_text) - 80:
+        return None
+    prefix = " ".join(x for x in (head, p_text, filler) if x) + " "
+    text = prefix + p_text
+    scored_from = len(prefix) + cut
+    whole = sp.encode(text)
+    start = sp.encode(text[:scored_from])
+    if whole[:len(start)] != start or len(whole) - len(start) < 16:
+        return None
+    return text, scored_from
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokenizer", default="models/subspace-tiny.tokenizer.model")
@@ -52,7 +81,13 @@ def main():
     ap.add_argument("--kv-pairs", default="8,32,64,110")
     ap.add_argument("--distances", default="128,512,1024,1900")
     ap.add_argument("--kinds", default="passkey_filler,passkey_natural,kv,recurrence,plain",
-                    help="comma-separated kinds of item to write (default: all)")
+                    help="comma-separated kinds of item to write (default: all but "
+                         "continuation)")
+    ap.add_argument("--continuation-depths", default="0.25,0.5,0.75,0.9",
+                    help="continuation: how far back the passage starts, as fractions of the "
+                         "longest --lengths")
+    ap.add_argument("--continuation-text", default="models/data-wide/test.txt",
+                    help="continuation: the held-out documents passages and filler come from")
     ap.add_argument("--small", action="store_true",
                     help="the CI slice: every kind, one prompt per cell, at 256 tokens (fits "
                          "the default model's context of 512)")
@@ -67,7 +102,8 @@ def main():
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     kinds_wanted = set(args.kinds.split(","))
-    unknown = kinds_wanted - {"passkey_filler", "passkey_natural", "kv", "recurrence", "plain"}
+    unknown = kinds_wanted - {"passkey_filler", "passkey_natural", "kv", "recurrence", "plain",
+                              "continuation"}
     if unknown:
         ap.error("unknown --kinds: %s" % ",".join(sorted(unknown)))
     rows = []
@@ -90,6 +126,19 @@ def main():
             text, start = recurrence_doc(sp, texts, rng, max(lengths), distance)
             rows.append({"kind": "recurrence", "length": len(sp.encode(text)),
                          "distance": distance, "text": text, "scored_from": start})
+    if "continuation" in kinds_wanted:
+        wide = longctx.Texts(sp, eval_lib.encode_file(sp, args.continuation_text))
+        for frac in (float(x) for x in args.continuation_depths.split(",")):
+            distance = int(frac * max(lengths))
+            made = 0
+            while made < 4 * args.per_cell:
+                doc = continuation_doc(sp, wide, rng, max(lengths), distance)
+                if doc is None:
+                    continue
+                text, start = doc
+                rows.append({"kind": "continuation", "length": len(sp.encode(text)),
+                             "distance": distance, "text": text, "scored_from": start})
+                made += 1
     for _ in range(2 * args.per_cell if "plain" in kinds_wanted else 0):
         text = texts.span_text(rng, max(lengths))
         rows.append({"kind": "plain", "length": len(sp.encode(text)), "text": text})

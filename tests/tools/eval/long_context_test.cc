@@ -71,6 +71,21 @@ TEST_F(LongContextTest, SuiteLinesParse) {
                    /*strip_leading_space=*/false),
       " In the");
 
+  // A continuation scores the rest of the passage after its cue; scored_from is required.
+  absl::StatusOr<LongContextItem> cont =
+      ParseSuiteLine(absl::StrCat(R"({"kind": "continuation", "distance": 9, "text": ")", text,
+                                  R"(", "scored_from": )", text.rfind(" the earth"), "}"),
+                     *tok_, 512);
+  ASSERT_TRUE(cont.ok()) << cont.status();
+  EXPECT_FALSE(cont->retrieval());
+  EXPECT_EQ(tok_->Decode(
+                std::vector<int32_t>(cont->tokens.begin() + cont->scored_from, cont->tokens.end()),
+                /*strip_leading_space=*/false),
+            " the earth. In the");
+  EXPECT_FALSE(ParseSuiteLine(absl::StrCat(R"({"kind": "continuation", "text": ")", text, R"("})"),
+                              *tok_, 512)
+                   .ok());
+
   EXPECT_FALSE(ParseSuiteLine("not json", *tok_, 512).ok());
   EXPECT_FALSE(ParseSuiteLine(R"({"kind": "poem", "text": "x"})", *tok_, 512).ok());
   EXPECT_FALSE(ParseSuiteLine(R"({"kind": "kv", "prompt": "x"})", *tok_, 512).ok());
@@ -113,6 +128,16 @@ TEST_F(LongContextTest, RunsScoreThePredictionsAndDivergeOnlyWhenTheCacheDoes) {
   ASSERT_TRUE(e.ok());
   const ItemScore ev = ScoreItem(*item, *e, &*a, v);
   EXPECT_GT(ev.kld / static_cast<double>(ev.scored), 1e-3) << "eviction changed nothing";
+
+  // `correct` counts the positions whose argmax is the text's token.
+  for (const auto& [run, score] : {std::pair{&*a, self}, std::pair{&*e, ev}}) {
+    int64_t correct = 0;
+    for (int64_t j = 0; j < score.scored; ++j) {
+      correct += run->argmax[static_cast<size_t>(j)] ==
+                 item->tokens[static_cast<size_t>(item->scored_from + j)];
+    }
+    EXPECT_EQ(score.correct, correct);
+  }
 }
 
 }  // namespace
