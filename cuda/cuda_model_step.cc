@@ -249,11 +249,17 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
     const DeviceLayer& w = layers[static_cast<size_t>(l)];
     uint8_t* pool = LayerPool(l);
     const kernels::KvPoolLayout& layout = LayerLayout(l);
-    st = Launch(
-        kernels::LaunchRmsNorm(
-            {.x = x, .weight = w.attn_norm, .out = xn, .n = t, .dim = m.dim, .eps = m.rms_eps},
-            stream),
-        "attention norm");
+    // Past the first layer the previous layer's FFN output (proj) is added into x here, fused
+    // into the norm: one launch and one pass over x fewer per layer.
+    st = Launch(kernels::LaunchRmsNorm({.x = x,
+                                        .weight = w.attn_norm,
+                                        .out = xn,
+                                        .n = t,
+                                        .dim = m.dim,
+                                        .eps = m.rms_eps,
+                                        .add = l > 0 ? proj : nullptr},
+                                       stream),
+                "attention norm");
     if (st.ok()) st = gemm->Linear(w.wqkv, QkvWidth(), dim, xn, t, qkv);
     if (st.ok()) {
       st = Launch(kernels::LaunchRopeSplitQkv({.qkv = qkv,
@@ -361,16 +367,16 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
           "attention cast");
     }
     if (st.ok()) st = gemm->Linear(w.wo, dim, QWidth(), attn16, t, proj);
-    if (st.ok()) {
-      st = Launch(kernels::LaunchResidualAdd({.x = x, .y = proj, .n = t_rows * dim}, stream),
-                  "residual");
-    }
-    if (st.ok()) {
-      st = Launch(
-          kernels::LaunchRmsNorm(
-              {.x = x, .weight = w.ffn_norm, .out = xn, .n = t, .dim = m.dim, .eps = m.rms_eps},
-              stream),
-          "ffn norm");
+    if (st.ok()) {  // x += proj, fused into the FFN norm
+      st = Launch(kernels::LaunchRmsNorm({.x = x,
+                                          .weight = w.ffn_norm,
+                                          .out = xn,
+                                          .n = t,
+                                          .dim = m.dim,
+                                          .eps = m.rms_eps,
+                                          .add = proj},
+                                         stream),
+                  "ffn norm");
     }
     if (st.ok()) st = gemm->Linear(w.w_gate_up, 2 * int64_t{m.ffn_dim}, dim, xn, t, gate_up);
     if (st.ok()) {
@@ -379,7 +385,9 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
                   "swiglu");
     }
     if (st.ok()) st = gemm->Linear(w.w_down, dim, m.ffn_dim, hidden, t, proj);
-    if (st.ok()) {
+    // The next layer's attention norm adds proj into x; after the last layer every row gets it
+    // here (the output norm reads only the logit rows).
+    if (st.ok() && l == m.n_layers - 1) {
       st = Launch(kernels::LaunchResidualAdd({.x = x, .y = proj, .n = t_rows * dim}, stream),
                   "residual");
     }

@@ -1,6 +1,7 @@
 // RmsNormKernel: one CTA per output row. The CTA reads its fp32 row (gathered through `rows`
-// when given), reduces the sum of squares across the CTA, then writes x * scale * weight as
-// fp16 for the next GEMM. 16-byte loads when the row and pointers allow it, scalar otherwise.
+// when given), adds the residual branch's row into it first when fused (kAdd: stored back into
+// x), reduces the sum of squares across the CTA, then writes x * scale * weight as fp16 for the
+// next GEMM. 16-byte loads when the row and pointers allow it, scalar otherwise.
 #include <cmath>
 
 #include "kernels/cuda_util.cuh"
@@ -27,26 +28,66 @@ __device__ __forceinline__ float BlockSum(float x, float* scratch /* [kWarps + 1
   return scratch[kWarps];
 }
 
-template <bool kVec4>
+// x's element j (four at kVec4) for the second pass: through the read-only cache unless this
+// launch wrote it (kAdd), which that cache need not see. Each thread reads back only the
+// elements it wrote itself in the first pass, so no barrier is needed between the passes.
+template <bool kAdd>
+__device__ __forceinline__ float4 LoadX4(const float4* x4, int j) {
+  if constexpr (kAdd) {
+    return x4[j];
+  } else {
+    return __ldg(x4 + j);
+  }
+}
+template <bool kAdd>
+__device__ __forceinline__ float LoadX(const float* x, int j) {
+  if constexpr (kAdd) {
+    return x[j];
+  } else {
+    return __ldg(x + j);
+  }
+}
+
+template <bool kVec4, bool kAdd>
 __global__ void __launch_bounds__(kThreads) RmsNormKernel(const __grid_constant__ RmsNormParams p) {
   __shared__ float scratch[kWarps + 1];
   const int64_t i = blockIdx.x;
   const int64_t row = p.rows != nullptr ? p.rows[i] : i;
-  const float* x = p.x + row * p.dim;
+  float* x = p.x + row * p.dim;
   __half* out = reinterpret_cast<__half*>(p.out) + i * p.dim;
 
   float ss = 0.0f;
   if constexpr (kVec4) {
-    const auto* x4 = reinterpret_cast<const float4*>(x);
+    auto* x4 = reinterpret_cast<float4*>(x);
     for (int j = threadIdx.x; j < p.dim / 4; j += kThreads) {
-      const float4 v = __ldg(x4 + j);
+      float4 v;
+      if constexpr (kAdd) {
+        v = x4[j];
+        const float4 a = __ldg(reinterpret_cast<const float4*>(p.add + row * p.dim) + j);
+        v.x += a.x;
+        v.y += a.y;
+        v.z += a.z;
+        v.w += a.w;
+        x4[j] = v;
+      } else {
+        v = __ldg(x4 + j);
+      }
       ss = fmaf(v.x, v.x, ss);
       ss = fmaf(v.y, v.y, ss);
       ss = fmaf(v.z, v.z, ss);
       ss = fmaf(v.w, v.w, ss);
     }
   } else {
-    for (int j = threadIdx.x; j < p.dim; j += kThreads) ss = fmaf(x[j], x[j], ss);
+    for (int j = threadIdx.x; j < p.dim; j += kThreads) {
+      float v;
+      if constexpr (kAdd) {
+        v = x[j] + __ldg(p.add + row * p.dim + j);
+        x[j] = v;
+      } else {
+        v = __ldg(x + j);
+      }
+      ss = fmaf(v, v, ss);
+    }
   }
   ss = BlockSum(ss, scratch);
   // IEEE sqrt and division (nvcc's defaults), not rsqrtf: the scale is one float per row and
@@ -59,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) RmsNormKernel(const __grid_constant_
     const auto* w4 = reinterpret_cast<const float4*>(p.weight);
     auto* out4 = reinterpret_cast<uint2*>(out);
     for (int j = threadIdx.x; j < p.dim / 4; j += kThreads) {
-      const float4 v = __ldg(x4 + j), w = __ldg(w4 + j);
+      const float4 v = LoadX4<kAdd>(x4, j), w = __ldg(w4 + j);
       const __half2 a = __floats2half2_rn(v.x * scale * w.x, v.y * scale * w.y);
       const __half2 b = __floats2half2_rn(v.z * scale * w.z, v.w * scale * w.w);
       uint2 packed;
@@ -69,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) RmsNormKernel(const __grid_constant_
     }
   } else {
     for (int j = threadIdx.x; j < p.dim; j += kThreads) {
-      out[j] = __float2half_rn(x[j] * scale * __ldg(p.weight + j));
+      out[j] = __float2half_rn(LoadX<kAdd>(x, j) * scale * __ldg(p.weight + j));
     }
   }
 }
@@ -81,12 +122,18 @@ cudaError_t LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
   const auto aligned = [](const void* ptr, uintptr_t bytes) {
     return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
   };
-  const bool vec4 =
-      p.dim % 4 == 0 && aligned(p.x, 16) && aligned(p.weight, 16) && aligned(p.out, 8);
-  if (vec4) {
-    RmsNormKernel<true><<<p.n, kThreads, 0, stream>>>(p);
+  const bool vec4 = p.dim % 4 == 0 && aligned(p.x, 16) && aligned(p.weight, 16) &&
+                    aligned(p.out, 8) && (p.add == nullptr || aligned(p.add, 16));
+  if (p.add != nullptr) {
+    if (vec4) {
+      RmsNormKernel<true, true><<<p.n, kThreads, 0, stream>>>(p);
+    } else {
+      RmsNormKernel<false, true><<<p.n, kThreads, 0, stream>>>(p);
+    }
+  } else if (vec4) {
+    RmsNormKernel<true, false><<<p.n, kThreads, 0, stream>>>(p);
   } else {
-    RmsNormKernel<false><<<p.n, kThreads, 0, stream>>>(p);
+    RmsNormKernel<false, false><<<p.n, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

@@ -26,7 +26,10 @@ void EmbeddingRef(const EmbeddingParams& p) {
 void RmsNormRef(const RmsNormParams& p) {
   for (int64_t i = 0; i < p.n; ++i) {
     const int64_t row = p.rows != nullptr ? p.rows[i] : i;
-    const float* x = p.x + row * p.dim;
+    float* x = p.x + row * p.dim;
+    if (p.add != nullptr) {
+      for (int64_t j = 0; j < p.dim; ++j) x[j] += p.add[row * p.dim + j];
+    }
     double ss = 0.0;
     for (int64_t j = 0; j < p.dim; ++j) ss += static_cast<double>(x[j]) * x[j];
     const auto scale = static_cast<float>(1.0 / std::sqrt(ss / p.dim + p.eps));

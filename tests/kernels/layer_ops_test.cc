@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
 #include <tuple>
@@ -174,28 +175,46 @@ TEST_P(RowOpsGpuTest, RmsNormWithinOneHalfUnit) {
     for (int j = 0; j < dim; ++j) x[static_cast<size_t>(r) * dim + j] *= s;
   }
   const std::vector<float> weight = RandomFloats(dim, 1.0f, rng);
-  std::vector<int32_t> rows(static_cast<size_t>(n));
-  std::uniform_int_distribution<int32_t> pick(0, total_rows - 1);
-  for (int32_t& r : rows) r = pick(rng);
+  // The residual branch a fused add brings in, of its own magnitudes.
+  const std::vector<float> add = RandomFloats(static_cast<int64_t>(total_rows) * dim, 4.0f, rng);
+  // Distinct rows (a fused add must not add twice into one row), in a random order.
+  std::vector<int32_t> rows(static_cast<size_t>(total_rows));
+  std::iota(rows.begin(), rows.end(), 0);
+  std::shuffle(rows.begin(), rows.end(), rng);
+  rows.resize(static_cast<size_t>(n));
 
   const size_t off = misaligned ? 1 : 0;
-  DeviceSlice<float> d_x(x, off), d_w(weight, off);
+  DeviceSlice<float> d_w(weight, off), d_add(add, off);
   DeviceSlice<int32_t> d_rows(rows);
   DeviceSlice<uint16_t> d_out(static_cast<size_t>(n) * dim, off);
-  ASSERT_TRUE(d_x.ok() && d_w.ok() && d_rows.ok() && d_out.ok());
-  for (bool gather : {false, true}) {
-    SCOPED_TRACE(gather ? "gathered rows" : "rows 0..n-1");
-    std::vector<uint16_t> want(static_cast<size_t>(n) * dim);
-    RmsNormRef(
-        {x.data(), weight.data(), gather ? rows.data() : nullptr, want.data(), n, dim, 1e-5f});
-    SUBSPACE_ASSERT_CUDA(d_out.Poison());
-    SUBSPACE_ASSERT_CUDA(LaunchRmsNorm(
-        {d_x.get(), d_w.get(), gather ? d_rows.get() : nullptr, d_out.get(), n, dim, 1e-5f},
-        nullptr));
-    SUBSPACE_ASSERT_CUDA(cudaDeviceSynchronize());
-    std::vector<uint16_t> got;
-    SUBSPACE_ASSERT_CUDA(d_out.Download(&got));
-    ExpectHalvesNear(got, want);
+  ASSERT_TRUE(d_w.ok() && d_add.ok() && d_rows.ok() && d_out.ok());
+  for (bool fused : {false, true}) {
+    for (bool gather : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(gather ? "gathered rows" : "rows 0..n-1",
+                                fused ? ", residual add fused" : ""));
+      std::vector<float> x_ref = x;  // the twin adds into its rows as the kernel does
+      DeviceSlice<float> d_x(x, off);
+      ASSERT_TRUE(d_x.ok());
+      std::vector<uint16_t> want(static_cast<size_t>(n) * dim);
+      RmsNormRef({x_ref.data(), weight.data(), gather ? rows.data() : nullptr, want.data(), n, dim,
+                  1e-5f, fused ? add.data() : nullptr});
+      SUBSPACE_ASSERT_CUDA(d_out.Poison());
+      SUBSPACE_ASSERT_CUDA(
+          LaunchRmsNorm({d_x.get(), d_w.get(), gather ? d_rows.get() : nullptr, d_out.get(), n, dim,
+                         1e-5f, fused ? d_add.get() : nullptr},
+                        nullptr));
+      SUBSPACE_ASSERT_CUDA(cudaDeviceSynchronize());
+      std::vector<uint16_t> got;
+      SUBSPACE_ASSERT_CUDA(d_out.Download(&got));
+      ExpectHalvesNear(got, want);
+      // The residual stream: the sums in the rows read, every other row untouched.
+      std::vector<float> x_got;
+      SUBSPACE_ASSERT_CUDA(d_x.Download(&x_got));
+      ExpectFloatsIdentical(x_got, x_ref);
+      if (fused) {
+        EXPECT_NE(x_ref, x) << "the fused add changed nothing";
+      }
+    }
   }
 }
 
