@@ -97,7 +97,7 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
                                     "logits copy");
   }
   // Wait even after a failed launch: the host buffers must not be reused while work is queued.
-  const absl::Status sync = CudaStatus(cudaStreamSynchronize(stream), "step");
+  absl::Status sync = CudaStatus(cudaStreamSynchronize(stream), "step");
   if (!st.ok()) return st;
   if (!sync.ok()) return sync;
   if (!rows.empty()) {
@@ -245,21 +245,25 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
                                                      .n_vocab = m.n_vocab},
                                                     stream),
                            "embedding");
+  // xn = RMSNorm(x += add) for every row; add (a sub-layer's output) is fused into the norm:
+  // one launch and one pass over x fewer than a separate residual add.
+  const auto norm = [&](const float* weight, const float* add, const char* what) {
+    return Launch(kernels::LaunchRmsNorm({.x = x,
+                                          .weight = weight,
+                                          .out = xn,
+                                          .n = t,
+                                          .dim = m.dim,
+                                          .eps = m.rms_eps,
+                                          .add = add},
+                                         stream),
+                  what);
+  };
   for (int l = 0; l < m.n_layers && st.ok(); ++l) {
     const DeviceLayer& w = layers[static_cast<size_t>(l)];
     uint8_t* pool = LayerPool(l);
     const kernels::KvPoolLayout& layout = LayerLayout(l);
-    // Past the first layer the previous layer's FFN output (proj) is added into x here, fused
-    // into the norm: one launch and one pass over x fewer per layer.
-    st = Launch(kernels::LaunchRmsNorm({.x = x,
-                                        .weight = w.attn_norm,
-                                        .out = xn,
-                                        .n = t,
-                                        .dim = m.dim,
-                                        .eps = m.rms_eps,
-                                        .add = l > 0 ? proj : nullptr},
-                                       stream),
-                "attention norm");
+    // Past the first layer, the previous layer's FFN output (proj) joins x here.
+    st = norm(w.attn_norm, l > 0 ? proj : nullptr, "attention norm");
     if (st.ok()) st = gemm->Linear(w.wqkv, QkvWidth(), dim, xn, t, qkv);
     if (st.ok()) {
       st = Launch(kernels::LaunchRopeSplitQkv({.qkv = qkv,
@@ -367,17 +371,7 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
           "attention cast");
     }
     if (st.ok()) st = gemm->Linear(w.wo, dim, QWidth(), attn16, t, proj);
-    if (st.ok()) {  // x += proj, fused into the FFN norm
-      st = Launch(kernels::LaunchRmsNorm({.x = x,
-                                          .weight = w.ffn_norm,
-                                          .out = xn,
-                                          .n = t,
-                                          .dim = m.dim,
-                                          .eps = m.rms_eps,
-                                          .add = proj},
-                                         stream),
-                  "ffn norm");
-    }
+    if (st.ok()) st = norm(w.ffn_norm, proj, "ffn norm");  // x += the attention output
     if (st.ok()) st = gemm->Linear(w.w_gate_up, 2 * int64_t{m.ffn_dim}, dim, xn, t, gate_up);
     if (st.ok()) {
       st = Launch(kernels::LaunchSwiGlu(

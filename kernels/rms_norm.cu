@@ -31,16 +31,8 @@ __device__ __forceinline__ float BlockSum(float x, float* scratch /* [kWarps + 1
 // x's element j (four at kVec4) for the second pass: through the read-only cache unless this
 // launch wrote it (kAdd), which that cache need not see. Each thread reads back only the
 // elements it wrote itself in the first pass, so no barrier is needed between the passes.
-template <bool kAdd>
-__device__ __forceinline__ float4 LoadX4(const float4* x4, int j) {
-  if constexpr (kAdd) {
-    return x4[j];
-  } else {
-    return __ldg(x4 + j);
-  }
-}
-template <bool kAdd>
-__device__ __forceinline__ float LoadX(const float* x, int j) {
+template <bool kAdd, typename T>  // T: float or float4
+__device__ __forceinline__ T LoadX(const T* x, int j) {
   if constexpr (kAdd) {
     return x[j];
   } else {
@@ -100,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) RmsNormKernel(const __grid_constant_
     const auto* w4 = reinterpret_cast<const float4*>(p.weight);
     auto* out4 = reinterpret_cast<uint2*>(out);
     for (int j = threadIdx.x; j < p.dim / 4; j += kThreads) {
-      const float4 v = LoadX4<kAdd>(x4, j), w = __ldg(w4 + j);
+      const float4 v = LoadX<kAdd>(x4, j), w = __ldg(w4 + j);
       const __half2 a = __floats2half2_rn(v.x * scale * w.x, v.y * scale * w.y);
       const __half2 b = __floats2half2_rn(v.z * scale * w.z, v.w * scale * w.w);
       uint2 packed;

@@ -16,9 +16,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -101,7 +101,7 @@ void ExpectFloatsIdentical(const std::vector<float>& got, const std::vector<floa
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < got.size(); ++i) {
     ASSERT_FALSE(std::isnan(got[i])) << "element " << i << " is NaN";
-    ASSERT_EQ(std::memcmp(&got[i], &want[i], sizeof(float)), 0)
+    ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i]))
         << "element " << i << ": " << got[i] << " vs " << want[i];
   }
 }
