@@ -10,12 +10,14 @@
 # build_corpus.py. Run from the repository root.
 # Phase 4, the evaluation model of issue 36 (copying at every distance, of any text):
 #   DATA=models/data-wide MIX=wide INIT=models/subspace-long.gguf NAME=wide MINUTES=4
+# (on 2026-11-28 a first call stopped at the then default STEPS=1000; the second resumed)
 # with models/data-wide from `build_corpus.py --sources kjv,fortunes,devil,jargon,pydoc`.
 set -eu
 PY=${PYTHON:-python3}
 OUTDIR=${OUTDIR:-models/work}
 MINUTES=${MINUTES:-0}
-STEPS=${STEPS:-1000}
+# With a time budget the budget sets the step count (train.py takes the smaller of the two).
+if [ "$MINUTES" = 0 ]; then STEPS=${STEPS:-1000}; else STEPS=${STEPS:-1000000}; fi
 WORKERS=${WORKERS:-10}
 DEVICE=${DEVICE:-cuda}
 BATCH=${BATCH:-32}
