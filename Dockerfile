@@ -3,7 +3,7 @@
 #
 # CPU image (the default; Debian 12, what CI builds and runs: scripts/docker_test.sh):
 #   docker build -t subspace:cpu .
-#   docker run -p 50051:50051 -p 9090:9090 subspace:cpu
+#   docker run -p 50051:50051 -p 8080:8080 -p 9090:9090 subspace:cpu
 #   docker run subspace:cpu --kv-cache=full --drain-seconds=20        # extra server flags
 #
 # CUDA image: the same file on NVIDIA's images (only where they can be pulled):
@@ -67,12 +67,13 @@ RUN echo /opt/subspace/lib > /etc/ld.so.conf.d/subspace.conf && ldconfig \
  && ! ldd /usr/local/bin/* | grep -v 'libcuda\.' | grep 'not found'
 USER 10001:10001
 WORKDIR /opt/subspace
-EXPOSE 50051 9090
+EXPOSE 50051 8080 9090
 # Health over gRPC (grpc.health.v1): NOT_SERVING until the model is loaded and while draining.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
   CMD ["subspace", "health", "--server=127.0.0.1:50051", "--timeout-seconds=3"]
 # SIGTERM (docker stop's default) drains: give it more than --drain-seconds,
 # e.g. `docker stop -t 40`.
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["subspace-server", "--host=0.0.0.0", "--port=50051", "--metrics-port=9090"]
+ENTRYPOINT ["subspace-server", "--host=0.0.0.0", "--port=50051", "--http-port=8080", \
+            "--metrics-port=9090"]
 CMD ["--model=/opt/subspace/models/subspace-long.gguf"]

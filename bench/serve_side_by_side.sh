@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Served throughput, Subspace next to llama.cpp's llama-server on the same GGUF, one server at a
 # time on this machine, driven by one client for both (bench/serve_compare.py: same prompts,
-# greedy, fixed output length, the same concurrency).
+# greedy, fixed output length, the same concurrency). Subspace is measured over gRPC and over its
+# OpenAI-compatible HTTP API in interleaved rounds; llama-server over its OpenAI /v1/completions.
 #
 #   bench/serve_side_by_side.sh LLAMA_CPP_DIR MODEL.gguf
 #
@@ -22,8 +23,11 @@ threads=${THREADS:-2}
 kv_cache=${KV_CACHE:-full}
 grpc_port=${GRPC_PORT:-50151}
 http_port=${HTTP_PORT:-8181}
+rounds=${ROUNDS:-3}
+our_http_port=${OUR_HTTP_PORT:-8182}
 compare=(python3 bench/serve_compare.py --requests "$requests" --concurrency "$concurrency"
-  --prompt-tokens "$prompt" --output-tokens "$gen")
+  --prompt-tokens "$prompt" --output-tokens "$gen" --rounds "$rounds")
+if [[ ${STREAM:-1} == 1 ]]; then compare+=(--stream); fi
 pid=""
 cleanup() {
   if [[ -n $pid ]]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi
@@ -39,13 +43,15 @@ echo "# $(basename "$model"): $requests requests, $prompt prompt tokens, $gen ou
 echo
 
 OMP_NUM_THREADS=$threads build/bin/subspace-server --model "$model" --port "$grpc_port" \
-  --metrics-port -1 --kv-cache "$kv_cache" >/tmp/subspace-side-by-side-server.log 2>&1 &
+  --http-port "$our_http_port" --metrics-port -1 --kv-cache "$kv_cache" \
+  >/tmp/subspace-side-by-side-server.log 2>&1 &
 pid=$!
 build/bin/subspace --server "localhost:$grpc_port" health --wait-seconds 300 >/dev/null
 # Prompt ids are drawn below the model's vocabulary size, read from the running server.
 vocab=$(build/bin/subspace --server "localhost:$grpc_port" info | sed -n 's/.*vocab[_ ]size[": ]*\([0-9]*\).*/\1/p' | head -1)
 compare+=(--vocab "${vocab:?cannot read the vocabulary size from subspace info}")
-ours=$("${compare[@]}" --subspace "localhost:$grpc_port")
+ours=$("${compare[@]}" --subspace "localhost:$grpc_port" \
+  --subspace-http "http://localhost:$our_http_port")
 cleanup
 
 "$llama/build/bin/llama-server" -m "$model" -t "$threads" -np "$concurrency" \
@@ -56,12 +62,16 @@ for _ in $(seq 300); do
   curl -sf "http://localhost:$http_port/health" >/dev/null 2>&1 && break
   sleep 1
 done
-theirs=$("${compare[@]}" --llama "http://localhost:$http_port")
+theirs=$("${compare[@]}" --llama "http://localhost:$http_port" --llama-openai)
 cleanup
 
 echo "$ours"
-tail -n 1 <<<"$theirs"
-a=$(tail -n 1 <<<"$ours" | awk -F'|' '{print $6}')
-b=$(tail -n 1 <<<"$theirs" | awk -F'|' '{print $6}')
 echo
-awk -v a="$a" -v b="$b" 'BEGIN {printf "Subspace / llama-server output tokens/s: %.2fx\n", a / b}'
+echo "$theirs"
+# The summary rows: "| name | median (min-max) | ... |"; output tok/s medians over the rounds.
+median() { grep "^| $1 | [0-9.]* (" | awk -F'|' '{split($3, a, " "); print a[1]}'; }
+a=$(median "Subspace HTTP" <<<"$ours")
+b=$(median "llama-server /v1" <<<"$theirs")
+echo
+awk -v a="$a" -v b="$b" \
+  'BEGIN {printf "Subspace HTTP / llama-server /v1 output tokens/s (medians): %.2fx\n", a / b}'

@@ -38,7 +38,7 @@ trap 'exit 130' INT TERM  # so the EXIT trap runs on Ctrl-C too
 
 echo "== starting subspace-server on $MODEL (log: $LOG)"
 : >"$LOG"  # truncated here, not in the child, so the wait below never reads the last run's port
-build/bin/subspace-server --model "$MODEL" --port 0 --metrics-port 0 --host 127.0.0.1 \
+build/bin/subspace-server --model "$MODEL" --port 0 --metrics-port 0 --http-port 0 --host 127.0.0.1 \
   >>"$LOG" 2>&1 &
 SERVER_PID=$!
 # server/main.cc prints "subspace-server listening on port P, metrics port M" once it serves.

@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 IMAGE=${IMAGE:-subspace:cpu}
 BASE_IMAGE=${BASE_IMAGE:-subspace-base/debian:12}
 PORT=${PORT:-50051}  # the HEALTHCHECK probes 50051
+HTTP_PORT=${HTTP_PORT:-18080}
 NAME=subspace-docker-test-$$
 
 log() { echo "docker_test: $*"; }
@@ -61,7 +62,7 @@ log "built in $(($(date +%s) - start)) s: $(docker image inspect -f '{{.Size}}' 
 cleanup() { docker rm -f "$NAME" >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 docker run -d --name "$NAME" --network=host "$IMAGE" \
-  --model=/opt/subspace/models/subspace-long.gguf --port="$PORT" --metrics-port=-1 \
+  --model=/opt/subspace/models/subspace-long.gguf --port="$PORT" --metrics-port=-1 --http-port="$HTTP_PORT" \
   --drain-seconds=20 >/dev/null
 
 status=""
@@ -81,6 +82,11 @@ out=$(docker exec "$NAME" subspace --server="127.0.0.1:$PORT" generate \
   --prompt "In the beginning" --max-new-tokens 8)
 echo "$out"
 [ -n "$out" ] || { log "empty generation"; exit 1; }
+# The OpenAI-compatible HTTP API of the same server (from the host: --network=host).
+http_out=$(curl -sf "http://127.0.0.1:$HTTP_PORT/v1/completions" -H 'Content-Type: application/json' \
+  -d '{"model": "subspace-long", "prompt": "In the beginning", "max_tokens": 8}')
+echo "$http_out"
+grep -q '"object":"text_completion"' <<<"$http_out" || { log "HTTP API: no completion"; exit 1; }
 # The long-context model's calibrated basis ships beside it and is installed by default.
 docker logs "$NAME" 2>&1 | grep -q 'basis file /opt/subspace/models/subspace-long.bases loaded' ||
   { log "the model's basis file was not loaded"; docker logs "$NAME"; exit 1; }
@@ -89,4 +95,4 @@ docker stop -t 40 "$NAME" >/dev/null
 rc=$(docker inspect -f '{{.State.ExitCode}}' "$NAME")
 docker logs "$NAME" 2>&1 | tail -3
 [ "$rc" = 0 ] || { log "exit code $rc after SIGTERM"; exit 1; }
-log "ok: healthy as uid $uid, basis loaded, generated, drained on SIGTERM with exit 0"
+log "ok: healthy as uid $uid, basis loaded, generated over gRPC and HTTP, drained on SIGTERM with exit 0"

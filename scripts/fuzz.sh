@@ -24,15 +24,19 @@ declare -A corpus=(
   [bpe_tokenizer_fuzzer]=bpe_tokenizer
   [chat_template_fuzzer]=chat_template
   [request_fuzzer]=request
+  [openai_request_fuzzer]=openai_request
 )
-# The GGUF targets get a dictionary of the format's magic and the keys the parsers look for.
+# The GGUF targets get a dictionary of the format's magic and the keys the parsers look for; the
+# OpenAI bodies one of JSON's syntax and the API's field names.
 declare -A dict=(
   [gguf_fuzzer]=fuzz/gguf.dict
   [basis_file_fuzzer]=fuzz/gguf.dict
+  [openai_request_fuzzer]=fuzz/json.dict
 )
 
 failed=()
-for target in gguf_fuzzer basis_file_fuzzer tokenizer_fuzzer bpe_tokenizer_fuzzer chat_template_fuzzer request_fuzzer; do
+for target in gguf_fuzzer basis_file_fuzzer tokenizer_fuzzer bpe_tokenizer_fuzzer chat_template_fuzzer \
+              request_fuzzer openai_request_fuzzer; do
   dir="$work/${corpus[$target]}"
   cp -r "fuzz/corpus/${corpus[$target]}" "$dir"
   args=(-max_total_time="$seconds" -max_len=65536 -timeout=10 -rss_limit_mb=2048

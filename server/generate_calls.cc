@@ -100,23 +100,12 @@ class GenerateCall : public GenerateObserver, public std::enable_shared_from_thi
     if (id.has_value()) engine_->Cancel(*id);
   }
 
-  // The engine accepted the request and has finished it: metrics and the one log line.
   void RecordFinished(const GenerateResult& result, const absl::Status& status) {
-    metrics_->RecordFinished(result, status.code());
-    const GenerateUsage& u = result.usage;
-    spdlog::info(
-        "request {} session={} status={} finish={} prompt_tokens={} reused_tokens={} "
-        "generated_tokens={} queue_ms={:.1f} ttft_ms={:.1f} total_ms={:.1f} preemptions={}",
-        request_id_, session_id_.empty() ? "-" : session_id_,
-        absl::StatusCodeToString(status.code()), FinishReasonName(result.finish), u.prompt_tokens,
-        u.reused_tokens, u.generated_tokens, result.timings.queue_seconds * 1e3,
-        result.timings.ttft_seconds * 1e3, result.timings.total_seconds * 1e3, result.preemptions);
+    RecordRequestFinished(*metrics_, request_id_, session_id_, result, status);
   }
 
   void RecordRejected(const absl::Status& status) {
-    metrics_->RecordRejected(status.code());
-    spdlog::info("request {} session={} rejected: {}", request_id_,
-                 session_id_.empty() ? "-" : session_id_, status.ToString());
+    RecordRequestRejected(*metrics_, request_id_, session_id_, status);
   }
 
   // gRPC is done with the reactor; the engine may still hold its reference.
@@ -372,6 +361,27 @@ class RejectedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 };
 
 }  // namespace
+
+void RecordRequestFinished(Metrics& metrics, std::string_view request_id,
+                           std::string_view session_id, const GenerateResult& result,
+                           const absl::Status& status) {
+  metrics.RecordFinished(result, status.code());
+  const GenerateUsage& u = result.usage;
+  spdlog::info(
+      "request {} session={} status={} finish={} prompt_tokens={} reused_tokens={} "
+      "generated_tokens={} queue_ms={:.1f} ttft_ms={:.1f} total_ms={:.1f} preemptions={}",
+      request_id, session_id.empty() ? "-" : session_id, absl::StatusCodeToString(status.code()),
+      FinishReasonName(result.finish), u.prompt_tokens, u.reused_tokens, u.generated_tokens,
+      result.timings.queue_seconds * 1e3, result.timings.ttft_seconds * 1e3,
+      result.timings.total_seconds * 1e3, result.preemptions);
+}
+
+void RecordRequestRejected(Metrics& metrics, std::string_view request_id,
+                           std::string_view session_id, const absl::Status& status) {
+  metrics.RecordRejected(status.code());
+  spdlog::info("request {} session={} rejected: {}", request_id.empty() ? "-" : request_id,
+               session_id.empty() ? "-" : session_id, status.ToString());
+}
 
 grpc::ServerUnaryReactor* StartGenerate(Engine* engine, Metrics* metrics, GenerateRequest request,
                                         grpc::ByteBuffer* response) {

@@ -7,6 +7,8 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/server_callback.h>
 
+#include <string_view>
+
 #include "absl/status/status.h"
 #include "core/engine/engine.h"
 #include "proto/subspace.grpc.pb.h"
@@ -27,6 +29,15 @@ grpc::ServerUnaryReactor* StartGenerate(Engine* engine, Metrics* metrics, Genera
 // status as for StartGenerate. Messages are serialized GenerateStreamResponses.
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartGenerateStream(Engine* engine, Metrics* metrics,
                                                                 GenerateRequest request);
+
+// The one log line and the metrics of a request the engine accepted and has finished, with the
+// status its client gets (both APIs).
+void RecordRequestFinished(Metrics& metrics, std::string_view request_id,
+                           std::string_view session_id, const GenerateResult& result,
+                           const absl::Status& status);
+// The same for a request refused before it reached the engine.
+void RecordRequestRejected(Metrics& metrics, std::string_view request_id,
+                           std::string_view session_id, const absl::Status& status);
 
 // A stream that ends at once with `status` (the request never reached the engine).
 grpc::ServerWriteReactor<grpc::ByteBuffer>* RejectStream(const absl::Status& status);

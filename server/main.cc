@@ -1,5 +1,6 @@
 // subspace-server: loads a GGUF model and serves subspace.v1.Subspace, grpc.health.v1.Health and
-// server reflection over gRPC, with Prometheus metrics on a separate HTTP port. SIGTERM or SIGINT
+// server reflection over gRPC, the OpenAI-compatible HTTP API on the same engine, and Prometheus
+// metrics on a separate HTTP port. SIGTERM or SIGINT
 // drains (health NOT_SERVING, new requests UNAVAILABLE, running ones finish) and exits 0.
 #include <pthread.h>
 
@@ -26,10 +27,18 @@
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, model, "models/subspace-tiny.gguf", "path of the GGUF model");
-ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on (gRPC and metrics)");
+ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on (gRPC, HTTP API and metrics)");
 ABSL_FLAG(int32_t, port, 50051, "gRPC port; 0 picks a free one and prints it");
 ABSL_FLAG(int32_t, metrics_port, 9090,
           "Prometheus /metrics HTTP port; 0 picks a free one, -1 turns metrics off");
+ABSL_FLAG(int32_t, http_port, 8080,
+          "OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, /v1/models; "
+          "docs/http_api.md); 0 picks a free one, -1 turns it off");
+ABSL_FLAG(int32_t, http_threads, 64,
+          "HTTP API: connections served at once (a request holds one while it runs)");
+ABSL_FLAG(std::string, model_id, "",
+          "HTTP API: the model id /v1/models lists and requests name; empty: the model "
+          "file's name without .gguf (models/subspace-long.gguf: subspace-long)");
 ABSL_FLAG(std::string, device, "cpu",
           "backend: cpu, cuda (a GPU: both cache kinds; the compressed one with static, "
           "self-calibrated or refreshed bases and outliers) or auto (cuda when "
@@ -146,6 +155,9 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.host = absl::GetFlag(FLAGS_host);
   c.port = absl::GetFlag(FLAGS_port);
   c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  c.http_port = absl::GetFlag(FLAGS_http_port);
+  c.http_threads = absl::GetFlag(FLAGS_http_threads);
+  c.model_id = absl::GetFlag(FLAGS_model_id);
   c.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   absl::StatusOr<subspace::runtime::Device> device =
       subspace::runtime::ParseDevice(absl::GetFlag(FLAGS_device));
@@ -222,7 +234,8 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
 
 int main(int argc, char** argv) {
   subspace::cli::ParseFlags(argc, argv,
-                            "subspace-server --model M.gguf [--port 50051] [--metrics-port 9090] "
+                            "subspace-server --model M.gguf [--port 50051] [--http-port 8080] "
+                            "[--metrics-port 9090] "
                             "[--kv-cache compressed|full] ...");
 
   // Block the shutdown signals before any thread starts, so every thread inherits the mask and
@@ -247,8 +260,8 @@ int main(int argc, char** argv) {
     spdlog::shutdown();
     return 1;
   }
-  std::printf("subspace-server listening on port %d, metrics port %d\n", (*app)->port(),
-              (*app)->metrics_port());
+  std::printf("subspace-server listening on port %d, metrics port %d, http port %d\n",
+              (*app)->port(), (*app)->metrics_port(), (*app)->http_port());
   std::fflush(stdout);
 
   int sig = 0;

@@ -5,8 +5,10 @@
 #include <prometheus/collectable.h>
 #include <prometheus/gauge.h>
 #include <prometheus/metric_family.h>
+#include <prometheus/text_serializer.h>
 
 #include <exception>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <utility>
@@ -242,6 +244,14 @@ Metrics::~Metrics() = default;
 std::shared_ptr<prometheus::Collectable> Metrics::engine_collector() const { return collector_; }
 
 void Metrics::AttachEngine(const Engine* engine) { collector_->Attach(engine); }
+
+std::string Metrics::ExpositionText() const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  std::vector<prometheus::MetricFamily> engine = collector_->Collect();
+  families.insert(families.end(), std::make_move_iterator(engine.begin()),
+                  std::make_move_iterator(engine.end()));
+  return prometheus::TextSerializer().Serialize(families);
+}
 
 void Metrics::RecordStep(const StepStats& step) {
   batch_size_.Observe(step.decode_tokens + step.prefill_tokens);

@@ -37,6 +37,10 @@ class Metrics {
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
   std::shared_ptr<prometheus::Collectable> engine_collector() const;
 
+  // Every metric in Prometheus' text format, as the exporter serves it (the HTTP API's
+  // /metrics).
+  std::string ExpositionText() const;
+
   // The engine whose Stats() the gauges show (nullptr: none, the gauges are left out). The
   // engine must outlive every scrape, i.e. detach or stop the exposer before destroying it.
   void AttachEngine(const Engine* engine);

@@ -6,6 +6,7 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <chrono>
+#include <filesystem>
 #include <memory>
 #include <utility>
 
@@ -46,6 +47,14 @@ absl::Status ValidateConfig(const ServerAppConfig& c) {
   if (c.model_path.empty()) return absl::InvalidArgumentError("--model must be set");
   if (c.port < 0 || c.port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("--port must be in [0, 65535], got ", c.port));
+  }
+  if (c.http_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http-port must be at most 65535, got ", c.http_port));
+  }
+  if (c.http_port >= 0 && c.http_threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http-threads must be >= 1, got ", c.http_threads));
   }
   if (c.metrics_port > 65535) {
     return absl::InvalidArgumentError(
@@ -107,8 +116,7 @@ absl::Status ServerApp::Init() {
     spdlog::warn("--auth-tokens without --tls-cert: bearer tokens cross the network in clear text");
   }
   metrics_registry_ = std::make_unique<Metrics>();
-  service_ =
-      std::make_unique<SubspaceService>(metrics_registry_.get(), config_.limits, std::move(auth));
+  service_ = std::make_unique<SubspaceService>(metrics_registry_.get(), config_.limits, auth);
 
   // Listen before loading, so orchestrators see a live process that is NOT_SERVING yet.
   EnableServerPlugins();
@@ -125,6 +133,21 @@ absl::Status ServerApp::Init() {
   SetServing(false);
   spdlog::info("listening on {} (port {}), {}{}", address, port_, TransportName(config_.tls),
                authenticates ? ", bearer tokens required" : "");
+
+  if (config_.http_port >= 0) {
+    absl::StatusOr<std::unique_ptr<HttpServer>> http =
+        HttpServer::Start({.host = config_.host,
+                           .port = config_.http_port,
+                           .tls = config_.tls,
+                           .max_body_bytes = config_.max_message_bytes,
+                           .threads = config_.http_threads},
+                          metrics_registry_.get(), config_.limits, std::move(auth));
+    if (!http.ok()) return http.status();
+    http_ = *std::move(http);
+    spdlog::info("OpenAI-compatible HTTP API on {}://{}/v1",
+                 TlsEnabled(config_.tls) ? "https" : "http",
+                 JoinHostPort(config_.host, http_->port()));
+  }
 
   if (config_.metrics_port >= 0) {
     absl::StatusOr<std::unique_ptr<MetricsExporter>> exporter =
@@ -233,6 +256,14 @@ absl::Status ServerApp::Init() {
   engine_ = *std::move(engine);
 
   const KvCacheStats cache_stats = engine_->Stats().cache;
+  if (http_ != nullptr) {
+    // The file's name by default: what the operator chose and can see (general.name is often
+    // the base model's, shared by every quantization and fine-tune of it).
+    std::string model_id = config_.model_id;
+    if (model_id.empty()) model_id = std::filesystem::path(config_.model_path).stem().string();
+    http_->AttachEngine(engine_.get(), *chat, model_id);
+    spdlog::info("HTTP API model id '{}'", model_id);
+  }
   service_->AttachEngine(engine_.get(),
                          CacheDescription{.options = cache_options,
                                           .pool_bytes = cache_stats.bytes_total,
@@ -283,8 +314,11 @@ void ServerApp::SetServing(bool serving) {
   health->SetServingStatus(kServiceName, serving);
 }
 
+int ServerApp::http_port() const { return http_ != nullptr ? http_->port() : -1; }
+
 void ServerApp::BeginDrain() {
   if (service_ != nullptr) service_->BeginDrain();
+  if (http_ != nullptr) http_->BeginDrain();
   SetServing(false);
 }
 
@@ -299,6 +333,9 @@ bool ServerApp::Shutdown() {
     drained_ = engine_->Drain(config_.drain_timeout);
     if (!drained_) spdlog::warn("drain timed out; cancelling the requests left");
   }
+  // The HTTP API's streams have written their last events once the engine drained; whatever is
+  // left after a timed-out drain is cancelled.
+  if (http_ != nullptr) http_->Stop(drained_ ? absl::Seconds(5) : absl::ZeroDuration());
   if (server_ != nullptr) {
     // Drained calls only have their last messages to flush; after a timed-out drain the rest is
     // cancelled at once (their reactors finish on OnCancel without waiting for the engine).

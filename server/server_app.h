@@ -17,6 +17,7 @@
 #include "core/engine/engine.h"
 #include "runtime/backend.h"
 #include "runtime/kv_cache_options.h"
+#include "server/http_server.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
 #include "server/service.h"
@@ -29,6 +30,12 @@ struct ServerAppConfig {
   std::string host = "0.0.0.0";
   int port = 50051;         // 0: pick a free port (see ServerApp::port)
   int metrics_port = 9090;  // 0: pick a free port; negative: no metrics endpoint
+  // The OpenAI-compatible HTTP API (server/http_server.h): 0 picks a free port, negative turns it
+  // off (main's --http-port defaults to 8080). Host, TLS files and tokens are gRPC's.
+  int http_port = -1;
+  int http_threads = 64;  // HTTP connections served at once
+  std::string model_id;   // the id the HTTP API lists and requests name; empty: the model
+                          // file's name without .gguf
   int64_t kv_cache_bytes = int64_t{256} << 20;
   int block_size = 16;
   runtime::Device device =
@@ -57,6 +64,8 @@ class ServerApp {
   int port() const { return port_; }
   // The bound metrics port, or -1 when metrics are off.
   int metrics_port() const { return metrics_ ? metrics_->port() : -1; }
+  // The bound HTTP API port, or -1 when it is off.
+  int http_port() const;
   Engine& engine() { return *engine_; }
 
   // Health NOT_SERVING and new Generate calls UNAVAILABLE; in-flight requests continue.
@@ -78,6 +87,7 @@ class ServerApp {
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<SubspaceService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<HttpServer> http_;
   std::unique_ptr<MetricsExporter> metrics_;
 
   // std::mutex rather than absl::Mutex: ThreadSanitizer sees through it (scripts/sanitize.sh).

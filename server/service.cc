@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/kvcache/refresh_config.h"
 #include "server/generate_calls.h"
+#include "server/prepare_request.h"
 #include "server/status_util.h"
 #include "spdlog/spdlog.h"
 
@@ -119,32 +119,11 @@ absl::StatusOr<GenerateRequest> SubspaceService::Prepare(const grpc::ByteBuffer&
   absl::StatusOr<Engine*> engine = Admit(context, &caller);
   if (!engine.ok()) return engine.status();
   if (absl::Status s = ParseRequest(wire, request_out); !s.ok()) return s;
-  const v1::GenerateRequest& request = *request_out;
   *engine_out = *engine;
   if (draining_.load(std::memory_order_acquire)) {
     return absl::UnavailableError("the server is draining and accepts no new requests");
   }
-  const ModelConfig& model = (*engine)->model_config();
-  // Checked once, before the session is looked up (a bad request is INVALID_ARGUMENT whatever
-  // its session).
-  absl::StatusOr<ValidGenerateRequest> valid = ValidateGenerateRequest(request, model, limits_);
-  if (!valid.ok()) return valid.status();
-  // A session with tokens continues its sequence, so its text gets no BOS.
-  bool continues_session = false;
-  if (!request.session_id().empty()) {
-    absl::StatusOr<SessionInfo> session = (*engine)->GetSession(request.session_id(), caller);
-    if (!session.ok()) return session.status();
-    continues_session = session->tokens > 0;
-  }
-  absl::StatusOr<GenerateRequest> out =
-      ToEngineRequest(*valid, (*engine)->tokenizer(), model, limits_, continues_session);
-  if (!out.ok()) return out.status();
-  out->session_owner = std::move(caller);
-  out->deadline = DeadlineOf(context);
-  if (out->deadline <= absl::Now()) {
-    return absl::DeadlineExceededError("the deadline passed before the request was scheduled");
-  }
-  return out;
+  return PrepareGenerate(**engine, *request_out, limits_, std::move(caller), DeadlineOf(context));
 }
 
 absl::StatusOr<GenerateRequest> SubspaceService::PrepareChat(
@@ -154,33 +133,17 @@ absl::StatusOr<GenerateRequest> SubspaceService::PrepareChat(
   absl::StatusOr<Engine*> engine = Admit(context, &caller);
   if (!engine.ok()) return engine.status();
   if (absl::Status s = ParseRequest(wire, request_out); !s.ok()) return s;
-  const v1::ChatRequest& request = *request_out;
   *engine_out = *engine;
   if (draining_.load(std::memory_order_acquire)) {
     return absl::UnavailableError("the server is draining and accepts no new requests");
   }
-  absl::StatusOr<ValidChatRequest> valid = ValidateChatRequest(request, limits_);
-  if (!valid.ok()) return valid.status();
-  if (!request.session_id().empty()) {
-    absl::StatusOr<SessionInfo> session = (*engine)->GetSession(request.session_id(), caller);
-    if (!session.ok()) return session.status();
-  }
-  absl::StatusOr<GenerateRequest> out = ChatToEngineRequest(*valid, chat_, (*engine)->tokenizer(),
-                                                            (*engine)->model_config(), limits_);
-  if (!out.ok()) return out.status();
-  out->session_owner = std::move(caller);
-  out->deadline = DeadlineOf(context);
-  if (out->deadline <= absl::Now()) {
-    return absl::DeadlineExceededError("the deadline passed before the request was scheduled");
-  }
-  return out;
+  return server::PrepareChat(**engine, *request_out, chat_, limits_, std::move(caller),
+                             DeadlineOf(context));
 }
 
 void SubspaceService::LogRejected(std::string_view request_id, std::string_view session_id,
                                   const absl::Status& status) const {
-  metrics_->RecordRejected(status.code());
-  spdlog::info("request {} session={} rejected: {}", request_id.empty() ? "-" : request_id,
-               session_id.empty() ? "-" : session_id, status.ToString());
+  RecordRequestRejected(*metrics_, request_id, session_id, status);
 }
 
 template <typename Message>

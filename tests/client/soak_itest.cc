@@ -30,6 +30,8 @@ extern char** environ;
 namespace subspace {
 namespace {
 
+constexpr char kDefaultModel[] = SUBSPACE_SOURCE_DIR "/models/subspace-tiny.gguf";
+
 using ::subspace::testing::ChannelTo;
 using ::subspace::testing::HealthCheck;
 using ::subspace::testing::ServerProcess;
@@ -88,8 +90,8 @@ void BoundAsanQuarantine() {
 TEST(SoakTest, FortyFiveSecondsOnTheDefaultModelPass) {
   BoundAsanQuarantine();
   absl::StatusOr<std::unique_ptr<ServerProcess>> started = ServerProcess::Start(
-      {SUBSPACE_SERVER_BIN, "--model", SUBSPACE_SOURCE_DIR "/models/subspace-tiny.gguf", "--host",
-       "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--log-level", "warn"},
+      {SUBSPACE_SERVER_BIN, "--model", kDefaultModel, "--host", "127.0.0.1", "--port", "0",
+       "--metrics-port", "-1", "--http-port", "-1", "--log-level", "warn"},
       absl::Seconds(120));
   ASSERT_TRUE(started.ok()) << started.status();
   ServerProcess& server = **started;

@@ -44,7 +44,7 @@ class Server:
 
     def __init__(self, *extra_flags, metrics=True):
         cmd = [server_bin(), "--model", model_path(), "--host", "127.0.0.1", "--port", "0",
-               "--metrics-port", "0" if metrics else "-1", "--kv-cache-bytes", str(32 << 20),
+               "--metrics-port", "0" if metrics else "-1", "--http-port", "-1", "--kv-cache-bytes", str(32 << 20),
                "--drain-seconds", "2", "--log-level", "warn", *extra_flags]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, start_new_session=True)

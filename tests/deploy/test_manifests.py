@@ -68,7 +68,7 @@ class KubernetesTest(unittest.TestCase):
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
             self.assertEqual(c[probe]["grpc"]["port"], 50051, probe)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        self.assertEqual(ports, {"grpc": 50051, "metrics": 9090})
+        self.assertEqual(ports, {"grpc": 50051, "http": 8080, "metrics": 9090})
 
     def test_grace_period_covers_prestop_and_drain(self):
         spec = self.docs["Deployment"]["spec"]["template"]["spec"]

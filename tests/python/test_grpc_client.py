@@ -94,7 +94,7 @@ class ServerProcess:
         self.port = None
         self._port_found = threading.Event()
         self.proc = subprocess.Popen(
-            [server_bin, "--model", model, "--port", "0", "--metrics-port", "0",
+            [server_bin, "--model", model, "--port", "0", "--metrics-port", "0", "--http-port", "-1",
              "--host", "127.0.0.1"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
         self._reader = threading.Thread(target=self._read, daemon=True)

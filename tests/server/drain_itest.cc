@@ -31,6 +31,8 @@
 namespace subspace {
 namespace {
 
+constexpr char kDefaultModel[] = SUBSPACE_SOURCE_DIR "/models/subspace-tiny.gguf";
+
 using ::subspace::testing::ChannelTo;
 using ::subspace::testing::HealthCheck;
 using ::subspace::testing::ServerProcess;
@@ -126,11 +128,11 @@ CallRecord Call(v1::Subspace::Stub& stub, const v1::GenerateRequest& request, bo
 }
 
 TEST(DrainTest, SigtermUnderLoadLosesNoAcceptedRequest) {
-  absl::StatusOr<std::unique_ptr<ServerProcess>> started = ServerProcess::Start(
-      {SUBSPACE_SERVER_BIN, "--model", SUBSPACE_SOURCE_DIR "/models/subspace-tiny.gguf", "--host",
-       "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--drain-seconds", "120", "--log-level",
-       "info"},
-      absl::Seconds(120));
+  absl::StatusOr<std::unique_ptr<ServerProcess>> started =
+      ServerProcess::Start({SUBSPACE_SERVER_BIN, "--model", kDefaultModel, "--host", "127.0.0.1",
+                            "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
+                            "--drain-seconds", "120", "--log-level", "info"},
+                           absl::Seconds(120));
   ASSERT_TRUE(started.ok()) << started.status();
   ServerProcess& server = **started;
   ASSERT_EQ(HealthCheck(ChannelTo(server.port())).value_or(-1), 1);

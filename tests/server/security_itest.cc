@@ -5,6 +5,7 @@
 // a server log that holds neither prompts nor tokens.
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <httplib.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -292,6 +293,7 @@ class SecurityTest : public ::testing::Test {
 
   void StartServer(server::TlsConfig tls, bool auth) {
     server::ServerAppConfig config = TestServerConfig();
+    config.http_port = 0;  // the HTTP API takes the same TLS files and tokens
     config.tls = std::move(tls);
     if (auth) config.auth_tokens_path = Path("tokens");
     absl::StatusOr<std::unique_ptr<server::ServerApp>> app = server::ServerApp::Start(config);
@@ -300,7 +302,8 @@ class SecurityTest : public ::testing::Test {
   }
 
   // A channel of its own (no subchannel shared with another test's failed handshake).
-  std::shared_ptr<grpc::Channel> Channel(std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  std::shared_ptr<grpc::Channel> Channel(
+      const std::shared_ptr<grpc::ChannelCredentials>& credentials) {
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     return grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", app_->port()), credentials, args);
@@ -324,6 +327,40 @@ class SecurityTest : public ::testing::Test {
 
 std::string* SecurityTest::dir_ = nullptr;
 absl::Status* SecurityTest::pki_ = nullptr;
+
+// The OpenAI-compatible HTTP API on the same files: HTTPS with the client certificate the CA
+// signed, bearer tokens as over gRPC; no certificate, another CA's, or plaintext get nothing.
+TEST_F(SecurityTest, HttpApiTakesTheSameTlsAndTokens) {
+  StartServer(ServerTls(/*mutual=*/true), /*auth=*/true);
+  const int port = app_->http_port();
+  ASSERT_GT(port, 0);
+  const auto get = [&](const std::string& cert, const std::string& key,
+                       const std::string& token) -> httplib::Result {
+    httplib::SSLClient client("127.0.0.1", port, cert.empty() ? std::string() : Path(cert),
+                              key.empty() ? std::string() : Path(key));
+    client.set_ca_cert_path(Path("ca.pem").c_str());
+    client.enable_server_certificate_verification(true);
+    client.set_connection_timeout(std::chrono::seconds(10));
+    if (!token.empty()) client.set_bearer_token_auth(token.c_str());
+    return client.Get("/v1/models");
+  };
+  httplib::Result ok = get("client.pem", "client.key", kTokenA);
+  ASSERT_TRUE(ok) << httplib::to_string(ok.error());
+  EXPECT_EQ(ok->status, 200) << ok->body;
+  httplib::Result no_token = get("client.pem", "client.key", "");
+  ASSERT_TRUE(no_token);
+  EXPECT_EQ(no_token->status, 401);
+  httplib::Result wrong_token = get("client.pem", "client.key", "not-a-token-of-this-server");
+  ASSERT_TRUE(wrong_token);
+  EXPECT_EQ(wrong_token->status, 401);
+  EXPECT_FALSE(get("", "", kTokenA));                                  // no client certificate
+  EXPECT_FALSE(get("other_client.pem", "other_client.key", kTokenA));  // another CA's
+  httplib::Client plaintext("127.0.0.1", port);
+  plaintext.set_connection_timeout(std::chrono::seconds(10));
+  plaintext.set_read_timeout(std::chrono::seconds(10));
+  httplib::Result clear = plaintext.Get("/health");
+  EXPECT_TRUE(!clear || clear->status >= 400);
+}
 
 TEST_F(SecurityTest, TlsCallsWork) {
   StartServer(ServerTls(/*mutual=*/false), /*auth=*/false);
@@ -492,7 +529,8 @@ TEST_F(SecurityTest, CliOverMutualTlsWithAToken) {
                                          Path("client.pem"),
                                          "--tls-key",
                                          Path("client.key")};
-  const auto run = [&](std::vector<std::string> tail, std::vector<std::string> env = {}) {
+  const auto run = [&](const std::vector<std::string>& tail,
+                       const std::vector<std::string>& env = {}) {
     std::vector<std::string> argv = base;
     argv.insert(argv.end(), tail.begin(), tail.end());
     return RunProgram(std::move(argv), env);
@@ -574,6 +612,8 @@ TEST_F(SecurityTest, ServerBinaryExitsWithAMessageOnUnusableFiles) {
                                          "--port",
                                          "0",
                                          "--metrics-port",
+                                         "-1",
+                                         "--http-port",
                                          "-1"};
   const struct {
     std::vector<std::string> flags;

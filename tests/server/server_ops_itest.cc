@@ -249,8 +249,8 @@ TEST(ServerBinaryTest, SigtermDrainsAndExitsZero) {
     close(out_pipe[0]);
     close(out_pipe[1]);
     execl(SUBSPACE_SERVER_BIN, SUBSPACE_SERVER_BIN, "--model", model.c_str(), "--host", "127.0.0.1",
-          "--port", "0", "--metrics-port", "0", "--kv-cache-bytes", "1048576", "--drain-seconds",
-          "5", "--log-level", "warn", static_cast<char*>(nullptr));
+          "--port", "0", "--metrics-port", "0", "--http-port", "0", "--kv-cache-bytes", "1048576",
+          "--drain-seconds", "5", "--log-level", "warn", static_cast<char*>(nullptr));
     _exit(127);
   }
   close(out_pipe[1]);
@@ -275,12 +275,29 @@ TEST(ServerBinaryTest, SigtermDrainsAndExitsZero) {
     v1::GenerateResponse response;
     EXPECT_TRUE(stub->Generate(&context, request, &response).ok());
   }
-  // "..., metrics port M"
-  int metrics_port = 0;
-  ASSERT_TRUE(absl::SimpleAtoi(line.substr(line.rfind(' ') + 1), &metrics_port)) << line;
+  // "..., metrics port M, http port H"
+  const auto port_after = [&line](std::string_view label) {
+    const size_t p = line.find(label);
+    int value = 0;
+    if (p == std::string::npos) return -1;
+    const size_t from = p + label.size();
+    const size_t to = line.find(',', from);
+    if (!absl::SimpleAtoi(line.substr(from, to == std::string::npos ? to : to - from), &value)) {
+      return -1;
+    }
+    return value;
+  };
+  const int metrics_port = port_after("metrics port ");
+  ASSERT_GT(metrics_port, 0) << line;
   absl::StatusOr<std::pair<std::string, std::string>> metrics = HttpGet(metrics_port, "/metrics");
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   EXPECT_TRUE(absl::StrContains(metrics->second, "subspace_requests_total{"));
+  // The HTTP API answers on its own port, on the same engine.
+  const int http_port = port_after("http port ");
+  ASSERT_GT(http_port, 0) << line;
+  absl::StatusOr<std::pair<std::string, std::string>> health = HttpGet(http_port, "/health");
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_TRUE(absl::StrContains(health->second, "\"status\":\"ok\"")) << health->second;
   ASSERT_EQ(kill(pid, SIGTERM), 0);
   int status = 0;
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
@@ -295,7 +312,8 @@ std::pair<int, std::string> RunServerUntilExit(const std::vector<std::string>& f
   if (pipe(err_pipe) != 0) return {-1, "pipe failed"};
   std::vector<std::string> args = {SUBSPACE_SERVER_BIN, "--model",
                                    subspace::testing::TinyModelPath()};
-  for (const char* a : {"--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1"}) {
+  for (const char* a :
+       {"--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--http-port", "-1"}) {
     args.push_back(a);
   }
   args.insert(args.end(), flags.begin(), flags.end());
