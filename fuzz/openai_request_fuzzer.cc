@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "core/model/sampler.h"
+#include "fuzz/chatml_setup.h"
 #include "fuzz/fuzz_util.h"
 #include "nlohmann/json.hpp"
 #include "server/chat_request.h"
@@ -27,21 +28,6 @@ void CheckRefusal(const absl::Status& status) {
                                                     /*allow_exceptions=*/false);
   FUZZ_CHECK(!body.is_discarded());
   FUZZ_CHECK(body["error"]["message"].is_string());
-}
-
-const server::ChatSetup& ChatMl() {
-  static const server::ChatSetup* setup = [] {
-    auto* s = new server::ChatSetup;
-    absl::StatusOr<ChatTemplate> t = ChatTemplate::Parse(
-        "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + "
-        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-        "{{ '<|im_start|>assistant\\n' }}{% endif %}");
-    FUZZ_CHECK(t.ok());
-    s->chat_template = std::make_shared<const ChatTemplate>(*std::move(t));
-    s->source = "file";
-    return s;
-  }();
-  return *setup;
 }
 
 }  // namespace
@@ -83,8 +69,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!valid.ok()) {
       CheckRefusal(server::openai::RenameFields(valid.status(), /*chat=*/true));
     } else {
-      absl::StatusOr<GenerateRequest> converted =
-          server::ChatToEngineRequest(*valid, ChatMl(), *model.tokenizer, model.config, limits);
+      absl::StatusOr<GenerateRequest> converted = server::ChatToEngineRequest(
+          *valid, fuzz::ChatMlSetup(), *model.tokenizer, model.config, limits);
       if (converted.ok()) {
         FUZZ_CHECK(!converted->prompt.empty());
         FUZZ_CHECK(ValidateSamplingParams(converted->sampling).ok());

@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "core/model/sampler.h"
+#include "fuzz/chatml_setup.h"
 #include "fuzz/fuzz_util.h"
 #include "proto/subspace.pb.h"
 #include "server/chat_request.h"
@@ -28,17 +29,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   v1::ChatRequest chat;
   if (chat.ParseFromArray(data, static_cast<int>(size))) {
-    static const server::ChatSetup* setup = [] {
-      auto* s = new server::ChatSetup;
-      absl::StatusOr<ChatTemplate> t = ChatTemplate::Parse(
-          "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + "
-          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-          "{{ '<|im_start|>assistant\\n' }}{% endif %}");
-      FUZZ_CHECK(t.ok());
-      s->chat_template = std::make_shared<const ChatTemplate>(*std::move(t));
-      s->source = "file";
-      return s;
-    }();
+    const server::ChatSetup* setup = &fuzz::ChatMlSetup();
     const absl::StatusOr<server::ValidChatRequest> chat_valid =
         server::ValidateChatRequest(chat, limits);
     if (!chat_valid.ok()) FUZZ_CHECK(absl::IsInvalidArgument(chat_valid.status()));

@@ -73,32 +73,13 @@ class GenerateCall : public GenerateObserver, public std::enable_shared_from_thi
   // call with the returned status (the engine never calls the observer then).
   absl::Status Submit(GenerateRequest request) {
     self_ = shared_from_this();
-    absl::StatusOr<RequestId> id = engine_->Submit(std::move(request), shared_from_this());
-    if (!id.ok()) {
-      RecordRejected(id.status());
-      return id.status();
-    }
-    bool cancel = false;
-    {
-      std::lock_guard<std::mutex> lock(id_mu_);
-      id_ = *id;
-      cancel = cancel_requested_;
-    }
-    // The client cancelled while Submit ran: OnCancel could not name the request yet.
-    if (cancel) engine_->Cancel(*id);
-    return absl::OkStatus();
+    absl::Status s = submission_.Submit(std::move(request), shared_from_this());
+    if (!s.ok()) RecordRejected(s);
+    return s;
   }
 
   // From gRPC threads when the client cancels or goes away.
-  void CancelEngineRequest() {
-    std::optional<RequestId> id;
-    {
-      std::lock_guard<std::mutex> lock(id_mu_);
-      cancel_requested_ = true;
-      id = id_;
-    }
-    if (id.has_value()) engine_->Cancel(*id);
-  }
+  void CancelEngineRequest() { submission_.Cancel(); }
 
   void RecordFinished(const GenerateResult& result, const absl::Status& status) {
     RecordRequestFinished(*metrics_, request_id_, session_id_, result, status);
@@ -119,10 +100,7 @@ class GenerateCall : public GenerateObserver, public std::enable_shared_from_thi
 
  private:
   std::shared_ptr<GenerateCall> self_;
-  std::mutex id_mu_;
-  // Guarded by id_mu_:
-  std::optional<RequestId> id_;
-  bool cancel_requested_ = false;
+  EngineSubmission submission_{engine_};
 };
 
 class UnaryGenerateCall final : public grpc::ServerUnaryReactor, public GenerateCall {
@@ -361,6 +339,31 @@ class RejectedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 };
 
 }  // namespace
+
+absl::Status EngineSubmission::Submit(GenerateRequest request,
+                                      std::shared_ptr<GenerateObserver> observer) {
+  absl::StatusOr<RequestId> id = engine_->Submit(std::move(request), std::move(observer));
+  if (!id.ok()) return id.status();
+  bool cancel = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    id_ = *id;
+    cancel = cancel_requested_;
+  }
+  // Cancelled while Submit ran: Cancel could not name the request yet.
+  if (cancel) engine_->Cancel(*id);
+  return absl::OkStatus();
+}
+
+void EngineSubmission::Cancel() {
+  std::optional<RequestId> id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancel_requested_ = true;
+    id = id_;
+  }
+  if (id.has_value()) engine_->Cancel(*id);
+}
 
 void RecordRequestFinished(Metrics& metrics, std::string_view request_id,
                            std::string_view session_id, const GenerateResult& result,

@@ -7,6 +7,9 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/server_callback.h>
 
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <string_view>
 
 #include "absl/status/status.h"
@@ -15,6 +18,25 @@
 #include "server/metrics.h"
 
 namespace subspace::server {
+
+// A request handed to the engine that any thread may cancel, also while Submit is still running
+// (the engine names a request only when Submit returns): a cancellation that comes first is
+// carried out as soon as the request has its id. Both APIs' calls hold one.
+class EngineSubmission {
+ public:
+  explicit EngineSubmission(Engine* engine) : engine_(engine) {}
+  // Engine::Submit's status.
+  absl::Status Submit(GenerateRequest request, std::shared_ptr<GenerateObserver> observer);
+  // The request finishes with kCancelled within a step; nothing when it has finished.
+  void Cancel();
+
+ private:
+  Engine* const engine_;
+  std::mutex mu_;
+  // Guarded by mu_:
+  std::optional<RequestId> id_;
+  bool cancel_requested_ = false;
+};
 
 // Submits a validated `request` (or answers with Submit's error) and returns the reactor gRPC
 // drives. The response is filled and the call finished when the engine reports the request

@@ -39,10 +39,10 @@ constexpr char kJson[] = "application/json";
 class HttpCall : public GenerateObserver {
  public:
   HttpCall(Engine* engine, Metrics* metrics, std::string request_id, std::string session_id)
-      : engine_(engine),
-        metrics_(metrics),
+      : metrics_(metrics),
         request_id_(std::move(request_id)),
-        session_id_(std::move(session_id)) {}
+        session_id_(std::move(session_id)),
+        submission_(engine) {}
 
   // What arrived since the last Take.
   struct Batch {
@@ -52,31 +52,13 @@ class HttpCall : public GenerateObserver {
   };
 
   absl::Status Submit(GenerateRequest request, std::shared_ptr<HttpCall> self) {
-    absl::StatusOr<RequestId> id = engine_->Submit(std::move(request), std::move(self));
-    if (!id.ok()) {
-      RecordRequestRejected(*metrics_, request_id_, session_id_, id.status());
-      return id.status();
-    }
-    bool cancel = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      id_ = *id;
-      cancel = cancel_requested_;
-    }
-    if (cancel) engine_->Cancel(*id);
-    return absl::OkStatus();
+    absl::Status s = submission_.Submit(std::move(request), std::move(self));
+    if (!s.ok()) RecordRequestRejected(*metrics_, request_id_, session_id_, s);
+    return s;
   }
 
   // From any thread; the request finishes with kCancelled within a step.
-  void Cancel() {
-    std::optional<RequestId> id;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      cancel_requested_ = true;
-      id = id_;
-    }
-    if (id.has_value()) engine_->Cancel(*id);
-  }
+  void Cancel() { submission_.Cancel(); }
 
   // Waits up to `timeout` (forever when nullopt) for tokens or the end, then takes them.
   Batch Take(std::optional<std::chrono::milliseconds> timeout) {
@@ -117,15 +99,13 @@ class HttpCall : public GenerateObserver {
   }
 
  private:
-  Engine* const engine_;
   Metrics* const metrics_;
   const std::string request_id_;
   const std::string session_id_;
+  EngineSubmission submission_;
   std::mutex mu_;
   std::condition_variable cv_;
   // Guarded by mu_:
-  std::optional<RequestId> id_;
-  bool cancel_requested_ = false;
   std::deque<GeneratedTokenEvent> tokens_;
   std::optional<GenerateResult> result_;
   bool result_taken_ = false;
@@ -279,33 +259,26 @@ class HttpServer::Impl {
       CreateSession(req, res);
     });
     server_->Get("/v1/sessions/(.+)", [this](const httplib::Request& req, httplib::Response& res) {
-      std::string caller;
-      absl::StatusOr<Engine*> engine = Admit(req, &caller);
-      if (!engine.ok()) return ReplyError(res, engine.status());
-      const std::string id = req.matches[1];
-      if (absl::Status s = ValidateId(id, "session id", limits_); !s.ok()) {
-        return ReplyError(res, s);
-      }
-      absl::StatusOr<SessionInfo> session = (*engine)->GetSession(id, caller);
-      if (!session.ok()) return ReplyError(res, session.status());
-      Reply(res, 200, openai::SessionJson(*session));
+      OnSession(req, res,
+                [](Engine& engine, const std::string& id,
+                   const std::string& caller) -> absl::StatusOr<std::string> {
+                  absl::StatusOr<SessionInfo> session = engine.GetSession(id, caller);
+                  if (!session.ok()) return session.status();
+                  return openai::SessionJson(*session);
+                });
     });
     server_->Delete("/v1/sessions/(.+)",
                     [this](const httplib::Request& req, httplib::Response& res) {
-                      std::string caller;
-                      absl::StatusOr<Engine*> engine = Admit(req, &caller);
-                      if (!engine.ok()) return ReplyError(res, engine.status());
-                      const std::string id = req.matches[1];
-                      if (absl::Status s = ValidateId(id, "session id", limits_); !s.ok()) {
-                        return ReplyError(res, s);
-                      }
-                      if (absl::Status s = (*engine)->DeleteSession(id, caller); !s.ok()) {
-                        return ReplyError(res, s);
-                      }
-                      Reply(res, 200,
-                            absl::StrCat("{\"id\":\"", id,
-                                         "\",\"object\":\"session\","
-                                         "\"deleted\":true}"));
+                      OnSession(req, res,
+                                [](Engine& engine, const std::string& id,
+                                   const std::string& caller) -> absl::StatusOr<std::string> {
+                                  if (absl::Status s = engine.DeleteSession(id, caller); !s.ok()) {
+                                    return s;
+                                  }
+                                  return absl::StrCat("{\"id\":\"", id,
+                                                      "\",\"object\":\"session\","
+                                                      "\"deleted\":true}");
+                                });
                     });
   }
 
@@ -319,6 +292,21 @@ class HttpServer::Impl {
     Engine* engine = engine_.load(std::memory_order_acquire);
     if (engine == nullptr) return absl::UnavailableError("the server is still loading the model");
     return engine;
+  }
+
+  // /v1/sessions/{id}: admitted, the id checked, then `action` answers with a body or an error.
+  template <typename Action>
+  void OnSession(const httplib::Request& req, httplib::Response& res, Action action) {
+    std::string caller;
+    absl::StatusOr<Engine*> engine = Admit(req, &caller);
+    if (!engine.ok()) return ReplyError(res, engine.status());
+    const std::string id = req.matches[1];
+    if (absl::Status s = ValidateId(id, "session id", limits_); !s.ok()) {
+      return ReplyError(res, s);
+    }
+    absl::StatusOr<std::string> body = action(**engine, id, caller);
+    if (!body.ok()) return ReplyError(res, body.status());
+    Reply(res, 200, *body);
   }
 
   void CreateSession(const httplib::Request& req, httplib::Response& res) {

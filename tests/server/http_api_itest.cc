@@ -44,15 +44,8 @@ server::ServerAppConfig HttpConfig() {
 
 // One raw HTTP/1.1 exchange on a fresh connection: the whole response as the server wrote it.
 std::string RawExchange(int port, const std::string& request) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return "";
-  }
+  const int fd = ConnectLoopback(port);
+  if (fd < 0) return "";
   // The whole request, not half-closed after it: the server takes a peer that closed its side
   // for one that went away and answers nothing (cpp-httplib checks before writing).
   for (size_t sent = 0; sent < request.size();) {
@@ -227,12 +220,8 @@ TEST_F(HttpApiTest, BadInputMatrix) {
   // A body cut short: the client promises more than it sends and closes. Nothing comes back but
   // the connection's end, and the server serves the next request.
   {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port_));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const int fd = ConnectLoopback(port_);
+    ASSERT_GE(fd, 0);
     const std::string cut =
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mo";
     ASSERT_EQ(send(fd, cut.data(), cut.size(), MSG_NOSIGNAL), static_cast<ssize_t>(cut.size()));
@@ -278,12 +267,8 @@ TEST_F(HttpApiTest, ClientThatLeavesMidStreamIsCancelledAtOnce) {
   const std::string id = Body(client_->Get("/v1/models"))["data"][0]["id"];
   const Json body = {
       {"model", id}, {"prompt", "a"}, {"max_tokens", 200}, {"stream", true}, {"ignore_eos", true}};
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port_));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const int fd = ConnectLoopback(port_);
+  ASSERT_GE(fd, 0);
   const std::string request = Post("/v1/completions", body.dump());
   ASSERT_EQ(send(fd, request.data(), request.size(), MSG_NOSIGNAL),
             static_cast<ssize_t>(request.size()));

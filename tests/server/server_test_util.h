@@ -193,19 +193,26 @@ inline absl::StatusOr<std::vector<std::string>> ReflectionListServices(
   return names;
 }
 
-// GET http://127.0.0.1:port/path with HTTP/1.0: {status line, body}.
-inline absl::StatusOr<std::pair<std::string, std::string>> HttpGet(int port,
-                                                                   const std::string& path) {
+// A TCP connection to 127.0.0.1:port, or -1.
+inline int ConnectLoopback(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return absl::InternalError("socket failed");
+  if (fd < 0) return -1;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     close(fd);
-    return absl::UnavailableError(absl::StrCat("cannot connect to port ", port));
+    return -1;
   }
+  return fd;
+}
+
+// GET http://127.0.0.1:port/path with HTTP/1.0: {status line, body}.
+inline absl::StatusOr<std::pair<std::string, std::string>> HttpGet(int port,
+                                                                   const std::string& path) {
+  const int fd = ConnectLoopback(port);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("cannot connect to port ", port));
   const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
   if (send(fd, request.data(), request.size(), 0) != static_cast<ssize_t>(request.size())) {
     close(fd);
