@@ -151,7 +151,8 @@ absl::Status ParseCommon(Fields& f, bool chat, v1::SamplingParams* sampling,
   }
   if (const Json* m = max_completion != nullptr ? max_completion : max_tokens; m != nullptr) {
     const char* name = max_completion != nullptr ? "max_completion_tokens" : "max_tokens";
-    SUBSPACE_ASSIGN_OR_RETURN(v, Int(*m, name, 1, std::numeric_limits<int32_t>::max()));
+    // 0 only prefills a session (the shared validation refuses it without one).
+    SUBSPACE_ASSIGN_OR_RETURN(v, Int(*m, name, 0, std::numeric_limits<int32_t>::max()));
     sampling->set_max_new_tokens(static_cast<uint32_t>(v));
   } else {
     sampling->set_max_new_tokens(max_tokens_default);

@@ -37,11 +37,13 @@ absl::Status ValidateText(std::string_view text, std::string_view field, int64_t
   return absl::OkStatus();
 }
 
+// `on_session`: 0 new tokens is allowed (the prompt is only prefilled into the session).
 absl::Status ValidateSampling(const v1::SamplingParams& s, const ModelConfig& model,
-                              const RequestLimits& limits) {
+                              const RequestLimits& limits, bool on_session) {
   if (s.has_max_new_tokens()) {
-    if (s.max_new_tokens() < 1) {
-      return Invalid("sampling.max_new_tokens must be >= 1, got ", s.max_new_tokens());
+    if (s.max_new_tokens() < 1 && !on_session) {
+      return Invalid("sampling.max_new_tokens must be >= 1 (0 only prefills a session), got ",
+                     s.max_new_tokens());
     }
     if (s.max_new_tokens() > static_cast<uint32_t>(model.context_length)) {
       return Invalid("sampling.max_new_tokens must be at most the context length ",
@@ -251,7 +253,11 @@ absl::StatusOr<ValidGenerateRequest> ValidateGenerateRequest(const v1::GenerateR
     if (absl::Status s = ValidateId(request.request_id(), "request_id", limits); !s.ok()) return s;
   }
   if (request.has_sampling()) {
-    if (absl::Status s = ValidateSampling(request.sampling(), model, limits); !s.ok()) return s;
+    if (absl::Status s = ValidateSampling(request.sampling(), model, limits,
+                                          /*on_session=*/!request.session_id().empty());
+        !s.ok()) {
+      return s;
+    }
   }
   return ValidGenerateRequest(request);
 }

@@ -22,6 +22,10 @@
 //  * max_new_tokens is clamped to the context left (history + prompt + generated tokens never
 //    exceed context_length; the request then ends with kLength); only a prompt that leaves no
 //    room to generate is rejected.
+//  * max_new_tokens 0 on a session only prefills: the prompt's K/V are all cached (its last
+//    token's too, unlike a generating request's last token), nothing is sampled or reported
+//    through OnTokens, and the request ends with kLength. The session is then warm: the next
+//    call prefills only its own tokens.
 //  * A cancelled or timed-out request drops text held back by the UTF-8 decoder or the stop
 //    matcher; a request ending by length or EOS flushes it into its last token's text.
 #include "core/engine/engine.h"
@@ -164,6 +168,7 @@ class Engine::Impl {
   // What sampling one chunk's logits decided (computed without the lock).
   struct Outcome {
     GeneratedTokenEvent event;
+    bool has_token = true;  // false: a prefill-only request's end, nothing sampled
     FinishReason finish = FinishReason::kNone;
   };
 
@@ -270,9 +275,10 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
           absl::StrFormat("prompt[%d] = %d is outside the vocabulary [0, %d)", i, t, mc.n_vocab));
     }
   }
-  if (request.max_new_tokens < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("max_new_tokens must be at least 1, got %d", request.max_new_tokens));
+  if (request.max_new_tokens < 0 || (request.max_new_tokens == 0 && request.session_id.empty())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "max_new_tokens must be at least 1 (0 only prefills a session's prompt), got %d",
+        request.max_new_tokens));
   }
   if (absl::Status st = ValidateSamplingParams(request.sampling); !st.ok()) return st;
 
@@ -324,11 +330,12 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
       tokens.begin(), tokens.end(), [&](int32_t t) { return tokenizer_->TokenToBytes(t).empty(); });
 
   const RequestId id = next_id_;
-  // The longest the sequence gets in the cache: the last generated token is never written.
-  absl::Status added =
-      scheduler_->Add(id, total, total + max_new - 1, session == nullptr ? -1 : session->seq,
-                      session == nullptr || session->seq < 0 ? 0 : kept,
-                      session != nullptr && session->refresh ? &*session->refresh : nullptr);
+  // The longest the sequence gets in the cache: the last generated token is never written (a
+  // prefill-only request writes its whole prompt).
+  absl::Status added = scheduler_->Add(
+      id, total, total + std::max<int64_t>(max_new - 1, 0), session == nullptr ? -1 : session->seq,
+      session == nullptr || session->seq < 0 ? 0 : kept,
+      session != nullptr && session->refresh ? &*session->refresh : nullptr);
   if (!added.ok()) return added;
   ++next_id_;
 
@@ -491,7 +498,12 @@ void Engine::Impl::Loop() {
     // and the requests' generation state, and no request is erased while the lock is free.
     const absl::Time start = absl::Now();
     std::vector<bool> samples(plan.chunks.size());
-    for (size_t i = 0; i < plan.chunks.size(); ++i) samples[i] = plan.chunks[i].samples;
+    // A prefill-only request's last chunk ends it without sampling.
+    std::vector<bool> prefilled(plan.chunks.size());
+    for (size_t i = 0; i < plan.chunks.size(); ++i) {
+      prefilled[i] = plan.chunks[i].samples && batch_requests_[i]->max_new == 0;
+      samples[i] = plan.chunks[i].samples && !prefilled[i];
+    }
     const bool on_device = PlanDeviceSampling(samples);
     const absl::Status forward = on_device
                                      ? model_->ForwardAndSample(batch_, *cache_, rows_, &sampled_)
@@ -500,6 +512,11 @@ void Engine::Impl::Loop() {
     std::vector<absl::Time> token_times(plan.chunks.size());
     if (forward.ok()) {
       for (size_t i = 0; i < plan.chunks.size(); ++i) {
+        if (prefilled[i]) {
+          outcomes[i] = Outcome{.has_token = false, .finish = FinishReason::kLength};
+          token_times[i] = absl::Now();
+          continue;
+        }
         if (!samples[i]) continue;
         if (on_device) {
           outcomes[i] = Decode(*batch_requests_[i],
@@ -535,8 +552,12 @@ void Engine::Impl::Loop() {
       for (size_t i = 0; i < plan.chunks.size(); ++i) {
         if (!outcomes[i].has_value()) continue;
         Request& r = *batch_requests_[i];
-        scheduler_->AppendToken(r.id);
         const absl::Time t = token_times[i];
+        if (!outcomes[i]->has_token) {
+          FinishLocked(r, outcomes[i]->finish, absl::OkStatus(), t, &out);
+          continue;
+        }
+        scheduler_->AppendToken(r.id);
         if (r.generated == 1) {
           r.timings.ttft_seconds = Seconds(t - r.accepted);
         } else {

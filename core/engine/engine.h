@@ -133,7 +133,8 @@ class Engine {
   // Cancels whatever is still running (observers get kCancelled) and joins the thread.
   ~Engine();
 
-  // INVALID_ARGUMENT: empty prompt, token ids out of range, max_new_tokens < 1, a prompt
+  // INVALID_ARGUMENT: empty prompt, token ids out of range, max_new_tokens < 1 (0 is allowed on
+  //   a session: the prompt is only prefilled into its cache, see engine.cc), a prompt
   //   (after the session's history) that leaves no room to generate in the context, bad
   //   sampling parameters (message names the field); otherwise max_new_tokens is clamped
   //   to the context left and the request ends with kLength there;

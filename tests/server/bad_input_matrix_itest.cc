@@ -285,7 +285,7 @@ std::vector<BadInputCase> Cases() {
 
       // --- max_new_tokens ---------------------------------------------------------------
       {"MaxNewTokensZero", StatusCode::INVALID_ARGUMENT,
-       "sampling.max_new_tokens must be >= 1, got 0",
+       "sampling.max_new_tokens must be >= 1 (0 only prefills a session), got 0",
        sampling([](v1::SamplingParams& s) { s.set_max_new_tokens(0); })},
       // uint32 on the wire: a client encoding -1 (ten-byte varint) sends 4294967295.
       {"MaxNewTokensNegative", StatusCode::INVALID_ARGUMENT,

@@ -253,6 +253,24 @@ TEST_F(HttpApiTest, SessionsOverHttp) {
   const Json info = Body(client_->Get(("/v1/sessions/" + session).c_str()));
   EXPECT_EQ(info["tokens"], Body(first)["usage"]["total_tokens"].get<int>() +
                                 Body(second)["usage"]["total_tokens"].get<int>());
+  // max_tokens 0 only prefills: a new session warmed with a document, nothing generated.
+  const std::string warm = Body(client_->Post("/v1/sessions", "{}", "application/json"))["id"];
+  httplib::Result warmed = PostJson("/v1/completions", {{"model", id},
+                                                        {"prompt", "Once upon a time there was"},
+                                                        {"max_tokens", 0},
+                                                        {"session_id", warm}});
+  ASSERT_EQ(warmed->status, 200) << warmed->body;
+  EXPECT_EQ(Body(warmed)["choices"][0]["text"], "");
+  EXPECT_EQ(Body(warmed)["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(Body(warmed)["usage"]["completion_tokens"], 0);
+  const Json warm_info = Body(client_->Get(("/v1/sessions/" + warm).c_str()));
+  EXPECT_EQ(warm_info["tokens"], Body(warmed)["usage"]["prompt_tokens"]);
+  EXPECT_EQ(warm_info["cached_tokens"], warm_info["tokens"]);
+  httplib::Result nothing =
+      PostJson("/v1/completions", {{"model", id}, {"prompt", "a"}, {"max_tokens", 0}});
+  ASSERT_EQ(nothing->status, 400);
+  EXPECT_EQ(Body(nothing)["error"]["message"],
+            "max_tokens must be >= 1 (0 only prefills a session), got 0");
   EXPECT_EQ(client_->Delete(("/v1/sessions/" + session).c_str())->status, 200);
   EXPECT_EQ(client_->Get(("/v1/sessions/" + session).c_str())->status, 404);
   EXPECT_EQ(PostJson("/v1/completions", request)->status, 404);

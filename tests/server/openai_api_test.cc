@@ -118,7 +118,7 @@ TEST(ParseRequestTest, RefusalsNameTheField) {
       {R"({"model": "tiny", "prompt": ["a", "b"]})", "one prompt per request (got 2)"},
       {R"({"model": "tiny", "prompt": [1, "a"]})", "prompt[1] must be an integer, got string"},
       {R"({"model": "tiny", "prompt": [-1]})", "prompt[0] must be in [0, 2147483647], got -1"},
-      {R"({"model": "tiny", "prompt": "a", "max_tokens": 0})", "max_tokens must be in [1, "},
+      {R"({"model": "tiny", "prompt": "a", "max_tokens": -1})", "max_tokens must be in [0, "},
       {R"({"model": "tiny", "prompt": "a", "max_tokens": 1.5})",
        "max_tokens must be an integer, got number"},
       {R"({"model": "tiny", "prompt": "a", "max_tokens": 99999999999999999999})",

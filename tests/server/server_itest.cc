@@ -480,7 +480,7 @@ TEST_F(ServerTest, EveryInvalidFieldIsInvalidArgumentNamingIt) {
        "prompt"},
       {"max_new_tokens 0",
        [](v1::GenerateRequest& r) { r.mutable_sampling()->set_max_new_tokens(0); },
-       "sampling.max_new_tokens must be >= 1, got 0"},
+       "sampling.max_new_tokens must be >= 1 (0 only prefills a session), got 0"},
       {"max_new_tokens huge",
        [](v1::GenerateRequest& r) { r.mutable_sampling()->set_max_new_tokens(1000000); },
        "sampling.max_new_tokens"},

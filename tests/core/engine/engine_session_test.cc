@@ -1,4 +1,5 @@
-// The engine's sessions: continuation over several calls equal to one call, a replaced
+// The engine's sessions: continuation over several calls equal to one call, prefill-only warming,
+// a replaced
 // history keeping its shared prefix, eviction and recomputation, ids, owners, errors, deletion
 // and expiry.
 #include <string>
@@ -61,6 +62,39 @@ TEST(EngineTest, SessionContinuationIsExact) {
   const EngineStats stats = engine->Stats();
   EXPECT_EQ(stats.cache.blocks_free, stats.cache.blocks_total);
   EXPECT_EQ(stats.sessions, 0);
+}
+
+// max_new_tokens 0 on a session only prefills: nothing is generated, the whole prompt is cached,
+// and the next call prefills only its own tokens and continues as the one-shot conversation.
+TEST(EngineTest, PrefillOnlyWarmsTheSession) {
+  auto engine = MakeEngine();
+  ASSERT_NE(engine, nullptr);
+  absl::StatusOr<SessionInfo> session = engine->CreateSession();
+  ASSERT_TRUE(session.ok()) << session.status();
+  const std::vector<int32_t> a = engine->tokenizer().Encode("hello world and the rest of it");
+  const std::vector<int32_t> b = engine->tokenizer().Encode(" then", {.add_bos = false});
+  constexpr int kM = 8;
+
+  Output warm = Generate(*engine, Greedy(a, 0, session->id));
+  ASSERT_TRUE(warm.result.status.ok()) << warm.result.status;
+  EXPECT_EQ(warm.result.finish, FinishReason::kLength);
+  EXPECT_TRUE(warm.tokens.empty());
+  EXPECT_EQ(warm.result.usage.generated_tokens, 0);
+  EXPECT_EQ(warm.result.usage.prompt_tokens, static_cast<int64_t>(a.size()));
+  absl::StatusOr<SessionInfo> info = engine->GetSession(session->id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->tokens, static_cast<int64_t>(a.size()));
+  EXPECT_EQ(info->cached_tokens, info->tokens);  // the prompt's last token too
+
+  Output next = Generate(*engine, Greedy(b, kM, session->id));
+  EXPECT_EQ(next.result.usage.reused_tokens, static_cast<int64_t>(a.size()));
+  Output one_shot = Generate(*engine, Greedy(Concat(a, b), kM));
+  EXPECT_EQ(next.tokens, one_shot.tokens);
+
+  // Without a session there is nothing to warm.
+  GenerateRequest alone = Greedy(a, 0);
+  EXPECT_EQ(engine->Submit(alone, std::make_shared<TestObserver>()).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(EngineTest, ReplacedHistoryKeepsTheSharedPrefix) {
