@@ -258,6 +258,12 @@ class HttpServer::Impl {
     server_->Post("/v1/sessions", [this](const httplib::Request& req, httplib::Response& res) {
       CreateSession(req, res);
     });
+    server_->Get("/v1/sessions", [this](const httplib::Request& req, httplib::Response& res) {
+      std::string caller;
+      absl::StatusOr<Engine*> engine = Admit(req, &caller);
+      if (!engine.ok()) return ReplyError(res, engine.status());
+      Reply(res, 200, openai::SessionListJson((*engine)->ListSessions(caller)));
+    });
     server_->Get("/v1/sessions/(.+)", [this](const httplib::Request& req, httplib::Response& res) {
       OnSession(req, res,
                 [](Engine& engine, const std::string& id,
@@ -374,11 +380,14 @@ class HttpServer::Impl {
         .created = absl::ToUnixSeconds(absl::Now()),
         .model = model_id_,
         .session_id = session_id};
-    auto call = std::make_shared<HttpCall>(engine, metrics_, prepared->request_id, session_id);
+    const std::string prepared_id = prepared->request_id;
+    auto call = std::make_shared<HttpCall>(engine, metrics_, prepared_id, session_id);
     if (absl::Status s = call->Submit(*std::move(prepared), call); !s.ok()) {
       return ReplyError(res, s);  // Submit recorded the rejection
     }
     Register(call);
+    // The id the server's log line and metrics know the request by.
+    res.set_header("X-Request-Id", prepared_id);
     const Tokenizer& tokenizer = engine->tokenizer();
     if (!stream) {
       std::vector<GeneratedTokenEvent> tokens;

@@ -767,15 +767,27 @@ std::string ModelListJson(std::string_view id, int64_t created) {
       Json{{"object", "list"}, {"data", Json::array({Json::parse(ModelJson(id, created))})}});
 }
 
-std::string SessionJson(const SessionInfo& session) {
-  return Dump(Json{{"id", session.id},
-                   {"object", "session"},
-                   {"tokens", session.tokens},
-                   {"cached_tokens", session.cached_tokens},
-                   {"ttl_seconds", absl::ToInt64Seconds(session.idle_ttl)},
-                   {"created", absl::ToUnixSeconds(session.created)},
-                   {"last_used", absl::ToUnixSeconds(session.last_used)},
-                   {"busy", session.busy}});
+namespace {
+
+Json SessionObject(const SessionInfo& session) {
+  return Json{{"id", session.id},
+              {"object", "session"},
+              {"tokens", session.tokens},
+              {"cached_tokens", session.cached_tokens},
+              {"ttl_seconds", absl::ToInt64Seconds(session.idle_ttl)},
+              {"created", absl::ToUnixSeconds(session.created)},
+              {"last_used", absl::ToUnixSeconds(session.last_used)},
+              {"busy", session.busy}};
+}
+
+}  // namespace
+
+std::string SessionJson(const SessionInfo& session) { return Dump(SessionObject(session)); }
+
+std::string SessionListJson(const std::vector<SessionInfo>& sessions) {
+  Json data = Json::array();
+  for (const SessionInfo& s : sessions) data.push_back(SessionObject(s));
+  return Dump(Json{{"object", "list"}, {"data", std::move(data)}});
 }
 
 #undef SUBSPACE_ASSIGN_OR_RETURN

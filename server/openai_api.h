@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -121,6 +122,8 @@ std::string ModelJson(std::string_view id, int64_t created);
 std::string ModelListJson(std::string_view id, int64_t created);
 // A session as the extension's endpoints show it.
 std::string SessionJson(const SessionInfo& session);
+// GET /v1/sessions: {"object": "list", "data": [session...]}, the caller's sessions.
+std::string SessionListJson(const std::vector<SessionInfo>& sessions);
 
 }  // namespace subspace::server::openai
 

@@ -251,6 +251,11 @@ TEST_F(HttpApiTest, SessionsOverHttp) {
   // The second turn continues the first: its cache is reused, not prefilled again.
   EXPECT_GT(Body(second)["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 0);
   const Json info = Body(client_->Get(("/v1/sessions/" + session).c_str()));
+  const Json list = Body(client_->Get("/v1/sessions"));
+  ASSERT_EQ(list["data"].size(), 1u);
+  EXPECT_EQ(list["data"][0], info);
+  EXPECT_FALSE(first->get_header_value("X-Request-Id").empty());
+  EXPECT_EQ("cmpl-" + first->get_header_value("X-Request-Id"), Body(first)["id"]);
   EXPECT_EQ(info["tokens"], Body(first)["usage"]["total_tokens"].get<int>() +
                                 Body(second)["usage"]["total_tokens"].get<int>());
   // max_tokens 0 only prefills: a new session warmed with a document, nothing generated.
