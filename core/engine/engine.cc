@@ -384,7 +384,7 @@ absl::StatusOr<SessionInfo> Engine::Impl::CreateSession(absl::Duration idle_ttl,
   if (seqs_to_free_.size() != before) KickLocked();
   absl::StatusOr<Session*> session = sessions_.Create(idle_ttl, now, proposed_id, owner);
   if (!session.ok()) return session.status();
-  (*session)->refresh = std::move(refresh);
+  (*session)->refresh = refresh;
   next_session_expiry_ = std::min(next_session_expiry_, now + (*session)->idle_ttl);
   KickLocked();  // the loop may be asleep until a later expiry
   return (*session)->Info();
@@ -543,10 +543,7 @@ void Engine::Impl::Loop() {
       // The batch's cache state is unknown: FinishLocked frees every sequence in it.
       const absl::Status internal =
           absl::InternalError(absl::StrCat("engine step failed: ", forward.message()));
-      for (Request* r : batch_requests_) {
-        absl::Status st = internal;
-        FinishLocked(*r, FinishReason::kNone, st, end, &out);
-      }
+      for (Request* r : batch_requests_) FinishLocked(*r, FinishReason::kNone, internal, end, &out);
     } else {
       scheduler_->Commit(plan);
       for (size_t i = 0; i < plan.chunks.size(); ++i) {
@@ -763,7 +760,7 @@ absl::StatusOr<SessionInfo> Engine::CreateSession(absl::Duration idle_ttl,
                                                   std::string_view proposed_id,
                                                   std::string_view owner,
                                                   std::optional<RefreshConfig> refresh) {
-  return impl_->CreateSession(idle_ttl, proposed_id, owner, std::move(refresh));
+  return impl_->CreateSession(idle_ttl, proposed_id, owner, refresh);
 }
 absl::StatusOr<SessionInfo> Engine::GetSession(std::string_view id, std::string_view owner) const {
   return impl_->GetSession(id, owner);

@@ -69,7 +69,7 @@ v1::GenerateRequest Tokens(int n, uint32_t max_new) {
   return r;
 }
 
-v1::GenerateRequest With(std::function<void(v1::GenerateRequest&)> mutate) {
+v1::GenerateRequest With(const std::function<void(v1::GenerateRequest&)>& mutate) {
   v1::GenerateRequest r = Tokens(3, 4);
   mutate(r);
   return r;
@@ -116,7 +116,7 @@ StreamOutcome Stream(Env& env, const v1::GenerateRequest& request) {
 // A request refused before it reaches the engine: Generate and GenerateStream must agree on
 // the status, and the stream must carry no message. Returns Generate's status.
 grpc::Status BothRefuse(Env& env, const v1::GenerateRequest& request) {
-  const grpc::Status unary = Unary(env, request);
+  grpc::Status unary = Unary(env, request);
   const StreamOutcome stream = Stream(env, request);
   EXPECT_EQ(stream.status.error_code(), unary.error_code()) << stream.status.error_message();
   EXPECT_EQ(stream.status.error_message(), unary.error_message());
@@ -127,7 +127,7 @@ grpc::Status BothRefuse(Env& env, const v1::GenerateRequest& request) {
 
 // Hand-encoded request bytes through both Generate RPCs, as BothRefuse.
 grpc::Status BothRefuseRaw(Env& env, const std::string& bytes) {
-  const grpc::Status unary = RawUnary(env.channel, "/subspace.v1.Subspace/Generate", bytes);
+  grpc::Status unary = RawUnary(env.channel, "/subspace.v1.Subspace/Generate", bytes);
   int messages = -1;
   const grpc::Status stream =
       RawStream(env.channel, "/subspace.v1.Subspace/GenerateStream", bytes, &messages);
@@ -227,7 +227,7 @@ grpc::Status StopWhileQueued(Env& env, bool cancel) {
   } else {
     absl::SleepFor(deadline - absl::Now() + absl::Milliseconds(50));
   }
-  const grpc::Status status = queued.get_future().get();
+  grpc::Status status = queued.get_future().get();
   env.gate->Open();
   const StreamOutcome rest = DrainStream(*running);
   EXPECT_TRUE(rest.status.ok()) << rest.status.error_message();
@@ -240,7 +240,7 @@ std::vector<BadInputCase> Cases() {
   using grpc::StatusCode;
   const float kNaN = std::numeric_limits<float>::quiet_NaN();
   const float kInf = std::numeric_limits<float>::infinity();
-  auto refuse = [](std::function<void(v1::GenerateRequest&)> mutate) {
+  auto refuse = [](const std::function<void(v1::GenerateRequest&)>& mutate) {
     return [mutate](Env& env) { return BothRefuse(env, With(mutate)); };
   };
   auto sampling = [](std::function<void(v1::SamplingParams&)> set) {
@@ -248,7 +248,7 @@ std::vector<BadInputCase> Cases() {
       return BothRefuse(env, With([&](v1::GenerateRequest& r) { set(*r.mutable_sampling()); }));
     };
   };
-  auto raw = [](std::string bytes) {
+  auto raw = [](const std::string& bytes) {
     return [bytes](Env& env) { return BothRefuseRaw(env, bytes); };
   };
 
@@ -298,7 +298,7 @@ std::vector<BadInputCase> Cases() {
       {"MaxNewTokensPastContextLeftIsClamped", StatusCode::OK, "",
        [](Env& env) {
          v1::GenerateResponse response;
-         const grpc::Status status = Unary(env, Tokens(250, kContext), &response);
+         grpc::Status status = Unary(env, Tokens(250, kContext), &response);
          EXPECT_EQ(response.token_ids_size(), kContext - 250);
          EXPECT_EQ(response.finish_reason(), v1::FINISH_REASON_LENGTH);
          const StreamOutcome stream = Stream(env, Tokens(250, kContext));
@@ -385,7 +385,7 @@ std::vector<BadInputCase> Cases() {
          v1::GenerateRequest second = Tokens(3, 4);
          second.mutable_tokens()->set_ids(0, 300);
          second.set_session_id(session);
-         const grpc::Status busy = BothRefuse(env, second);
+         grpc::Status busy = BothRefuse(env, second);
          env.gate->Open();
          StreamOutcome rest = DrainStream(*reader);
          EXPECT_TRUE(rest.status.ok()) << rest.status.error_message();
@@ -434,7 +434,7 @@ std::vector<BadInputCase> Cases() {
          v1::GenerateRequest next = Tokens(3, 4);
          next.mutable_tokens()->set_ids(0, 300);
          next.set_session_id(session);
-         const grpc::Status busy = BothRefuse(env, next);
+         grpc::Status busy = BothRefuse(env, next);
          ReleaseSlowly(env);
          ExpectStoppedEarly(env, steps);
          // Reaped: the session takes calls again, its history holding what was generated.
@@ -480,7 +480,7 @@ std::vector<BadInputCase> Cases() {
                                      [&done](grpc::Status s) { done.set_value(std::move(s)); });
          EXPECT_TRUE(WaitFor([&] { return env.app->engine().Stats().running == 1; }));
          context.TryCancel();
-         const grpc::Status status = done.get_future().get();
+         grpc::Status status = done.get_future().get();
          ReleaseSlowly(env);
          ExpectStoppedEarly(env, steps);
          return status;
@@ -555,7 +555,7 @@ std::vector<BadInputCase> Cases() {
          env.stub->async()->Generate(&queued_context, &queued_request, &queued_response,
                                      [&queued](grpc::Status s) { queued.set_value(std::move(s)); });
          EXPECT_TRUE(WaitFor([&] { return env.app->engine().Stats().waiting == 1; }));
-         const grpc::Status refused = BothRefuse(env, Tokens(6, 5));
+         grpc::Status refused = BothRefuse(env, Tokens(6, 5));
          env.gate->Open();
          const StreamOutcome rest = DrainStream(*running);
          EXPECT_TRUE(rest.status.ok()) << rest.status.error_message();
