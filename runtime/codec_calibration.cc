@@ -120,6 +120,15 @@ absl::StatusOr<std::vector<int32_t>> SampleCalibrationTokens(LlamaModel& model, 
   return out;
 }
 
+absl::StatusOr<std::vector<int32_t>> CalibrationTokens(const std::string& path, LlamaModel& model,
+                                                       const Tokenizer& tokenizer,
+                                                       int64_t max_tokens, int window) {
+  if (!path.empty()) return ReadCalibrationTokens(path, tokenizer, max_tokens);
+  return SampleCalibrationTokens(model, tokenizer.bos_id(), tokenizer.eos_id(),
+                                 max_tokens > 0 ? max_tokens : kDefaultSampledCalibrationTokens,
+                                 window, /*seed=*/1);
+}
+
 absl::StatusOr<CodecFile> FitCodecFile(LlamaModel& model, const GgufFile& model_file,
                                        std::span<const int32_t> tokens,
                                        const TransformFitOptions& fit,

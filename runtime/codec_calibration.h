@@ -37,6 +37,15 @@ absl::StatusOr<std::vector<int32_t>> SampleCalibrationTokens(LlamaModel& model, 
                                                              int32_t eos, int64_t n_tokens,
                                                              int window, uint64_t seed);
 
+// The calibration text of a codec fit: `path`'s (ReadCalibrationTokens, at most max_tokens; 0:
+// all of it) or, with no path, the model's own (SampleCalibrationTokens: max_tokens, or
+// kDefaultSampledCalibrationTokens when 0, in streams of `window`, seed 1). The one choice the
+// server's --kv-budget and subspace-calibrate both make.
+inline constexpr int64_t kDefaultSampledCalibrationTokens = 20000;
+absl::StatusOr<std::vector<int32_t>> CalibrationTokens(const std::string& path, LlamaModel& model,
+                                                       const Tokenizer& tokenizer,
+                                                       int64_t max_tokens, int window);
+
 // Runs `model` over `tokens` (CollectKvRows), fits the codes (FitTransformCodes) and returns
 // them as a codec file for `model_file` (its geometry and checksum).
 absl::StatusOr<CodecFile> FitCodecFile(LlamaModel& model, const GgufFile& model_file,

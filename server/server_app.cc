@@ -198,12 +198,8 @@ absl::Status ServerApp::Init() {
     const absl::Time fit_start = absl::Now();
     // Without text, the model writes its own (scored as held-out text on the long-context
     // suite: docs/transform_codec.md).
-    absl::StatusOr<std::vector<int32_t>> tokens =
-        o.calib_text_path.empty()
-            ? runtime::SampleCalibrationTokens(*files->model, files->tokenizer->bos_id(),
-                                               files->tokenizer->eos_id(), o.calib_tokens,
-                                               /*window=*/512, /*seed=*/1)
-            : runtime::ReadCalibrationTokens(o.calib_text_path, *files->tokenizer, o.calib_tokens);
+    absl::StatusOr<std::vector<int32_t>> tokens = runtime::CalibrationTokens(
+        o.calib_text_path, *files->model, *files->tokenizer, o.calib_tokens, /*window=*/512);
     if (!tokens.ok()) {
       return absl::Status(
           tokens.status().code(),

@@ -87,10 +87,7 @@ absl::Status Run() {
   const int64_t max_tokens = absl::GetFlag(FLAGS_max_tokens);
   const std::string text = absl::GetFlag(FLAGS_text);
   absl::StatusOr<std::vector<int32_t>> read =
-      text.empty() ? runtime::SampleCalibrationTokens(model, tokenizer.bos_id(), tokenizer.eos_id(),
-                                                      max_tokens > 0 ? max_tokens : 20000,
-                                                      absl::GetFlag(FLAGS_window), 1)
-                   : runtime::ReadCalibrationTokens(text, tokenizer, max_tokens);
+      runtime::CalibrationTokens(text, model, tokenizer, max_tokens, absl::GetFlag(FLAGS_window));
   if (!read.ok()) return read.status();
   const std::vector<int32_t>& tokens = *read;
   const uint64_t checksum = ModelChecksum(*gguf);
