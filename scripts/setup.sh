@@ -17,6 +17,7 @@ PACKAGES=("${BUILD_PACKAGES[@]}"
   prometheus curl openssl
   nginx python3-yaml python3-regex python3-jinja2
   clang libclang-rt-14-dev libomp-dev clang-format clang-tidy pyflakes3
+  ccache
 )
 if [ "${1:-}" = "build" ]; then PACKAGES=("${BUILD_PACKAGES[@]}"); fi
 

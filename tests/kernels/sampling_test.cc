@@ -1,11 +1,11 @@
 // sampling.cu against its CPU twin (sampling_ref.h, itself held to core::Sampler token for
-// token in sampling_ref_test.cc). Every policy of the sweep (temperature 0/0.2/1/5 x top_k
-// 0/1/5/vocab x top_p 0.1/0.9/1 x min_p 0/0.05) is a row of one launch, per vocabulary size
-// (1, 7, 1000, 32000) and kind of logits (plain, tied, -inf/NaN/+inf, all equal, signed zeros,
-// nothing finite); then batches of rows with random per-row policies at LLM vocabulary sizes
-// up to 256000. Fresh random logits and uniforms per case (seed printed; SUBSPACE_TEST_SEED
-// pins it), uniforms 0 and the float below 1 among them; outputs poisoned (0xff: token -1,
-// logprob NaN) before each launch.
+// token in sampling_ref_test.cc). The policies of the sweep (temperature 0/0.2/1/5 x top_k
+// 0/1/5/vocab x top_p 0.1/0.9/1 x min_p 0/0.05; all of them for plain logits, a rotating share
+// for the others: PolicySweep) are rows of one launch, per vocabulary size (1, 7, 1000, 32000)
+// and kind of logits (plain, tied, -inf/NaN/+inf, all equal, signed zeros, nothing finite); then
+// batches of rows with random per-row policies at LLM vocabulary sizes up to 256000. Fresh random
+// logits and uniforms per case (seed printed; SUBSPACE_TEST_SEED pins it), uniforms 0 and the float
+// below 1 among them; outputs poisoned (0xff: token -1, logprob NaN) before each launch.
 //
 // Tolerances:
 //  - Token: identical to the twin's, unless the twin's margin (its closest call: a min-p
@@ -145,17 +145,31 @@ float RandomUniform(std::mt19937_64& rng) {
   return edge == 0 ? 0.0f : edge == 1 ? std::nextafter(1.0f, 0.0f) : u;
 }
 
-// The sweep: every policy as a row, fresh logits each.
+// The sweep: policies as rows, fresh logits each. Plain logits get every policy. The other kinds
+// get every (temperature, top_k) pair with a share of the (top_p, min_p) pairs, rotated by a
+// random offset so that every policy meets every kind over runs: half of them for tied and
+// special logits, one in six where ties or non-finite values make all policies alike (all
+// equal, signed zeros, nothing finite). Their rows cost the emulated kernel the most (a CTA
+// walks each tie), ~150 of the sweep's 250 CPU seconds when every kind took every policy.
 Batch PolicySweep(int vocab, Logits kind, std::mt19937_64& rng) {
   Batch b;
   b.vocab = vocab;
+  const int stride = kind == Logits::kNormal                             ? 1
+                     : kind == Logits::kTied || kind == Logits::kSpecial ? 2
+                                                                         : 6;
+  const int offset = static_cast<int>(rng() % 6);
+  int pair = 0;
   for (float t : {0.0f, 0.2f, 1.0f, 5.0f}) {
     for (int32_t k : {0, 1, 5, vocab}) {
+      int tail = 0;
       for (float p : {0.1f, 0.9f, 1.0f}) {
         for (float m : {0.0f, 0.05f}) {
-          b.Add(RandomLogits(vocab, kind, rng), t, k, p, m, RandomUniform(rng));
+          if ((tail++ + pair + offset) % stride == 0) {
+            b.Add(RandomLogits(vocab, kind, rng), t, k, p, m, RandomUniform(rng));
+          }
         }
       }
+      ++pair;
     }
   }
   return b;
