@@ -10,7 +10,7 @@ BUILD_PACKAGES=(
   libabsl-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libssl-dev
   libspdlog-dev libfmt-dev prometheus-cpp-dev libgtest-dev libgmock-dev
   libopenblas-dev libopenblas0-pthread
-  libcpp-httplib-dev nlohmann-json3-dev
+  libcpp-httplib-dev nlohmann-json3-dev libzstd-dev zlib1g-dev
 )
 PACKAGES=("${BUILD_PACKAGES[@]}"
   python3 python3-numpy python3-torch python3-sentencepiece python3-grpcio python3-matplotlib

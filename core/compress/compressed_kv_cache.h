@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -109,6 +111,15 @@ class CompressedKvCache final : public KvCache {
 
   KvCacheStats Stats() const override;
   CompressedKvCacheDetail Detail() const;
+
+  // Images (compressed_kv_cache_image.cc): full blocks' committed rows, compressed blocks' codes
+  // as stored with their outlier masks and epochs, outlier rows, and every basis the sequence
+  // uses. Importing one reuses this cache's default epoch where a basis is bitwise that one and
+  // installs the others. A sequence with online refresh is refused (FAILED_PRECONDITION): its
+  // refresher's statistics are not in the image.
+  std::string ImageLayout() const override;
+  absl::StatusOr<std::string> ExportSequence(SeqId seq) const override;
+  absl::StatusOr<SeqId> ImportSequence(std::string_view image) override;
   // Exists from Create when config.refresh enables a method, else from the first sequence that
   // starts refreshing (tests install hooks on it).
   Refresher* refresher() { return epochs_.refresher(); }

@@ -118,6 +118,8 @@ class Engine::Impl {
   absl::StatusOr<SessionInfo> GetSession(std::string_view id, std::string_view owner) const;
   std::vector<SessionInfo> ListSessions(std::string_view owner) const;
   absl::Status DeleteSession(std::string_view id, std::string_view owner);
+  absl::StatusOr<std::vector<ExportedSession>> ExportSessions() const;
+  absl::StatusOr<ImportedSession> ImportSession(const SessionImage& image);
   bool Drain(absl::Duration timeout);
   bool draining() const;
   EngineStats Stats() const;
@@ -425,6 +427,111 @@ absl::Status Engine::Impl::DeleteSession(std::string_view id, std::string_view o
   sessions_.Erase(id, &seqs_to_free_);
   KickLocked();
   return absl::OkStatus();
+}
+
+// The cache is the engine thread's, but with mu_ held and no request in the table no step
+// runs: the loop plans and frees under mu_, and forwards only the requests it holds.
+absl::StatusOr<std::vector<Engine::ExportedSession>> Engine::Impl::ExportSessions() const {
+  const absl::Time now = absl::Now();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!requests_.empty()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "sessions are exported only while no request runs (%d do): drain first", requests_.size()));
+  }
+  std::vector<ExportedSession> out;
+  for (const Session* s : sessions_.All(now)) {
+    ExportedSession e;
+    SessionImage& image = e.image;
+    image.id = s->id;
+    image.owner = s->owner;
+    image.tokens = s->tokens;
+    image.idle_ttl = s->idle_ttl;
+    image.created = s->created;
+    image.last_used = s->last_used;
+    image.refresh = s->refresh;
+    if (s->seq >= 0 && s->cached > 0) {
+      absl::StatusOr<std::string> kv = cache_->ExportSequence(s->seq);
+      if (kv.ok()) {
+        image.cached = s->cached;
+        image.cache = *std::move(kv);
+        image.cache_layout = cache_->ImageLayout();
+      } else {
+        e.cache = kv.status();
+      }
+    }
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+absl::StatusOr<Engine::ImportedSession> Engine::Impl::ImportSession(const SessionImage& image) {
+  const ModelConfig& mc = model_->config();
+  for (size_t i = 0; i < image.tokens.size(); ++i) {
+    const int32_t t = image.tokens[i];
+    if (t < 0 || t >= mc.n_vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("session %s: token %d = %d is outside the vocabulary [0, %d)", image.id,
+                          i, t, mc.n_vocab));
+    }
+  }
+  if (static_cast<int64_t>(image.tokens.size()) >= mc.context_length) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("session %s: %d tokens fill the context of %d", image.id,
+                        image.tokens.size(), mc.context_length));
+  }
+  if (image.cached < 0 || image.cached > static_cast<int64_t>(image.tokens.size())) {
+    return absl::InvalidArgumentError(absl::StrFormat("session %s: %d cached tokens of %d",
+                                                      image.id, image.cached, image.tokens.size()));
+  }
+  if (image.refresh.has_value()) {
+    if (absl::Status st = ValidateRefreshConfig(*image.refresh); !st.ok()) return st;
+  }
+  const absl::Time now = absl::Now();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!requests_.empty()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "sessions are imported only while no request runs (%d do)", requests_.size()));
+  }
+  sessions_.EvictExpired(now, &seqs_to_free_);
+  absl::StatusOr<Session*> created = sessions_.Create(image.idle_ttl, now, image.id, image.owner);
+  if (!created.ok()) return created.status();
+  Session& s = **created;
+  s.tokens = image.tokens;
+  s.created = image.created;
+  s.refresh = image.refresh;
+  ImportedSession out;
+  if (image.cached > 0) {
+    if (image.cache_layout != cache_->ImageLayout()) {
+      out.cache = absl::FailedPreconditionError(
+          absl::StrCat("its KV cache image is of another cache configuration ('",
+                       image.cache_layout, "'; this server's is '", cache_->ImageLayout(), "')"));
+    } else {
+      absl::StatusOr<SeqId> seq = cache_->ImportSequence(image.cache);
+      if (seq.ok() && cache_->Length(*seq) != image.cached) {
+        const int64_t length = cache_->Length(*seq);
+        FreeSeqLocked(*seq);
+        seq = absl::DataLossError(
+            absl::StrFormat("its KV cache image holds %d tokens, not %d", length, image.cached));
+      }
+      if (seq.ok() && s.refresh.has_value()) {
+        if (absl::Status st = cache_->SetSequenceRefresh(*seq, *s.refresh); !st.ok()) {
+          FreeSeqLocked(*seq);
+          seq = st;
+        }
+      }
+      if (seq.ok()) {
+        s.seq = *seq;
+        s.cached = image.cached;
+      } else {
+        out.cache = seq.status();
+      }
+    }
+  }
+  next_session_expiry_ = std::min(next_session_expiry_, now + s.idle_ttl);
+  cache_stats_ = cache_->Stats();
+  KickLocked();
+  out.info = s.Info();
+  return out;
 }
 
 bool Engine::Impl::Drain(absl::Duration timeout) {
@@ -770,6 +877,12 @@ std::vector<SessionInfo> Engine::ListSessions(std::string_view owner) const {
 }
 absl::Status Engine::DeleteSession(std::string_view id, std::string_view owner) {
   return impl_->DeleteSession(id, owner);
+}
+absl::StatusOr<std::vector<Engine::ExportedSession>> Engine::ExportSessions() const {
+  return impl_->ExportSessions();
+}
+absl::StatusOr<Engine::ImportedSession> Engine::ImportSession(const SessionImage& image) {
+  return impl_->ImportSession(image);
 }
 bool Engine::Drain(absl::Duration timeout) { return impl_->Drain(timeout); }
 bool Engine::draining() const { return impl_->draining(); }

@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/engine/session_snapshot.h"
 #include "core/kvcache/kv_cache.h"
 #include "core/kvcache/refresh_config.h"
 #include "core/model/model_runner.h"
@@ -171,6 +172,27 @@ class Engine {
   std::vector<SessionInfo> ListSessions(std::string_view owner = {}) const;
   // NOT_FOUND when unknown; a running request on it is cancelled first.
   absl::Status DeleteSession(std::string_view id, std::string_view owner = {});
+
+  // Session snapshots (session_snapshot.h), while no request runs -- after Drain, or before
+  // serving -- else FAILED_PRECONDITION.
+  // Every live session, expired ones aside. A session whose cache has no image (a cache kind
+  // without images, online refresh) comes with its tokens only: `cache` says why; restored, its
+  // next call prefills its history.
+  struct ExportedSession {
+    SessionImage image;
+    absl::Status cache;
+  };
+  absl::StatusOr<std::vector<ExportedSession>> ExportSessions() const;
+  // A session from an image, with its id, owner, TTL (counted from now), refresh and tokens;
+  // its cached tokens too when the image's cache layout is this cache's and the pool has room
+  // (else `cache` says why -- another layout, a full pool, a corrupt image -- and the next call
+  // prefills the history). INVALID_ARGUMENT for tokens outside the vocabulary or the context;
+  // ALREADY_EXISTS when a live session has the id; RESOURCE_EXHAUSTED at max_sessions.
+  struct ImportedSession {
+    SessionInfo info;
+    absl::Status cache;
+  };
+  absl::StatusOr<ImportedSession> ImportSession(const SessionImage& image);
 
   // Stops admitting (Submit gives UNAVAILABLE) and waits up to `timeout` for in-flight and
   // queued requests to finish. True when all finished in time.

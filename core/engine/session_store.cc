@@ -124,4 +124,14 @@ std::vector<SessionInfo> SessionStore::List(std::string_view owner, absl::Time n
   return out;
 }
 
+std::vector<const Session*> SessionStore::All(absl::Time now) const {
+  std::vector<const Session*> out;
+  for (const auto& [id, s] : sessions_) {
+    if (!s->Expired(now)) out.push_back(s.get());
+  }
+  std::sort(out.begin(), out.end(),
+            [](const Session* a, const Session* b) { return a->id < b->id; });
+  return out;
+}
+
 }  // namespace subspace

@@ -77,6 +77,8 @@ class SessionStore {
   Session* LeastRecentlyUsedCached();
   // The live sessions `owner` owns.
   std::vector<SessionInfo> List(std::string_view owner, absl::Time now) const;
+  // Every live session, whoever owns it, by id.
+  std::vector<const Session*> All(absl::Time now) const;
   int size() const { return static_cast<int>(sessions_.size()); }
 
  private:

@@ -10,6 +10,8 @@
 #include <array>
 #include <cstdint>
 #include <span>
+#include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -111,6 +113,26 @@ class KvCacheBase {
   }
 
   virtual KvCacheStats Stats() const = 0;
+
+  // --- Images (session snapshots: core/engine/session_snapshot.h) ---
+  // What an image of this cache depends on (kind, geometry, block size, storage types, policy)
+  // as one line; images import only into a cache with the same line. Empty: no images.
+  virtual std::string ImageLayout() const { return {}; }
+  // The stored bytes of `seq`'s committed tokens, exactly (sequence_image.h): importing them
+  // gives a sequence whose attention is bitwise the original's. NOT_FOUND for an unknown id;
+  // FAILED_PRECONDITION for state an image cannot hold yet (online refresh); UNIMPLEMENTED
+  // where the cache has no images.
+  virtual absl::StatusOr<std::string> ExportSequence(SeqId seq) const {
+    (void)seq;
+    return absl::UnimplementedError("this KV cache cannot export a sequence");
+  }
+  // A new sequence from an image of a cache with this ImageLayout. DATA_LOSS for a corrupt
+  // image, FAILED_PRECONDITION for another layout, RESOURCE_EXHAUSTED when the pool is short;
+  // nothing changes on failure.
+  virtual absl::StatusOr<SeqId> ImportSequence(std::string_view image) {
+    (void)image;
+    return absl::UnimplementedError("this KV cache cannot import a sequence");
+  }
 };
 
 // A KV cache in host memory: the CPU backend writes keys/values and attends through it.

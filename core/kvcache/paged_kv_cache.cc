@@ -10,10 +10,12 @@
 #include <limits>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/base/int_math.h"
 #include "core/cpu/attention_kernels.h"
 #include "core/kvcache/paged_attention.h"
+#include "core/kvcache/sequence_image.h"
 
 namespace subspace {
 
@@ -140,5 +142,64 @@ absl::Status PagedKvCache::Truncate(SeqId seq, int64_t length) {
 }
 
 KvCacheStats PagedKvCache::Stats() const { return seqs_.Stats(geometry_); }
+
+// Image: the layout line, the length, then per layer and block the K rows of every head, then
+// the V rows, of the block's committed tokens only (a block's other slots may hold another
+// sequence's stale rows, which must not leave in an image).
+std::string PagedKvCache::ImageLayout() const {
+  return absl::StrFormat("paged layers=%d kv_heads=%d head_dim=%d block=%d dtype=%s",
+                         geometry_.n_layers, geometry_.n_kv_heads, geometry_.head_dim, block_size_,
+                         KvDtypeName(dtype_));
+}
+
+absl::StatusOr<std::string> PagedKvCache::ExportSequence(SeqId seq) const {
+  const auto* s = seqs_.Find(seq);
+  if (s == nullptr) return decltype(seqs_)::Unknown(seq);
+  ImageWriter w;
+  w.Bytes(ImageLayout());
+  w.I64(s->length);
+  ForEachCommittedRow(s->length, [&](int layer, int64_t block, int64_t offset) {
+    w.Raw(BlockData(s->tables[static_cast<size_t>(layer)][static_cast<size_t>(block)]) + offset,
+          static_cast<size_t>(row_bytes_));
+  });
+  return w.Take();
+}
+
+absl::StatusOr<SeqId> PagedKvCache::ImportSequence(std::string_view image) {
+  ImageReader r(image, "KV cache image");
+  absl::StatusOr<std::string_view> layout = r.Bytes("layout", 1024);
+  if (!layout.ok()) return layout.status();
+  if (*layout != ImageLayout()) {
+    return absl::FailedPreconditionError(absl::StrCat("KV cache image of another cache: '",
+                                                      std::string(*layout), "', this one is '",
+                                                      ImageLayout(), "'"));
+  }
+  const int64_t max_tokens = pool_->num_blocks() * block_size_;
+  absl::StatusOr<int64_t> length = r.Int("length", 0, max_tokens);
+  if (!length.ok()) return length.status();
+  const int64_t rows = *length * geometry_.n_layers * 2 * geometry_.n_kv_heads;
+  if (static_cast<uint64_t>(rows) * static_cast<uint64_t>(row_bytes_) != r.left()) {
+    return r.Corrupt(absl::StrFormat("%d tokens need %d bytes of rows, it holds %d", *length,
+                                     rows * row_bytes_, r.left()));
+  }
+  absl::StatusOr<SeqId> seq = CreateSequence();
+  if (!seq.ok()) return seq.status();
+  if (absl::Status st = Reserve(*seq, *length); !st.ok()) {
+    (void)FreeSequence(*seq);
+    return st;
+  }
+  auto& s = seqs_[*seq];
+  ForEachCommittedRow(*length, [&](int layer, int64_t block, int64_t offset) {
+    const std::string_view row = *r.Raw("row", static_cast<uint64_t>(row_bytes_));  // sized above
+    std::memcpy(
+        BlockData(s.tables[static_cast<size_t>(layer)][static_cast<size_t>(block)]) + offset,
+        row.data(), row.size());
+  });
+  if (absl::Status st = Commit(*seq, *length); !st.ok()) {
+    (void)FreeSequence(*seq);
+    return st;
+  }
+  return *seq;
+}
 
 }  // namespace subspace

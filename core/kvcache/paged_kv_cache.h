@@ -6,9 +6,12 @@
 #ifndef SUBSPACE_CORE_KVCACHE_PAGED_KV_CACHE_H_
 #define SUBSPACE_CORE_KVCACHE_PAGED_KV_CACHE_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -55,6 +58,9 @@ class PagedKvCache final : public KvCache {
   absl::Status Truncate(SeqId seq, int64_t length) override;
 
   KvCacheStats Stats() const override;
+  std::string ImageLayout() const override;
+  absl::StatusOr<std::string> ExportSequence(SeqId seq) const override;
+  absl::StatusOr<SeqId> ImportSequence(std::string_view image) override;
 
   // Tokens the blocks held by `seq` can store (per layer); 0 for an unknown id.
   int64_t ReservedTokens(SeqId seq) const;
@@ -79,6 +85,21 @@ class PagedKvCache final : public KvCache {
     return (static_cast<int64_t>(h) * block_size_ + t) * row_bytes_;
   }
   int64_t VOffset(int h, int64_t t) const { return v_half_ + KOffset(h, t); }
+  // Calls f(layer, block, byte offset) for every stored row of tokens [0, length): per layer and
+  // block, the K rows of each head, then the V rows (the image's order).
+  template <typename F>
+  void ForEachCommittedRow(int64_t length, F&& f) const {
+    for (int l = 0; l < geometry_.n_layers; ++l) {
+      for (int64_t b = 0; b * block_size_ < length; ++b) {
+        const int64_t valid = std::min<int64_t>(block_size_, length - b * block_size_);
+        for (int half = 0; half < 2; ++half) {
+          for (int h = 0; h < geometry_.n_kv_heads; ++h) {
+            for (int64_t t = 0; t < valid; ++t) f(l, b, half == 0 ? KOffset(h, t) : VOffset(h, t));
+          }
+        }
+      }
+    }
+  }
   const uint8_t* BlockData(int32_t block) const {
     return reinterpret_cast<const uint8_t*>(pool_->data(block));
   }
