@@ -10,6 +10,8 @@
 #include "core/compress/basis.h"
 #include "core/compress/basis_file.h"
 #include "core/compress/codec_file.h"
+#include "core/engine/session_snapshot.h"
+#include "fuzz/snapshot_setup.h"
 #include "proto/subspace.pb.h"
 #include "tests/core/gguf/gguf_test_util.h"
 #include "tests/core/model/tiny_model_util.h"
@@ -124,6 +126,39 @@ void RequestSeeds(const std::filesystem::path& dir) {
   Write(dir / "invalid.pb", bad.SerializeAsString());
 }
 
+// A selector byte (session_snapshot_fuzzer.cc), then a snapshot or a raw cache image.
+void SnapshotSeeds(const std::filesystem::path& dir) {
+  auto paged = SnapshotPagedCache();
+  auto compressed = SnapshotCompressedCache();
+  const SeqId p = *paged->CreateSequence();
+  const SeqId c = *compressed->CreateSequence();
+  FillSequence(*paged, p, 10);
+  FillSequence(*compressed, c, 22);  // sinks, compressed blocks (some outliers), the window
+  const std::string paged_image = *paged->ExportSequence(p);
+  const std::string compressed_image = *compressed->ExportSequence(c);
+  Write(dir / "paged.image", std::string(1, '\1') + paged_image);
+  Write(dir / "compressed.image", std::string(1, '\2') + compressed_image);
+  SessionImage s;
+  s.id = "0123456789abcdef0123456789abcdef";
+  s.owner = "alice";
+  s.idle_ttl = absl::Seconds(600);
+  s.tokens = {1, 17, 300, 4, 5, 6, 7, 8, 9, 10, 11};
+  Write(dir / "tokens_only.session",
+        std::string(1, '\0') + EncodeSessionSnapshot(s, kSnapshotIdentity));
+  s.cached = 10;
+  s.cache = paged_image;
+  s.cache_layout = paged->ImageLayout();
+  s.refresh = RefreshConfig{.method = RefreshMethod::kFd};
+  Write(dir / "paged.session", std::string(1, '\0') + EncodeSessionSnapshot(s, kSnapshotIdentity));
+  s.tokens.resize(23, 9);
+  s.cached = 22;
+  s.cache = compressed_image;
+  s.cache_layout = compressed->ImageLayout();
+  s.refresh.reset();
+  Write(dir / "compressed.session",
+        std::string(1, '\0') + EncodeSessionSnapshot(s, kSnapshotIdentity));
+}
+
 }  // namespace
 }  // namespace subspace::fuzz
 
@@ -137,5 +172,6 @@ int main(int argc, char** argv) {
   subspace::fuzz::BasisSeeds(root / "basis_file");
   subspace::fuzz::TextSeeds(root / "tokenizer");
   subspace::fuzz::RequestSeeds(root / "request");
+  subspace::fuzz::SnapshotSeeds(root / "session_snapshot");
   return 0;
 }

@@ -25,6 +25,7 @@ declare -A corpus=(
   [chat_template_fuzzer]=chat_template
   [request_fuzzer]=request
   [openai_request_fuzzer]=openai_request
+  [session_snapshot_fuzzer]=session_snapshot
 )
 # The GGUF targets get a dictionary of the format's magic and the keys the parsers look for; the
 # OpenAI bodies one of JSON's syntax and the API's field names.
@@ -36,7 +37,7 @@ declare -A dict=(
 
 failed=()
 for target in gguf_fuzzer basis_file_fuzzer tokenizer_fuzzer bpe_tokenizer_fuzzer chat_template_fuzzer \
-              request_fuzzer openai_request_fuzzer; do
+              request_fuzzer openai_request_fuzzer session_snapshot_fuzzer; do
   dir="$work/${corpus[$target]}"
   cp -r "fuzz/corpus/${corpus[$target]}" "$dir"
   args=(-max_total_time="$seconds" -max_len=65536 -timeout=10 -rss_limit_mb=2048

@@ -115,6 +115,10 @@ ABSL_FLAG(int32_t, max_queue, 256, "waiting requests; more get RESOURCE_EXHAUSTE
 ABSL_FLAG(int32_t, max_sessions, 1024, "live sessions; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, session_ttl_seconds, 600, "idle time after which a session is dropped");
 ABSL_FLAG(int32_t, drain_seconds, 30, "on SIGTERM, how long running requests may take to finish");
+ABSL_FLAG(std::string, session_dir, "",
+          "directory that keeps sessions across restarts: SIGTERM writes every live session "
+          "there after draining, start-up restores them (docs/sessions.md); empty: sessions end "
+          "with the process");
 ABSL_FLAG(int32_t, max_message_bytes, 4 << 20, "largest gRPC request accepted, in bytes");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate chain for gRPC over TLS (with --tls-key); empty = plaintext");
@@ -221,6 +225,7 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.engine.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   c.engine.default_session_ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
   c.drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
+  c.session_dir = absl::GetFlag(FLAGS_session_dir);
   c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   c.tls.cert_path = absl::GetFlag(FLAGS_tls_cert);
   c.tls.key_path = absl::GetFlag(FLAGS_tls_key);

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/compress/basis.h"
+#include "core/compress/basis_file.h"
 #include "core/compress/codec_file.h"
 #include "core/gguf/gguf.h"
 #include "core/model/model.h"
@@ -266,6 +267,16 @@ absl::Status ServerApp::Init() {
                                           .block_size = config_.block_size},
                          *std::move(chat));
   metrics_registry_->AttachEngine(engine_.get());
+  if (!config_.session_dir.empty()) {
+    absl::StatusOr<SnapshotDirectory> dir = SnapshotDirectory::Open(config_.session_dir);
+    if (!dir.ok()) {
+      return absl::Status(dir.status().code(),
+                          absl::StrCat("--session-dir: ", dir.status().message()));
+    }
+    sessions_dir_ = *std::move(dir);
+    snapshot_identity_ = {.model_checksum = ModelChecksum(*gguf), .model_name = model_config.name};
+    RestoreSessions();
+  }
   SetServing(true);
   spdlog::info(
       "serving model '{}' from {} on {}: {} layers, dim {}, {} heads ({} kv), vocab {}, "
@@ -339,10 +350,109 @@ bool ServerApp::Shutdown() {
     server_->Shutdown(std::chrono::system_clock::now() + grace);
     server_->Wait();
   }
+  if (sessions_dir_.has_value() && engine_ != nullptr) {
+    // Requests the timed-out drain left were cancelled with their calls; their sessions keep
+    // what they produced once the engine has finished them.
+    if (!drained_ && !engine_->Drain(absl::Seconds(5))) {
+      spdlog::error("sessions not saved: requests still run after their calls were cancelled");
+    } else {
+      SaveSessions();
+    }
+  }
   metrics_.reset();
   if (metrics_registry_ != nullptr) metrics_registry_->AttachEngine(nullptr);
   spdlog::info("server stopped");
   return drained_;
+}
+
+namespace {
+
+// A snapshot section holds at most a session's share of the pool (plus its bases): anything
+// claiming far more is corrupt, and must not become an allocation.
+uint64_t MaxSnapshotBytes(const KvCacheStats& cache) {
+  return 2 * static_cast<uint64_t>(cache.bytes_total) + (uint64_t{256} << 20);
+}
+
+}  // namespace
+
+void ServerApp::RestoreSessions() {
+  absl::StatusOr<std::vector<std::string>> files = sessions_dir_->List();
+  if (!files.ok()) {
+    spdlog::error("sessions not restored: {}", std::string(files.status().message()));
+    return;
+  }
+  const absl::Time start = absl::Now();
+  const uint64_t max_bytes = MaxSnapshotBytes(engine_->Stats().cache);
+  int restored = 0, refused = 0;
+  int64_t tokens = 0, cached = 0;
+  for (const std::string& file : *files) {
+    absl::StatusOr<std::string> bytes = sessions_dir_->Read(file, max_bytes);
+    absl::StatusOr<SessionImage> image =
+        bytes.ok() ? DecodeSessionSnapshot(*bytes, snapshot_identity_, max_bytes)
+                   : absl::StatusOr<SessionImage>(bytes.status());
+    absl::StatusOr<Engine::ImportedSession> imported =
+        image.ok() ? engine_->ImportSession(*image)
+                   : absl::StatusOr<Engine::ImportedSession>(image.status());
+    if (!imported.ok()) {
+      ++refused;
+      const absl::Status moved = sessions_dir_->Reject(file);
+      spdlog::warn("session snapshot {} refused ({}): {}; {}", file,
+                   absl::StatusCodeToString(imported.status().code()),
+                   std::string(imported.status().message()),
+                   moved.ok() ? "moved aside as .rejected" : std::string(moved.message()));
+      continue;
+    }
+    ++restored;
+    tokens += imported->info.tokens;
+    cached += imported->info.cached_tokens;
+    if (!imported->cache.ok()) {
+      spdlog::warn(
+          "session {} restored without its KV cache ({}): its next call prefills {} tokens",
+          imported->info.id, std::string(imported->cache.message()), imported->info.tokens);
+    }
+    // The session lives in this process now; the next drain writes it again.
+    if (absl::Status st = sessions_dir_->Remove(imported->info.id); !st.ok()) {
+      spdlog::warn("session {} restored, but its snapshot stays: {}", imported->info.id,
+                   std::string(st.message()));
+    }
+  }
+  if (restored + refused > 0) {
+    spdlog::info(
+        "restored {} sessions ({} tokens, {} of them cached) from {} in {:.3f} s; {} "
+        "refused",
+        restored, tokens, cached, sessions_dir_->path(), absl::ToDoubleSeconds(absl::Now() - start),
+        refused);
+  }
+}
+
+void ServerApp::SaveSessions() {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::vector<Engine::ExportedSession>> sessions = engine_->ExportSessions();
+  if (!sessions.ok()) {
+    spdlog::error("sessions not saved: {}", std::string(sessions.status().message()));
+    return;
+  }
+  int saved = 0, failed = 0;
+  int64_t bytes = 0, cached = 0;
+  for (const Engine::ExportedSession& s : *sessions) {
+    if (!s.cache.ok()) {
+      spdlog::info("session {} saved without its KV cache ({}): its next call prefills {} tokens",
+                   s.image.id, std::string(s.cache.message()), s.image.tokens.size());
+    }
+    const std::string snapshot = EncodeSessionSnapshot(s.image, snapshot_identity_);
+    if (absl::Status st = sessions_dir_->Write(s.image.id, snapshot); !st.ok()) {
+      ++failed;
+      spdlog::error("session {} not saved: {}", s.image.id, std::string(st.message()));
+      continue;
+    }
+    ++saved;
+    bytes += static_cast<int64_t>(snapshot.size());
+    cached += s.image.cached;
+  }
+  spdlog::info("saved {} sessions to {} in {:.3f} s: {} bytes, {:.1f} per cached token{}", saved,
+               sessions_dir_->path(), absl::ToDoubleSeconds(absl::Now() - start), bytes,
+               cached > 0 ? static_cast<double>(bytes) / static_cast<double>(cached) : 0.0,
+               failed > 0 ? absl::StrCat("; ", failed, " failed") : std::string());
 }
 
 }  // namespace subspace::server

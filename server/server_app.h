@@ -10,11 +10,13 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/engine/engine.h"
+#include "core/engine/session_snapshot.h"
 #include "runtime/backend.h"
 #include "runtime/kv_cache_options.h"
 #include "server/http_server.h"
@@ -50,6 +52,9 @@ struct ServerAppConfig {
   TlsConfig tls;                   // plaintext unless a certificate is set
   std::string auth_tokens_path;    // bearer tokens, one per line (server/auth.h); empty: no auth
   std::string chat_template_path;  // --chat-template: overrides the GGUF's chat template
+  // --session-dir: Shutdown writes every live session there and Start restores (and removes)
+  // the snapshots it finds (docs/sessions.md); empty: sessions end with the process.
+  std::string session_dir;
 };
 
 class ServerApp {
@@ -71,7 +76,8 @@ class ServerApp {
   // Health NOT_SERVING and new Generate calls UNAVAILABLE; in-flight requests continue.
   void BeginDrain();
   // BeginDrain, then waits up to the drain timeout for in-flight and queued requests, then
-  // stops the gRPC server (cancelling what is left) and the metrics endpoint. Idempotent.
+  // stops the gRPC server (cancelling what is left) and the metrics endpoint, then writes every
+  // session to the session directory when there is one. Idempotent.
   // True when every request finished within the drain timeout.
   bool Shutdown();
 
@@ -79,6 +85,10 @@ class ServerApp {
   explicit ServerApp(ServerAppConfig config);
   absl::Status Init();
   void SetServing(bool serving);
+  // The session directory's snapshots into the engine, each file consumed (restored: removed;
+  // refused: moved aside as <file>.rejected, with a log line saying why).
+  void RestoreSessions();
+  void SaveSessions();
 
   ServerAppConfig config_;
   int port_ = 0;
@@ -89,6 +99,8 @@ class ServerApp {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<HttpServer> http_;
   std::unique_ptr<MetricsExporter> metrics_;
+  std::optional<SnapshotDirectory> sessions_dir_;
+  SnapshotIdentity snapshot_identity_;
 
   // std::mutex rather than absl::Mutex: ThreadSanitizer sees through it (scripts/sanitize.sh).
   std::mutex shutdown_mu_;

@@ -87,6 +87,16 @@ class KubernetesTest(unittest.TestCase):
             used.update(re.findall(r"\$\((\w+)\)", arg))
         self.assertEqual(used, set(data), "ConfigMap keys and $(VARS) in args differ")
 
+    def test_session_dir_is_a_writable_volume(self):
+        # The root filesystem is read-only: the sessions SIGTERM writes need a mounted volume.
+        c = self.container()
+        dirs = [a.split("=", 1)[1] for a in c["args"] if a.startswith("--session-dir=")]
+        self.assertEqual(len(dirs), 1)
+        mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+        self.assertIn(dirs[0], mounts)
+        volumes = {v["name"] for v in self.docs["Deployment"]["spec"]["template"]["spec"]["volumes"]}
+        self.assertIn(mounts[dirs[0]], volumes)
+
     def test_services_select_the_pods(self):
         labels = self.docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
         for name in ("service.yaml", "service-headless.yaml"):

@@ -1,0 +1,228 @@
+// Sessions across a restart (--session-dir): a server shut down writes its sessions, a server
+// started on the same directory restores them, and a restored session continues bitwise as an
+// uninterrupted one would, reusing its cached tokens (compressed and full-rank caches). Files it
+// cannot restore are moved aside with the server still serving; the binary does the same on
+// SIGTERM and exits 0.
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "proto/subspace.grpc.pb.h"
+#include "server/server_app.h"
+#include "tests/server/server_test_util.h"
+
+namespace subspace {
+namespace {
+
+using ::subspace::testing::ChannelTo;
+using ::subspace::testing::TestServerConfig;
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = ::testing::TempDir() + "/sessions_XXXXXX";
+    path_ = mkdtemp(tmpl.data());
+  }
+  ~TempDir() { std::system(absl::StrCat("rm -rf '", path_, "'").c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::vector<std::string> FilesIn(const std::string& dir) {
+  std::vector<std::string> out;
+  const std::string list = absl::StrCat("ls -1 '", dir, "' 2>/dev/null");
+  FILE* p = popen(list.c_str(), "r");
+  char line[512];
+  while (p != nullptr && fgets(line, sizeof(line), p) != nullptr) {
+    std::string s(line);
+    if (!s.empty() && s.back() == '\n') s.pop_back();
+    out.push_back(s);
+  }
+  if (p != nullptr) pclose(p);
+  return out;
+}
+
+struct Turn {
+  std::vector<int32_t> tokens;
+  uint32_t reused = 0;
+};
+
+Turn Generate(v1::Subspace::Stub& stub, const std::string& session, const std::string& text,
+              uint32_t max_new) {
+  grpc::ClientContext context;
+  v1::GenerateRequest request;
+  request.set_text(text);
+  request.set_session_id(session);
+  request.mutable_sampling()->set_max_new_tokens(max_new);
+  request.mutable_sampling()->set_ignore_eos(true);
+  v1::GenerateResponse response;
+  const grpc::Status st = stub.Generate(&context, request, &response);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return {{response.token_ids().begin(), response.token_ids().end()},
+          response.usage().reused_tokens()};
+}
+
+std::string CreateSession(v1::Subspace::Stub& stub) {
+  grpc::ClientContext context;
+  v1::Session session;
+  const grpc::Status st = stub.CreateSession(&context, v1::CreateSessionRequest(), &session);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return session.session_id();
+}
+
+absl::StatusOr<v1::Session> GetSession(v1::Subspace::Stub& stub, const std::string& id) {
+  grpc::ClientContext context;
+  v1::GetSessionRequest request;
+  request.set_session_id(id);
+  v1::Session session;
+  const grpc::Status st = stub.GetSession(&context, request, &session);
+  if (!st.ok()) return absl::Status(static_cast<absl::StatusCode>(st.error_code()), "");
+  return session;
+}
+
+class SessionRestartTest : public ::testing::TestWithParam<runtime::KvCacheKind> {
+ protected:
+  std::unique_ptr<server::ServerApp> Start() {
+    server::ServerAppConfig config = TestServerConfig();
+    config.session_dir = dir_.path();
+    config.kv_cache.kind = GetParam();
+    absl::StatusOr<std::unique_ptr<server::ServerApp>> app = server::ServerApp::Start(config);
+    EXPECT_TRUE(app.ok()) << app.status();
+    return app.ok() ? *std::move(app) : nullptr;
+  }
+
+  TempDir dir_;
+};
+
+TEST_P(SessionRestartTest, RestoredSessionsContinueAsUninterruptedOnes) {
+  // Long enough that the compressed cache codes blocks (sinks 4, window 64).
+  const std::string first = "The quick brown fox jumps over the lazy dog and keeps on running";
+  const std::string second = " then the dog wakes up";
+  std::string restarted, uninterrupted;
+  Turn want;
+  {
+    auto app = Start();
+    ASSERT_NE(app, nullptr);
+    auto stub = v1::Subspace::NewStub(ChannelTo(app->port()));
+    restarted = CreateSession(*stub);
+    uninterrupted = CreateSession(*stub);
+    const Turn a = Generate(*stub, restarted, first, 60);
+    const Turn b = Generate(*stub, uninterrupted, first, 60);
+    ASSERT_EQ(a.tokens, b.tokens);
+    want = Generate(*stub, uninterrupted, second, 30);
+    EXPECT_TRUE(app->Shutdown());
+  }
+  std::vector<std::string> files = FilesIn(dir_.path());
+  ASSERT_EQ(files.size(), 2u);
+  // A file that is no snapshot is refused, kept aside, and stops nothing.
+  std::ofstream(dir_.path() + "/garbage.session") << "not a snapshot";
+
+  auto app = Start();
+  ASSERT_NE(app, nullptr);
+  auto stub = v1::Subspace::NewStub(ChannelTo(app->port()));
+  absl::StatusOr<v1::Session> info = GetSession(*stub, restarted);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_GT(info->tokens(), 60u);
+  EXPECT_EQ(info->cached_tokens(), info->tokens() - 1);
+  const uint32_t cached = info->cached_tokens();
+  const Turn got = Generate(*stub, restarted, second, 30);
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(got.reused, cached);  // nothing recomputed
+  EXPECT_EQ(got.reused, want.reused);
+  info = GetSession(*stub, uninterrupted);
+  ASSERT_TRUE(info.ok()) << info.status();
+  files = FilesIn(dir_.path());
+  ASSERT_EQ(files.size(), 1u) << "restored snapshots are consumed";
+  EXPECT_EQ(files[0], "garbage.session.rejected");
+}
+
+INSTANTIATE_TEST_SUITE_P(Caches, SessionRestartTest,
+                         ::testing::Values(runtime::KvCacheKind::kCompressed,
+                                           runtime::KvCacheKind::kFull),
+                         [](const auto& info) {
+                           return std::string(runtime::KvCacheKindName(info.param));
+                         });
+
+// The binary: SIGTERM drains, writes the session and exits 0; started again on the directory
+// it serves the session.
+TEST(SessionRestartBinaryTest, SigtermWritesSessionsAndARestartServesThem) {
+  TempDir dir;
+  const std::string& model = subspace::testing::TinyModelPath();
+  auto launch = [&](int* port) -> pid_t {
+    int out_pipe[2];
+    if (pipe(out_pipe) != 0) return -1;
+    const pid_t pid = fork();
+    if (pid == 0) {
+      dup2(out_pipe[1], STDOUT_FILENO);
+      close(out_pipe[0]);
+      close(out_pipe[1]);
+      execl(SUBSPACE_SERVER_BIN, SUBSPACE_SERVER_BIN, "--model", model.c_str(), "--host",
+            "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
+            "--kv-cache-bytes", "2097152", "--block-size", "8", "--session-dir", dir.path().c_str(),
+            "--log-level", "warn", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(out_pipe[1]);
+    std::string line;
+    char c;
+    while (read(out_pipe[0], &c, 1) == 1 && c != '\n') line += c;
+    close(out_pipe[0]);
+    const size_t at = line.find("port ");
+    *port = 0;
+    if (at != std::string::npos) {
+      (void)absl::SimpleAtoi(line.substr(at + 5, line.find(',') - at - 5), port);
+    }
+    return pid;
+  };
+  auto stop = [](pid_t pid) {
+    EXPECT_EQ(kill(pid, SIGTERM), 0);
+    int status = 0;
+    EXPECT_EQ(waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  };
+
+  int port = 0;
+  pid_t pid = launch(&port);
+  ASSERT_GT(pid, 0);
+  ASSERT_GT(port, 0);
+  std::string id;
+  uint32_t tokens = 0;
+  {
+    auto stub = v1::Subspace::NewStub(ChannelTo(port));
+    id = CreateSession(*stub);
+    Generate(*stub, id, "hello there, how are you", 20);
+    absl::StatusOr<v1::Session> info = GetSession(*stub, id);
+    ASSERT_TRUE(info.ok());
+    tokens = info->tokens();
+  }
+  stop(pid);
+  EXPECT_EQ(FilesIn(dir.path()), std::vector<std::string>{id + ".session"});
+
+  pid = launch(&port);
+  ASSERT_GT(pid, 0);
+  ASSERT_GT(port, 0);
+  {
+    auto stub = v1::Subspace::NewStub(ChannelTo(port));
+    absl::StatusOr<v1::Session> info = GetSession(*stub, id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->tokens(), tokens);
+    EXPECT_EQ(info->cached_tokens(), tokens - 1);
+    EXPECT_EQ(Generate(*stub, id, " fine", 5).reused, tokens - 1);
+  }
+  stop(pid);
+}
+
+}  // namespace
+}  // namespace subspace
