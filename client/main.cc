@@ -107,6 +107,8 @@ Commands:
            with the model's chat template, the reply streamed
   session create [--ttl-seconds N] [--id ID] [--refresh METHOD] [--refresh-every-tokens N]
          | get ID | list | delete ID
+         | export ID > FILE | import ID < FILE   (a snapshot: move a session to another
+           server of the same model, docs/sessions.md)
   info     model description
   stats    KV cache statistics
   health   [--service NAME --wait-seconds N] prints SERVING, NOT_SERVING, UNKNOWN or
@@ -425,6 +427,32 @@ absl::Status RunSession(SubspaceClient& client, const std::vector<char*>& args) 
     }
     return absl::OkStatus();
   }
+  if (verb == "export" || verb == "import") {
+    absl::StatusOr<std::string> id = SessionIdArg(args);
+    if (!id.ok()) return id.status();
+    if (verb == "export") {
+      absl::StatusOr<std::string> snapshot = client.ExportSession(*id);
+      if (!snapshot.ok()) return snapshot.status();
+      if (std::fwrite(snapshot->data(), 1, snapshot->size(), stdout) != snapshot->size() ||
+          std::fflush(stdout) != 0) {
+        return absl::UnavailableError("cannot write the snapshot to stdout");
+      }
+      return absl::OkStatus();
+    }
+    std::string snapshot;
+    char buffer[1 << 16];
+    for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), stdin)) > 0;)
+      snapshot.append(buffer, n);
+    if (std::ferror(stdin)) return absl::UnavailableError("cannot read the snapshot from stdin");
+    absl::StatusOr<v1::Session> session = client.ImportSession(*id, snapshot);
+    if (!session.ok()) return session.status();
+    if (json) {
+      std::fputs(ToJson(*session, true).c_str(), stdout);
+    } else {
+      PrintSessionTable({*session});
+    }
+    return absl::OkStatus();
+  }
   if (verb == "get" || verb == "delete") {
     absl::StatusOr<std::string> id = SessionIdArg(args);
     if (!id.ok()) return id.status();
@@ -438,7 +466,8 @@ absl::Status RunSession(SubspaceClient& client, const std::vector<char*>& args) 
     }
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError("usage: subspace session create|get ID|list|delete ID");
+  return absl::InvalidArgumentError(
+      "usage: subspace session create|get ID|list|delete ID|export ID|import ID");
 }
 
 // Prints a message as aligned `name: value` lines, nested messages as `outer.inner`; every

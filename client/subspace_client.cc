@@ -66,7 +66,7 @@ std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const ClientOptions
   return grpc::SslCredentials(ssl);
 }
 
-SubspaceClient::SubspaceClient(ClientOptions options)
+SubspaceClient::SubspaceClient(const ClientOptions& options)
     : SubspaceClient(grpc::CreateChannel(options.server, ChannelCredentials(options)), options) {}
 
 SubspaceClient::SubspaceClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
@@ -206,6 +206,39 @@ absl::Status SubspaceClient::DeleteSession(const std::string& session_id) {
   request.set_session_id(session_id);
   v1::DeleteSessionResponse response;
   return FromGrpcStatus(stub_->DeleteSession(&context, request, &response));
+}
+
+absl::StatusOr<std::string> SubspaceClient::ExportSession(const std::string& session_id) {
+  grpc::ClientContext context;
+  Prepare(context, session_id);
+  v1::ExportSessionRequest request;
+  request.set_session_id(session_id);
+  std::unique_ptr<grpc::ClientReader<v1::SessionSnapshotChunk>> reader =
+      stub_->ExportSession(&context, request);
+  std::string snapshot;
+  for (v1::SessionSnapshotChunk chunk; reader->Read(&chunk);) snapshot += chunk.data();
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  return snapshot;
+}
+
+absl::StatusOr<v1::Session> SubspaceClient::ImportSession(const std::string& session_id,
+                                                          const std::string& snapshot) {
+  constexpr size_t kChunk = size_t{1} << 20;
+  grpc::ClientContext context;
+  Prepare(context, session_id);
+  v1::Session session;
+  std::unique_ptr<grpc::ClientWriter<v1::SessionSnapshotChunk>> writer =
+      stub_->ImportSession(&context, &session);
+  for (size_t at = 0; at < snapshot.size(); at += kChunk) {
+    v1::SessionSnapshotChunk chunk;
+    chunk.set_data(snapshot.substr(at, kChunk));
+    if (!writer->Write(chunk)) break;  // the server answered early: Finish says why
+  }
+  writer->WritesDone();
+  grpc::Status status = writer->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  return session;
 }
 
 absl::StatusOr<v1::ModelInfo> SubspaceClient::GetModelInfo() {

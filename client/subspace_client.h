@@ -79,7 +79,7 @@ class SubspaceClient {
  public:
   // Opens a channel to options.server, TLS when options.tls is set (connection happens lazily,
   // on the first call).
-  explicit SubspaceClient(ClientOptions options);
+  explicit SubspaceClient(const ClientOptions& options);
   // Uses an existing channel, e.g. an in-process one in tests.
   SubspaceClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
 
@@ -109,6 +109,12 @@ class SubspaceClient {
   absl::StatusOr<v1::Session> GetSession(const std::string& session_id);
   absl::StatusOr<std::vector<v1::Session>> ListSessions();
   absl::Status DeleteSession(const std::string& session_id);
+  // A session's snapshot (docs/sessions.md), and a session made from one. To move a session:
+  // export it from its replica, import it (with its id, for the affinity header) where its
+  // calls will go, then delete it at the source.
+  absl::StatusOr<std::string> ExportSession(const std::string& session_id);
+  absl::StatusOr<v1::Session> ImportSession(const std::string& session_id,
+                                            const std::string& snapshot);
 
   absl::StatusOr<v1::ModelInfo> GetModelInfo();
   absl::StatusOr<v1::CacheStats> GetCacheStats();

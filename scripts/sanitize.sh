@@ -5,7 +5,8 @@
 #   scripts/sanitize.sh tsan [sched|unit|all]   TSan (build-tsan/): sched, the default and what
 #                                               CI runs, is the clean set (below); unit and all
 #                                               are for looking at reports by hand
-# sched is the threaded core: the scheduler and engine tests and the background basis refresher
+# sched is the threaded core: the scheduler and engine tests (session snapshots, which reach the
+# cache through the engine's loop, among them) and the background basis refresher
 # (online_statistics_test, compressed_kv_cache_refresh_test, refresher_test, and the device
 # cache's refresh over the twin store); binaries run whole.
 # Any sanitizer report fails the test that produced it (UBSan does not recover; ASan and LSan
@@ -18,7 +19,8 @@ case "$kind" in
   tsan) scope="${2:-sched}" ;;
   *) scope="" ;;
 esac
-sched_tests=(scheduler_test engine_test engine_session_test online_statistics_test
+sched_tests=(scheduler_test engine_test engine_session_test session_snapshot_test
+  online_statistics_test
   compressed_kv_cache_refresh_test
   refresher_test device_compressed_kv_cache_refresh_host_test)
 if [[ -z "$scope" || ! "$scope" =~ ^(unit|all|sched)$ ]]; then

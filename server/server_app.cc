@@ -252,6 +252,18 @@ absl::Status ServerApp::Init() {
   if (!engine.ok()) return engine.status();
   engine_ = *std::move(engine);
 
+  // Snapshots (--session-dir, ExportSession) name the model file by its checksum: one pass
+  // over the mapped file (~0.5 s per GB).
+  snapshot_identity_ = {.model_checksum = ModelChecksum(*gguf), .model_name = model_config.name};
+  if (!config_.session_dir.empty()) {
+    absl::StatusOr<SnapshotDirectory> dir = SnapshotDirectory::Open(config_.session_dir);
+    if (!dir.ok()) {
+      return absl::Status(dir.status().code(),
+                          absl::StrCat("--session-dir: ", dir.status().message()));
+    }
+    sessions_dir_ = *std::move(dir);
+    RestoreSessions();  // before any RPC can reach the engine
+  }
   const KvCacheStats cache_stats = engine_->Stats().cache;
   if (http_ != nullptr) {
     // The file's name by default: what the operator chose and can see (general.name is often
@@ -265,18 +277,8 @@ absl::Status ServerApp::Init() {
                          CacheDescription{.options = cache_options,
                                           .pool_bytes = cache_stats.bytes_total,
                                           .block_size = config_.block_size},
-                         *std::move(chat));
+                         *std::move(chat), snapshot_identity_);
   metrics_registry_->AttachEngine(engine_.get());
-  if (!config_.session_dir.empty()) {
-    absl::StatusOr<SnapshotDirectory> dir = SnapshotDirectory::Open(config_.session_dir);
-    if (!dir.ok()) {
-      return absl::Status(dir.status().code(),
-                          absl::StrCat("--session-dir: ", dir.status().message()));
-    }
-    sessions_dir_ = *std::move(dir);
-    snapshot_identity_ = {.model_checksum = ModelChecksum(*gguf), .model_name = model_config.name};
-    RestoreSessions();
-  }
   SetServing(true);
   spdlog::info(
       "serving model '{}' from {} on {}: {} layers, dim {}, {} heads ({} kv), vocab {}, "

@@ -14,6 +14,7 @@
 #include "core/kvcache/refresh_config.h"
 #include "server/generate_calls.h"
 #include "server/prepare_request.h"
+#include "server/session_transfer.h"
 #include "server/status_util.h"
 #include "spdlog/spdlog.h"
 
@@ -95,9 +96,11 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
 SubspaceService::SubspaceService(Metrics* metrics, RequestLimits limits, Authenticator auth)
     : metrics_(metrics), limits_(limits), auth_(std::move(auth)) {}
 
-void SubspaceService::AttachEngine(Engine* engine, CacheDescription cache, ChatSetup chat) {
+void SubspaceService::AttachEngine(Engine* engine, CacheDescription cache, ChatSetup chat,
+                                   SnapshotIdentity snapshot) {
   cache_ = std::move(cache);
   chat_ = std::move(chat);
+  snapshot_ = std::move(snapshot);
   engine_.store(engine, std::memory_order_release);
 }
 
@@ -256,6 +259,59 @@ grpc::ServerUnaryReactor* SubspaceService::DeleteSession(grpc::CallbackServerCon
     return FinishUnary(context, s);
   }
   return FinishUnary(context, (*engine)->DeleteSession(request->session_id(), caller));
+}
+
+grpc::ServerWriteReactor<v1::SessionSnapshotChunk>* SubspaceService::ExportSession(
+    grpc::CallbackServerContext* context, const v1::ExportSessionRequest* request) {
+  std::string caller;
+  absl::StatusOr<Engine*> engine = Admit(*context, &caller);
+  if (!engine.ok()) return RejectSnapshotExport(engine.status());
+  if (absl::Status s = ValidateId(request->session_id(), "session_id", limits_); !s.ok()) {
+    return RejectSnapshotExport(s);
+  }
+  absl::StatusOr<Engine::ExportedSession> exported =
+      (*engine)->ExportSession(request->session_id(), caller);
+  if (!exported.ok()) return RejectSnapshotExport(exported.status());
+  std::string snapshot = EncodeSessionSnapshot(exported->image, snapshot_);
+  spdlog::info("session {} exported: {} tokens, {} cached, {} bytes{}", exported->image.id,
+               exported->image.tokens.size(), exported->image.cached, snapshot.size(),
+               exported->cache.ok()
+                   ? std::string()
+                   : absl::StrCat(" (without its KV cache: ", exported->cache.message(), ")"));
+  return StartSnapshotExport(std::move(snapshot));
+}
+
+grpc::ServerReadReactor<v1::SessionSnapshotChunk>* SubspaceService::ImportSession(
+    grpc::CallbackServerContext* context, v1::Session* response) {
+  std::string caller;
+  absl::StatusOr<Engine*> engine = Admit(*context, &caller);
+  // A snapshot holds at most a session's share of the pool, and the bases it uses.
+  const uint64_t max_bytes =
+      2 * static_cast<uint64_t>(std::max<int64_t>(cache_.pool_bytes, 0)) + (uint64_t{256} << 20);
+  if (!engine.ok()) return StartSnapshotImport(max_bytes, {}, engine.status());
+  Engine* e = *engine;
+  return StartSnapshotImport(
+      max_bytes, [this, e, caller, max_bytes, response](const std::string& bytes) -> absl::Status {
+        absl::StatusOr<SessionImage> image = DecodeSessionSnapshot(bytes, snapshot_, max_bytes);
+        if (!image.ok()) return image.status();
+        if (image->owner != caller) {
+          return absl::PermissionDeniedError(
+              "the snapshot's session belongs to another principal: import it with the credentials "
+              "that created it");
+        }
+        if (absl::Status s = ValidateId(image->id, "snapshot session id", limits_); !s.ok())
+          return s;
+        absl::StatusOr<Engine::ImportedSession> imported = e->ImportSession(*image);
+        if (!imported.ok()) return imported.status();
+        spdlog::info(
+            "session {} imported: {} tokens, {} cached{}", imported->info.id, imported->info.tokens,
+            imported->info.cached_tokens,
+            imported->cache.ok()
+                ? std::string()
+                : absl::StrCat(" (its KV cache dropped: ", imported->cache.message(), ")"));
+        ToProto(imported->info, response);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* SubspaceService::GetModelInfo(grpc::CallbackServerContext* context,

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/engine/engine.h"
+#include "core/engine/session_snapshot.h"
 #include "proto/subspace.grpc.pb.h"
 #include "runtime/kv_cache_options.h"
 #include "server/auth.h"
@@ -44,8 +45,10 @@ class SubspaceService final : public SubspaceServiceBase {
   // otherwise); a default Authenticator lets every call in as the same anonymous principal.
   SubspaceService(Metrics* metrics, RequestLimits limits, Authenticator auth = {});
 
-  // Starts serving with `engine`, which must outlive the gRPC server. Call once.
-  void AttachEngine(Engine* engine, CacheDescription cache, ChatSetup chat = {});
+  // Starts serving with `engine`, which must outlive the gRPC server. Call once. `snapshot`
+  // identifies the model in the session snapshots ExportSession writes and ImportSession takes.
+  void AttachEngine(Engine* engine, CacheDescription cache, ChatSetup chat = {},
+                    SnapshotIdentity snapshot = {});
   // From now on Generate and GenerateStream answer UNAVAILABLE; the rest keeps working so
   // clients can still inspect or delete their sessions while the server drains.
   void BeginDrain() { draining_.store(true, std::memory_order_release); }
@@ -78,6 +81,10 @@ class SubspaceService final : public SubspaceServiceBase {
   grpc::ServerUnaryReactor* DeleteSession(grpc::CallbackServerContext* context,
                                           const v1::DeleteSessionRequest* request,
                                           v1::DeleteSessionResponse* response) override;
+  grpc::ServerWriteReactor<v1::SessionSnapshotChunk>* ExportSession(
+      grpc::CallbackServerContext* context, const v1::ExportSessionRequest* request) override;
+  grpc::ServerReadReactor<v1::SessionSnapshotChunk>* ImportSession(
+      grpc::CallbackServerContext* context, v1::Session* response) override;
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
@@ -122,8 +129,9 @@ class SubspaceService final : public SubspaceServiceBase {
   const RequestLimits limits_;
   const Authenticator auth_;
   std::atomic<Engine*> engine_{nullptr};
-  CacheDescription cache_;  // written before engine_ is published, read after
-  ChatSetup chat_;          // likewise
+  CacheDescription cache_;     // written before engine_ is published, read after
+  ChatSetup chat_;             // likewise
+  SnapshotIdentity snapshot_;  // likewise
   std::atomic<bool> draining_{false};
 };
 

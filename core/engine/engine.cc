@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -119,6 +120,7 @@ class Engine::Impl {
   std::vector<SessionInfo> ListSessions(std::string_view owner) const;
   absl::Status DeleteSession(std::string_view id, std::string_view owner);
   absl::StatusOr<std::vector<ExportedSession>> ExportSessions() const;
+  absl::StatusOr<ExportedSession> ExportSession(std::string_view id, std::string_view owner) const;
   absl::StatusOr<ImportedSession> ImportSession(const SessionImage& image);
   bool Drain(absl::Duration timeout);
   bool draining() const;
@@ -196,6 +198,18 @@ class Engine::Impl {
   // Takes mu_ itself: call without it.
   void Deliver(std::vector<Delivery>& out);
 
+  // Work on the cache from another thread (snapshots). Runs `work` at once, under mu_, when no
+  // request is in flight; else the loop runs it under mu_ between two steps while the caller
+  // waits. `work` must not take mu_.
+  struct LoopTask {
+    const std::function<void()>* work;
+    bool done = false;
+  };
+  void RunOnLoopLocked(std::unique_lock<std::mutex>& lock, const std::function<void()>& work) const;
+  void RunTasksLocked();  // the loop's side
+  ExportedSession ExportLocked(const Session& s) const;
+  absl::StatusOr<ImportedSession> ImportLocked(const SessionImage& image, absl::Time now);
+
   // Something for the loop to look at: wakes it.
   void KickLocked() {
     kicked_ = true;
@@ -210,15 +224,15 @@ class Engine::Impl {
   const std::unique_ptr<KvCacheBase> cache_;  // engine thread only (see the file comment)
 
   mutable std::mutex mu_;
-  std::condition_variable kick_cv_;  // KickedLocked() may have become true
-  std::condition_variable idle_cv_;  // IdleLocked() may have become true
+  mutable std::condition_variable kick_cv_;  // KickedLocked() may have become true
+  std::condition_variable idle_cv_;          // IdleLocked() may have become true
   // Guarded by mu_, from here to cache_stats_:
   std::unique_ptr<Scheduler> scheduler_;
   SessionStore sessions_;
   absl::flat_hash_map<RequestId, std::unique_ptr<Request>> requests_;
   std::vector<SeqId> seqs_to_free_;
   RequestId next_id_ = 1;
-  bool kicked_ = false;  // something for the loop to look at (set through KickLocked)
+  mutable bool kicked_ = false;  // something for the loop to look at (set through KickLocked)
   bool draining_ = false;
   bool stop_ = false;
   // Finishes taken out of requests_ whose OnFinish has not returned yet (Drain waits for them).
@@ -228,6 +242,9 @@ class Engine::Impl {
   // when one may have expired, not on every step).
   absl::Time next_session_expiry_ = absl::InfiniteFuture();
   KvCacheStats cache_stats_;
+  // RunOnLoopLocked's queue: tasks_ and their done flags under mu_; waiters on task_cv_.
+  mutable std::vector<LoopTask*> tasks_;
+  mutable std::condition_variable task_cv_;
 
   // Engine thread only: the step's batch, reused across steps.
   std::vector<SequenceChunk> batch_;
@@ -429,38 +446,91 @@ absl::Status Engine::Impl::DeleteSession(std::string_view id, std::string_view o
   return absl::OkStatus();
 }
 
-// The cache is the engine thread's, but with mu_ held and no request in the table no step
-// runs: the loop plans and frees under mu_, and forwards only the requests it holds.
+// The cache is the engine thread's. With mu_ held and no request in the table no step runs
+// (the loop plans and frees under mu_ and forwards only the requests it holds), so the caller
+// may touch it; otherwise RunOnLoopLocked hands the work to the loop between two steps.
+Engine::ExportedSession Engine::Impl::ExportLocked(const Session& s) const {
+  ExportedSession e;
+  SessionImage& image = e.image;
+  image.id = s.id;
+  image.owner = s.owner;
+  image.tokens = s.tokens;
+  image.idle_ttl = s.idle_ttl;
+  image.created = s.created;
+  image.last_used = s.last_used;
+  image.refresh = s.refresh;
+  if (s.seq >= 0 && s.cached > 0) {
+    absl::StatusOr<std::string> kv = cache_->ExportSequence(s.seq);
+    if (kv.ok()) {
+      image.cached = s.cached;
+      image.cache = *std::move(kv);
+      image.cache_layout = cache_->ImageLayout();
+    } else {
+      e.cache = kv.status();
+    }
+  }
+  return e;
+}
+
+void Engine::Impl::RunOnLoopLocked(std::unique_lock<std::mutex>& lock,
+                                   const std::function<void()>& work) const {
+  if (requests_.empty()) {
+    work();
+    return;
+  }
+  LoopTask task{&work};
+  tasks_.push_back(&task);
+  kicked_ = true;
+  kick_cv_.notify_one();
+  task_cv_.wait(lock, [&] { return task.done; });
+}
+
+void Engine::Impl::RunTasksLocked() {
+  if (tasks_.empty()) return;
+  for (LoopTask* t : tasks_) {
+    (*t->work)();
+    t->done = true;
+  }
+  tasks_.clear();
+  task_cv_.notify_all();
+}
+
 absl::StatusOr<std::vector<Engine::ExportedSession>> Engine::Impl::ExportSessions() const {
   const absl::Time now = absl::Now();
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!requests_.empty()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "sessions are exported only while no request runs (%d do): drain first", requests_.size()));
-  }
+  std::unique_lock<std::mutex> lock(mu_);
   std::vector<ExportedSession> out;
-  for (const Session* s : sessions_.All(now)) {
-    ExportedSession e;
-    SessionImage& image = e.image;
-    image.id = s->id;
-    image.owner = s->owner;
-    image.tokens = s->tokens;
-    image.idle_ttl = s->idle_ttl;
-    image.created = s->created;
-    image.last_used = s->last_used;
-    image.refresh = s->refresh;
-    if (s->seq >= 0 && s->cached > 0) {
-      absl::StatusOr<std::string> kv = cache_->ExportSequence(s->seq);
-      if (kv.ok()) {
-        image.cached = s->cached;
-        image.cache = *std::move(kv);
-        image.cache_layout = cache_->ImageLayout();
-      } else {
-        e.cache = kv.status();
-      }
+  RunOnLoopLocked(lock, [&] {
+    for (const Session* s : sessions_.All(now)) {
+      if (!s->busy()) out.push_back(ExportLocked(*s));
     }
-    out.push_back(std::move(e));
+  });
+  return out;
+}
+
+absl::StatusOr<Engine::ExportedSession> Engine::Impl::ExportSession(std::string_view id,
+                                                                    std::string_view owner) const {
+  const absl::Time now = absl::Now();
+  std::unique_lock<std::mutex> lock(mu_);
+  const Session* session = sessions_.FindOwned(id, owner, now);
+  if (session == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", absl::string_view(id.data(), id.size()), " not found"));
   }
+  if (session->busy()) {
+    return absl::FailedPreconditionError(absl::StrFormat("session %s is busy with request %d",
+                                                         session->id, session->active_request));
+  }
+  ExportedSession out;
+  // Submit may run meanwhile: the session is checked again on the loop.
+  RunOnLoopLocked(lock, [&] {
+    const Session* s = sessions_.FindOwned(id, owner, now);
+    if (s == nullptr || s->busy()) {
+      out.cache = absl::FailedPreconditionError("session changed while it was being exported");
+      return;
+    }
+    out = ExportLocked(*s);
+  });
+  if (out.image.id.empty()) return out.cache;
   return out;
 }
 
@@ -487,11 +557,15 @@ absl::StatusOr<Engine::ImportedSession> Engine::Impl::ImportSession(const Sessio
     if (absl::Status st = ValidateRefreshConfig(*image.refresh); !st.ok()) return st;
   }
   const absl::Time now = absl::Now();
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!requests_.empty()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "sessions are imported only while no request runs (%d do)", requests_.size()));
-  }
+  std::unique_lock<std::mutex> lock(mu_);
+  if (draining_ || stop_) return absl::UnavailableError("the engine is draining");
+  absl::StatusOr<ImportedSession> out;
+  RunOnLoopLocked(lock, [&] { out = ImportLocked(image, now); });
+  return out;
+}
+
+absl::StatusOr<Engine::ImportedSession> Engine::Impl::ImportLocked(const SessionImage& image,
+                                                                   absl::Time now) {
   sessions_.EvictExpired(now, &seqs_to_free_);
   absl::StatusOr<Session*> created = sessions_.Create(image.idle_ttl, now, image.id, image.owner);
   if (!created.ok()) return created.status();
@@ -566,6 +640,7 @@ void Engine::Impl::Loop() {
   while (true) {
     absl::Time now = absl::Now();
     kicked_ = false;
+    RunTasksLocked();
     ReapLocked(now, &out);
     cache_stats_ = cache_->Stats();  // reaped blocks show before the OnFinish calls
     if (stop_ && requests_.empty()) break;
@@ -680,6 +755,7 @@ void Engine::Impl::Loop() {
     if (config_.on_step) config_.on_step(step);
     lock.lock();
   }
+  RunTasksLocked();  // no caller waits on a loop that is gone
   cache_stats_ = cache_->Stats();
   lock.unlock();
   Deliver(out);
@@ -880,6 +956,10 @@ absl::Status Engine::DeleteSession(std::string_view id, std::string_view owner) 
 }
 absl::StatusOr<std::vector<Engine::ExportedSession>> Engine::ExportSessions() const {
   return impl_->ExportSessions();
+}
+absl::StatusOr<Engine::ExportedSession> Engine::ExportSession(std::string_view id,
+                                                              std::string_view owner) const {
+  return impl_->ExportSession(id, owner);
 }
 absl::StatusOr<Engine::ImportedSession> Engine::ImportSession(const SessionImage& image) {
   return impl_->ImportSession(image);

@@ -173,21 +173,26 @@ class Engine {
   // NOT_FOUND when unknown; a running request on it is cancelled first.
   absl::Status DeleteSession(std::string_view id, std::string_view owner = {});
 
-  // Session snapshots (session_snapshot.h), while no request runs -- after Drain, or before
-  // serving -- else FAILED_PRECONDITION.
-  // Every live session, expired ones aside. A session whose cache has no image (a cache kind
-  // without images, online refresh) comes with its tokens only: `cache` says why; restored, its
-  // next call prefills its history.
+  // Session snapshots (session_snapshot.h). They touch the cache between two of the loop's
+  // steps (at once when no request runs), so a call waits at most for one step.
+  // Every live idle session, expired ones aside. A session whose cache has no image (a cache
+  // kind without images, online refresh) comes with its tokens only: `cache` says why;
+  // restored, its next call prefills its history.
   struct ExportedSession {
     SessionImage image;
     absl::Status cache;
   };
   absl::StatusOr<std::vector<ExportedSession>> ExportSessions() const;
+  // One session, for its owner: NOT_FOUND as GetSession, FAILED_PRECONDITION while busy. It
+  // stays here: moving it is export, import elsewhere, then DeleteSession.
+  absl::StatusOr<ExportedSession> ExportSession(std::string_view id,
+                                                std::string_view owner = {}) const;
   // A session from an image, with its id, owner, TTL (counted from now), refresh and tokens;
   // its cached tokens too when the image's cache layout is this cache's and the pool has room
   // (else `cache` says why -- another layout, a full pool, a corrupt image -- and the next call
   // prefills the history). INVALID_ARGUMENT for tokens outside the vocabulary or the context;
-  // ALREADY_EXISTS when a live session has the id; RESOURCE_EXHAUSTED at max_sessions.
+  // ALREADY_EXISTS when a live session has the id; RESOURCE_EXHAUSTED at max_sessions;
+  // UNAVAILABLE while draining.
   struct ImportedSession {
     SessionInfo info;
     absl::Status cache;

@@ -51,7 +51,7 @@ TEST(SummarizeSecondsTest, NumpyLinearPercentiles) {
   EXPECT_EQ(empty.p99_ms, 0);
 }
 
-v1::GenerateRequest TokenRequest(std::vector<int32_t> ids, uint32_t max_new_tokens) {
+v1::GenerateRequest TokenRequest(const std::vector<int32_t>& ids, uint32_t max_new_tokens) {
   v1::GenerateRequest request;
   for (int32_t id : ids) request.mutable_tokens()->add_ids(id);
   request.mutable_sampling()->set_max_new_tokens(max_new_tokens);
@@ -226,10 +226,23 @@ TEST_F(ClientServerTest, SessionLifecycle) {
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_GT(got->tokens(), 0u);
 
+  // Exported, deleted and imported again (a move to the same server): the cache comes back.
+  absl::StatusOr<std::string> snapshot = client_->ExportSession(session->session_id());
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+  ASSERT_TRUE(client_->DeleteSession(session->session_id()).ok());
+  absl::StatusOr<v1::Session> back = client_->ImportSession(session->session_id(), *snapshot);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->tokens(), got->tokens());
+  EXPECT_EQ(back->cached_tokens(), got->cached_tokens());
+  EXPECT_EQ(client_->ImportSession(session->session_id(), *snapshot).status().code(),
+            absl::StatusCode::kAlreadyExists);
+
   ASSERT_TRUE(client_->DeleteSession(session->session_id()).ok());
   EXPECT_EQ(client_->GetSession(session->session_id()).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(client_->Generate(request).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->ExportSession(session->session_id()).status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 TEST_F(ClientServerTest, BenchRunsEveryRequestAndIsReproducible) {

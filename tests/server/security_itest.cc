@@ -235,6 +235,27 @@ class Caller {
     v1::Session session;
     return stub_->GetSession(&context, request, &session);
   }
+  // ExportSession's bytes, or its status.
+  grpc::Status Export(const std::string& id, std::string* snapshot) {
+    grpc::ClientContext context;
+    Prepare(context);
+    v1::ExportSessionRequest request;
+    request.set_session_id(id);
+    auto reader = stub_->ExportSession(&context, request);
+    for (v1::SessionSnapshotChunk chunk; reader->Read(&chunk);) *snapshot += chunk.data();
+    return reader->Finish();
+  }
+  grpc::Status Import(const std::string& snapshot) {
+    grpc::ClientContext context;
+    Prepare(context);
+    v1::Session session;
+    auto writer = stub_->ImportSession(&context, &session);
+    v1::SessionSnapshotChunk chunk;
+    chunk.set_data(snapshot);
+    writer->Write(chunk);
+    writer->WritesDone();
+    return writer->Finish();
+  }
   grpc::Status DeleteSession(const std::string& id) {
     grpc::ClientContext context;
     Prepare(context);
@@ -480,6 +501,15 @@ TEST_F(SecurityTest, SessionsBelongToTheTokenThatCreatedThem) {
   EXPECT_EQ(b.ListSessions(), std::vector<std::string>{*b_session});
   EXPECT_EQ(a.ListSessions(), std::vector<std::string>{*session});
   EXPECT_EQ(a.GetSession(*b_session).error_code(), grpc::StatusCode::NOT_FOUND);
+  // Only the owner exports it, and only the owner's credentials import it.
+  std::string snapshot;
+  expect_hidden(b.Export(*session, &snapshot));
+  EXPECT_TRUE(snapshot.empty());
+  ASSERT_TRUE(a.Export(*session, &snapshot).ok());
+  EXPECT_FALSE(snapshot.empty());
+  const grpc::Status stolen = b.Import(snapshot);
+  EXPECT_EQ(stolen.error_code(), grpc::StatusCode::PERMISSION_DENIED) << stolen.error_message();
+  EXPECT_EQ(a.Import(snapshot).error_code(), grpc::StatusCode::ALREADY_EXISTS);
   EXPECT_TRUE(a.DeleteSession(*session).ok());
   EXPECT_TRUE(b.DeleteSession(*b_session).ok());
 }

@@ -155,6 +155,75 @@ INSTANTIATE_TEST_SUITE_P(Caches, SessionRestartTest,
                            return std::string(runtime::KvCacheKindName(info.param));
                          });
 
+absl::StatusOr<std::string> Export(v1::Subspace::Stub& stub, const std::string& id) {
+  grpc::ClientContext context;
+  v1::ExportSessionRequest request;
+  request.set_session_id(id);
+  auto reader = stub.ExportSession(&context, request);
+  std::string bytes;
+  int chunks = 0;
+  for (v1::SessionSnapshotChunk chunk; reader->Read(&chunk); ++chunks) bytes += chunk.data();
+  const grpc::Status st = reader->Finish();
+  if (!st.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(st.error_code()), st.error_message());
+  }
+  EXPECT_EQ(chunks, static_cast<int>((bytes.size() + (1 << 20) - 1) >> 20));
+  return bytes;
+}
+
+// Uploads `bytes` in pieces of `piece` bytes.
+grpc::Status Import(v1::Subspace::Stub& stub, const std::string& bytes, v1::Session* session,
+                    size_t piece = 1000) {
+  grpc::ClientContext context;
+  auto writer = stub.ImportSession(&context, session);
+  for (size_t at = 0; at < bytes.size(); at += piece) {
+    v1::SessionSnapshotChunk chunk;
+    chunk.set_data(bytes.substr(at, piece));
+    if (!writer->Write(chunk)) break;
+  }
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+// ExportSession on one server, ImportSession on another: the session moves with its cache and
+// continues there as it would have here.
+TEST(SessionMoveRpcTest, ExportedSessionContinuesOnAnotherServer) {
+  server::ServerAppConfig config = TestServerConfig();
+  absl::StatusOr<std::unique_ptr<server::ServerApp>> a = server::ServerApp::Start(config);
+  absl::StatusOr<std::unique_ptr<server::ServerApp>> b = server::ServerApp::Start(config);
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto stub_a = v1::Subspace::NewStub(ChannelTo((*a)->port()));
+  auto stub_b = v1::Subspace::NewStub(ChannelTo((*b)->port()));
+  const std::string id = CreateSession(*stub_a);
+  Generate(*stub_a, id, "The quick brown fox jumps over the lazy dog and keeps on running", 60);
+
+  absl::StatusOr<std::string> snapshot = Export(*stub_a, id);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+  EXPECT_EQ(Export(*stub_a, "no-such-session").status().code(), absl::StatusCode::kNotFound);
+  v1::Session moved;
+  const grpc::Status imported = Import(*stub_b, *snapshot, &moved);
+  ASSERT_TRUE(imported.ok()) << imported.error_message();
+  EXPECT_EQ(moved.session_id(), id);
+  EXPECT_EQ(moved.cached_tokens(), moved.tokens() - 1);
+
+  const Turn here = Generate(*stub_a, id, " then the dog wakes up", 30);
+  const Turn there = Generate(*stub_b, id, " then the dog wakes up", 30);
+  EXPECT_EQ(there.tokens, here.tokens);
+  EXPECT_EQ(there.reused, here.reused);
+  EXPECT_EQ(there.reused, moved.cached_tokens());
+
+  // Refused, and the server keeps serving: the same id again, a cut or corrupted snapshot.
+  v1::Session none;
+  EXPECT_EQ(Import(*stub_b, *snapshot, &none).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(Import(*stub_b, snapshot->substr(0, snapshot->size() / 2), &none).error_code(),
+            grpc::StatusCode::DATA_LOSS);
+  std::string corrupt = *snapshot;
+  corrupt[corrupt.size() / 2] ^= 0x10;
+  EXPECT_EQ(Import(*stub_b, corrupt, &none).error_code(), grpc::StatusCode::DATA_LOSS);
+  EXPECT_EQ(Import(*stub_b, "", &none).error_code(), grpc::StatusCode::DATA_LOSS);
+  EXPECT_EQ(Generate(*stub_b, id, " and", 3).tokens.size(), 3u);
+}
+
 // The binary: SIGTERM drains, writes the session and exits 0; started again on the directory
 // it serves the session.
 TEST(SessionRestartBinaryTest, SigtermWritesSessionsAndARestartServesThem) {

@@ -381,6 +381,47 @@ TEST(SessionMoveTest, AnotherCacheKeepsTheTokensAndRecomputes) {
   EXPECT_EQ(got.tokens, want.tokens);
 }
 
+// A live engine exports and imports between its steps while other requests run: the copy,
+// under another id, continues exactly as the original.
+TEST(SessionMoveTest, ExportAndImportWhileRequestsRun) {
+  auto engine = EngineWith([](const ModelConfig& mc) { return Compressed(mc, false); });
+  ASSERT_NE(engine, nullptr);
+  const int32_t vocab = engine->model_config().n_vocab;
+  absl::StatusOr<SessionInfo> session = engine->CreateSession(absl::ZeroDuration(), {}, "alice");
+  ASSERT_TRUE(session.ok());
+  GenerateRequest first = Greedy(RandomPrompt(11, 40, vocab), 10, session->id);
+  first.session_owner = "alice";
+  ASSERT_TRUE(Generate(*engine, first).result.status.ok());
+
+  // Requests that keep the loop busy meanwhile.
+  std::vector<std::shared_ptr<TestObserver>> busy;
+  for (int i = 0; i < 3; ++i) {
+    busy.push_back(std::make_shared<TestObserver>());
+    ASSERT_TRUE(engine->Submit(Greedy(RandomPrompt(30 + i, 20, vocab), 90), busy.back()).ok());
+  }
+  EXPECT_EQ(engine->ExportSession(session->id, "bob").status().code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<Engine::ExportedSession> exported = engine->ExportSession(session->id, "alice");
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  ASSERT_TRUE(exported->cache.ok());
+  SessionImage copy = exported->image;
+  copy.id = "copy-of-the-session-0123456789abcdef";
+  absl::StatusOr<Engine::ImportedSession> imported = engine->ImportSession(copy);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_TRUE(imported->cache.ok()) << imported->cache;
+  for (auto& obs : busy) {
+    ASSERT_TRUE(obs->WaitDone());
+    EXPECT_TRUE(obs->result().status.ok());
+  }
+  GenerateRequest next = Greedy({40, 41, 42, 43}, 12, session->id);
+  next.session_owner = "alice";
+  Output want = Generate(*engine, next);
+  next.session_id = copy.id;
+  Output got = Generate(*engine, next);
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(got.result.usage.reused_tokens, want.result.usage.reused_tokens);
+  EXPECT_EQ(got.result.usage.reused_tokens, 49);
+}
+
 TEST(SessionMoveTest, RefreshingSessionsGoOutAsTokensAndBadImagesAreRefused) {
   auto a = EngineWith([](const ModelConfig& mc) { return Compressed(mc, true); });
   ASSERT_NE(a, nullptr);
