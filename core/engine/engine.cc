@@ -567,6 +567,7 @@ absl::StatusOr<Engine::ImportedSession> Engine::Impl::ImportSession(const Sessio
 absl::StatusOr<Engine::ImportedSession> Engine::Impl::ImportLocked(const SessionImage& image,
                                                                    absl::Time now) {
   sessions_.EvictExpired(now, &seqs_to_free_);
+  if (!seqs_to_free_.empty()) KickLocked();  // the loop frees what expired sessions held
   absl::StatusOr<Session*> created = sessions_.Create(image.idle_ttl, now, image.id, image.owner);
   if (!created.ok()) return created.status();
   Session& s = **created;
