@@ -15,7 +15,6 @@
 #include <tuple>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/base/int_math.h"
@@ -154,13 +153,7 @@ absl::StatusOr<SeqId> CompressedKvCache::ImportSequence(std::string_view image) 
   const KvCacheGeometry& g = config_.geometry;
   const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = config_.block_size;
   ImageReader r(image, "KV cache image");
-  absl::StatusOr<std::string_view> layout = r.Bytes("layout", 4096);
-  if (!layout.ok()) return layout.status();
-  if (*layout != ImageLayout()) {
-    return absl::FailedPreconditionError(absl::StrCat("KV cache image of another cache: '",
-                                                      std::string(*layout), "', this one is '",
-                                                      ImageLayout(), "'"));
-  }
+  if (absl::Status st = r.ExpectLayout(ImageLayout()); !st.ok()) return st;
   const int64_t max_tokens = pool_->num_blocks() * bs;
   absl::StatusOr<int64_t> length = r.Int("length", 0, max_tokens);
   if (!length.ok()) return length.status();

@@ -10,7 +10,6 @@
 #include <limits>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/base/int_math.h"
 #include "core/cpu/attention_kernels.h"
@@ -167,13 +166,7 @@ absl::StatusOr<std::string> PagedKvCache::ExportSequence(SeqId seq) const {
 
 absl::StatusOr<SeqId> PagedKvCache::ImportSequence(std::string_view image) {
   ImageReader r(image, "KV cache image");
-  absl::StatusOr<std::string_view> layout = r.Bytes("layout", 1024);
-  if (!layout.ok()) return layout.status();
-  if (*layout != ImageLayout()) {
-    return absl::FailedPreconditionError(absl::StrCat("KV cache image of another cache: '",
-                                                      std::string(*layout), "', this one is '",
-                                                      ImageLayout(), "'"));
-  }
+  if (absl::Status st = r.ExpectLayout(ImageLayout()); !st.ok()) return st;
   const int64_t max_tokens = pool_->num_blocks() * block_size_;
   absl::StatusOr<int64_t> length = r.Int("length", 0, max_tokens);
   if (!length.ok()) return length.status();

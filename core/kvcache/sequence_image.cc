@@ -37,6 +37,17 @@ absl::StatusOr<std::string_view> ImageReader::Bytes(std::string_view field, uint
   return Raw(field, *n);
 }
 
+absl::Status ImageReader::ExpectLayout(std::string_view want) {
+  absl::StatusOr<std::string_view> layout = Bytes("layout", 4096);
+  if (!layout.ok()) return layout.status();
+  if (*layout != want) {
+    return absl::FailedPreconditionError(absl::StrCat("KV cache image of another cache: '",
+                                                      std::string(*layout), "', this one is '",
+                                                      std::string(want), "'"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ImageReader::ExpectEnd() const {
   if (left() != 0) return Corrupt(absl::StrFormat("%d bytes past its end", left()));
   return absl::OkStatus();

@@ -57,6 +57,9 @@ class ImageReader {
   absl::StatusOr<std::string_view> Raw(std::string_view field, uint64_t n);
   // DATA_LOSS unless every byte was read.
   absl::Status ExpectEnd() const;
+  // Reads the layout line an image starts with (KvCacheBase::ImageLayout, written as Bytes):
+  // FAILED_PRECONDITION naming both when it is not `want`.
+  absl::Status ExpectLayout(std::string_view want);
 
   size_t left() const { return data_.size() - pos_; }
   absl::Status Corrupt(std::string_view why) const;
