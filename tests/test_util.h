@@ -4,6 +4,7 @@
 #define SUBSPACE_TESTS_TEST_UTIL_H_
 
 #include <string>
+#include <vector>
 
 namespace subspace::testing {
 
@@ -18,6 +19,21 @@ bool FileExists(const std::string& path);
 // True when running under CI (env CI=true): missing fixtures must fail, not skip.
 bool InCi();
 std::string ReadFileOrDie(const std::string& path);
+
+// A fresh directory under the test's temporary folder, removed with everything in it.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix = "subspace");
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+// The names of the entries of `dir`, sorted (empty when it cannot be read).
+std::vector<std::string> FilesIn(const std::string& dir);
 
 }  // namespace subspace::testing
 

@@ -100,12 +100,14 @@ bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, 
 class Engine::Impl {
  public:
   Impl(EngineConfig config, std::shared_ptr<ModelRunner> model,
-       std::shared_ptr<const Tokenizer> tokenizer, std::unique_ptr<KvCacheBase> cache)
+       std::shared_ptr<const Tokenizer> tokenizer, std::unique_ptr<KvCacheBase> cache,
+       std::unique_ptr<SessionTiers> tiers)
       : config_(std::move(config)),
         model_(std::move(model)),
         tokenizer_(std::move(tokenizer)),
         cache_(std::move(cache)),
-        sessions_(config_.max_sessions, config_.default_session_ttl) {}
+        tiers_(std::move(tiers)),
+        sessions_(config_.max_sessions, config_.default_session_ttl, tiers_.get()) {}
 
   absl::Status Start();
   ~Impl();
@@ -186,8 +188,19 @@ class Engine::Impl {
   // queues OnFinish and forgets the request.
   void FinishLocked(Request& r, FinishReason reason, absl::Status status, absl::Time now,
                     std::vector<Delivery>* out);
-  // The scheduler's reclaim hook: drops the cache of the least recently used idle session.
+  // The scheduler's reclaim hook: frees the pool blocks of the least recently used idle
+  // session, its cache moving to the session tiers when there are some.
   bool ReclaimIdleLocked();
+  // Brings a tiered session's cache back into the pool before a call on it (or, failing that,
+  // leaves it with nothing cached). Releases mu_ while a tier reads its image.
+  void RestoreTieredLocked(std::unique_lock<std::mutex>& lock, std::string_view id,
+                           std::string_view owner, absl::Time now);
+  // A cache sequence from an image of this engine's cache (ImportSession, the tiers): checks
+  // its layout and length and applies `refresh`; with `reclaim`, gives up idle sessions' pool
+  // blocks (to the tiers) while the pool is short.
+  absl::StatusOr<SeqId> ImportCacheLocked(const SessionImage& image,
+                                          const std::optional<RefreshConfig>& refresh,
+                                          bool reclaim);
   void FreeSeqLocked(SeqId seq);
   Outcome SampleAndDecode(Request& r, std::span<float> logits);
   // The rest of SampleAndDecode, for a token sampled on the device or the host.
@@ -221,7 +234,8 @@ class Engine::Impl {
   const EngineConfig config_;
   const std::shared_ptr<ModelRunner> model_;
   const std::shared_ptr<const Tokenizer> tokenizer_;
-  const std::unique_ptr<KvCacheBase> cache_;  // engine thread only (see the file comment)
+  const std::unique_ptr<KvCacheBase> cache_;   // engine thread only (see the file comment)
+  const std::unique_ptr<SessionTiers> tiers_;  // null: none (thread-safe itself)
 
   mutable std::mutex mu_;
   mutable std::condition_variable kick_cv_;  // KickedLocked() may have become true
@@ -238,6 +252,7 @@ class Engine::Impl {
   // Finishes taken out of requests_ whose OnFinish has not returned yet (Drain waits for them).
   int64_t undelivered_finishes_ = 0;
   int64_t steps_total_ = 0;
+  int64_t tier_restores_failed_ = 0;
   // No idle session expires before this (a lower bound, so the sessions are scanned only
   // when one may have expired, not on every step).
   absl::Time next_session_expiry_ = absl::InfiniteFuture();
@@ -302,10 +317,13 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
   if (absl::Status st = ValidateSamplingParams(request.sampling); !st.ok()) return st;
 
   const absl::Time now = absl::Now();
-  std::lock_guard<std::mutex> lock(mu_);
-  if (draining_ || stop_) return absl::UnavailableError("the engine is draining");
+  std::unique_lock<std::mutex> lock(mu_);
   Session* session = nullptr;
-  if (!request.session_id.empty()) {
+  // A session's cache in a tier comes back first (a few tries: under pool pressure the loop may
+  // give it up again before this thread gets the lock back).
+  for (int attempt = 0;; ++attempt) {
+    if (draining_ || stop_) return absl::UnavailableError("the engine is draining");
+    if (request.session_id.empty()) break;
     session = sessions_.FindOwned(request.session_id, request.session_owner, now);
     if (session == nullptr) {
       return absl::NotFoundError(absl::StrCat("session ", request.session_id, " not found"));
@@ -314,6 +332,15 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
       return absl::FailedPreconditionError(absl::StrFormat(
           "session %s is busy with request %d", request.session_id, session->active_request));
     }
+    if (!session->tiered) break;
+    if (attempt == 3) {
+      tiers_->Erase(session->id);
+      session->tiered = false;
+      session->cached = 0;
+      ++tier_restores_failed_;
+      break;
+    }
+    RestoreTieredLocked(lock, request.session_id, request.session_owner, now);
   }
   const bool replaces = session != nullptr && request.prompt_replaces_history;
   // Tokens of the session's cache the new conversation keeps: its common prefix with the old
@@ -406,7 +433,7 @@ absl::StatusOr<SessionInfo> Engine::Impl::CreateSession(absl::Duration idle_ttl,
   (*session)->refresh = refresh;
   next_session_expiry_ = std::min(next_session_expiry_, now + (*session)->idle_ttl);
   KickLocked();  // the loop may be asleep until a later expiry
-  return (*session)->Info();
+  return (*session)->Info(tiers_.get());
 }
 
 absl::StatusOr<SessionInfo> Engine::Impl::GetSession(std::string_view id,
@@ -418,7 +445,7 @@ absl::StatusOr<SessionInfo> Engine::Impl::GetSession(std::string_view id,
     return absl::NotFoundError(
         absl::StrCat("session ", absl::string_view(id.data(), id.size()), " not found"));
   }
-  return session->Info();
+  return session->Info(tiers_.get());
 }
 
 std::vector<SessionInfo> Engine::Impl::ListSessions(std::string_view owner) const {
@@ -459,7 +486,16 @@ Engine::ExportedSession Engine::Impl::ExportLocked(const Session& s) const {
   image.created = s.created;
   image.last_used = s.last_used;
   image.refresh = s.refresh;
-  if (s.seq >= 0 && s.cached > 0) {
+  if (s.tiered) {
+    absl::StatusOr<SessionImage> kept = tiers_->Get(s.id);
+    if (kept.ok()) {
+      image.cached = kept->cached;
+      image.cache = std::move(kept->cache);
+      image.cache_layout = std::move(kept->cache_layout);
+    } else {
+      e.cache = kept.status();
+    }
+  } else if (s.seq >= 0 && s.cached > 0) {
     absl::StatusOr<std::string> kv = cache_->ExportSequence(s.seq);
     if (kv.ok()) {
       image.cached = s.cached;
@@ -576,37 +612,75 @@ absl::StatusOr<Engine::ImportedSession> Engine::Impl::ImportLocked(const Session
   s.refresh = image.refresh;
   ImportedSession out;
   if (image.cached > 0) {
-    if (image.cache_layout != cache_->ImageLayout()) {
-      out.cache = absl::FailedPreconditionError(
-          absl::StrCat("its KV cache image is of another cache configuration ('",
-                       image.cache_layout, "'; this server's is '", cache_->ImageLayout(), "')"));
+    absl::StatusOr<SeqId> seq = ImportCacheLocked(image, s.refresh, /*reclaim=*/false);
+    if (seq.ok()) {
+      s.seq = *seq;
+      s.cached = image.cached;
+    } else if (absl::IsResourceExhausted(seq.status()) && tiers_ != nullptr && tiers_->Put(image)) {
+      // No room in the pool: it waits in a tier, as if it had been given up for room.
+      s.tiered = true;
+      s.cached = image.cached;
     } else {
-      absl::StatusOr<SeqId> seq = cache_->ImportSequence(image.cache);
-      if (seq.ok() && cache_->Length(*seq) != image.cached) {
-        const int64_t length = cache_->Length(*seq);
-        FreeSeqLocked(*seq);
-        seq = absl::DataLossError(
-            absl::StrFormat("its KV cache image holds %d tokens, not %d", length, image.cached));
-      }
-      if (seq.ok() && s.refresh.has_value()) {
-        if (absl::Status st = cache_->SetSequenceRefresh(*seq, *s.refresh); !st.ok()) {
-          FreeSeqLocked(*seq);
-          seq = st;
-        }
-      }
-      if (seq.ok()) {
-        s.seq = *seq;
-        s.cached = image.cached;
-      } else {
-        out.cache = seq.status();
-      }
+      out.cache = seq.status();
     }
   }
   next_session_expiry_ = std::min(next_session_expiry_, now + s.idle_ttl);
   cache_stats_ = cache_->Stats();
   KickLocked();
-  out.info = s.Info();
+  out.info = s.Info(tiers_.get());
   return out;
+}
+
+absl::StatusOr<SeqId> Engine::Impl::ImportCacheLocked(const SessionImage& image,
+                                                      const std::optional<RefreshConfig>& refresh,
+                                                      bool reclaim) {
+  if (image.cache_layout != cache_->ImageLayout()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("its KV cache image is of another cache configuration ('", image.cache_layout,
+                     "'; this server's is '", cache_->ImageLayout(), "')"));
+  }
+  absl::StatusOr<SeqId> seq = cache_->ImportSequence(image.cache);
+  while (reclaim && absl::IsResourceExhausted(seq.status()) && ReclaimIdleLocked()) {
+    seq = cache_->ImportSequence(image.cache);
+  }
+  if (!seq.ok()) return seq.status();
+  if (cache_->Length(*seq) != image.cached) {
+    const int64_t length = cache_->Length(*seq);
+    FreeSeqLocked(*seq);
+    return absl::DataLossError(
+        absl::StrFormat("its KV cache image holds %d tokens, not %d", length, image.cached));
+  }
+  if (refresh.has_value()) {
+    if (absl::Status st = cache_->SetSequenceRefresh(*seq, *refresh); !st.ok()) {
+      FreeSeqLocked(*seq);
+      return st;
+    }
+  }
+  return seq;
+}
+
+void Engine::Impl::RestoreTieredLocked(std::unique_lock<std::mutex>& lock, std::string_view id,
+                                       std::string_view owner, absl::Time now) {
+  lock.unlock();
+  absl::StatusOr<SessionImage> image = tiers_->Take(id);
+  lock.lock();
+  RunOnLoopLocked(lock, [&] {
+    Session* s = sessions_.FindOwned(id, owner, now);
+    // Restored, deleted or taken by another call meanwhile: that call decided.
+    if (s == nullptr || s->busy() || !s->tiered) return;
+    s->tiered = false;
+    absl::StatusOr<SeqId> seq =
+        image.ok() ? ImportCacheLocked(*image, s->refresh, /*reclaim=*/true) : image.status();
+    if (seq.ok()) {
+      s->seq = *seq;
+      s->cached = image->cached;
+      s->last_used = now;  // in use: the last session to give up for room
+    } else {
+      s->cached = 0;
+      ++tier_restores_failed_;
+    }
+    cache_stats_ = cache_->Stats();
+  });
 }
 
 bool Engine::Impl::Drain(absl::Duration timeout) {
@@ -629,6 +703,8 @@ EngineStats Engine::Impl::Stats() const {
   s.preemptions_total = scheduler_->preemptions_total();
   s.steps_total = steps_total_;
   s.cache = cache_stats_;
+  if (tiers_ != nullptr) s.tiers = tiers_->Stats();
+  s.tier_restores_failed_total = tier_restores_failed_;
   return s;
 }
 
@@ -822,9 +898,14 @@ void Engine::Impl::FinishLocked(Request& r, FinishReason reason, absl::Status st
 bool Engine::Impl::ReclaimIdleLocked() {
   Session* s = sessions_.LeastRecentlyUsedCached();
   if (s == nullptr) return false;
+  if (tiers_ != nullptr && s->cached > 0) {
+    // A cache kind without images (the transform cache, online refresh) is dropped as before.
+    ExportedSession e = ExportLocked(*s);
+    if (e.cache.ok() && e.image.cached > 0 && tiers_->Put(std::move(e.image))) s->tiered = true;
+  }
   FreeSeqLocked(s->seq);
   s->seq = -1;
-  s->cached = 0;
+  if (!s->tiered) s->cached = 0;
   return true;
 }
 
@@ -926,8 +1007,16 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineConfig config,
   if (config.default_session_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("default_session_ttl must be positive");
   }
+  std::unique_ptr<SessionTiers> tiers;
+  if (config.session_tiers.enabled()) {
+    // A tier's file holds at most a session's share of the pool (plus its bases).
+    config.session_tiers.max_image_bytes = 2 * cache->Stats().bytes_total + (int64_t{256} << 20);
+    absl::StatusOr<std::unique_ptr<SessionTiers>> made = SessionTiers::Create(config.session_tiers);
+    if (!made.ok()) return made.status();
+    tiers = *std::move(made);
+  }
   auto impl = std::make_unique<Impl>(std::move(config), std::move(model), std::move(tokenizer),
-                                     std::move(cache));
+                                     std::move(cache), std::move(tiers));
   if (absl::Status st = impl->Start(); !st.ok()) return st;
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }

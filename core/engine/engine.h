@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/engine/session_snapshot.h"
+#include "core/engine/session_tiers.h"
 #include "core/kvcache/kv_cache.h"
 #include "core/kvcache/refresh_config.h"
 #include "core/model/model_runner.h"
@@ -40,6 +41,10 @@ struct EngineConfig {
   int max_queue = 256;         // waiting requests; more get RESOURCE_EXHAUSTED
   int max_sessions = 1024;     // more get RESOURCE_EXHAUSTED
   absl::Duration default_session_ttl = absl::Minutes(10);
+  // Where idle sessions' caches go when the pool needs their blocks (session_tiers.h); none
+  // enabled: they are dropped, and the next call prefills the conversation again. The engine
+  // sets max_image_bytes from its pool.
+  SessionTierOptions session_tiers;
   // Called on the engine thread after each step; must not block.
   std::function<void(const StepStats&)> on_step;
 };
@@ -111,6 +116,9 @@ struct SessionInfo {
   absl::Time created;
   absl::Time last_used;
   bool busy = false;
+  // Where cached_tokens are: the pool, a tier (the next call restores them before prefilling
+  // its new tokens), or nowhere (cached_tokens 0).
+  CacheLocation cache_location = CacheLocation::kNone;
   RefreshMethod refresh_method = RefreshMethod::kNone;  // as set at creation (none: the default)
 };
 
@@ -121,6 +129,10 @@ struct EngineStats {
   int64_t preemptions_total = 0;
   int64_t steps_total = 0;
   KvCacheStats cache;
+  SessionTierStats tiers;
+  // Calls on a tiered session whose image could not come back (dropped for room, a disk error,
+  // no room in the pool): they prefilled the conversation again.
+  int64_t tier_restores_failed_total = 0;
 };
 
 using RequestId = uint64_t;

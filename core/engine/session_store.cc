@@ -14,11 +14,17 @@
 
 namespace subspace {
 
-SessionInfo Session::Info() const {
+SessionInfo Session::Info(const SessionTiers* tiers) const {
   SessionInfo info;
   info.id = id;
   info.tokens = static_cast<int64_t>(tokens.size());
   info.cached_tokens = cached;
+  if (tiered) {
+    info.cache_location = tiers == nullptr ? CacheLocation::kNone : tiers->Where(id);
+    if (info.cache_location == CacheLocation::kNone) info.cached_tokens = 0;  // dropped
+  } else if (seq >= 0 && cached > 0) {
+    info.cache_location = CacheLocation::kPool;
+  }
   info.idle_ttl = idle_ttl;
   info.created = created;
   info.last_used = last_used;
@@ -84,6 +90,7 @@ bool SessionStore::Erase(std::string_view id, std::vector<SeqId>* seqs_to_free) 
   auto it = sessions_.find(absl::string_view(id.data(), id.size()));
   if (it == sessions_.end()) return false;
   if (it->second->seq >= 0) seqs_to_free->push_back(it->second->seq);
+  if (it->second->tiered && tiers_ != nullptr) tiers_->Erase(it->first);
   sessions_.erase(it);
   return true;
 }
@@ -92,6 +99,7 @@ void SessionStore::EvictExpired(absl::Time now, std::vector<SeqId>* seqs_to_free
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     if (it->second->Expired(now)) {
       if (it->second->seq >= 0) seqs_to_free->push_back(it->second->seq);
+      if (it->second->tiered && tiers_ != nullptr) tiers_->Erase(it->first);
       sessions_.erase(it++);
     } else {
       ++it;
@@ -119,7 +127,7 @@ Session* SessionStore::LeastRecentlyUsedCached() {
 std::vector<SessionInfo> SessionStore::List(std::string_view owner, absl::Time now) const {
   std::vector<SessionInfo> out;
   for (const auto& [id, s] : sessions_) {
-    if (!s->Expired(now) && s->owner == owner) out.push_back(s->Info());
+    if (!s->Expired(now) && s->owner == owner) out.push_back(s->Info(tiers_));
   }
   return out;
 }

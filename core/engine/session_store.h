@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/engine/engine.h"
+#include "core/engine/session_tiers.h"
 #include "core/kvcache/kv_cache.h"
 #include "core/kvcache/refresh_config.h"
 
@@ -31,6 +32,9 @@ struct Session {
   // none, or while a request has it (the scheduler owns it then).
   SeqId seq = -1;
   int64_t cached = 0;
+  // Its cache was moved out of the pool to the session tiers (seq is -1; `cached` counts the
+  // tokens of the image there, if a tier still holds it).
+  bool tiered = false;
   absl::Duration idle_ttl;
   absl::Time created;
   absl::Time last_used;
@@ -41,7 +45,8 @@ struct Session {
   bool busy() const { return active_request != 0; }
   // Busy sessions never expire: the TTL counts from the end of the last call.
   bool Expired(absl::Time now) const { return !busy() && now >= last_used + idle_ttl; }
-  SessionInfo Info() const;
+  // `tiers`: where a tiered session's image is (null: no tiers).
+  SessionInfo Info(const SessionTiers* tiers) const;
 };
 
 // 128 random bits from the OS CSPRNG as 32 lowercase hex digits: unguessable, so an id is
@@ -51,8 +56,10 @@ absl::StatusOr<std::string> NewSessionId();
 // Not thread-safe; the engine guards it with its lock.
 class SessionStore {
  public:
-  SessionStore(int max_sessions, absl::Duration default_ttl)
-      : max_sessions_(max_sessions), default_ttl_(default_ttl) {}
+  // `tiers` (may be null) hold the images of tiered sessions: erasing such a session erases its
+  // image, and its info says where the image is.
+  SessionStore(int max_sessions, absl::Duration default_ttl, SessionTiers* tiers = nullptr)
+      : max_sessions_(max_sessions), default_ttl_(default_ttl), tiers_(tiers) {}
 
   // `idle_ttl` zero means the default. INVALID_ARGUMENT for a negative TTL;
   // RESOURCE_EXHAUSTED at max_sessions (expire first: expired sessions still count).
@@ -67,9 +74,10 @@ class SessionStore {
   // session is indistinguishable from one that does not exist.
   Session* FindOwned(std::string_view id, std::string_view owner, absl::Time now);
   const Session* FindOwned(std::string_view id, std::string_view owner, absl::Time now) const;
-  // Removes a session; its cache sequence (if any) goes to `seqs_to_free`. False if unknown.
+  // Removes a session; its cache sequence (if any) goes to `seqs_to_free`, its tiered image (if
+  // any) is erased. False if unknown.
   bool Erase(std::string_view id, std::vector<SeqId>* seqs_to_free);
-  // Removes every expired session; their sequences go to `seqs_to_free`.
+  // Removes every expired session, as Erase does.
   void EvictExpired(absl::Time now, std::vector<SeqId>* seqs_to_free);
   // When the next idle session expires; InfiniteFuture when none can.
   absl::Time NextExpiry() const;
@@ -84,6 +92,7 @@ class SessionStore {
  private:
   int max_sessions_;
   absl::Duration default_ttl_;
+  SessionTiers* tiers_;
   absl::flat_hash_map<std::string, std::unique_ptr<Session>> sessions_;
 };
 

@@ -20,39 +20,15 @@
 #include "proto/subspace.grpc.pb.h"
 #include "server/server_app.h"
 #include "tests/server/server_test_util.h"
+#include "tests/test_util.h"
 
 namespace subspace {
 namespace {
 
 using ::subspace::testing::ChannelTo;
+using ::subspace::testing::FilesIn;
+using ::subspace::testing::TempDir;
 using ::subspace::testing::TestServerConfig;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = ::testing::TempDir() + "/sessions_XXXXXX";
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() { std::system(absl::StrCat("rm -rf '", path_, "'").c_str()); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-std::vector<std::string> FilesIn(const std::string& dir) {
-  std::vector<std::string> out;
-  const std::string list = absl::StrCat("ls -1 '", dir, "' 2>/dev/null");
-  FILE* p = popen(list.c_str(), "r");
-  char line[512];
-  while (p != nullptr && fgets(line, sizeof(line), p) != nullptr) {
-    std::string s(line);
-    if (!s.empty() && s.back() == '\n') s.pop_back();
-    out.push_back(s);
-  }
-  if (p != nullptr) pclose(p);
-  return out;
-}
 
 struct Turn {
   std::vector<int32_t> tokens;

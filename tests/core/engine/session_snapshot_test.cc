@@ -23,11 +23,13 @@
 #include "core/kvcache/paged_kv_cache.h"
 #include "gtest/gtest.h"
 #include "tests/core/engine/engine_test_util.h"
+#include "tests/test_util.h"
 
 namespace subspace {
 namespace {
 
 using namespace ::subspace::engine_test;  // NOLINT: the shared helpers
+using ::subspace::testing::TempDir;
 
 const SnapshotIdentity kModel{.model_checksum = 0x1234abcd5678ef00ull, .model_name = "tiny"};
 constexpr uint64_t kMaxSection = uint64_t{1} << 26;
@@ -126,19 +128,6 @@ TEST(SessionSnapshotTest, AnotherModelOrANewerVersionIsNamed) {
   EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
   EXPECT_TRUE(absl::StrContains(st.message(), "more than the limit")) << st;
 }
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = ::testing::TempDir() + "/snapshots_XXXXXX";
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() { std::system(absl::StrCat("rm -rf '", path_, "'").c_str()); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 TEST(SnapshotDirectoryTest, WritesListsReadsRemovesAndRejects) {
   TempDir tmp;

@@ -1,0 +1,191 @@
+// The engine with session tiers: an idle session's cache given up for room goes to the host
+// tier or the disk tier and comes back before the session's next call, which then prefills only
+// its new tokens and continues exactly as the uninterrupted conversation; a cache no tier could
+// keep is recomputed (never anything wrong); deletion erases the image, an export carries it,
+// and an import into a full pool waits in a tier.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "core/engine/engine.h"
+#include "gtest/gtest.h"
+#include "tests/core/engine/engine_test_util.h"
+#include "tests/test_util.h"
+
+namespace subspace {
+namespace {
+
+using namespace ::subspace::engine_test;  // NOLINT: the shared helpers
+using ::subspace::testing::FilesIn;
+using ::subspace::testing::TempDir;
+
+// 36 blocks = 18 per layer = 144 tokens: the big request grows to 16 per layer, so an idle
+// session of 30 tokens (4 per layer) must leave the pool.
+constexpr int64_t kBlocks = 36;
+
+EngineConfig WithTiers(int64_t host_bytes, std::string disk_dir = "", int64_t disk_bytes = 0) {
+  EngineConfig c;
+  c.session_tiers.host_bytes = host_bytes;
+  c.session_tiers.disk_dir = std::move(disk_dir);
+  c.session_tiers.disk_bytes = disk_bytes;
+  return c;
+}
+
+// Polls until the session's cache is at `where` (a disk tier writes in the background).
+bool WaitForLocation(Engine& engine, const std::string& id, CacheLocation where) {
+  for (absl::Time end = absl::Now() + kWait; absl::Now() < end;) {
+    absl::StatusOr<SessionInfo> info = engine.GetSession(id);
+    if (info.ok() && info->cache_location == where) return true;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return false;
+}
+
+struct Conversation {
+  std::string session;
+  std::vector<int32_t> a, b;
+  Output first;
+};
+
+// A session's first call, then a big one-shot request that needs the session's pool blocks.
+Conversation FirstCallThenPressure(Engine& engine) {
+  Conversation c;
+  absl::StatusOr<SessionInfo> session = engine.CreateSession();
+  EXPECT_TRUE(session.ok()) << session.status();
+  c.session = session->id;
+  c.a = RandomPrompt(5, 20, Vocab(engine));
+  c.b = RandomPrompt(6, 5, Vocab(engine));
+  c.first = Generate(engine, Greedy(c.a, 10, c.session));
+  EXPECT_EQ(engine.GetSession(c.session)->cache_location, CacheLocation::kPool);
+  Output big = Generate(engine, Greedy(RandomPrompt(7, 100, Vocab(engine)), 27));
+  EXPECT_EQ(big.result.finish, FinishReason::kLength);
+  EXPECT_EQ(engine.Stats().preemptions_total, 0);
+  return c;
+}
+
+// The session's second call against the same conversation in one call.
+void ExpectSecondCallContinues(Engine& engine, const Conversation& c, int64_t reused) {
+  Output second = Generate(engine, Greedy(c.b, 8, c.session));
+  EXPECT_EQ(second.result.usage.reused_tokens, reused);
+  Output one_shot = Generate(engine, Greedy(Concat(Concat(c.a, c.first.tokens), c.b), 8));
+  EXPECT_EQ(second.tokens, one_shot.tokens);
+}
+
+TEST(EngineTierTest, CacheGivenUpForRoomComesBackFromTheHostTier) {
+  auto engine = MakeEngine(WithTiers(/*host_bytes=*/1 << 20), kBlocks);
+  ASSERT_NE(engine, nullptr);
+  const Conversation c = FirstCallThenPressure(*engine);
+  absl::StatusOr<SessionInfo> info = engine->GetSession(c.session);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->cache_location, CacheLocation::kHost);
+  EXPECT_EQ(info->cached_tokens, 29);
+  EXPECT_EQ(info->tokens, 30);
+  EngineStats stats = engine->Stats();
+  EXPECT_EQ(stats.tiers.host_sessions, 1);
+  EXPECT_GT(stats.tiers.host_bytes, 0);
+  EXPECT_EQ(stats.tiers.stored_total, 1);
+
+  ExpectSecondCallContinues(*engine, c, /*reused=*/29);
+  stats = engine->Stats();
+  EXPECT_EQ(stats.tiers.restored_host_total, 1);
+  EXPECT_EQ(stats.tiers.host_sessions, 0);
+  EXPECT_EQ(stats.tier_restores_failed_total, 0);
+  EXPECT_EQ(engine->GetSession(c.session)->cache_location, CacheLocation::kPool);
+}
+
+TEST(EngineTierTest, CacheGivenUpForRoomComesBackFromTheDiskTier) {
+  TempDir tmp("engine_tiers");
+  const std::string dir = tmp.path() + "/tier";
+  {
+    // No host tier: the image goes straight to disk.
+    auto engine = MakeEngine(WithTiers(0, dir, 1 << 20), kBlocks);
+    ASSERT_NE(engine, nullptr);
+    const Conversation c = FirstCallThenPressure(*engine);
+    ASSERT_TRUE(WaitForLocation(*engine, c.session, CacheLocation::kDisk));
+    EXPECT_EQ(FilesIn(dir), std::vector<std::string>{c.session + ".session"});
+    EXPECT_EQ(engine->GetSession(c.session)->cached_tokens, 29);
+
+    ExpectSecondCallContinues(*engine, c, /*reused=*/29);
+    EXPECT_EQ(engine->Stats().tiers.restored_disk_total, 1);
+    EXPECT_TRUE(FilesIn(dir).empty());
+
+    // Given up again, then deleted: its file goes too.
+    Output big = Generate(*engine, Greedy(RandomPrompt(8, 100, Vocab(*engine)), 27));
+    ASSERT_TRUE(WaitForLocation(*engine, c.session, CacheLocation::kDisk));
+    ASSERT_TRUE(engine->DeleteSession(c.session).ok());
+    for (absl::Time end = absl::Now() + kWait; absl::Now() < end && !FilesIn(dir).empty();) {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    EXPECT_TRUE(FilesIn(dir).empty());
+    EXPECT_EQ(engine->Stats().tiers.disk_sessions, 0);
+  }
+  EXPECT_TRUE(FilesIn(tmp.path()).empty());
+}
+
+TEST(EngineTierTest, CacheNoTierCanKeepIsRecomputed) {
+  // A host tier too small for the image: it is dropped, as without tiers.
+  auto engine = MakeEngine(WithTiers(/*host_bytes=*/1024), kBlocks);
+  ASSERT_NE(engine, nullptr);
+  const Conversation c = FirstCallThenPressure(*engine);
+  absl::StatusOr<SessionInfo> info = engine->GetSession(c.session);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->cache_location, CacheLocation::kNone);
+  EXPECT_EQ(info->cached_tokens, 0);
+  ExpectSecondCallContinues(*engine, c, /*reused=*/0);
+}
+
+TEST(EngineTierTest, ImageDroppedFromItsTierIsRecomputed) {
+  // The host tier holds one image: the second session's pushes the first one's out.
+  auto engine = MakeEngine(WithTiers(/*host_bytes=*/12 << 10), kBlocks);
+  ASSERT_NE(engine, nullptr);
+  const Conversation c = FirstCallThenPressure(*engine);
+  ASSERT_EQ(engine->GetSession(c.session)->cache_location, CacheLocation::kHost);
+  absl::StatusOr<SessionInfo> other = engine->CreateSession();
+  ASSERT_TRUE(other.ok());
+  Generate(*engine, Greedy(RandomPrompt(9, 20, Vocab(*engine)), 10, other->id));
+  Generate(*engine, Greedy(RandomPrompt(10, 100, Vocab(*engine)), 27));
+  EXPECT_EQ(engine->GetSession(other->id)->cache_location, CacheLocation::kHost);
+  absl::StatusOr<SessionInfo> info = engine->GetSession(c.session);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->cache_location, CacheLocation::kNone);
+  EXPECT_EQ(info->cached_tokens, 0);
+  EXPECT_EQ(engine->Stats().tiers.dropped_total, 1);
+
+  ExpectSecondCallContinues(*engine, c, /*reused=*/0);
+  EXPECT_EQ(engine->Stats().tier_restores_failed_total, 1);
+}
+
+TEST(EngineTierTest, ExportCarriesATieredCacheAndImportIntoAFullPoolWaitsInATier) {
+  auto engine = MakeEngine(WithTiers(1 << 20), kBlocks);
+  ASSERT_NE(engine, nullptr);
+  const Conversation c = FirstCallThenPressure(*engine);
+  ASSERT_EQ(engine->GetSession(c.session)->cache_location, CacheLocation::kHost);
+  absl::StatusOr<Engine::ExportedSession> exported = engine->ExportSession(c.session);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  ASSERT_TRUE(exported->cache.ok()) << exported->cache;
+  EXPECT_EQ(exported->image.cached, 29);
+  EXPECT_FALSE(exported->image.cache.empty());
+
+  // Another engine whose pool an idle session fills: the import waits in its host tier, and the
+  // session's next call brings it back (giving up the other session's blocks).
+  auto other = MakeEngine(WithTiers(1 << 20), kBlocks);
+  ASSERT_NE(other, nullptr);
+  absl::StatusOr<SessionInfo> filler = other->CreateSession();
+  ASSERT_TRUE(filler.ok());
+  Output warm = Generate(*other, Greedy(RandomPrompt(11, 120, Vocab(*other)), 0, filler->id));
+  EXPECT_EQ(warm.result.finish, FinishReason::kLength);
+  absl::StatusOr<Engine::ImportedSession> imported = other->ImportSession(exported->image);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_TRUE(imported->cache.ok()) << imported->cache;
+  EXPECT_EQ(imported->info.cache_location, CacheLocation::kHost);
+  EXPECT_EQ(imported->info.cached_tokens, 29);
+
+  ExpectSecondCallContinues(*other, c, /*reused=*/29);
+  EXPECT_EQ(other->GetSession(filler->id)->cache_location, CacheLocation::kHost);
+}
+
+}  // namespace
+}  // namespace subspace
