@@ -119,6 +119,12 @@ ABSL_FLAG(std::string, session_dir, "",
           "directory that keeps sessions across restarts: SIGTERM writes every live session "
           "there after draining, start-up restores them (docs/sessions.md); empty: sessions end "
           "with the process");
+ABSL_FLAG(int64_t, session_host_mb, 512,
+          "host-memory tier for idle sessions' KV caches the pool needs, in MiB (0: off): their "
+          "next call restores the cache instead of prefilling the conversation again");
+ABSL_FLAG(int64_t, session_disk_mb, 4096,
+          "disk tier under the host tier, in MiB, in <session-dir>/tier (needs --session-dir; "
+          "0: off)");
 ABSL_FLAG(int32_t, max_message_bytes, 4 << 20, "largest gRPC request accepted, in bytes");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate chain for gRPC over TLS (with --tls-key); empty = plaintext");
@@ -226,6 +232,16 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.engine.default_session_ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
   c.drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
   c.session_dir = absl::GetFlag(FLAGS_session_dir);
+  for (const auto& [name, mb] :
+       {std::pair{"--session-host-mb", absl::GetFlag(FLAGS_session_host_mb)},
+        std::pair{"--session-disk-mb", absl::GetFlag(FLAGS_session_disk_mb)}}) {
+    if (mb < 0 || mb > (int64_t{1} << 30)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " must be between 0 and 2^30 MiB, got ", mb));
+    }
+  }
+  c.session_host_bytes = absl::GetFlag(FLAGS_session_host_mb) << 20;
+  c.session_disk_bytes = absl::GetFlag(FLAGS_session_disk_mb) << 20;
   c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   c.tls.cert_path = absl::GetFlag(FLAGS_tls_cert);
   c.tls.key_path = absl::GetFlag(FLAGS_tls_key);

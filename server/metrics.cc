@@ -119,6 +119,54 @@ void AddRefreshFamilies(const KvCacheStats& c, GaugeFn gauge, CounterFn counter,
   out.back().metric.push_back(std::move(h));
 }
 
+// The session tiers (core/engine/session_tiers.h): what each holds, what moved.
+template <typename Counter>
+void AddTierFamilies(const EngineStats& s, const Counter& counter, std::vector<MetricFamily>& out) {
+  const SessionTierStats& t = s.tiers;
+  const auto by_tier = [&out](const char* name, const char* help, MetricType type, double host,
+                              double disk) {
+    out.push_back(Family(name, help, type));
+    for (const auto& [tier, value] : {std::pair{"host", host}, std::pair{"disk", disk}}) {
+      ClientMetric m;
+      m.label.push_back({"tier", tier});
+      if (type == MetricType::Gauge) {
+        m.gauge.value = value;
+      } else {
+        m.counter.value = value;
+      }
+      out.back().metric.push_back(std::move(m));
+    }
+  };
+  by_tier("subspace_session_tier_sessions",
+          "Idle sessions whose KV cache a tier holds (given up by the pool for room).",
+          MetricType::Gauge, static_cast<double>(t.host_sessions),
+          static_cast<double>(t.disk_sessions));
+  by_tier("subspace_session_tier_bytes",
+          "Bytes a tier holds: images in host memory (those being written to disk included), "
+          "files on disk.",
+          MetricType::Gauge, static_cast<double>(t.host_bytes), static_cast<double>(t.disk_bytes));
+  by_tier("subspace_session_tier_restored_total",
+          "Session caches a tier gave back to the pool for a call on the session.",
+          MetricType::Counter, static_cast<double>(t.restored_host_total),
+          static_cast<double>(t.restored_disk_total));
+  counter("subspace_session_tier_stored_total",
+          "Idle session caches moved out of the pool into the tiers.",
+          static_cast<double>(t.stored_total));
+  counter("subspace_session_tier_spilled_total",
+          "Session caches moved from the host tier to the disk tier.",
+          static_cast<double>(t.spilled_total));
+  counter("subspace_session_tier_dropped_total",
+          "Session caches given up because every tier was full (their next call recomputes).",
+          static_cast<double>(t.dropped_total));
+  counter("subspace_session_tier_errors_total",
+          "Disk tier writes or reads that failed (those caches are recomputed).",
+          static_cast<double>(t.errors_total));
+  counter("subspace_session_tier_restores_failed_total",
+          "Calls on a tiered session whose cache did not come back (dropped, a disk error, no "
+          "room): they prefilled the conversation again.",
+          static_cast<double>(s.tier_restores_failed_total));
+}
+
 // Reads Engine::Stats() once per scrape, so gauges are exact at scrape time and nothing runs
 // between scrapes.
 class Metrics::EngineCollector : public prometheus::Collectable {
@@ -168,6 +216,7 @@ class Metrics::EngineCollector : public prometheus::Collectable {
             static_cast<double>(s.preemptions_total));
     counter("subspace_engine_steps_total", "Scheduler steps run.",
             static_cast<double>(s.steps_total));
+    AddTierFamilies(s, counter, out);
     AddRefreshFamilies(c, gauge, counter, out);
     return out;
   }

@@ -774,6 +774,7 @@ Json SessionObject(const SessionInfo& session) {
               {"object", "session"},
               {"tokens", session.tokens},
               {"cached_tokens", session.cached_tokens},
+              {"cache_location", CacheLocationName(session.cache_location)},
               {"ttl_seconds", absl::ToInt64Seconds(session.idle_ttl)},
               {"created", absl::ToUnixSeconds(session.created)},
               {"last_used", absl::ToUnixSeconds(session.last_used)},

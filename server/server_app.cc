@@ -8,6 +8,8 @@
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <string>
+#include <system_error>
 #include <utility>
 
 #include "absl/base/call_once.h"
@@ -239,7 +241,26 @@ absl::Status ServerApp::Init() {
   if (!backend.ok()) return backend.status();
   const std::string device_name = backend->model->device_name();
 
+  // Snapshots (--session-dir, ExportSession, the disk tier) name the model file by its
+  // checksum: one pass over the mapped file (~0.5 s per GB).
+  snapshot_identity_ = {.model_checksum = ModelChecksum(*gguf), .model_name = model_config.name};
   EngineConfig engine_config = config_.engine;
+  engine_config.session_tiers.host_bytes = config_.session_host_bytes;
+  engine_config.session_tiers.identity = snapshot_identity_;
+  if (!config_.session_dir.empty()) {
+    absl::StatusOr<SnapshotDirectory> dir = SnapshotDirectory::Open(config_.session_dir);
+    if (!dir.ok()) {
+      return absl::Status(dir.status().code(),
+                          absl::StrCat("--session-dir: ", dir.status().message()));
+    }
+    sessions_dir_ = *std::move(dir);
+    if (config_.session_disk_bytes > 0) {
+      const std::string tier_dir = absl::StrCat(config_.session_dir, "/tier");
+      RecoverDiskTier(tier_dir);  // before the tiers empty it
+      engine_config.session_tiers.disk_dir = tier_dir;
+      engine_config.session_tiers.disk_bytes = config_.session_disk_bytes;
+    }
+  }
   Metrics* metrics = metrics_registry_.get();
   engine_config.on_step = [metrics,
                            next = std::move(engine_config.on_step)](const StepStats& step) {
@@ -252,18 +273,7 @@ absl::Status ServerApp::Init() {
   if (!engine.ok()) return engine.status();
   engine_ = *std::move(engine);
 
-  // Snapshots (--session-dir, ExportSession) name the model file by its checksum: one pass
-  // over the mapped file (~0.5 s per GB).
-  snapshot_identity_ = {.model_checksum = ModelChecksum(*gguf), .model_name = model_config.name};
-  if (!config_.session_dir.empty()) {
-    absl::StatusOr<SnapshotDirectory> dir = SnapshotDirectory::Open(config_.session_dir);
-    if (!dir.ok()) {
-      return absl::Status(dir.status().code(),
-                          absl::StrCat("--session-dir: ", dir.status().message()));
-    }
-    sessions_dir_ = *std::move(dir);
-    RestoreSessions();  // before any RPC can reach the engine
-  }
+  if (sessions_dir_.has_value()) RestoreSessions();  // before any RPC can reach the engine
   const KvCacheStats cache_stats = engine_->Stats().cache;
   if (http_ != nullptr) {
     // The file's name by default: what the operator chose and can see (general.name is often
@@ -376,6 +386,28 @@ uint64_t MaxSnapshotBytes(const KvCacheStats& cache) {
 }
 
 }  // namespace
+
+void ServerApp::RecoverDiskTier(const std::string& tier_dir) {
+  // A process that was killed left the sessions it had spilled to disk: complete snapshots,
+  // restored with the others.
+  std::error_code ec;
+  int recovered = 0;
+  for (const auto& e : std::filesystem::directory_iterator(tier_dir, ec)) {
+    if (e.path().extension() != ".session") continue;
+    std::error_code moved;
+    std::filesystem::rename(
+        e.path(), std::filesystem::path(sessions_dir_->path()) / e.path().filename(), moved);
+    if (moved) {
+      spdlog::warn("disk tier file {} not recovered: {}", e.path().string(), moved.message());
+    } else {
+      ++recovered;
+    }
+  }
+  if (recovered > 0) {
+    spdlog::info("recovered {} sessions from the disk tier {} of a process that did not stop",
+                 recovered, tier_dir);
+  }
+}
 
 void ServerApp::RestoreSessions() {
   absl::StatusOr<std::vector<std::string>> files = sessions_dir_->List();

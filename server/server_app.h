@@ -55,6 +55,10 @@ struct ServerAppConfig {
   // --session-dir: Shutdown writes every live session there and Start restores (and removes)
   // the snapshots it finds (docs/sessions.md); empty: sessions end with the process.
   std::string session_dir;
+  // Session tiers (docs/sessions.md, "Tiers"): idle sessions' caches the pool needs go to host
+  // memory, then (with a session_dir) to disk in session_dir/tier; 0 turns a tier off.
+  int64_t session_host_bytes = int64_t{512} << 20;
+  int64_t session_disk_bytes = int64_t{4} << 30;
 };
 
 class ServerApp {
@@ -88,6 +92,8 @@ class ServerApp {
   // The session directory's snapshots into the engine, each file consumed (restored: removed;
   // refused: moved aside as <file>.rejected, with a log line saying why).
   void RestoreSessions();
+  // Moves the disk tier's files a killed process left into the session directory.
+  void RecoverDiskTier(const std::string& tier_dir);
   void SaveSessions();
 
   ServerAppConfig config_;

@@ -37,6 +37,7 @@ void ToProto(const SessionInfo& info, v1::Session* out) {
   out->set_last_used_unix_ms(absl::ToUnixMillis(info.last_used));
   out->set_busy(info.busy);
   out->set_refresh_method(RefreshMethodName(info.refresh_method));
+  out->set_cache_location(CacheLocationName(info.cache_location));
 }
 
 // A session's online refresh: the server's --refresh-* flags with the request's overrides.

@@ -200,6 +200,7 @@ test("a session keeps its cache between turns", async () => {
             JSON.stringify(turn2.usage));
   const info = await client.get(`/sessions/${session.id}`);
   assert.ok(info.tokens > turn1.usage.prompt_tokens);
+  assert.equal(info.cache_location, "pool");
   await client.delete(`/sessions/${session.id}`);
   await assert.rejects(client.get(`/sessions/${session.id}`),
                        (e) => e instanceof OpenAI.NotFoundError);

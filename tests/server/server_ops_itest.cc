@@ -131,6 +131,12 @@ TEST_F(ServerOpsTest, MetricsEndpoint) {
            "subspace_kv_cache_usage_ratio 0",
            "subspace_kv_cached_tokens 0",
            "subspace_preemptions_total 0",
+           "subspace_session_tier_sessions{tier=\"host\"} 0",
+           "subspace_session_tier_bytes{tier=\"disk\"} 0",
+           "subspace_session_tier_restored_total{tier=\"host\"} 0",
+           "subspace_session_tier_stored_total 0",
+           "subspace_session_tier_dropped_total 0",
+           "subspace_session_tier_restores_failed_total 0",
            "subspace_engine_steps_total",
        }) {
     EXPECT_TRUE(absl::StrContains(body, expected)) << "missing: " << expected;

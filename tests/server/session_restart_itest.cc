@@ -119,9 +119,8 @@ TEST_P(SessionRestartTest, RestoredSessionsContinueAsUninterruptedOnes) {
   EXPECT_EQ(got.reused, want.reused);
   info = GetSession(*stub, uninterrupted);
   ASSERT_TRUE(info.ok()) << info.status();
-  files = FilesIn(dir_.path());
-  ASSERT_EQ(files.size(), 1u) << "restored snapshots are consumed";
-  EXPECT_EQ(files[0], "garbage.session.rejected");
+  // Restored snapshots are consumed; the disk tier's directory is there while the server runs.
+  EXPECT_EQ(FilesIn(dir_.path()), (std::vector<std::string>{"garbage.session.rejected", "tier"}));
 }
 
 INSTANTIATE_TEST_SUITE_P(Caches, SessionRestartTest,
@@ -200,42 +199,68 @@ TEST(SessionMoveRpcTest, ExportedSessionContinuesOnAnotherServer) {
   EXPECT_EQ(Generate(*stub_b, id, " and", 3).tokens.size(), 3u);
 }
 
+// Starts the server binary on the tiny model with `dir` as its session directory; its port from
+// the line it prints when serving (0 when it did not start).
+pid_t LaunchServer(const std::string& dir, const std::vector<std::string>& extra, int* port) {
+  const std::string& model = subspace::testing::TinyModelPath();
+  std::vector<std::string> args = {SUBSPACE_SERVER_BIN,
+                                   "--model",
+                                   model,
+                                   "--host",
+                                   "127.0.0.1",
+                                   "--port",
+                                   "0",
+                                   "--metrics-port",
+                                   "-1",
+                                   "--http-port",
+                                   "-1",
+                                   "--block-size",
+                                   "8",
+                                   "--session-dir",
+                                   dir,
+                                   "--log-level",
+                                   "warn"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  int out_pipe[2];
+  if (pipe(out_pipe) != 0) return -1;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(out_pipe[1], STDOUT_FILENO);
+    close(out_pipe[0]);
+    close(out_pipe[1]);
+    execv(SUBSPACE_SERVER_BIN, argv.data());
+    _exit(127);
+  }
+  close(out_pipe[1]);
+  std::string line;
+  char c;
+  while (read(out_pipe[0], &c, 1) == 1 && c != '\n') line += c;
+  close(out_pipe[0]);
+  const size_t at = line.find("port ");
+  *port = 0;
+  if (at != std::string::npos) {
+    (void)absl::SimpleAtoi(line.substr(at + 5, line.find(',') - at - 5), port);
+  }
+  return pid;
+}
+
+// SIGTERM, then the exit status: 0.
+void StopServer(pid_t pid) {
+  EXPECT_EQ(kill(pid, SIGTERM), 0);
+  int status = 0;
+  EXPECT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
 // The binary: SIGTERM drains, writes the session and exits 0; started again on the directory
 // it serves the session.
 TEST(SessionRestartBinaryTest, SigtermWritesSessionsAndARestartServesThem) {
   TempDir dir;
-  const std::string& model = subspace::testing::TinyModelPath();
-  auto launch = [&](int* port) -> pid_t {
-    int out_pipe[2];
-    if (pipe(out_pipe) != 0) return -1;
-    const pid_t pid = fork();
-    if (pid == 0) {
-      dup2(out_pipe[1], STDOUT_FILENO);
-      close(out_pipe[0]);
-      close(out_pipe[1]);
-      execl(SUBSPACE_SERVER_BIN, SUBSPACE_SERVER_BIN, "--model", model.c_str(), "--host",
-            "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
-            "--kv-cache-bytes", "2097152", "--block-size", "8", "--session-dir", dir.path().c_str(),
-            "--log-level", "warn", static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    close(out_pipe[1]);
-    std::string line;
-    char c;
-    while (read(out_pipe[0], &c, 1) == 1 && c != '\n') line += c;
-    close(out_pipe[0]);
-    const size_t at = line.find("port ");
-    *port = 0;
-    if (at != std::string::npos) {
-      (void)absl::SimpleAtoi(line.substr(at + 5, line.find(',') - at - 5), port);
-    }
-    return pid;
-  };
-  auto stop = [](pid_t pid) {
-    EXPECT_EQ(kill(pid, SIGTERM), 0);
-    int status = 0;
-    EXPECT_EQ(waitpid(pid, &status, 0), pid);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  auto launch = [&](int* port) {
+    return LaunchServer(dir.path(), {"--kv-cache-bytes", "2097152"}, port);
   };
 
   int port = 0;
@@ -252,7 +277,7 @@ TEST(SessionRestartBinaryTest, SigtermWritesSessionsAndARestartServesThem) {
     ASSERT_TRUE(info.ok());
     tokens = info->tokens();
   }
-  stop(pid);
+  StopServer(pid);
   EXPECT_EQ(FilesIn(dir.path()), std::vector<std::string>{id + ".session"});
 
   pid = launch(&port);
@@ -266,7 +291,59 @@ TEST(SessionRestartBinaryTest, SigtermWritesSessionsAndARestartServesThem) {
     EXPECT_EQ(info->cached_tokens(), tokens - 1);
     EXPECT_EQ(Generate(*stub, id, " fine", 5).reused, tokens - 1);
   }
-  stop(pid);
+  StopServer(pid);
+}
+
+// A session whose cache the pool gave up to the disk tier survives kill -9: the next start
+// recovers its file and serves it with its cache.
+TEST(SessionRestartBinaryTest, SessionOnTheDiskTierSurvivesKill9) {
+  TempDir dir;
+  // 48 KiB of fp32 pages: 192 tokens of the tiny model; no host tier, so the session's cache
+  // goes straight to disk when the big request needs its blocks.
+  const std::vector<std::string> flags = {"--kv-cache",        "full", "--kv-cache-bytes", "49152",
+                                          "--session-host-mb", "0"};
+  int port = 0;
+  pid_t pid = LaunchServer(dir.path(), flags, &port);
+  ASSERT_GT(pid, 0);
+  ASSERT_GT(port, 0);
+  std::string id;
+  uint32_t tokens = 0;
+  {
+    auto stub = v1::Subspace::NewStub(ChannelTo(port));
+    id = CreateSession(*stub);
+    Generate(*stub, id, "hello there, how are you", 20);
+    absl::StatusOr<v1::Session> info = GetSession(*stub, id);
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->cache_location(), "pool");
+    tokens = info->tokens();
+    Generate(*stub, "", std::string(150, 'x'), 20);  // needs the idle session's blocks
+    for (absl::Time end = absl::Now() + absl::Seconds(30); absl::Now() < end;) {
+      info = GetSession(*stub, id);
+      if (info.ok() && info->cache_location() == "disk") break;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->cache_location(), "disk");
+    EXPECT_EQ(info->cached_tokens(), tokens - 1);
+  }
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_EQ(FilesIn(dir.path() + "/tier"), std::vector<std::string>{id + ".session"});
+
+  pid = LaunchServer(dir.path(), flags, &port);
+  ASSERT_GT(pid, 0);
+  ASSERT_GT(port, 0);
+  {
+    auto stub = v1::Subspace::NewStub(ChannelTo(port));
+    absl::StatusOr<v1::Session> info = GetSession(*stub, id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->tokens(), tokens);
+    EXPECT_EQ(info->cached_tokens(), tokens - 1);
+    EXPECT_EQ(info->cache_location(), "pool");
+    EXPECT_EQ(Generate(*stub, id, " fine", 5).reused, tokens - 1);
+  }
+  StopServer(pid);
 }
 
 }  // namespace
