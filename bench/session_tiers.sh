@@ -4,13 +4,14 @@
 # holds one long session prefills session A (~CHARS characters), then session B (as long: A's
 # blocks must go), then continues A by one token; its time to first token is what the tier
 # costs. The three modes take turns, ROUNDS rounds; one line per run, then the medians.
-#   bench/session_tiers.sh [MODEL=models/subspace-long.gguf] [CHARS=3800] [ROUNDS=3] [FLAGS...]
+#   bench/session_tiers.sh [MODEL=models/subspace-long.gguf] [CHARS=3400] [ROUNDS=3] [FLAGS...]
 # FLAGS go to every server (default: --kv-cache full --kv-cache-bytes 16777216, which holds one
-# ~2,000-token session of the long model and not two).
+# ~2,000-token session of the long model and not two; for the default compressed cache,
+# --kv-cache-bytes 6291456 does the same).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${1:-models/subspace-long.gguf}
-chars=${2:-3800}
+chars=${2:-3400}
 rounds=${3:-3}
 shift $(( $# < 3 ? $# : 3 ))
 flags=("$@")
@@ -60,6 +61,10 @@ for r in $(seq 1 "$rounds"); do
       [ "$mode" != disk ] || [ "$location" = disk ] && break
       sleep 0.05
     done
+    if [ "$location" = pool ]; then
+      echo "the pool held both sessions: give the server a smaller --kv-cache-bytes" >&2
+      exit 1
+    fi
     gen "$a" " and" "$work/next.json"
     stop
     tokens=$(field "$work/first.json" "d['usage']['prompt_tokens']")
