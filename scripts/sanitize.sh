@@ -20,6 +20,7 @@ case "$kind" in
   *) scope="" ;;
 esac
 sched_tests=(scheduler_test engine_test engine_session_test session_snapshot_test
+  session_tiers_test engine_tier_test
   online_statistics_test
   compressed_kv_cache_refresh_test
   refresher_test device_compressed_kv_cache_refresh_host_test)
