@@ -125,6 +125,9 @@ ABSL_FLAG(int64_t, session_host_mb, 512,
 ABSL_FLAG(int64_t, session_disk_mb, 4096,
           "disk tier under the host tier, in MiB, in <session-dir>/tier (needs --session-dir; "
           "0: off)");
+ABSL_FLAG(double, session_checkpoint_seconds, 30,
+          "with --session-dir: write the sessions used since the last checkpoint this often while "
+          "serving, so that a killed process loses at most this much (0: at drain only)");
 ABSL_FLAG(int32_t, max_message_bytes, 4 << 20, "largest gRPC request accepted, in bytes");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate chain for gRPC over TLS (with --tls-key); empty = plaintext");
@@ -240,6 +243,12 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
           absl::StrCat(name, " must be between 0 and 2^30 MiB, got ", mb));
     }
   }
+  const double checkpoint = absl::GetFlag(FLAGS_session_checkpoint_seconds);
+  if (!(checkpoint >= 0.0 && checkpoint <= 86400.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--session-checkpoint-seconds must be between 0 and 86400, got ", checkpoint));
+  }
+  c.session_checkpoint_interval = absl::Seconds(checkpoint);
   c.session_host_bytes = absl::GetFlag(FLAGS_session_host_mb) << 20;
   c.session_disk_bytes = absl::GetFlag(FLAGS_session_disk_mb) << 20;
   c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

@@ -9,7 +9,6 @@
 #include <filesystem>
 #include <memory>
 #include <string>
-#include <system_error>
 #include <utility>
 
 #include "absl/base/call_once.h"
@@ -25,6 +24,7 @@
 #include "runtime/codec_calibration.h"
 #include "server/auth.h"
 #include "server/net_util.h"
+#include "server/session_persistence.h"
 #include "spdlog/spdlog.h"
 
 namespace subspace::server {
@@ -248,18 +248,21 @@ absl::Status ServerApp::Init() {
   engine_config.session_tiers.host_bytes = config_.session_host_bytes;
   engine_config.session_tiers.identity = snapshot_identity_;
   if (!config_.session_dir.empty()) {
-    absl::StatusOr<SnapshotDirectory> dir = SnapshotDirectory::Open(config_.session_dir);
-    if (!dir.ok()) {
-      return absl::Status(dir.status().code(),
-                          absl::StrCat("--session-dir: ", dir.status().message()));
-    }
-    sessions_dir_ = *std::move(dir);
+    // Before the engine's tiers empty its tier/ folder: a killed process's files are recovered.
+    absl::StatusOr<std::unique_ptr<SessionPersistence>> persistence = SessionPersistence::Open(
+        config_.session_dir, snapshot_identity_, config_.session_checkpoint_interval);
+    if (!persistence.ok()) return persistence.status();
+    persistence_ = *std::move(persistence);
     if (config_.session_disk_bytes > 0) {
-      const std::string tier_dir = absl::StrCat(config_.session_dir, "/tier");
-      RecoverDiskTier(tier_dir);  // before the tiers empty it
-      engine_config.session_tiers.disk_dir = tier_dir;
+      engine_config.session_tiers.disk_dir = persistence_->TierDir();
       engine_config.session_tiers.disk_bytes = config_.session_disk_bytes;
     }
+    engine_config.on_session_removed =
+        [removed = persistence_->RemovalHook(),
+         next = std::move(engine_config.on_session_removed)](const std::string& id) {
+          removed(id);
+          if (next) next(id);
+        };
   }
   Metrics* metrics = metrics_registry_.get();
   engine_config.on_step = [metrics,
@@ -273,7 +276,7 @@ absl::Status ServerApp::Init() {
   if (!engine.ok()) return engine.status();
   engine_ = *std::move(engine);
 
-  if (sessions_dir_.has_value()) RestoreSessions();  // before any RPC can reach the engine
+  if (persistence_ != nullptr) persistence_->Restore(*engine_);  // before any RPC can reach it
   const KvCacheStats cache_stats = engine_->Stats().cache;
   if (http_ != nullptr) {
     // The file's name by default: what the operator chose and can see (general.name is often
@@ -290,6 +293,7 @@ absl::Status ServerApp::Init() {
                          *std::move(chat), snapshot_identity_);
   metrics_registry_->AttachEngine(engine_.get());
   SetServing(true);
+  if (persistence_ != nullptr) persistence_->StartCheckpoints(engine_.get());
   spdlog::info(
       "serving model '{}' from {} on {}: {} layers, dim {}, {} heads ({} kv), vocab {}, "
       "context {}; {} KV cache, pool {} MiB in {} blocks of {} tokens; loaded in {:.2f} s",
@@ -346,6 +350,8 @@ bool ServerApp::Shutdown() {
   if (shut_down_) return drained_;
   shut_down_ = true;
   BeginDrain();
+  // No checkpoint may overwrite what the drain writes.
+  if (persistence_ != nullptr) persistence_->StopCheckpoints();
   if (engine_ != nullptr) {
     spdlog::info("draining: waiting up to {:.0f} s for running requests",
                  absl::ToDoubleSeconds(config_.drain_timeout));
@@ -362,131 +368,19 @@ bool ServerApp::Shutdown() {
     server_->Shutdown(std::chrono::system_clock::now() + grace);
     server_->Wait();
   }
-  if (sessions_dir_.has_value() && engine_ != nullptr) {
+  if (persistence_ != nullptr && engine_ != nullptr) {
     // Requests the timed-out drain left were cancelled with their calls; their sessions keep
     // what they produced once the engine has finished them.
     if (!drained_ && !engine_->Drain(absl::Seconds(5))) {
       spdlog::error("sessions not saved: requests still run after their calls were cancelled");
     } else {
-      SaveSessions();
+      persistence_->Save(*engine_);
     }
   }
   metrics_.reset();
   if (metrics_registry_ != nullptr) metrics_registry_->AttachEngine(nullptr);
   spdlog::info("server stopped");
   return drained_;
-}
-
-namespace {
-
-// A snapshot section holds at most a session's share of the pool (plus its bases): anything
-// claiming far more is corrupt, and must not become an allocation.
-uint64_t MaxSnapshotBytes(const KvCacheStats& cache) {
-  return 2 * static_cast<uint64_t>(cache.bytes_total) + (uint64_t{256} << 20);
-}
-
-}  // namespace
-
-void ServerApp::RecoverDiskTier(const std::string& tier_dir) {
-  // A process that was killed left the sessions it had spilled to disk: complete snapshots,
-  // restored with the others.
-  std::error_code ec;
-  int recovered = 0;
-  for (const auto& e : std::filesystem::directory_iterator(tier_dir, ec)) {
-    if (e.path().extension() != ".session") continue;
-    std::error_code moved;
-    std::filesystem::rename(
-        e.path(), std::filesystem::path(sessions_dir_->path()) / e.path().filename(), moved);
-    if (moved) {
-      spdlog::warn("disk tier file {} not recovered: {}", e.path().string(), moved.message());
-    } else {
-      ++recovered;
-    }
-  }
-  if (recovered > 0) {
-    spdlog::info("recovered {} sessions from the disk tier {} of a process that did not stop",
-                 recovered, tier_dir);
-  }
-}
-
-void ServerApp::RestoreSessions() {
-  absl::StatusOr<std::vector<std::string>> files = sessions_dir_->List();
-  if (!files.ok()) {
-    spdlog::error("sessions not restored: {}", std::string(files.status().message()));
-    return;
-  }
-  const absl::Time start = absl::Now();
-  const uint64_t max_bytes = MaxSnapshotBytes(engine_->Stats().cache);
-  int restored = 0, refused = 0;
-  int64_t tokens = 0, cached = 0;
-  for (const std::string& file : *files) {
-    absl::StatusOr<std::string> bytes = sessions_dir_->Read(file, max_bytes);
-    absl::StatusOr<SessionImage> image =
-        bytes.ok() ? DecodeSessionSnapshot(*bytes, snapshot_identity_, max_bytes)
-                   : absl::StatusOr<SessionImage>(bytes.status());
-    absl::StatusOr<Engine::ImportedSession> imported =
-        image.ok() ? engine_->ImportSession(*image)
-                   : absl::StatusOr<Engine::ImportedSession>(image.status());
-    if (!imported.ok()) {
-      ++refused;
-      const absl::Status moved = sessions_dir_->Reject(file);
-      spdlog::warn("session snapshot {} refused ({}): {}; {}", file,
-                   absl::StatusCodeToString(imported.status().code()),
-                   std::string(imported.status().message()),
-                   moved.ok() ? "moved aside as .rejected" : std::string(moved.message()));
-      continue;
-    }
-    ++restored;
-    tokens += imported->info.tokens;
-    cached += imported->info.cached_tokens;
-    if (!imported->cache.ok()) {
-      spdlog::warn(
-          "session {} restored without its KV cache ({}): its next call prefills {} tokens",
-          imported->info.id, std::string(imported->cache.message()), imported->info.tokens);
-    }
-    // The session lives in this process now; the next drain writes it again.
-    if (absl::Status st = sessions_dir_->Remove(imported->info.id); !st.ok()) {
-      spdlog::warn("session {} restored, but its snapshot stays: {}", imported->info.id,
-                   std::string(st.message()));
-    }
-  }
-  if (restored + refused > 0) {
-    spdlog::info(
-        "restored {} sessions ({} tokens, {} of them cached) from {} in {:.3f} s; {} "
-        "refused",
-        restored, tokens, cached, sessions_dir_->path(), absl::ToDoubleSeconds(absl::Now() - start),
-        refused);
-  }
-}
-
-void ServerApp::SaveSessions() {
-  const absl::Time start = absl::Now();
-  absl::StatusOr<std::vector<Engine::ExportedSession>> sessions = engine_->ExportSessions();
-  if (!sessions.ok()) {
-    spdlog::error("sessions not saved: {}", std::string(sessions.status().message()));
-    return;
-  }
-  int saved = 0, failed = 0;
-  int64_t bytes = 0, cached = 0;
-  for (const Engine::ExportedSession& s : *sessions) {
-    if (!s.cache.ok()) {
-      spdlog::info("session {} saved without its KV cache ({}): its next call prefills {} tokens",
-                   s.image.id, std::string(s.cache.message()), s.image.tokens.size());
-    }
-    const std::string snapshot = EncodeSessionSnapshot(s.image, snapshot_identity_);
-    if (absl::Status st = sessions_dir_->Write(s.image.id, snapshot); !st.ok()) {
-      ++failed;
-      spdlog::error("session {} not saved: {}", s.image.id, std::string(st.message()));
-      continue;
-    }
-    ++saved;
-    bytes += static_cast<int64_t>(snapshot.size());
-    cached += s.image.cached;
-  }
-  spdlog::info("saved {} sessions to {} in {:.3f} s: {} bytes, {:.1f} per cached token{}", saved,
-               sessions_dir_->path(), absl::ToDoubleSeconds(absl::Now() - start), bytes,
-               cached > 0 ? static_cast<double>(bytes) / static_cast<double>(cached) : 0.0,
-               failed > 0 ? absl::StrCat("; ", failed, " failed") : std::string());
 }
 
 }  // namespace subspace::server

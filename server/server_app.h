@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -23,6 +22,7 @@
 #include "server/metrics.h"
 #include "server/request_validation.h"
 #include "server/service.h"
+#include "server/session_persistence.h"
 #include "server/tls.h"
 
 namespace subspace::server {
@@ -59,6 +59,9 @@ struct ServerAppConfig {
   // memory, then (with a session_dir) to disk in session_dir/tier; 0 turns a tier off.
   int64_t session_host_bytes = int64_t{512} << 20;
   int64_t session_disk_bytes = int64_t{4} << 30;
+  // With a session_dir: how often the sessions used since the last checkpoint are written while
+  // serving, so that a killed process loses at most that much (zero: at drain only).
+  absl::Duration session_checkpoint_interval = absl::Seconds(30);
 };
 
 class ServerApp {
@@ -89,23 +92,18 @@ class ServerApp {
   explicit ServerApp(ServerAppConfig config);
   absl::Status Init();
   void SetServing(bool serving);
-  // The session directory's snapshots into the engine, each file consumed (restored: removed;
-  // refused: moved aside as <file>.rejected, with a log line saying why).
-  void RestoreSessions();
-  // Moves the disk tier's files a killed process left into the session directory.
-  void RecoverDiskTier(const std::string& tier_dir);
-  void SaveSessions();
 
   ServerAppConfig config_;
   int port_ = 0;
   // Destruction runs bottom-up: the exporter and gRPC server stop before the engine goes.
   std::unique_ptr<Metrics> metrics_registry_;
   std::unique_ptr<Engine> engine_;
+  // --session-dir (its checkpoint thread stops before the engine goes).
+  std::unique_ptr<SessionPersistence> persistence_;
   std::unique_ptr<SubspaceService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<HttpServer> http_;
   std::unique_ptr<MetricsExporter> metrics_;
-  std::optional<SnapshotDirectory> sessions_dir_;
   SnapshotIdentity snapshot_identity_;
 
   // std::mutex rather than absl::Mutex: ThreadSanitizer sees through it (scripts/sanitize.sh).

@@ -121,7 +121,7 @@ class Engine::Impl {
   absl::StatusOr<SessionInfo> GetSession(std::string_view id, std::string_view owner) const;
   std::vector<SessionInfo> ListSessions(std::string_view owner) const;
   absl::Status DeleteSession(std::string_view id, std::string_view owner);
-  absl::StatusOr<std::vector<ExportedSession>> ExportSessions() const;
+  absl::StatusOr<std::vector<ExportedSession>> ExportSessions(absl::Time changed_since) const;
   absl::StatusOr<ExportedSession> ExportSession(std::string_view id, std::string_view owner) const;
   absl::StatusOr<ImportedSession> ImportSession(const SessionImage& image);
   bool Drain(absl::Duration timeout);
@@ -210,6 +210,8 @@ class Engine::Impl {
   bool PlanDeviceSampling(const std::vector<bool>& samples);
   // Takes mu_ itself: call without it.
   void Deliver(std::vector<Delivery>& out);
+  // EngineConfig::on_session_removed for each id; call without mu_.
+  void NotifyRemoved(std::vector<std::string>& ids);
 
   // Work on the cache from another thread (snapshots). Runs `work` at once, under mu_, when no
   // request is in flight; else the loop runs it under mu_ between two steps while the caller
@@ -245,6 +247,7 @@ class Engine::Impl {
   SessionStore sessions_;
   absl::flat_hash_map<RequestId, std::unique_ptr<Request>> requests_;
   std::vector<SeqId> seqs_to_free_;
+  std::vector<std::string> removed_sessions_;  // ended, for on_session_removed (the loop's)
   RequestId next_id_ = 1;
   mutable bool kicked_ = false;  // something for the loop to look at (set through KickLocked)
   bool draining_ = false;
@@ -425,9 +428,9 @@ absl::StatusOr<SessionInfo> Engine::Impl::CreateSession(absl::Duration idle_ttl,
   std::lock_guard<std::mutex> lock(mu_);
   if (draining_ || stop_) return absl::UnavailableError("the engine is draining");
   // Expired sessions must not hold slots against max_sessions, nor keep their ids taken.
-  const size_t before = seqs_to_free_.size();
-  sessions_.EvictExpired(now, &seqs_to_free_);
-  if (seqs_to_free_.size() != before) KickLocked();
+  const size_t before = seqs_to_free_.size() + removed_sessions_.size();
+  sessions_.EvictExpired(now, &seqs_to_free_, &removed_sessions_);
+  if (seqs_to_free_.size() + removed_sessions_.size() != before) KickLocked();
   absl::StatusOr<Session*> session = sessions_.Create(idle_ttl, now, proposed_id, owner);
   if (!session.ok()) return session.status();
   (*session)->refresh = refresh;
@@ -468,7 +471,7 @@ absl::Status Engine::Impl::DeleteSession(std::string_view id, std::string_view o
       it->second->cancelled = true;
     }
   }
-  sessions_.Erase(id, &seqs_to_free_);
+  sessions_.Erase(id, &seqs_to_free_, &removed_sessions_);
   KickLocked();
   return absl::OkStatus();
 }
@@ -531,13 +534,14 @@ void Engine::Impl::RunTasksLocked() {
   task_cv_.notify_all();
 }
 
-absl::StatusOr<std::vector<Engine::ExportedSession>> Engine::Impl::ExportSessions() const {
+absl::StatusOr<std::vector<Engine::ExportedSession>> Engine::Impl::ExportSessions(
+    absl::Time changed_since) const {
   const absl::Time now = absl::Now();
   std::unique_lock<std::mutex> lock(mu_);
   std::vector<ExportedSession> out;
   RunOnLoopLocked(lock, [&] {
     for (const Session* s : sessions_.All(now)) {
-      if (!s->busy()) out.push_back(ExportLocked(*s));
+      if (!s->busy() && s->last_used >= changed_since) out.push_back(ExportLocked(*s));
     }
   });
   return out;
@@ -602,8 +606,9 @@ absl::StatusOr<Engine::ImportedSession> Engine::Impl::ImportSession(const Sessio
 
 absl::StatusOr<Engine::ImportedSession> Engine::Impl::ImportLocked(const SessionImage& image,
                                                                    absl::Time now) {
-  sessions_.EvictExpired(now, &seqs_to_free_);
-  if (!seqs_to_free_.empty()) KickLocked();  // the loop frees what expired sessions held
+  sessions_.EvictExpired(now, &seqs_to_free_, &removed_sessions_);
+  // The loop frees what expired sessions held.
+  if (!seqs_to_free_.empty() || !removed_sessions_.empty()) KickLocked();
   absl::StatusOr<Session*> created = sessions_.Create(image.idle_ttl, now, image.id, image.owner);
   if (!created.ok()) return created.status();
   Session& s = **created;
@@ -712,6 +717,7 @@ EngineStats Engine::Impl::Stats() const {
 
 void Engine::Impl::Loop() {
   std::vector<Delivery> out;
+  std::vector<std::string> removed;
   const int64_t n_vocab = model_->config().n_vocab;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
@@ -719,15 +725,18 @@ void Engine::Impl::Loop() {
     kicked_ = false;
     RunTasksLocked();
     ReapLocked(now, &out);
+    removed.insert(removed.end(), removed_sessions_.begin(), removed_sessions_.end());
+    removed_sessions_.clear();
     cache_stats_ = cache_->Stats();  // reaped blocks show before the OnFinish calls
     if (stop_ && requests_.empty()) break;
 
     StepPlan plan;
     if (!scheduler_->empty()) plan = scheduler_->Schedule();
     if (plan.empty()) {
-      if (!out.empty()) {
+      if (!out.empty() || !removed.empty()) {
         lock.unlock();
         Deliver(out);
+        NotifyRemoved(removed);
         lock.lock();
         continue;
       }
@@ -752,6 +761,7 @@ void Engine::Impl::Loop() {
     }
     lock.unlock();
     Deliver(out);
+    NotifyRemoved(removed);
 
     // The forward pass and sampling run without the lock: only this thread touches the cache
     // and the requests' generation state, and no request is erased while the lock is free.
@@ -834,8 +844,18 @@ void Engine::Impl::Loop() {
   }
   RunTasksLocked();  // no caller waits on a loop that is gone
   cache_stats_ = cache_->Stats();
+  removed.insert(removed.end(), removed_sessions_.begin(), removed_sessions_.end());
+  removed_sessions_.clear();
   lock.unlock();
   Deliver(out);
+  NotifyRemoved(removed);
+}
+
+void Engine::Impl::NotifyRemoved(std::vector<std::string>& ids) {
+  if (config_.on_session_removed) {
+    for (const std::string& id : ids) config_.on_session_removed(id);
+  }
+  ids.clear();
 }
 
 void Engine::Impl::ReapLocked(absl::Time now, std::vector<Delivery>* out) {
@@ -853,7 +873,7 @@ void Engine::Impl::ReapLocked(absl::Time now, std::vector<Delivery>* out) {
   for (auto& [r, reason] : done) FinishLocked(*r, reason, absl::OkStatus(), now, out);
 
   if (now >= next_session_expiry_) {
-    sessions_.EvictExpired(now, &seqs_to_free_);
+    sessions_.EvictExpired(now, &seqs_to_free_, &removed_sessions_);
     next_session_expiry_ = sessions_.NextExpiry();
   }
   for (SeqId seq : seqs_to_free_) FreeSeqLocked(seq);
@@ -1044,8 +1064,9 @@ std::vector<SessionInfo> Engine::ListSessions(std::string_view owner) const {
 absl::Status Engine::DeleteSession(std::string_view id, std::string_view owner) {
   return impl_->DeleteSession(id, owner);
 }
-absl::StatusOr<std::vector<Engine::ExportedSession>> Engine::ExportSessions() const {
-  return impl_->ExportSessions();
+absl::StatusOr<std::vector<Engine::ExportedSession>> Engine::ExportSessions(
+    absl::Time changed_since) const {
+  return impl_->ExportSessions(changed_since);
 }
 absl::StatusOr<Engine::ExportedSession> Engine::ExportSession(std::string_view id,
                                                               std::string_view owner) const {

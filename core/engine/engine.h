@@ -47,6 +47,9 @@ struct EngineConfig {
   SessionTierOptions session_tiers;
   // Called on the engine thread after each step; must not block.
   std::function<void(const StepStats&)> on_step;
+  // Called on the engine thread, without the engine's lock, after a session ended: deleted or
+  // expired (a session moved away ends by its DeleteSession too). Must be quick.
+  std::function<void(const std::string& session_id)> on_session_removed;
 };
 
 enum class FinishReason { kNone, kLength, kStop, kEos, kCancelled, kDeadline };
@@ -194,7 +197,9 @@ class Engine {
     SessionImage image;
     absl::Status cache;
   };
-  absl::StatusOr<std::vector<ExportedSession>> ExportSessions() const;
+  // `changed_since`: only the sessions used at or after that time (a checkpoint's increment).
+  absl::StatusOr<std::vector<ExportedSession>> ExportSessions(
+      absl::Time changed_since = absl::InfinitePast()) const;
   // One session, for its owner: NOT_FOUND as GetSession, FAILED_PRECONDITION while busy. It
   // stays here: moving it is export, import elsewhere, then DeleteSession.
   absl::StatusOr<ExportedSession> ExportSession(std::string_view id,

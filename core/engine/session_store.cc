@@ -86,18 +86,22 @@ const Session* SessionStore::FindOwned(std::string_view id, std::string_view own
   return it->second.get();
 }
 
-bool SessionStore::Erase(std::string_view id, std::vector<SeqId>* seqs_to_free) {
+bool SessionStore::Erase(std::string_view id, std::vector<SeqId>* seqs_to_free,
+                         std::vector<std::string>* erased_ids) {
   auto it = sessions_.find(absl::string_view(id.data(), id.size()));
   if (it == sessions_.end()) return false;
+  if (erased_ids != nullptr) erased_ids->push_back(it->first);
   if (it->second->seq >= 0) seqs_to_free->push_back(it->second->seq);
   if (it->second->tiered && tiers_ != nullptr) tiers_->Erase(it->first);
   sessions_.erase(it);
   return true;
 }
 
-void SessionStore::EvictExpired(absl::Time now, std::vector<SeqId>* seqs_to_free) {
+void SessionStore::EvictExpired(absl::Time now, std::vector<SeqId>* seqs_to_free,
+                                std::vector<std::string>* erased_ids) {
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     if (it->second->Expired(now)) {
+      if (erased_ids != nullptr) erased_ids->push_back(it->first);
       if (it->second->seq >= 0) seqs_to_free->push_back(it->second->seq);
       if (it->second->tiered && tiers_ != nullptr) tiers_->Erase(it->first);
       sessions_.erase(it++);

@@ -76,9 +76,12 @@ class SessionStore {
   const Session* FindOwned(std::string_view id, std::string_view owner, absl::Time now) const;
   // Removes a session; its cache sequence (if any) goes to `seqs_to_free`, its tiered image (if
   // any) is erased. False if unknown.
-  bool Erase(std::string_view id, std::vector<SeqId>* seqs_to_free);
+  bool Erase(std::string_view id, std::vector<SeqId>* seqs_to_free,
+             std::vector<std::string>* erased_ids = nullptr);
   // Removes every expired session, as Erase does.
-  void EvictExpired(absl::Time now, std::vector<SeqId>* seqs_to_free);
+  // `erased_ids` (optional) gains the ids of the sessions removed.
+  void EvictExpired(absl::Time now, std::vector<SeqId>* seqs_to_free,
+                    std::vector<std::string>* erased_ids = nullptr);
   // When the next idle session expires; InfiniteFuture when none can.
   absl::Time NextExpiry() const;
   // The least recently used idle session that holds a cache sequence, or null.

@@ -8,14 +8,19 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "proto/subspace.grpc.pb.h"
 #include "server/server_app.h"
@@ -119,8 +124,12 @@ TEST_P(SessionRestartTest, RestoredSessionsContinueAsUninterruptedOnes) {
   EXPECT_EQ(got.reused, want.reused);
   info = GetSession(*stub, uninterrupted);
   ASSERT_TRUE(info.ok()) << info.status();
-  // Restored snapshots are consumed; the disk tier's directory is there while the server runs.
-  EXPECT_EQ(FilesIn(dir_.path()), (std::vector<std::string>{"garbage.session.rejected", "tier"}));
+  // Restored snapshots stay as the sessions' checkpoints (consumed without checkpoints); the
+  // disk tier's directory is there while the server runs.
+  std::vector<std::string> names = {"garbage.session.rejected", restarted + ".session", "tier",
+                                    uninterrupted + ".session"};
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(FilesIn(dir_.path()), names);
 }
 
 INSTANTIATE_TEST_SUITE_P(Caches, SessionRestartTest,
@@ -256,11 +265,12 @@ void StopServer(pid_t pid) {
 }
 
 // The binary: SIGTERM drains, writes the session and exits 0; started again on the directory
-// it serves the session.
+// (without checkpoints here: the restored file is consumed) it serves the session.
 TEST(SessionRestartBinaryTest, SigtermWritesSessionsAndARestartServesThem) {
   TempDir dir;
   auto launch = [&](int* port) {
-    return LaunchServer(dir.path(), {"--kv-cache-bytes", "2097152"}, port);
+    return LaunchServer(dir.path(),
+                        {"--kv-cache-bytes", "2097152", "--session-checkpoint-seconds", "0"}, port);
   };
 
   int port = 0;
@@ -290,6 +300,7 @@ TEST(SessionRestartBinaryTest, SigtermWritesSessionsAndARestartServesThem) {
     EXPECT_EQ(info->tokens(), tokens);
     EXPECT_EQ(info->cached_tokens(), tokens - 1);
     EXPECT_EQ(Generate(*stub, id, " fine", 5).reused, tokens - 1);
+    EXPECT_EQ(FilesIn(dir.path()), std::vector<std::string>{"tier"});
   }
   StopServer(pid);
 }
@@ -342,6 +353,73 @@ TEST(SessionRestartBinaryTest, SessionOnTheDiskTierSurvivesKill9) {
     EXPECT_EQ(info->cached_tokens(), tokens - 1);
     EXPECT_EQ(info->cache_location(), "pool");
     EXPECT_EQ(Generate(*stub, id, " fine", 5).reused, tokens - 1);
+  }
+  StopServer(pid);
+}
+
+// Checkpoints while serving: a killed process's next start serves the sessions as of the last
+// checkpoint, and a session deleted before the kill stays deleted.
+TEST(SessionRestartBinaryTest, CheckpointsSurviveKill9AndDeletionsStay) {
+  TempDir dir;
+  const std::vector<std::string> flags = {"--kv-cache-bytes", "2097152",
+                                          "--session-checkpoint-seconds", "0.1"};
+  const auto file = [&](const std::string& id) { return dir.path() + "/" + id + ".session"; };
+  // Waits for the session's file to be written anew (another modification time).
+  const auto rewritten = [&](const std::string& id, std::filesystem::file_time_type before) {
+    for (absl::Time end = absl::Now() + absl::Seconds(30); absl::Now() < end;) {
+      std::error_code ec;
+      const auto t = std::filesystem::last_write_time(file(id), ec);
+      if (!ec && t != before) return true;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return false;
+  };
+  int port = 0;
+  pid_t pid = LaunchServer(dir.path(), flags, &port);
+  ASSERT_GT(pid, 0);
+  ASSERT_GT(port, 0);
+  std::string kept, deleted;
+  uint32_t tokens = 0;
+  {
+    auto stub = v1::Subspace::NewStub(ChannelTo(port));
+    kept = CreateSession(*stub);
+    deleted = CreateSession(*stub);
+    Generate(*stub, kept, "hello there, how are you", 10);
+    Generate(*stub, deleted, "and who are you", 10);
+    ASSERT_TRUE(rewritten(kept, {}));
+    ASSERT_TRUE(rewritten(deleted, {}));
+    const auto first = std::filesystem::last_write_time(file(kept));
+    Generate(*stub, kept, " fine, thanks", 10);
+    ASSERT_TRUE(rewritten(kept, first)) << "the second turn was not checkpointed";
+    absl::StatusOr<v1::Session> info = GetSession(*stub, kept);
+    ASSERT_TRUE(info.ok());
+    tokens = info->tokens();
+    grpc::ClientContext context;
+    v1::DeleteSessionRequest request;
+    request.set_session_id(deleted);
+    v1::DeleteSessionResponse response;
+    ASSERT_TRUE(stub->DeleteSession(&context, request, &response).ok());
+    for (absl::Time end = absl::Now() + absl::Seconds(30);
+         absl::Now() < end && std::filesystem::exists(file(deleted));) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_FALSE(std::filesystem::exists(file(deleted)));
+  }
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+
+  pid = LaunchServer(dir.path(), flags, &port);
+  ASSERT_GT(pid, 0);
+  ASSERT_GT(port, 0);
+  {
+    auto stub = v1::Subspace::NewStub(ChannelTo(port));
+    absl::StatusOr<v1::Session> info = GetSession(*stub, kept);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->tokens(), tokens);
+    EXPECT_EQ(info->cached_tokens(), tokens - 1);
+    EXPECT_EQ(Generate(*stub, kept, " and you?", 5).reused, tokens - 1);
+    EXPECT_EQ(GetSession(*stub, deleted).status().code(), absl::StatusCode::kNotFound);
   }
   StopServer(pid);
 }
