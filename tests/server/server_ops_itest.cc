@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "proto/subspace.grpc.pb.h"
 #include "server/server_app.h"
+#include "tests/server/server_process.h"
 #include "tests/server/server_test_util.h"
 
 namespace subspace {
@@ -32,6 +33,7 @@ using ::subspace::testing::HealthCheck;
 using ::subspace::testing::HttpGet;
 using ::subspace::testing::MetricValue;
 using ::subspace::testing::ReflectionListServices;
+using ::subspace::testing::ServerProcess;
 using ::subspace::testing::TestServerConfig;
 
 constexpr int kServing = 1;
@@ -245,31 +247,14 @@ TEST(ServerAppConfigTest, BadConfigIsRejected) {
 #ifdef SUBSPACE_SERVER_BIN
 // The binary: dash-style flags, port 0 printed on stdout, SIGTERM drains and exits 0.
 TEST(ServerBinaryTest, SigtermDrainsAndExitsZero) {
-  int out_pipe[2];
-  ASSERT_EQ(pipe(out_pipe), 0);
-  const std::string& model = subspace::testing::TinyModelPath();
-  const pid_t pid = fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    dup2(out_pipe[1], STDOUT_FILENO);
-    close(out_pipe[0]);
-    close(out_pipe[1]);
-    execl(SUBSPACE_SERVER_BIN, SUBSPACE_SERVER_BIN, "--model", model.c_str(), "--host", "127.0.0.1",
-          "--port", "0", "--metrics-port", "0", "--http-port", "0", "--kv-cache-bytes", "1048576",
-          "--drain-seconds", "5", "--log-level", "warn", static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  close(out_pipe[1]);
-  std::string line;
-  char c;
-  while (read(out_pipe[0], &c, 1) == 1 && c != '\n') line += c;
-  close(out_pipe[0]);
-  // "subspace-server listening on port P, metrics port M"
-  const size_t at = line.find("port ");
-  int port = 0;
-  ASSERT_NE(at, std::string::npos) << line;
-  ASSERT_TRUE(absl::SimpleAtoi(line.substr(at + 5, line.find(',') - at - 5), &port)) << line;
-  EXPECT_GT(port, 0);
+  absl::StatusOr<std::unique_ptr<ServerProcess>> started = ServerProcess::Start(
+      {SUBSPACE_SERVER_BIN, "--model", subspace::testing::TinyModelPath(), "--host", "127.0.0.1",
+       "--port", "0", "--metrics-port", "0", "--http-port", "0", "--kv-cache-bytes", "1048576",
+       "--drain-seconds", "5", "--log-level", "warn"},
+      absl::Seconds(60));
+  ASSERT_TRUE(started.ok()) << started.status();
+  ServerProcess& server = **started;
+  const int port = server.port();
   auto channel = ChannelTo(port);
   EXPECT_EQ(HealthCheck(channel).value_or(-1), kServing);
   {
@@ -281,34 +266,22 @@ TEST(ServerBinaryTest, SigtermDrainsAndExitsZero) {
     v1::GenerateResponse response;
     EXPECT_TRUE(stub->Generate(&context, request, &response).ok());
   }
-  // "..., metrics port M, http port H"
-  const auto port_after = [&line](std::string_view label) {
-    const size_t p = line.find(label);
-    int value = 0;
-    if (p == std::string::npos) return -1;
-    const size_t from = p + label.size();
-    const size_t to = line.find(',', from);
-    if (!absl::SimpleAtoi(line.substr(from, to == std::string::npos ? to : to - from), &value)) {
-      return -1;
-    }
-    return value;
-  };
-  const int metrics_port = port_after("metrics port ");
-  ASSERT_GT(metrics_port, 0) << line;
+  const int metrics_port = server.PortAfter("metrics port ");
+  ASSERT_GT(metrics_port, 0) << server.line();
   absl::StatusOr<std::pair<std::string, std::string>> metrics = HttpGet(metrics_port, "/metrics");
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   EXPECT_TRUE(absl::StrContains(metrics->second, "subspace_requests_total{"));
   // The HTTP API answers on its own port, on the same engine.
-  const int http_port = port_after("http port ");
-  ASSERT_GT(http_port, 0) << line;
+  const int http_port = server.PortAfter("http port ");
+  ASSERT_GT(http_port, 0) << server.line();
   absl::StatusOr<std::pair<std::string, std::string>> health = HttpGet(http_port, "/health");
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_TRUE(absl::StrContains(health->second, "\"status\":\"ok\"")) << health->second;
-  ASSERT_EQ(kill(pid, SIGTERM), 0);
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status)) << status;
-  EXPECT_EQ(WEXITSTATUS(status), 0);
+  ASSERT_TRUE(server.Signal(SIGTERM));
+  absl::StatusOr<int> status = server.WaitExit(absl::Seconds(60));
+  ASSERT_TRUE(status.ok()) << status.status();
+  ASSERT_TRUE(WIFEXITED(*status)) << *status;
+  EXPECT_EQ(WEXITSTATUS(*status), 0) << server.ReadStderr();
 }
 
 // Runs the binary on the tiny model with `flags` added, expecting it to exit by itself:

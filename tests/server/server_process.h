@@ -83,14 +83,9 @@ class ServerProcess {
       if (c == '\n') break;
       line += c;
     }
-    const size_t at = line.find("port ");
-    const size_t comma = line.find(',', at);
-    if (at == std::string::npos ||
-        !absl::SimpleAtoi(
-            line.substr(at + 5, comma == std::string::npos ? std::string::npos : comma - at - 5),
-            &p->port_)) {
-      return absl::InternalError(absl::StrCat("no port in \"", line, "\""));
-    }
+    p->line_ = line;
+    p->port_ = p->PortAfter("port ");
+    if (p->port_ <= 0) return absl::InternalError(absl::StrCat("no port in \"", line, "\""));
     return p;
   }
 
@@ -107,6 +102,22 @@ class ServerProcess {
 
   pid_t pid() const { return pid_; }
   int port() const { return port_; }
+  // The first stdout line ("subspace-server listening on port P, metrics port M, http port H").
+  const std::string& line() const { return line_; }
+  // The number after `label` in it ("metrics port "); -1 when absent.
+  int PortAfter(const std::string& label) const {
+    const size_t at = line_.find(label);
+    if (at == std::string::npos) return -1;
+    const size_t from = at + label.size();
+    const size_t comma = line_.find(',', from);
+    int value = -1;
+    if (!absl::SimpleAtoi(
+            line_.substr(from, comma == std::string::npos ? std::string::npos : comma - from),
+            &value)) {
+      return -1;
+    }
+    return value;
+  }
 
   bool Signal(int sig) const { return pid_ > 0 && !exited_ && kill(pid_, sig) == 0; }
 
@@ -148,6 +159,7 @@ class ServerProcess {
 
   pid_t pid_ = -1;
   int port_ = 0;
+  std::string line_;
   int stdout_fd_ = -1;
   std::string stderr_path_;
   bool exited_ = false;

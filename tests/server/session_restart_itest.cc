@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "proto/subspace.grpc.pb.h"
 #include "server/server_app.h"
+#include "tests/server/server_process.h"
 #include "tests/server/server_test_util.h"
 #include "tests/test_util.h"
 
@@ -208,13 +209,13 @@ TEST(SessionMoveRpcTest, ExportedSessionContinuesOnAnotherServer) {
   EXPECT_EQ(Generate(*stub_b, id, " and", 3).tokens.size(), 3u);
 }
 
-// Starts the server binary on the tiny model with `dir` as its session directory; its port from
-// the line it prints when serving (0 when it did not start).
-pid_t LaunchServer(const std::string& dir, const std::vector<std::string>& extra, int* port) {
-  const std::string& model = subspace::testing::TinyModelPath();
-  std::vector<std::string> args = {SUBSPACE_SERVER_BIN,
+// The server binary on the tiny model with `dir` as its session directory (null, the test
+// failed, when it did not start); killed when the test leaves it running.
+std::unique_ptr<testing::ServerProcess> LaunchServer(const std::string& dir,
+                                                     const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = {SUBSPACE_SERVER_BIN,
                                    "--model",
-                                   model,
+                                   testing::TinyModelPath(),
                                    "--host",
                                    "127.0.0.1",
                                    "--port",
@@ -229,54 +230,36 @@ pid_t LaunchServer(const std::string& dir, const std::vector<std::string>& extra
                                    dir,
                                    "--log-level",
                                    "warn"};
-  args.insert(args.end(), extra.begin(), extra.end());
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  int out_pipe[2];
-  if (pipe(out_pipe) != 0) return -1;
-  const pid_t pid = fork();
-  if (pid == 0) {
-    dup2(out_pipe[1], STDOUT_FILENO);
-    close(out_pipe[0]);
-    close(out_pipe[1]);
-    execv(SUBSPACE_SERVER_BIN, argv.data());
-    _exit(127);
-  }
-  close(out_pipe[1]);
-  std::string line;
-  char c;
-  while (read(out_pipe[0], &c, 1) == 1 && c != '\n') line += c;
-  close(out_pipe[0]);
-  const size_t at = line.find("port ");
-  *port = 0;
-  if (at != std::string::npos) {
-    (void)absl::SimpleAtoi(line.substr(at + 5, line.find(',') - at - 5), port);
-  }
-  return pid;
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  absl::StatusOr<std::unique_ptr<testing::ServerProcess>> server =
+      testing::ServerProcess::Start(std::move(argv), absl::Seconds(60));
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? *std::move(server) : nullptr;
 }
 
 // SIGTERM, then the exit status: 0.
-void StopServer(pid_t pid) {
-  EXPECT_EQ(kill(pid, SIGTERM), 0);
-  int status = 0;
-  EXPECT_EQ(waitpid(pid, &status, 0), pid);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+void StopServer(testing::ServerProcess& server) {
+  ASSERT_TRUE(server.Signal(SIGTERM));
+  absl::StatusOr<int> status = server.WaitExit(absl::Seconds(60));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << *status << server.ReadStderr();
+}
+
+// kill -9: nothing of the process runs after it.
+void KillServer(testing::ServerProcess& server) {
+  ASSERT_TRUE(server.Signal(SIGKILL));
+  EXPECT_TRUE(server.WaitExit(absl::Seconds(60)).ok());
 }
 
 // The binary: SIGTERM drains, writes the session and exits 0; started again on the directory
 // (without checkpoints here: the restored file is consumed) it serves the session.
 TEST(SessionRestartBinaryTest, SigtermWritesSessionsAndARestartServesThem) {
   TempDir dir;
-  auto launch = [&](int* port) {
-    return LaunchServer(dir.path(),
-                        {"--kv-cache-bytes", "2097152", "--session-checkpoint-seconds", "0"}, port);
-  };
-
-  int port = 0;
-  pid_t pid = launch(&port);
-  ASSERT_GT(pid, 0);
-  ASSERT_GT(port, 0);
+  const std::vector<std::string> flags = {"--kv-cache-bytes", "2097152",
+                                          "--session-checkpoint-seconds", "0"};
+  auto server = LaunchServer(dir.path(), flags);
+  ASSERT_NE(server, nullptr);
+  int port = server->port();
   std::string id;
   uint32_t tokens = 0;
   {
@@ -287,12 +270,12 @@ TEST(SessionRestartBinaryTest, SigtermWritesSessionsAndARestartServesThem) {
     ASSERT_TRUE(info.ok());
     tokens = info->tokens();
   }
-  StopServer(pid);
+  StopServer(*server);
   EXPECT_EQ(FilesIn(dir.path()), std::vector<std::string>{id + ".session"});
 
-  pid = launch(&port);
-  ASSERT_GT(pid, 0);
-  ASSERT_GT(port, 0);
+  server = LaunchServer(dir.path(), flags);
+  ASSERT_NE(server, nullptr);
+  port = server->port();
   {
     auto stub = v1::Subspace::NewStub(ChannelTo(port));
     absl::StatusOr<v1::Session> info = GetSession(*stub, id);
@@ -302,7 +285,7 @@ TEST(SessionRestartBinaryTest, SigtermWritesSessionsAndARestartServesThem) {
     EXPECT_EQ(Generate(*stub, id, " fine", 5).reused, tokens - 1);
     EXPECT_EQ(FilesIn(dir.path()), std::vector<std::string>{"tier"});
   }
-  StopServer(pid);
+  StopServer(*server);
 }
 
 // A session whose cache the pool gave up to the disk tier survives kill -9: the next start
@@ -313,10 +296,9 @@ TEST(SessionRestartBinaryTest, SessionOnTheDiskTierSurvivesKill9) {
   // goes straight to disk when the big request needs its blocks.
   const std::vector<std::string> flags = {"--kv-cache",        "full", "--kv-cache-bytes", "49152",
                                           "--session-host-mb", "0"};
-  int port = 0;
-  pid_t pid = LaunchServer(dir.path(), flags, &port);
-  ASSERT_GT(pid, 0);
-  ASSERT_GT(port, 0);
+  auto server = LaunchServer(dir.path(), flags);
+  ASSERT_NE(server, nullptr);
+  int port = server->port();
   std::string id;
   uint32_t tokens = 0;
   {
@@ -337,14 +319,12 @@ TEST(SessionRestartBinaryTest, SessionOnTheDiskTierSurvivesKill9) {
     EXPECT_EQ(info->cache_location(), "disk");
     EXPECT_EQ(info->cached_tokens(), tokens - 1);
   }
-  ASSERT_EQ(kill(pid, SIGKILL), 0);
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  KillServer(*server);
   EXPECT_EQ(FilesIn(dir.path() + "/tier"), std::vector<std::string>{id + ".session"});
 
-  pid = LaunchServer(dir.path(), flags, &port);
-  ASSERT_GT(pid, 0);
-  ASSERT_GT(port, 0);
+  server = LaunchServer(dir.path(), flags);
+  ASSERT_NE(server, nullptr);
+  port = server->port();
   {
     auto stub = v1::Subspace::NewStub(ChannelTo(port));
     absl::StatusOr<v1::Session> info = GetSession(*stub, id);
@@ -354,7 +334,7 @@ TEST(SessionRestartBinaryTest, SessionOnTheDiskTierSurvivesKill9) {
     EXPECT_EQ(info->cache_location(), "pool");
     EXPECT_EQ(Generate(*stub, id, " fine", 5).reused, tokens - 1);
   }
-  StopServer(pid);
+  StopServer(*server);
 }
 
 // Checkpoints while serving: a killed process's next start serves the sessions as of the last
@@ -374,10 +354,9 @@ TEST(SessionRestartBinaryTest, CheckpointsSurviveKill9AndDeletionsStay) {
     }
     return false;
   };
-  int port = 0;
-  pid_t pid = LaunchServer(dir.path(), flags, &port);
-  ASSERT_GT(pid, 0);
-  ASSERT_GT(port, 0);
+  auto server = LaunchServer(dir.path(), flags);
+  ASSERT_NE(server, nullptr);
+  int port = server->port();
   std::string kept, deleted;
   uint32_t tokens = 0;
   {
@@ -405,13 +384,11 @@ TEST(SessionRestartBinaryTest, CheckpointsSurviveKill9AndDeletionsStay) {
     }
     EXPECT_FALSE(std::filesystem::exists(file(deleted)));
   }
-  ASSERT_EQ(kill(pid, SIGKILL), 0);
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  KillServer(*server);
 
-  pid = LaunchServer(dir.path(), flags, &port);
-  ASSERT_GT(pid, 0);
-  ASSERT_GT(port, 0);
+  server = LaunchServer(dir.path(), flags);
+  ASSERT_NE(server, nullptr);
+  port = server->port();
   {
     auto stub = v1::Subspace::NewStub(ChannelTo(port));
     absl::StatusOr<v1::Session> info = GetSession(*stub, kept);
@@ -421,7 +398,7 @@ TEST(SessionRestartBinaryTest, CheckpointsSurviveKill9AndDeletionsStay) {
     EXPECT_EQ(Generate(*stub, kept, " and you?", 5).reused, tokens - 1);
     EXPECT_EQ(GetSession(*stub, deleted).status().code(), absl::StatusCode::kNotFound);
   }
-  StopServer(pid);
+  StopServer(*server);
 }
 
 }  // namespace
