@@ -157,6 +157,15 @@ void SnapshotSeeds(const std::filesystem::path& dir) {
   s.refresh.reset();
   Write(dir / "compressed.session",
         std::string(1, '\0') + EncodeSessionSnapshot(s, kSnapshotIdentity));
+  auto transform = SnapshotTransformCache();
+  const SeqId t = *transform->CreateSequence();
+  FillSequence(*transform, t, 22);  // sinks, coded blocks, the window, a partial block
+  const std::string transform_image = *transform->ExportSequence(t);
+  Write(dir / "transform.image", std::string(1, '\3') + transform_image);
+  s.cache = transform_image;
+  s.cache_layout = transform->ImageLayout();
+  Write(dir / "transform.session",
+        std::string(1, '\0') + EncodeSessionSnapshot(s, kSnapshotIdentity));
 }
 
 }  // namespace

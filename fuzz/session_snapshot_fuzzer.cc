@@ -1,7 +1,8 @@
 // Fuzzes what a restarting server reads from its session directory. The first byte picks the
 // reader: 0, DecodeSessionSnapshot (a snapshot it accepts re-encodes to one it reads back the
 // same, and its cache image goes to the cache of its layout); 1, the paged cache's
-// ImportSequence; 2, the compressed cache's (fuzz/snapshot_setup.h). An import fails with
+// ImportSequence; 2, the compressed cache's; 3, the transform-coded cache's
+// (fuzz/snapshot_setup.h). An import fails with
 // DATA_LOSS, FAILED_PRECONDITION or RESOURCE_EXHAUSTED and takes nothing from the pool, or gives
 // a sequence that attends, exports, imports again and frees every block.
 #include <cstddef>
@@ -59,9 +60,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace subspace::fuzz;
   static PagedKvCache* const paged = SnapshotPagedCache().release();
   static CompressedKvCache* const compressed = SnapshotCompressedCache().release();
+  static TransformKvCache* const transform = SnapshotTransformCache().release();
   if (size == 0) return 0;
   const std::string_view bytes(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 3) {
+  switch (data[0] % 4) {
     case 0: {
       absl::StatusOr<SessionImage> image =
           DecodeSessionSnapshot(bytes, kSnapshotIdentity, uint64_t{1} << 20);
@@ -75,13 +77,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                  back->cache == image->cache && back->cache_layout == image->cache_layout);
       if (image->cache_layout == paged->ImageLayout()) ImportInto(*paged, image->cache);
       if (image->cache_layout == compressed->ImageLayout()) ImportInto(*compressed, image->cache);
+      if (image->cache_layout == transform->ImageLayout()) ImportInto(*transform, image->cache);
       break;
     }
     case 1:
       ImportInto(*paged, bytes);
       break;
-    default:
+    case 2:
       ImportInto(*compressed, bytes);
+      break;
+    default:
+      ImportInto(*transform, bytes);
       break;
   }
   return 0;

@@ -7,8 +7,11 @@
 #include <cstdint>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "core/compress/compressed_kv_cache.h"
+#include "core/compress/transform_codec.h"
+#include "core/compress/transform_kv_cache.h"
 #include "core/engine/session_snapshot.h"
 #include "core/kvcache/paged_kv_cache.h"
 
@@ -55,6 +58,36 @@ inline std::unique_ptr<CompressedKvCache> SnapshotCompressedCache() {
   (void)cache->SetDefaultEpoch(id);
   (void)cache->ReleaseEpoch(id);
   return cache;
+}
+
+// The transform-coded cache with fixed codes (what a fitted codec could give): the identity
+// basis, widths 8, 4, 4, 3, 2, 2, 0, 0 on a range of [-1, 1], keys coded as written; sinks and
+// window of one block.
+inline std::unique_ptr<TransformKvCache> SnapshotTransformCache() {
+  const int d = kSnapshotGeometry.head_dim;
+  TransformCode code;
+  code.dim = d;
+  code.mean.assign(static_cast<size_t>(d), 0.0f);
+  code.basis.assign(static_cast<size_t>(d * d), 0.0f);
+  const int bits[] = {8, 4, 4, 3, 2, 2, 0, 0};
+  for (int i = 0; i < d; ++i) {
+    code.basis[static_cast<size_t>(i * d + i)] = 1.0f;
+    const int b = bits[i % 8];
+    code.components.push_back({.bits = b,
+                               .offset = b > 0 ? -1.0f : 0.0f,
+                               .step = b > 0 ? 2.0f / static_cast<float>((1 << b) - 1) : 0.0f});
+  }
+  auto codes = std::make_shared<const std::vector<TransformCode>>(
+      static_cast<size_t>(kSnapshotGeometry.n_layers * kSnapshotGeometry.n_kv_heads), code);
+  TransformKvCacheConfig c;
+  c.geometry = kSnapshotGeometry;
+  c.block_size = kSnapshotBlock;
+  c.sink_tokens = kSnapshotBlock;
+  c.window_tokens = kSnapshotBlock;
+  c.key_codes = codes;
+  c.value_codes = codes;
+  c.capacity_bytes = 64 * TransformKvCache::PageBytes(c.geometry, kSnapshotBlock);
+  return *TransformKvCache::Create(c);
 }
 
 // Appends `n` tokens of deterministic K/V to `seq`, one token per step as decoding does.

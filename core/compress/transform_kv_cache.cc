@@ -135,6 +135,7 @@ TransformKvCache::TransformKvCache(const TransformKvCacheConfig& config,
             pool_.get()) {
   policy_.sink_tokens = config.sink_tokens;
   policy_.window_tokens = config.window_tokens;
+  codes_checksum_ = CodesChecksum();
   if (config_.key_rope.has_value()) {
     // Rotating by -p with the scale divided out undoes the rotation by p.
     key_unrope_ = *config_.key_rope;

@@ -31,6 +31,8 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -99,6 +101,15 @@ class TransformKvCache final : public KvCache {
   absl::Status Truncate(SeqId seq, int64_t length) override;
 
   KvCacheStats Stats() const override { return seqs_.Stats(config_.geometry); }
+
+  // Images (session snapshots, tiers; transform_kv_cache_image.cc): the geometry, the policy and
+  // a checksum of the codes in the layout line, then per layer and block either the committed
+  // fp16 rows of a full block or a coded block's codes as stored, so a restored sequence
+  // continues bitwise. Import takes a full page for every block first (coded ones give theirs
+  // back for a slot, as Commit does): RESOURCE_EXHAUSTED when the pool lacks them.
+  std::string ImageLayout() const override;
+  absl::StatusOr<std::string> ExportSequence(SeqId seq) const override;
+  absl::StatusOr<SeqId> ImportSequence(std::string_view image) override;
   TransformKvCacheDetail Detail() const;
 
   // Whether block `block` of `seq` in `layer` is coded (tests).
@@ -182,6 +193,8 @@ class TransformKvCache final : public KvCache {
   // Decodes coded block b of `layer` back into a full page (Truncate).
   absl::Status ExpandBlock(Sequence& s, int layer, int64_t b);
   void FreeBlock(Block& e);
+  // FNV-1a over every code's numbers (transform_kv_cache_image.cc).
+  uint64_t CodesChecksum() const;
 
   TransformKvCacheConfig config_;
   CompressionPolicy policy_;                // sinks and window: which blocks a Commit codes
@@ -198,6 +211,7 @@ class TransformKvCache final : public KvCache {
   std::unique_ptr<BlockPool> pool_;
   SlabAllocator slabs_;
   std::vector<int> slab_class_;  // [n_layers]
+  uint64_t codes_checksum_ = 0;  // of the key and value codes (ImageLayout)
   Sequences seqs_;
 };
 

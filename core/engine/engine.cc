@@ -919,7 +919,7 @@ bool Engine::Impl::ReclaimIdleLocked() {
   Session* s = sessions_.LeastRecentlyUsedCached();
   if (s == nullptr) return false;
   if (tiers_ != nullptr && s->cached > 0) {
-    // A cache kind without images (the transform cache, online refresh) is dropped as before.
+    // A cache without images (online refresh, the device caches) is dropped as before.
     ExportedSession e = ExportLocked(*s);
     if (e.cache.ok() && e.image.cached > 0 && tiers_->Put(std::move(e.image))) s->tiered = true;
   }

@@ -114,7 +114,7 @@ bool SessionTiers::Put(SessionImage image) {
   if (!fits_host) {
     // Straight to disk; it is in memory only until written.
     e.spilling = true;
-    spilling_bytes_ += bytes;
+    stats_.host_spilling_bytes += bytes;
     tasks_.push_back({id, e.generation, e.image});
     work_cv_.notify_one();
   }
@@ -136,7 +136,7 @@ void SessionTiers::MakeRoomLocked() {
     return best == nullptr ? std::string() : *best;
   };
   // Images on their way to disk leave the host tier as soon as they are written.
-  while (stats_.host_bytes - spilling_bytes_ > options_.host_bytes) {
+  while (stats_.host_bytes - stats_.host_spilling_bytes > options_.host_bytes) {
     const std::string id = least_recent(/*on_disk=*/false);
     if (id.empty()) break;
     if (!dir_.has_value()) {
@@ -145,7 +145,7 @@ void SessionTiers::MakeRoomLocked() {
     }
     Entry& e = entries_.at(id);
     e.spilling = true;
-    spilling_bytes_ += e.bytes;
+    stats_.host_spilling_bytes += e.bytes;
     tasks_.push_back({id, e.generation, e.image});
     work_cv_.notify_one();
   }
@@ -168,7 +168,7 @@ void SessionTiers::DropLocked(const std::string& id) {
   } else {
     --stats_.host_sessions;
     stats_.host_bytes -= e.bytes;
-    if (e.spilling) spilling_bytes_ -= e.bytes;  // the writer removes what it wrote
+    if (e.spilling) stats_.host_spilling_bytes -= e.bytes;  // the writer removes what it wrote
   }
   ++stats_.dropped_total;
   entries_.erase(it);
@@ -187,7 +187,7 @@ absl::StatusOr<SessionImage> SessionTiers::Take(std::string_view id) {
       SessionImage image = *e.image;
       --stats_.host_sessions;
       stats_.host_bytes -= e.bytes;
-      if (e.spilling) spilling_bytes_ -= e.bytes;
+      if (e.spilling) stats_.host_spilling_bytes -= e.bytes;
       ++stats_.restored_host_total;
       entries_.erase(it);
       return image;
@@ -198,7 +198,7 @@ absl::StatusOr<SessionImage> SessionTiers::Take(std::string_view id) {
   }
   absl::StatusOr<SessionImage> image = ReadFile(id);
   std::lock_guard<std::mutex> lock(mu_);
-  if (!entries_.contains(Key(id))) (void)dir_->Remove(id);
+  if (!OnDiskLocked(id)) (void)dir_->Remove(id);
   if (image.ok()) {
     ++stats_.restored_disk_total;
   } else {
@@ -241,6 +241,11 @@ void SessionTiers::Erase(std::string_view id) {
   --stats_.dropped_total;  // forgotten, not given up for room
 }
 
+bool SessionTiers::OnDiskLocked(std::string_view id) const {
+  auto it = entries_.find(Key(id));
+  return it != entries_.end() && it->second.on_disk;
+}
+
 CacheLocation SessionTiers::Where(std::string_view id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(Key(id));
@@ -266,8 +271,8 @@ void SessionTiers::Writer() {
     Task task = std::move(tasks_.front());
     tasks_.pop_front();
     if (task.image == nullptr) {
-      // A dropped or erased entry's file, unless a newer entry of the id has taken its place.
-      if (!entries_.contains(task.id)) (void)dir_->Remove(task.id);
+      // A dropped or erased entry's file, unless a newer entry of the id has been written since.
+      if (!OnDiskLocked(task.id)) (void)dir_->Remove(task.id);
     } else {
       auto it = entries_.find(task.id);
       if (it != entries_.end() && it->second.generation == task.generation && it->second.spilling) {
@@ -281,8 +286,9 @@ void SessionTiers::Writer() {
         it = entries_.find(task.id);
         const bool current = it != entries_.end() && it->second.generation == task.generation;
         if (!current) {
-          // Taken, erased or dropped while it was written.
-          if (written.ok() && !entries_.contains(task.id)) (void)dir_->Remove(task.id);
+          // Taken, erased or dropped while it was written: the file is stale even when a newer
+          // entry of the id exists (that one is written by a later task, the queue is in order).
+          if (written.ok()) (void)dir_->Remove(task.id);
         } else if (!written.ok()) {
           ++stats_.errors_total;
           DropLocked(task.id);
@@ -290,7 +296,7 @@ void SessionTiers::Writer() {
           Entry& e = it->second;
           --stats_.host_sessions;
           stats_.host_bytes -= e.bytes;
-          spilling_bytes_ -= e.bytes;
+          stats_.host_spilling_bytes -= e.bytes;
           e.image.reset();
           e.spilling = false;
           e.on_disk = true;

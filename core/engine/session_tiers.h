@@ -49,7 +49,8 @@ const char* CacheLocationName(CacheLocation location);
 
 struct SessionTierStats {
   int64_t host_sessions = 0;
-  int64_t host_bytes = 0;  // images in memory, those being written to disk included
+  int64_t host_bytes = 0;           // images in memory, those being written to disk included
+  int64_t host_spilling_bytes = 0;  // of which queued for (or on their way to) disk
   int64_t disk_sessions = 0;
   int64_t disk_bytes = 0;           // their files
   int64_t stored_total = 0;         // images Put
@@ -106,6 +107,8 @@ class SessionTiers {
   // Gives up least recently stored entries until both tiers are within their caps.
   void MakeRoomLocked();
   void DropLocked(const std::string& id);
+  // Whether the entry of `id` is on disk (then the file is its own).
+  bool OnDiskLocked(std::string_view id) const;
   absl::StatusOr<SessionImage> ReadFile(std::string_view id) const;
   void Writer();
 
@@ -119,7 +122,6 @@ class SessionTiers {
   std::deque<Task> tasks_;
   bool writing_ = false;  // the writer holds a task
   bool stop_ = false;
-  int64_t spilling_bytes_ = 0;  // of the host tier's images queued for (or on their way to) disk
   uint64_t next_generation_ = 1;
   uint64_t next_stamp_ = 1;
   SessionTierStats stats_;  // counts; the sizes are kept here too

@@ -11,6 +11,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/base/coeff_codec.h"
@@ -239,6 +240,92 @@ TEST_P(TransformKvCacheVariantTest, TruncationIntoACodedBlockDecodesItAndTokensF
   ExpectAttentionMatches(f, seq, 22, 6, rng);
   ASSERT_TRUE(f.cache->Commit(seq, 28).ok());
   EXPECT_EQ(f.cache->Length(seq), 28);
+}
+
+// Attention of the same random queries in every layer, on two caches: bitwise equal.
+void ExpectSameAttention(Fixture& a, SeqId sa, Fixture& b, SeqId sb, int64_t pos, int64_t n,
+                         uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<float> q(static_cast<size_t>(n) * kHeads * kDim), oa(q.size()), ob(q.size());
+    for (float& x : q) x = n01(rng);
+    const AttentionRequest ra{.seq = sa, .pos = pos, .n = n, .q = q.data(), .out = oa.data()};
+    const AttentionRequest rb{.seq = sb, .pos = pos, .n = n, .q = q.data(), .out = ob.data()};
+    a.cache->Attend(l, {&ra, 1}, kHeads);
+    b.cache->Attend(l, {&rb, 1}, kHeads);
+    ASSERT_EQ(oa, ob) << "layer " << l;
+  }
+}
+
+// An exported sequence imported into another cache with the same codes: the same blocks coded,
+// bitwise the same attention, and after more tokens on both, the same image again.
+TEST_P(TransformKvCacheVariantTest, ImageRestoresTheSequenceBitwise) {
+  Fixture f = Make(60, 11, GetParam());
+  const SeqId seq = *f.cache->CreateSequence();
+  std::mt19937 rng(5);
+  ASSERT_TRUE(f.cache->Reserve(seq, 37).ok());
+  WriteTokens(f, seq, 0, 20, rng);
+  ASSERT_TRUE(f.cache->Commit(seq, 20).ok());
+  WriteTokens(f, seq, 20, 17, rng);
+  ASSERT_TRUE(f.cache->Commit(seq, 37).ok());  // sinks, coded blocks, the window, a partial block
+  absl::StatusOr<std::string> image = f.cache->ExportSequence(seq);
+  ASSERT_TRUE(image.ok()) << image.status();
+
+  Fixture g = Make(60, 11, GetParam());
+  const int64_t free_before = g.cache->pool().num_free();
+  absl::StatusOr<SeqId> copy = g.cache->ImportSequence(*image);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_EQ(g.cache->Length(*copy), 37);
+  for (int l = 0; l < kLayers; ++l) {
+    for (int64_t b = 0; b < 10; ++b) {
+      EXPECT_EQ(g.cache->IsCoded(*copy, l, b), f.cache->IsCoded(seq, l, b)) << l << " " << b;
+    }
+  }
+  EXPECT_EQ(g.cache->Stats().bytes_used_compressed, f.cache->Stats().bytes_used_compressed);
+  ExpectSameAttention(f, seq, g, *copy, 36, 1, 21);
+
+  // The same tokens on both: coding continues where it was.
+  std::mt19937 rng_f(9), rng_g(9);
+  for (auto [fx, s, r] : {std::tuple{&f, seq, &rng_f}, std::tuple{&g, *copy, &rng_g}}) {
+    ASSERT_TRUE(fx->cache->Reserve(s, 12).ok());
+    WriteTokens(*fx, s, 37, 12, *r);
+    ASSERT_TRUE(fx->cache->Commit(s, 49).ok());
+  }
+  ExpectSameAttention(f, seq, g, *copy, 40, 9, 22);
+  EXPECT_EQ(*g.cache->ExportSequence(*copy), *f.cache->ExportSequence(seq));
+  ASSERT_TRUE(g.cache->FreeSequence(*copy).ok());
+  EXPECT_EQ(g.cache->pool().num_free(), free_before);
+}
+
+TEST(TransformKvCacheTest, ImportRefusesDamagedOrForeignImagesAndLeaksNothing) {
+  Fixture f = Make(40, 11);
+  const SeqId seq = *f.cache->CreateSequence();
+  std::mt19937 rng(5);
+  ASSERT_TRUE(f.cache->Reserve(seq, 30).ok());
+  WriteTokens(f, seq, 0, 30, rng);
+  ASSERT_TRUE(f.cache->Commit(seq, 30).ok());
+  const std::string image = *f.cache->ExportSequence(seq);
+
+  Fixture g = Make(40, 11);
+  const int64_t free_before = g.cache->pool().num_free();
+  for (size_t cut : {size_t{0}, size_t{10}, image.size() / 2, image.size() - 1}) {
+    EXPECT_EQ(g.cache->ImportSequence(image.substr(0, cut)).status().code(),
+              absl::StatusCode::kDataLoss)
+        << cut;
+  }
+  EXPECT_EQ(g.cache->ImportSequence(image + "x").status().code(), absl::StatusCode::kDataLoss);
+  // Another codec (fitted on other rows): its codes mean other numbers here.
+  Fixture other = Make(40, 12);
+  EXPECT_EQ(other.cache->ImportSequence(image).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(other.cache->ImageLayout(), f.cache->ImageLayout());
+  // A pool too small for the sequence's pages.
+  Fixture small = Make(40, 11, {}, /*pages=*/kLayers * 3);
+  EXPECT_EQ(small.cache->ImportSequence(image).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(small.cache->pool().num_free(), small.cache->pool().num_blocks());
+  EXPECT_EQ(g.cache->pool().num_free(), free_before);
 }
 
 INSTANTIATE_TEST_SUITE_P(KeysAndMetric, TransformKvCacheVariantTest,

@@ -187,5 +187,77 @@ TEST(EngineTierTest, ExportCarriesATieredCacheAndImportIntoAFullPoolWaitsInATier
   EXPECT_EQ(other->GetSession(filler->id)->cache_location, CacheLocation::kHost);
 }
 
+// The soak: ten times more sessions than the pool holds, every call over the pool and both
+// tiers (some caches dropped when both are full), against an engine whose pool holds them all:
+// every call succeeds with the same tokens, the tiers stay within their caps, and deleting the
+// sessions leaves no block, image or file behind.
+TEST(EngineTierTest, TenTimesMoreSessionsThanThePoolHolds) {
+  TempDir tmp("engine_tiers");
+  const std::string dir = tmp.path() + "/tier";
+  constexpr int64_t kHostCap = 48 << 10, kDiskCap = 96 << 10;
+  auto engine = MakeEngine(WithTiers(kHostCap, dir, kDiskCap), kBlocks);
+  auto reference = MakeEngine({}, /*blocks=*/1024);
+  ASSERT_NE(engine, nullptr);
+  ASSERT_NE(reference, nullptr);
+  constexpr int kSessions = 40;  // the pool holds about 4 of them
+  std::vector<std::string> ids, ref_ids;
+  for (int i = 0; i < kSessions; ++i) {
+    absl::StatusOr<SessionInfo> a = engine->CreateSession();
+    absl::StatusOr<SessionInfo> b = reference->CreateSession();
+    ASSERT_TRUE(a.ok() && b.ok());
+    ids.push_back(a->id);
+    ref_ids.push_back(b->id);
+  }
+  int64_t reused_calls = 0;
+  for (int round = 0; round < 3; ++round) {
+    // Forward, then backward: a round starts with the sessions the last one used most recently
+    // (in the pool or the host tier) and ends with those it used first (on disk, or dropped).
+    for (int step = 0; step < kSessions; ++step) {
+      const int i = round % 2 == 0 ? step : kSessions - 1 - step;
+      const std::vector<int32_t> prompt =
+          RandomPrompt(static_cast<uint32_t>(100 * round + i), round == 0 ? 20 : 5, Vocab(*engine));
+      GenerateRequest got_request = Greedy(prompt, 6, ids[static_cast<size_t>(i)]);
+      GenerateRequest want_request = Greedy(prompt, 6, ref_ids[static_cast<size_t>(i)]);
+      if (round > 0) {
+        // A continuation: no BOS in the middle of the conversation.
+        got_request.prompt.erase(got_request.prompt.begin());
+        want_request.prompt.erase(want_request.prompt.begin());
+      }
+      const Output got = Generate(*engine, std::move(got_request));
+      const Output want = Generate(*reference, std::move(want_request));
+      ASSERT_TRUE(got.result.status.ok()) << got.result.status;
+      ASSERT_EQ(got.tokens, want.tokens) << "round " << round << " session " << i;
+      reused_calls += got.result.usage.reused_tokens > 0 ? 1 : 0;
+      const SessionTierStats st = engine->Stats().tiers;
+      ASSERT_LE(st.host_bytes - st.host_spilling_bytes, kHostCap);
+      ASSERT_LE(st.disk_bytes, kDiskCap);
+    }
+  }
+  const EngineStats stats = engine->Stats();
+  EXPECT_GT(stats.tiers.restored_host_total, 0);
+  EXPECT_GT(stats.tiers.restored_disk_total, 0);
+  EXPECT_GT(stats.tiers.dropped_total, 0);  // both tiers full: some caches were recomputed
+  EXPECT_EQ(stats.tiers.errors_total, 0);
+  EXPECT_GT(reused_calls, stats.tiers.restored_host_total);  // pool hits and restores
+  EXPECT_EQ(stats.preemptions_total, 0);
+
+  for (const std::string& id : ids) ASSERT_TRUE(engine->DeleteSession(id).ok());
+  for (absl::Time end = absl::Now() + kWait; absl::Now() < end;) {
+    const EngineStats s = engine->Stats();
+    if (s.cache.blocks_free == s.cache.blocks_total && s.tiers.disk_sessions == 0 &&
+        FilesIn(dir).empty()) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  const EngineStats end = engine->Stats();
+  EXPECT_EQ(end.cache.blocks_free, end.cache.blocks_total);
+  EXPECT_EQ(end.tiers.host_sessions, 0);
+  EXPECT_EQ(end.tiers.host_bytes, 0);
+  EXPECT_EQ(end.tiers.disk_sessions, 0);
+  EXPECT_EQ(end.tiers.disk_bytes, 0);
+  EXPECT_TRUE(FilesIn(dir).empty());
+}
+
 }  // namespace
 }  // namespace subspace

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/compress/compressed_kv_cache.h"
+#include "core/compress/transform_codec.h"
+#include "core/compress/transform_kv_cache.h"
 #include "core/engine/engine.h"
 #include "core/kvcache/paged_kv_cache.h"
 #include "gtest/gtest.h"
@@ -209,6 +212,40 @@ std::unique_ptr<KvCacheBase> Compressed(const ModelConfig& mc, bool with_default
   return cache;
 }
 
+// The transform-coded cache, keys coded before RoPE, with codes fitted on random rows of the
+// model's head_dim (a fixed seed: the same codes, so the same layout, in every engine).
+std::unique_ptr<KvCacheBase> Transform(const ModelConfig& mc) {
+  const KvCacheGeometry g = mc.cache_geometry();
+  std::mt19937 rng(3);
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  const auto fit = [&](double bits) {
+    std::vector<TransformStream> streams;
+    const int rows = 400;
+    for (int i = 0; i < g.n_layers * g.n_kv_heads; ++i) {
+      std::vector<float> x(static_cast<size_t>(rows) * g.head_dim);
+      for (float& v : x) v = n01(rng) * 2.0f;
+      absl::StatusOr<TransformStream> st = AnalyzeStream(x.data(), rows, g.head_dim, {}, {});
+      EXPECT_TRUE(st.ok()) << st.status();
+      streams.push_back(*std::move(st));
+    }
+    const std::vector<int> widths = {0, 2, 3, 4, 8};
+    absl::StatusOr<std::vector<TransformCode>> codes =
+        AllocateTransformCodes(streams, widths, bits, /*joint=*/false);
+    EXPECT_TRUE(codes.ok()) << codes.status();
+    return std::make_shared<const std::vector<TransformCode>>(*std::move(codes));
+  };
+  TransformKvCacheConfig c;
+  c.geometry = g;
+  c.block_size = kBlockSize;
+  c.sink_tokens = 4;
+  c.window_tokens = 16;
+  c.key_codes = fit(3.0);
+  c.value_codes = fit(2.0);
+  c.key_rope = *mc.rope();
+  c.capacity_bytes = 256 * TransformKvCache::PageBytes(g, kBlockSize);
+  return *TransformKvCache::Create(c);
+}
+
 std::vector<CacheCase> Cases() {
   return {
       {"paged_f32", [](const ModelConfig& mc) { return Paged(mc, KvDtype::kF32); }},
@@ -219,6 +256,7 @@ std::vector<CacheCase> Cases() {
        [](const ModelConfig& mc) { return Compressed(mc, /*with_default_basis=*/false); }},
       {"compressed_basis",
        [](const ModelConfig& mc) { return Compressed(mc, /*with_default_basis=*/true); }},
+      {"transform", Transform},
   };
 }
 
