@@ -149,6 +149,29 @@ void AddTierFamilies(const EngineStats& s, const Counter& counter, std::vector<M
           "Session caches a tier gave back to the pool for a call on the session.",
           MetricType::Counter, static_cast<double>(t.restored_host_total),
           static_cast<double>(t.restored_disk_total));
+  by_tier("subspace_session_tier_tokens",
+          "Cached tokens of the images a tier holds (bytes over tokens: what a token costs there).",
+          MetricType::Gauge, static_cast<double>(t.host_tokens),
+          static_cast<double>(t.disk_tokens));
+  out.push_back(Family("subspace_session_tier_restore_seconds",
+                       "Time to bring a session's cache back from a tier: the tier's read and the "
+                       "import into the pool.",
+                       MetricType::Histogram));
+  for (const auto& [tier, latency] :
+       {std::pair{"host", &t.restore_host}, std::pair{"disk", &t.restore_disk}}) {
+    ClientMetric h;
+    h.label.push_back({"tier", tier});
+    uint64_t cumulative = 0;
+    for (size_t i = 0; i < TierRestoreLatency::kBounds.size(); ++i) {
+      cumulative += static_cast<uint64_t>(latency->counts[i]);
+      h.histogram.bucket.push_back({cumulative, TierRestoreLatency::kBounds[i]});
+    }
+    cumulative += static_cast<uint64_t>(latency->counts.back());
+    h.histogram.bucket.push_back({cumulative, std::numeric_limits<double>::infinity()});
+    h.histogram.sample_count = cumulative;
+    h.histogram.sample_sum = latency->sum_seconds;
+    out.back().metric.push_back(std::move(h));
+  }
   counter("subspace_session_tier_stored_total",
           "Idle session caches moved out of the pool into the tiers.",
           static_cast<double>(t.stored_total));
@@ -286,7 +309,35 @@ Metrics::Metrics()
                          .Name("subspace_step_duration_seconds")
                          .Help("Wall time of one scheduler step (forward and sampling).")
                          .Register(*registry_)
-                         .Add({}, StepBuckets())) {}
+                         .Add({}, StepBuckets())),
+      sessions_written_(BuildCounter()
+                            .Name("subspace_sessions_written_total")
+                            .Help("Session snapshots written to --session-dir, by reason "
+                                  "(checkpoint, drain).")
+                            .Register(*registry_)),
+      snapshot_bytes_(BuildCounter()
+                          .Name("subspace_session_snapshot_bytes_total")
+                          .Help("Bytes of the session snapshots written, by reason.")
+                          .Register(*registry_)),
+      sessions_restored_(BuildCounter()
+                             .Name("subspace_sessions_restored_total")
+                             .Help("Session snapshots read at start, by result (restored, "
+                                   "refused).")
+                             .Register(*registry_)),
+      sessions_moved_(BuildCounter()
+                          .Name("subspace_sessions_moved_total")
+                          .Help("Sessions moved by ExportSession / ImportSession, by direction.")
+                          .Register(*registry_)) {
+  // Zero from the start, so a dashboard's rate() has a series before the first event.
+  for (const char* reason : {"checkpoint", "drain"}) {
+    sessions_written_.Add({{"reason", reason}});
+    snapshot_bytes_.Add({{"reason", reason}});
+  }
+  for (const char* result : {"restored", "refused"}) sessions_restored_.Add({{"result", result}});
+  for (const char* direction : {"export", "import"}) {
+    sessions_moved_.Add({{"direction", direction}});
+  }
+}
 
 Metrics::~Metrics() = default;
 
@@ -328,6 +379,20 @@ void Metrics::RecordFinished(const GenerateResult& result, absl::StatusCode code
 void Metrics::RecordRejected(absl::StatusCode code) {
   requests_.Add({{"status", absl::StatusCodeToString(code)}, {"finish_reason", "none"}})
       .Increment();
+}
+
+void Metrics::RecordSessionsWritten(const std::string& reason, int64_t sessions, int64_t bytes) {
+  sessions_written_.Add({{"reason", reason}}).Increment(static_cast<double>(sessions));
+  snapshot_bytes_.Add({{"reason", reason}}).Increment(static_cast<double>(bytes));
+}
+
+void Metrics::RecordSessionsRestored(int64_t restored, int64_t refused) {
+  sessions_restored_.Add({{"result", "restored"}}).Increment(static_cast<double>(restored));
+  sessions_restored_.Add({{"result", "refused"}}).Increment(static_cast<double>(refused));
+}
+
+void Metrics::RecordSessionMoved(const std::string& direction) {
+  sessions_moved_.Add({{"direction", direction}}).Increment();
 }
 
 absl::StatusOr<std::unique_ptr<MetricsExporter>> MetricsExporter::Start(const std::string& host,

@@ -51,6 +51,11 @@ class Metrics {
   void RecordFinished(const GenerateResult& result, absl::StatusCode code);
   // A request refused before reaching the engine (validation, unknown session, queue full...).
   void RecordRejected(absl::StatusCode code);
+  // Session snapshots: written (`reason` "checkpoint" or "drain"), restored at start, moved by
+  // the ExportSession / ImportSession RPCs (`direction` "export" or "import").
+  void RecordSessionsWritten(const std::string& reason, int64_t sessions, int64_t bytes);
+  void RecordSessionsRestored(int64_t restored, int64_t refused);
+  void RecordSessionMoved(const std::string& direction);
 
  private:
   class EngineCollector;
@@ -69,6 +74,10 @@ class Metrics {
   prometheus::Histogram& generation_tokens_per_request_;
   prometheus::Histogram& batch_size_;
   prometheus::Histogram& step_duration_;
+  prometheus::Family<prometheus::Counter>& sessions_written_;
+  prometheus::Family<prometheus::Counter>& snapshot_bytes_;
+  prometheus::Family<prometheus::Counter>& sessions_restored_;
+  prometheus::Family<prometheus::Counter>& sessions_moved_;
 };
 
 // Serves GET /metrics over HTTP on its own threads (civetweb).

@@ -249,8 +249,9 @@ absl::Status ServerApp::Init() {
   engine_config.session_tiers.identity = snapshot_identity_;
   if (!config_.session_dir.empty()) {
     // Before the engine's tiers empty its tier/ folder: a killed process's files are recovered.
-    absl::StatusOr<std::unique_ptr<SessionPersistence>> persistence = SessionPersistence::Open(
-        config_.session_dir, snapshot_identity_, config_.session_checkpoint_interval);
+    absl::StatusOr<std::unique_ptr<SessionPersistence>> persistence =
+        SessionPersistence::Open(config_.session_dir, snapshot_identity_,
+                                 config_.session_checkpoint_interval, metrics_registry_.get());
     if (!persistence.ok()) return persistence.status();
     persistence_ = *std::move(persistence);
     if (config_.session_disk_bytes > 0) {

@@ -279,6 +279,7 @@ grpc::ServerWriteReactor<v1::SessionSnapshotChunk>* SubspaceService::ExportSessi
                exported->cache.ok()
                    ? std::string()
                    : absl::StrCat(" (without its KV cache: ", exported->cache.message(), ")"));
+  if (metrics_ != nullptr) metrics_->RecordSessionMoved("export");
   return StartSnapshotExport(std::move(snapshot));
 }
 
@@ -311,6 +312,7 @@ grpc::ServerReadReactor<v1::SessionSnapshotChunk>* SubspaceService::ImportSessio
                 ? std::string()
                 : absl::StrCat(" (its KV cache dropped: ", imported->cache.message(), ")"));
         ToProto(imported->info, response);
+        if (metrics_ != nullptr) metrics_->RecordSessionMoved("import");
         return absl::OkStatus();
       });
 }

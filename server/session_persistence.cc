@@ -52,7 +52,8 @@ uint64_t MaxSnapshotBytes(const KvCacheStats& cache) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SessionPersistence>> SessionPersistence::Open(
-    const std::string& dir, SnapshotIdentity identity, absl::Duration checkpoint_interval) {
+    const std::string& dir, SnapshotIdentity identity, absl::Duration checkpoint_interval,
+    Metrics* metrics) {
   absl::StatusOr<SnapshotDirectory> opened = SnapshotDirectory::Open(dir);
   if (!opened.ok()) {
     return absl::Status(opened.status().code(),
@@ -79,14 +80,15 @@ absl::StatusOr<std::unique_ptr<SessionPersistence>> SessionPersistence::Open(
                  recovered, tier);
   }
   return std::unique_ptr<SessionPersistence>(
-      new SessionPersistence(std::move(files), std::move(identity), checkpoint_interval));
+      new SessionPersistence(std::move(files), std::move(identity), checkpoint_interval, metrics));
 }
 
 SessionPersistence::SessionPersistence(std::shared_ptr<Files> files, SnapshotIdentity identity,
-                                       absl::Duration checkpoint_interval)
+                                       absl::Duration checkpoint_interval, Metrics* metrics)
     : files_(std::move(files)),
       identity_(std::move(identity)),
-      checkpoint_interval_(checkpoint_interval) {}
+      checkpoint_interval_(checkpoint_interval),
+      metrics_(metrics) {}
 
 SessionPersistence::~SessionPersistence() { StopCheckpoints(); }
 
@@ -143,6 +145,7 @@ void SessionPersistence::Restore(Engine& engine) {
                    std::string(st.message()));
     }
   }
+  if (metrics_ != nullptr) metrics_->RecordSessionsRestored(restored, refused);
   if (restored + refused > 0) {
     spdlog::info(
         "restored {} sessions ({} tokens, {} of them cached) from {} in {:.3f} s; {} "
@@ -208,6 +211,7 @@ void SessionPersistence::CheckpointLoop(Engine* engine) {
     absl::StatusOr<std::vector<Engine::ExportedSession>> sessions = engine->ExportSessions(since);
     if (sessions.ok()) {
       const Written w = Write(*sessions, /*checkpoint=*/true);
+      if (metrics_ != nullptr) metrics_->RecordSessionsWritten("checkpoint", w.sessions, w.bytes);
       if (w.failed == 0) since = start;  // a failed write is retried with the next increment
       if (w.sessions + w.failed > 0) {
         spdlog::debug("checkpoint: {} sessions ({} bytes) written to {} in {:.3f} s{}", w.sessions,
@@ -233,6 +237,7 @@ void SessionPersistence::Save(Engine& engine) {
   }
   const Written w = Write(*sessions, /*checkpoint=*/false);
   files_->EndTracking();
+  if (metrics_ != nullptr) metrics_->RecordSessionsWritten("drain", w.sessions, w.bytes);
   spdlog::info("saved {} sessions to {} in {:.3f} s: {} bytes, {:.1f} per cached token{}",
                w.sessions, path(), absl::ToDoubleSeconds(absl::Now() - start), w.bytes,
                w.cached > 0 ? static_cast<double>(w.bytes) / static_cast<double>(w.cached) : 0.0,

@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "core/engine/engine.h"
 #include "core/engine/session_snapshot.h"
+#include "server/metrics.h"
 
 namespace subspace::server {
 
@@ -25,8 +26,10 @@ class SessionPersistence {
  public:
   // Opens (creating) `dir` and recovers its disk tier's leftovers. `checkpoint_interval` zero:
   // sessions are written at drain only.
+  // `metrics` (may be null) counts what is written and restored.
   static absl::StatusOr<std::unique_ptr<SessionPersistence>> Open(
-      const std::string& dir, SnapshotIdentity identity, absl::Duration checkpoint_interval);
+      const std::string& dir, SnapshotIdentity identity, absl::Duration checkpoint_interval,
+      Metrics* metrics);
   ~SessionPersistence();  // StopCheckpoints()
   SessionPersistence(const SessionPersistence&) = delete;
   SessionPersistence& operator=(const SessionPersistence&) = delete;
@@ -52,7 +55,7 @@ class SessionPersistence {
  private:
   struct Files;  // the directory and the removal bookkeeping, shared with RemovalHook
   SessionPersistence(std::shared_ptr<Files> files, SnapshotIdentity identity,
-                     absl::Duration checkpoint_interval);
+                     absl::Duration checkpoint_interval, Metrics* metrics);
   // Writes `sessions` (a checkpoint's: skipping those removed meanwhile); counts into the log.
   struct Written {
     int sessions = 0, failed = 0;
@@ -64,6 +67,7 @@ class SessionPersistence {
   const std::shared_ptr<Files> files_;
   const SnapshotIdentity identity_;
   const absl::Duration checkpoint_interval_;
+  Metrics* const metrics_;
 
   std::mutex mu_;
   std::condition_variable stop_cv_;

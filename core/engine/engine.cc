@@ -667,6 +667,8 @@ absl::StatusOr<SeqId> Engine::Impl::ImportCacheLocked(const SessionImage& image,
 void Engine::Impl::RestoreTieredLocked(std::unique_lock<std::mutex>& lock, std::string_view id,
                                        std::string_view owner, absl::Time now) {
   lock.unlock();
+  const absl::Time start = absl::Now();
+  const CacheLocation from = tiers_->Where(id);
   absl::StatusOr<SessionImage> image = tiers_->Take(id);
   lock.lock();
   RunOnLoopLocked(lock, [&] {
@@ -680,6 +682,7 @@ void Engine::Impl::RestoreTieredLocked(std::unique_lock<std::mutex>& lock, std::
       s->seq = *seq;
       s->cached = image->cached;
       s->last_used = now;  // in use: the last session to give up for room
+      tiers_->RecordRestore(from, absl::ToDoubleSeconds(absl::Now() - start));
     } else {
       s->cached = 0;
       ++tier_restores_failed_;

@@ -106,11 +106,13 @@ bool SessionTiers::Put(SessionImage image) {
   Entry e;
   e.image = std::make_shared<const SessionImage>(std::move(image));
   e.bytes = bytes;
+  e.tokens = e.image->cached;
   e.generation = next_generation_++;
   e.stamp = next_stamp_++;
   ++stats_.stored_total;
   ++stats_.host_sessions;
   stats_.host_bytes += bytes;
+  stats_.host_tokens += e.tokens;
   if (!fits_host) {
     // Straight to disk; it is in memory only until written.
     e.spilling = true;
@@ -163,11 +165,13 @@ void SessionTiers::DropLocked(const std::string& id) {
   if (e.on_disk) {
     --stats_.disk_sessions;
     stats_.disk_bytes -= e.bytes;
+    stats_.disk_tokens -= e.tokens;
     tasks_.push_back({id, 0, nullptr});  // remove its file
     work_cv_.notify_one();
   } else {
     --stats_.host_sessions;
     stats_.host_bytes -= e.bytes;
+    stats_.host_tokens -= e.tokens;
     if (e.spilling) stats_.host_spilling_bytes -= e.bytes;  // the writer removes what it wrote
   }
   ++stats_.dropped_total;
@@ -187,6 +191,7 @@ absl::StatusOr<SessionImage> SessionTiers::Take(std::string_view id) {
       SessionImage image = *e.image;
       --stats_.host_sessions;
       stats_.host_bytes -= e.bytes;
+      stats_.host_tokens -= e.tokens;
       if (e.spilling) stats_.host_spilling_bytes -= e.bytes;
       ++stats_.restored_host_total;
       entries_.erase(it);
@@ -194,6 +199,7 @@ absl::StatusOr<SessionImage> SessionTiers::Take(std::string_view id) {
     }
     --stats_.disk_sessions;
     stats_.disk_bytes -= e.bytes;
+    stats_.disk_tokens -= e.tokens;
     entries_.erase(it);
   }
   absl::StatusOr<SessionImage> image = ReadFile(id);
@@ -258,6 +264,18 @@ SessionTierStats SessionTiers::Stats() const {
   return stats_;
 }
 
+void TierRestoreLatency::Add(double seconds) {
+  size_t i = 0;
+  while (i < kBounds.size() && seconds > kBounds[i]) ++i;
+  ++counts[i];
+  sum_seconds += seconds;
+}
+
+void SessionTiers::RecordRestore(CacheLocation from, double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  (from == CacheLocation::kDisk ? stats_.restore_disk : stats_.restore_host).Add(seconds);
+}
+
 void SessionTiers::Flush() {
   std::unique_lock<std::mutex> lock(mu_);
   idle_cv_.wait(lock, [this] { return (tasks_.empty() && !writing_) || stop_; });
@@ -296,6 +314,7 @@ void SessionTiers::Writer() {
           Entry& e = it->second;
           --stats_.host_sessions;
           stats_.host_bytes -= e.bytes;
+          stats_.host_tokens -= e.tokens;
           stats_.host_spilling_bytes -= e.bytes;
           e.image.reset();
           e.spilling = false;
@@ -303,6 +322,7 @@ void SessionTiers::Writer() {
           e.bytes = static_cast<int64_t>(bytes.size());
           ++stats_.disk_sessions;
           stats_.disk_bytes += e.bytes;
+          stats_.disk_tokens += e.tokens;
           ++stats_.spilled_total;
           MakeRoomLocked();
         }

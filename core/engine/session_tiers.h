@@ -15,6 +15,7 @@
 #ifndef SUBSPACE_CORE_ENGINE_SESSION_TIERS_H_
 #define SUBSPACE_CORE_ENGINE_SESSION_TIERS_H_
 
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -47,18 +48,30 @@ struct SessionTierOptions {
 enum class CacheLocation { kNone, kPool, kHost, kDisk };
 const char* CacheLocationName(CacheLocation location);
 
+// Restores from one tier (its Take and the import into the pool), per bucket, not cumulative.
+struct TierRestoreLatency {
+  static constexpr std::array<double, 9> kBounds = {0.0005, 0.001, 0.0025, 0.005, 0.01,
+                                                    0.025,  0.05,  0.1,    0.5};
+  std::array<int64_t, kBounds.size() + 1> counts{};
+  double sum_seconds = 0.0;
+  void Add(double seconds);
+};
+
 struct SessionTierStats {
   int64_t host_sessions = 0;
   int64_t host_bytes = 0;           // images in memory, those being written to disk included
   int64_t host_spilling_bytes = 0;  // of which queued for (or on their way to) disk
   int64_t disk_sessions = 0;
-  int64_t disk_bytes = 0;           // their files
+  int64_t disk_bytes = 0;   // their files
+  int64_t host_tokens = 0;  // cached tokens of the images each tier holds
+  int64_t disk_tokens = 0;
   int64_t stored_total = 0;         // images Put
   int64_t spilled_total = 0;        // host entries written to the disk tier
   int64_t restored_host_total = 0;  // images Taken from each tier
   int64_t restored_disk_total = 0;
   int64_t dropped_total = 0;  // images given up for room (their sessions re-prefill)
   int64_t errors_total = 0;   // disk writes or reads that failed (their images are lost too)
+  TierRestoreLatency restore_host, restore_disk;  // RecordRestore's
 };
 
 class SessionTiers {
@@ -85,6 +98,8 @@ class SessionTiers {
   // kHost, kDisk (its file written), or kNone.
   CacheLocation Where(std::string_view id) const;
   SessionTierStats Stats() const;
+  // A restore from `from` (kHost or kDisk) took `seconds`, the import into the pool included.
+  void RecordRestore(CacheLocation from, double seconds);
   // Waits until every queued write and removal is done (tests; shutdown).
   void Flush();
 
@@ -92,6 +107,7 @@ class SessionTiers {
   struct Entry {
     std::shared_ptr<const SessionImage> image;  // null once the entry is on disk
     int64_t bytes = 0;                          // in memory, or of its file
+    int64_t tokens = 0;                         // the image's cached tokens
     bool on_disk = false;
     bool spilling = false;  // queued for (or being written to) the disk tier
     uint64_t generation = 0;

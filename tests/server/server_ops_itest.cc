@@ -139,6 +139,12 @@ TEST_F(ServerOpsTest, MetricsEndpoint) {
            "subspace_session_tier_stored_total 0",
            "subspace_session_tier_dropped_total 0",
            "subspace_session_tier_restores_failed_total 0",
+           "subspace_session_tier_tokens{tier=\"host\"} 0",
+           "subspace_session_tier_restore_seconds_count{tier=\"disk\"} 0",
+           "subspace_sessions_written_total{reason=\"checkpoint\"} 0",
+           "subspace_session_snapshot_bytes_total{reason=\"drain\"} 0",
+           "subspace_sessions_restored_total{result=\"refused\"} 0",
+           "subspace_sessions_moved_total{direction=\"import\"} 0",
            "subspace_engine_steps_total",
        }) {
     EXPECT_TRUE(absl::StrContains(body, expected)) << "missing: " << expected;

@@ -87,11 +87,17 @@ TEST(EngineTierTest, CacheGivenUpForRoomComesBackFromTheHostTier) {
   EXPECT_EQ(stats.tiers.host_sessions, 1);
   EXPECT_GT(stats.tiers.host_bytes, 0);
   EXPECT_EQ(stats.tiers.stored_total, 1);
+  EXPECT_EQ(stats.tiers.host_tokens, 29);
 
   ExpectSecondCallContinues(*engine, c, /*reused=*/29);
   stats = engine->Stats();
   EXPECT_EQ(stats.tiers.restored_host_total, 1);
   EXPECT_EQ(stats.tiers.host_sessions, 0);
+  EXPECT_EQ(stats.tiers.host_tokens, 0);
+  int64_t restores = 0;
+  for (int64_t c : stats.tiers.restore_host.counts) restores += c;
+  EXPECT_EQ(restores, 1);
+  EXPECT_GT(stats.tiers.restore_host.sum_seconds, 0.0);
   EXPECT_EQ(stats.tier_restores_failed_total, 0);
   EXPECT_EQ(engine->GetSession(c.session)->cache_location, CacheLocation::kPool);
 }
