@@ -3,7 +3,8 @@
 # host tier, from the disk tier, or (no tiers) prefilled again. A server on MODEL whose pool
 # holds one long session prefills session A (~CHARS characters), then session B (as long: A's
 # blocks must go), then continues A by one token; its time to first token is what the tier
-# costs. The three modes take turns, ROUNDS rounds; one line per run, then the medians.
+# costs. The three modes take turns, ROUNDS rounds; one line per run, then the medians, and
+# what a cached token costs in the pool and in each tier (from /metrics while A is tiered).
 #   bench/session_tiers.sh [MODEL=models/subspace-long.gguf] [CHARS=3400] [ROUNDS=3] [FLAGS...]
 # FLAGS go to every server (default: --kv-cache full --kv-cache-bytes 16777216, which holds one
 # ~2,000-token session of the long model and not two; for the default compressed cache,
@@ -19,6 +20,7 @@ flags=("$@")
 server=build/bin/subspace-server
 client=build/bin/subspace
 port=51078
+mport=51079
 work=$(mktemp -d)
 trap 'pkill -f "subspace-server.*--port $port" 2>/dev/null || true; rm -rf "$work"' EXIT
 head -c "$chars" docs/design.md > "$work/a.txt"
@@ -31,7 +33,7 @@ start() {  # mode, log
     disk) tier=(--session-host-mb 0 --session-dir "$work/sessions") ;;
     none) tier=(--session-host-mb 0) ;;
   esac
-  "$server" --model "$model" --port $port --http-port -1 --metrics-port -1 --log-level warn \
+  "$server" --model "$model" --port $port --http-port -1 --metrics-port $mport --log-level warn \
     "${tier[@]}" "${flags[@]}" > "$2" 2>&1 &
   "$client" --server 127.0.0.1:$port health --wait-seconds 120 > /dev/null
 }
@@ -44,7 +46,8 @@ gen() {  # session, prompt file or text, out
     --prompt "$prompt" > "$3"
 }
 
-printf "%5s %5s %7s | %9s | %8s %7s | %9s\n" round mode tokens prefill_s location reused next_ttft
+printf "%5s %5s %7s | %9s | %8s %7s | %9s | %10s %10s\n" round mode tokens prefill_s location reused \
+  next_ttft pool_B/tok tier_B/tok
 results=()
 for r in $(seq 1 "$rounds"); do
   for mode in host disk none; do
@@ -61,6 +64,21 @@ for r in $(seq 1 "$rounds"); do
       [ "$mode" != disk ] || [ "$location" = disk ] && break
       sleep 0.05
     done
+    curl -s "http://127.0.0.1:$mport/metrics" > "$work/metrics.txt"
+    per_token=$(python3 - "$work/metrics.txt" "$location" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+def value(name, labels=""):
+    m = re.search(r"^" + re.escape(name + labels) + r" (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+used = sum(value("subspace_kv_pool_used_bytes", '{kind="%s"}' % k) for k in ("full", "compressed", "outlier"))
+cached = value("subspace_kv_cached_tokens")
+tier = sys.argv[2]
+tb = value("subspace_session_tier_bytes", '{tier="%s"}' % tier)
+tt = value("subspace_session_tier_tokens", '{tier="%s"}' % tier)
+print(f"{used / cached if cached else 0:.0f} {tb / tt if tt else 0:.0f}")
+PY
+)
     if [ "$location" = pool ]; then
       echo "the pool held both sessions: give the server a smaller --kv-cache-bytes" >&2
       exit 1
@@ -71,8 +89,8 @@ for r in $(seq 1 "$rounds"); do
     prefill=$(field "$work/first.json" "d['timings']['time_to_first_token_seconds']")
     ttft=$(field "$work/next.json" "d['timings']['time_to_first_token_seconds']")
     reused=$(field "$work/next.json" "d['usage'].get('reused_tokens', 0)")
-    printf "%5d %5s %7d | %9.3f | %8s %7d | %9.4f\n" "$r" $mode "$tokens" "$prefill" "$location" \
-      "$reused" "$ttft"
+    printf "%5d %5s %7d | %9.3f | %8s %7d | %9.4f | %10s %10s\n" "$r" $mode "$tokens" "$prefill" \
+      "$location" "$reused" "$ttft" $per_token
     results+=("$mode $prefill $ttft $reused")
   done
 done
