@@ -188,9 +188,11 @@ class HttpServer::Impl {
 
   int port() const { return port_; }
 
-  void AttachEngine(Engine* engine, ChatSetup chat, std::string model_id) {
+  void AttachEngine(Engine* engine, ChatSetup chat, std::string model_id,
+                    SnapshotIdentity snapshot) {
     chat_ = std::move(chat);
     model_id_ = std::move(model_id);
+    snapshot_ = std::move(snapshot);
     engine_.store(engine, std::memory_order_release);
   }
 
@@ -264,6 +266,13 @@ class HttpServer::Impl {
       if (!engine.ok()) return ReplyError(res, engine.status());
       Reply(res, 200, openai::SessionListJson((*engine)->ListSessions(caller)));
     });
+    // Before the routes below, whose "(.+)" would take "ID/snapshot" for an id.
+    server_->Get(
+        "/v1/sessions/([^/]+)/snapshot",
+        [this](const httplib::Request& req, httplib::Response& res) { ExportSnapshot(req, res); });
+    server_->Put(
+        "/v1/sessions/([^/]+)/snapshot",
+        [this](const httplib::Request& req, httplib::Response& res) { ImportSnapshot(req, res); });
     server_->Get("/v1/sessions/(.+)", [this](const httplib::Request& req, httplib::Response& res) {
       OnSession(req, res,
                 [](Engine& engine, const std::string& id,
@@ -313,6 +322,53 @@ class HttpServer::Impl {
     absl::StatusOr<std::string> body = action(**engine, id, caller);
     if (!body.ok()) return ReplyError(res, body.status());
     Reply(res, 200, *body);
+  }
+
+  // A session's snapshot (core/engine/session_snapshot.h), the bytes ExportSession streams.
+  void ExportSnapshot(const httplib::Request& req, httplib::Response& res) {
+    std::string caller;
+    absl::StatusOr<Engine*> engine = Admit(req, &caller);
+    if (!engine.ok()) return ReplyError(res, engine.status());
+    const std::string id = req.matches[1];
+    if (absl::Status s = ValidateId(id, "session id", limits_); !s.ok()) return ReplyError(res, s);
+    absl::StatusOr<Engine::ExportedSession> exported = (*engine)->ExportSession(id, caller);
+    if (!exported.ok()) return ReplyError(res, exported.status());
+    res.status = 200;
+    res.set_content(EncodeSessionSnapshot(exported->image, snapshot_), "application/octet-stream");
+    if (metrics_ != nullptr) metrics_->RecordSessionMoved("export");
+  }
+
+  // A session from a snapshot (the request body, at most --max-message-bytes), as ImportSession:
+  // the body's session must have the path's id and belong to the caller.
+  void ImportSnapshot(const httplib::Request& req, httplib::Response& res) {
+    std::string caller;
+    absl::StatusOr<Engine*> engine = Admit(req, &caller);
+    if (!engine.ok()) return ReplyError(res, engine.status());
+    const std::string id = req.matches[1];
+    if (absl::Status s = ValidateId(id, "session id", limits_); !s.ok()) return ReplyError(res, s);
+    absl::StatusOr<SessionImage> image =
+        DecodeSessionSnapshot(req.body, snapshot_, static_cast<uint64_t>(req.body.size()) * 64);
+    if (!image.ok()) {
+      // A damaged snapshot is the request's fault: 400, naming why.
+      const absl::StatusCode code = image.status().code() == absl::StatusCode::kDataLoss
+                                        ? absl::StatusCode::kInvalidArgument
+                                        : image.status().code();
+      return ReplyError(res,
+                        absl::Status(code, absl::StrCat("snapshot: ", image.status().message())));
+    }
+    if (image->id != id) {
+      return ReplyError(res, absl::InvalidArgumentError(absl::StrCat("the snapshot holds session ",
+                                                                     image->id, ", not ", id)));
+    }
+    if (image->owner != caller) {
+      return ReplyError(res, absl::PermissionDeniedError(
+                                 "the snapshot's session belongs to another principal: import it "
+                                 "with the credentials that created it"));
+    }
+    absl::StatusOr<Engine::ImportedSession> imported = (*engine)->ImportSession(*image);
+    if (!imported.ok()) return ReplyError(res, imported.status());
+    if (metrics_ != nullptr) metrics_->RecordSessionMoved("import");
+    Reply(res, 200, openai::SessionJson(imported->info));
   }
 
   void CreateSession(const httplib::Request& req, httplib::Response& res) {
@@ -503,8 +559,9 @@ class HttpServer::Impl {
   std::atomic<bool> listen_returned_{false};
   int port_ = 0;
   std::atomic<Engine*> engine_{nullptr};
-  ChatSetup chat_;        // written before engine_ is published, read after
-  std::string model_id_;  // likewise
+  ChatSetup chat_;             // written before engine_ is published, read after
+  std::string model_id_;       // likewise
+  SnapshotIdentity snapshot_;  // likewise
   std::atomic<bool> draining_{false};
   std::mutex calls_mu_;
   std::condition_variable calls_cv_;           // signalled when a call leaves calls_
@@ -526,8 +583,9 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerConfig c
 HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 HttpServer::~HttpServer() { Stop(); }
 int HttpServer::port() const { return impl_->port(); }
-void HttpServer::AttachEngine(Engine* engine, ChatSetup chat, std::string model_id) {
-  impl_->AttachEngine(engine, std::move(chat), std::move(model_id));
+void HttpServer::AttachEngine(Engine* engine, ChatSetup chat, std::string model_id,
+                              SnapshotIdentity snapshot) {
+  impl_->AttachEngine(engine, std::move(chat), std::move(model_id), std::move(snapshot));
 }
 void HttpServer::BeginDrain() { impl_->BeginDrain(); }
 void HttpServer::Stop(absl::Duration grace) { impl_->Stop(grace); }

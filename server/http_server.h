@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/engine/engine.h"
+#include "core/engine/session_snapshot.h"
 #include "server/auth.h"
 #include "server/chat_request.h"
 #include "server/metrics.h"
@@ -50,8 +51,9 @@ class HttpServer {
 
   int port() const;
   // Starts serving with `engine`, which must outlive Stop(). `model_id` is the id the API lists
-  // and requests must name. Call once.
-  void AttachEngine(Engine* engine, ChatSetup chat, std::string model_id);
+  // and requests must name; `snapshot` the model identity session snapshots carry. Call once.
+  void AttachEngine(Engine* engine, ChatSetup chat, std::string model_id,
+                    SnapshotIdentity snapshot);
   // New generation and session requests get 503; running ones continue; /health says draining.
   void BeginDrain();
   // BeginDrain; waits up to `grace` for running requests to be answered, cancels the rest,

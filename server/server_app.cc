@@ -284,7 +284,7 @@ absl::Status ServerApp::Init() {
     // the base model's, shared by every quantization and fine-tune of it).
     std::string model_id = config_.model_id;
     if (model_id.empty()) model_id = std::filesystem::path(config_.model_path).stem().string();
-    http_->AttachEngine(engine_.get(), *chat, model_id);
+    http_->AttachEngine(engine_.get(), *chat, model_id, snapshot_identity_);
     spdlog::info("HTTP API model id '{}'", model_id);
   }
   service_->AttachEngine(engine_.get(),

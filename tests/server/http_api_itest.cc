@@ -281,6 +281,53 @@ TEST_F(HttpApiTest, SessionsOverHttp) {
   EXPECT_EQ(PostJson("/v1/completions", request)->status, 404);
 }
 
+// A session moved over HTTP: its snapshot read, the session deleted, the snapshot put back
+// (another replica would do the same), and the next turn continues as it would have, its cache
+// reused. Damaged, foreign-id and duplicate snapshots are refused with a 4xx naming why.
+TEST_F(HttpApiTest, SessionSnapshotsMoveASession) {
+  const std::string id = Body(client_->Get("/v1/models"))["data"][0]["id"];
+  const std::string session = Body(client_->Post("/v1/sessions", "{}", "application/json"))["id"];
+  Json request = {{"model", id},      {"prompt", "Once upon a time"}, {"max_tokens", 6},
+                  {"temperature", 0}, {"session_id", session},        {"ignore_eos", true}};
+  ASSERT_EQ(PostJson("/v1/completions", request)->status, 200);
+  const Json before = Body(client_->Get(("/v1/sessions/" + session).c_str()));
+  const std::string path = "/v1/sessions/" + session + "/snapshot";
+  httplib::Result snapshot = client_->Get(path.c_str());
+  ASSERT_TRUE(snapshot);
+  ASSERT_EQ(snapshot->status, 200) << snapshot->body;
+  EXPECT_EQ(snapshot->get_header_value("Content-Type"), "application/octet-stream");
+  const std::string bytes = snapshot->body;
+  EXPECT_EQ(bytes.substr(0, 16), "SUBSPACE-SESSION");
+
+  // What the next turn gives without the move.
+  const std::string other = Body(client_->Post("/v1/sessions", "{}", "application/json"))["id"];
+  request["session_id"] = other;
+  ASSERT_EQ(PostJson("/v1/completions", request)->status, 200);
+  request["prompt"] = " there was";
+  const Json want = Body(PostJson("/v1/completions", request));
+
+  ASSERT_EQ(client_->Delete(("/v1/sessions/" + session).c_str())->status, 200);
+  httplib::Result put = client_->Put(path.c_str(), bytes, "application/octet-stream");
+  ASSERT_EQ(put->status, 200) << put->body;
+  EXPECT_EQ(Body(put)["id"], session);
+  EXPECT_EQ(Body(put)["tokens"], before["tokens"]);
+  EXPECT_EQ(Body(put)["cached_tokens"], before["cached_tokens"]);
+  request["session_id"] = session;
+  const Json got = Body(PostJson("/v1/completions", request));
+  EXPECT_EQ(got["choices"][0]["text"], want["choices"][0]["text"]);
+  EXPECT_EQ(got["usage"]["prompt_tokens_details"]["cached_tokens"], before["cached_tokens"]);
+
+  EXPECT_EQ(client_->Put(path.c_str(), bytes, "application/octet-stream")->status, 409);
+  httplib::Result damaged =
+      client_->Put(path.c_str(), bytes.substr(0, bytes.size() / 2), "application/octet-stream");
+  EXPECT_EQ(damaged->status, 400);
+  EXPECT_NE(Body(damaged)["error"]["message"].get<std::string>().find("snapshot: "),
+            std::string::npos);
+  const std::string elsewhere = "/v1/sessions/" + other + "/snapshot";
+  EXPECT_EQ(client_->Put(elsewhere.c_str(), bytes, "application/octet-stream")->status, 400);
+  EXPECT_EQ(client_->Get("/v1/sessions/no-such-session-id-0123456789abcdef/snapshot")->status, 404);
+}
+
 TEST_F(HttpApiTest, ClientThatLeavesMidStreamIsCancelledAtOnce) {
   // Every engine step takes at least 5 ms, so the 200 tokens asked for take a second: the
   // request cannot end on its own before the client's departure is seen.
