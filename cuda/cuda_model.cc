@@ -149,9 +149,18 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   std::shared_ptr<CudaLlamaModel> runner(new CudaLlamaModel(std::move(impl)));
   CudaLlamaModel::Impl& r = *runner->impl_;
   if (!options.compressed) {
+    // Images copy between steps, after whatever the stream still runs.
+    DevicePagedKvCache::Copy copy = [stream = r.stream](void* dst, const void* src,
+                                                        size_t bytes) -> absl::Status {
+      if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream), "KV image: stream sync");
+          !st.ok()) {
+        return st;
+      }
+      return CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "KV image: copy");
+    };
     absl::StatusOr<std::unique_ptr<DevicePagedKvCache>> cache = DevicePagedKvCache::Create(
-        {.geometry = m.cache_geometry(), .block_size = options.block_size}, r.kv_pool,
-        r.kv_pool_bytes, runner);
+        {.geometry = m.cache_geometry(), .block_size = options.block_size, .copy = std::move(copy)},
+        r.kv_pool, r.kv_pool_bytes, runner);
     if (!cache.ok()) return cache.status();
     r.cache = r.paged = cache->get();
     return CudaBackend{std::move(runner), *std::move(cache)};

@@ -2,9 +2,15 @@
 // and the sequence manager every cache uses, with one table for all layers.
 #include "cuda/device_paged_kv_cache.h"
 
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <string_view>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
+#include "core/kvcache/sequence_image.h"
 
 namespace subspace::cuda {
 
@@ -45,6 +51,7 @@ DevicePagedKvCache::DevicePagedKvCache(const Config& config, uint8_t* pool,
       pool_(pool),
       ids_(std::move(ids)),
       owner_(std::move(owner)),
+      copy_(config.copy),
       seqs_({.n_layers = config.geometry.n_layers,
              .block_size = config.block_size,
              .shared_table = true,
@@ -78,5 +85,88 @@ absl::Status DevicePagedKvCache::Truncate(SeqId seq, int64_t length) {
 }
 
 KvCacheStats DevicePagedKvCache::Stats() const { return seqs_.Stats(geometry_); }
+
+std::string DevicePagedKvCache::ImageLayout() const {
+  return absl::StrFormat("device-paged layers=%d kv_heads=%d head_dim=%d block=%d fp16",
+                         geometry_.n_layers, geometry_.n_kv_heads, geometry_.head_dim, block_size_);
+}
+
+absl::StatusOr<std::string> DevicePagedKvCache::ExportSequence(SeqId seq) const {
+  if (!copy_) return absl::UnimplementedError("this device cache has no sequence images");
+  const std::vector<int32_t>* table = seqs_.Table(seq, 0);
+  if (table == nullptr) return decltype(seqs_)::Unknown(seq);
+  const int64_t length = seqs_.Length(seq);
+  const int64_t row = static_cast<int64_t>(geometry_.head_dim) * 2;
+  ImageWriter w;
+  w.Bytes(ImageLayout());
+  w.I64(length);
+  std::vector<uint8_t> page(static_cast<size_t>(layout_.page_bytes));
+  for (int l = 0; l < geometry_.n_layers; ++l) {
+    for (int64_t b = 0; b * block_size_ < length; ++b) {
+      const int32_t id = (*table)[static_cast<size_t>(b)];
+      if (absl::Status st = copy_(page.data(), LayerPool(l) + layout_.Page(id), page.size());
+          !st.ok()) {
+        return st;
+      }
+      const int64_t valid = std::min<int64_t>(block_size_, length - b * block_size_);
+      for (int side = 0; side < 2; ++side) {
+        for (int h = 0; h < geometry_.n_kv_heads; ++h) {
+          w.Raw(page.data() + (side == 0 ? layout_.FullK(0, h) : layout_.FullV(0, h)),
+                static_cast<size_t>(valid * row));
+        }
+      }
+    }
+  }
+  return w.Take();
+}
+
+absl::StatusOr<SeqId> DevicePagedKvCache::ImportSequence(std::string_view image) {
+  if (!copy_) return absl::UnimplementedError("this device cache has no sequence images");
+  ImageReader r(image, "device KV cache image");
+  if (absl::Status st = r.ExpectLayout(ImageLayout()); !st.ok()) return st;
+  absl::StatusOr<int64_t> length = r.Int("length", 0, int64_t{1} << 40);
+  if (!length.ok()) return length.status();
+  const int64_t row = static_cast<int64_t>(geometry_.head_dim) * 2;
+  const uint64_t want = static_cast<uint64_t>(*length) * geometry_.n_layers * 2 *
+                        geometry_.n_kv_heads * static_cast<uint64_t>(row);
+  if (want / static_cast<uint64_t>(geometry_.n_layers * 2 * geometry_.n_kv_heads * row) !=
+          static_cast<uint64_t>(*length) ||
+      want != r.left()) {
+    return r.Corrupt(
+        absl::StrFormat("%d tokens need %d bytes of rows, it holds %d", *length, want, r.left()));
+  }
+  absl::StatusOr<SeqId> seq = CreateSequence();
+  if (!seq.ok()) return seq.status();
+  if (absl::Status st = Reserve(*seq, *length); !st.ok()) {
+    (void)FreeSequence(*seq);
+    return st;
+  }
+  const std::vector<int32_t>& table = *seqs_.Table(*seq, 0);
+  std::vector<uint8_t> page(static_cast<size_t>(layout_.page_bytes));
+  for (int l = 0; l < geometry_.n_layers; ++l) {
+    for (int64_t b = 0; b * block_size_ < *length; ++b) {
+      const int64_t valid = std::min<int64_t>(block_size_, *length - b * block_size_);
+      std::fill(page.begin(), page.end(), uint8_t{0});  // rows past the length: zeros
+      for (int side = 0; side < 2; ++side) {
+        for (int h = 0; h < geometry_.n_kv_heads; ++h) {
+          const std::string_view rows = *r.Raw("rows", static_cast<uint64_t>(valid * row));
+          std::memcpy(page.data() + (side == 0 ? layout_.FullK(0, h) : layout_.FullV(0, h)),
+                      rows.data(), rows.size());
+        }
+      }
+      const int32_t id = table[static_cast<size_t>(b)];
+      if (absl::Status st = copy_(LayerPool(l) + layout_.Page(id), page.data(), page.size());
+          !st.ok()) {
+        (void)FreeSequence(*seq);
+        return st;
+      }
+    }
+  }
+  if (absl::Status st = Commit(*seq, *length); !st.ok()) {
+    (void)FreeSequence(*seq);
+    return st;
+  }
+  return *seq;
+}
 
 }  // namespace subspace::cuda

@@ -7,8 +7,11 @@
 #define SUBSPACE_CUDA_DEVICE_PAGED_KV_CACHE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -22,9 +25,13 @@ namespace subspace::cuda {
 
 class DevicePagedKvCache final : public KvCacheBase {
  public:
+  // Copies `bytes` between the pool and host memory, synchronously and after the backend's
+  // queued work (the CUDA backend's waits for its stream).
+  using Copy = std::function<absl::Status(void* dst, const void* src, size_t bytes)>;
   struct Config {
     KvCacheGeometry geometry;
     int block_size = 16;  // tokens per block, 1..64 (the attention kernels' limit)
+    Copy copy;            // unset: no sequence images (UNIMPLEMENTED)
   };
   // Bytes one block id takes across all layers: n_layers pages of [2][n_kv][B][head_dim] fp16.
   static int64_t BlockBytes(const KvCacheGeometry& geometry, int block_size);
@@ -45,6 +52,13 @@ class DevicePagedKvCache final : public KvCacheBase {
   absl::Status Commit(SeqId seq, int64_t length) override;
   absl::Status Truncate(SeqId seq, int64_t length) override;
   KvCacheStats Stats() const override;
+
+  // Images (session snapshots, tiers): per layer and block, the committed fp16 rows of each KV
+  // head's keys, then of its values (never a page's stale rows), read through Config::copy one
+  // page at a time.
+  std::string ImageLayout() const override;
+  absl::StatusOr<std::string> ExportSequence(SeqId seq) const override;
+  absl::StatusOr<SeqId> ImportSequence(std::string_view image) override;
 
   // --- The CUDA backend's view ---
   // One layer's page geometry (full pages; the ranks are placeholders: no compressed slots).
@@ -67,6 +81,7 @@ class DevicePagedKvCache final : public KvCacheBase {
   uint8_t* pool_;                   // [n_layers, num_blocks, page_bytes]
   std::unique_ptr<BlockPool> ids_;  // the pool's block ids: the bytes are at pool_
   std::shared_ptr<const void> owner_;
+  Copy copy_;
   SequenceManager<int32_t> seqs_;  // one table for every layer
 };
 

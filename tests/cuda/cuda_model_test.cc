@@ -660,5 +660,76 @@ TEST(CudaModelTest, EngineGeneratesOnTheCudaBackend) {
   EXPECT_EQ(got, want);
 }
 
+// A session on the CUDA backend's full cache moves: exported (its device pages copied out),
+// imported into another CUDA engine, it continues as the uninterrupted one, its cache reused.
+TEST(CudaModelTest, SessionMovesBetweenCudaEnginesBitwise) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(ModelPath());
+  ASSERT_TRUE(file.ok());
+  std::shared_ptr<const GgufFile> gguf = *std::move(file);
+  std::shared_ptr<const Tokenizer> tokenizer = *Tokenizer::FromGguf(*gguf);
+  std::shared_ptr<LlamaModel> cpu = *LlamaModel::Load(gguf);
+  const auto make_engine = [&]() -> std::unique_ptr<Engine> {
+    absl::StatusOr<CudaBackend> cuda =
+        CreateCudaBackend(*cpu, {.max_batch_tokens = 256,
+                                 .max_sequences = 8,
+                                 .block_size = 16,
+                                 .kv_cache_bytes = int64_t{16} << 20});
+    EXPECT_TRUE(cuda.ok()) << cuda.status();
+    if (!cuda.ok()) return nullptr;
+    EngineConfig config;
+    config.max_batch_tokens = 256;
+    config.max_running = 8;
+    absl::StatusOr<std::unique_ptr<Engine>> engine =
+        Engine::Create(config, cuda->model, tokenizer, std::move(cuda->cache));
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return engine.ok() ? *std::move(engine) : nullptr;
+  };
+  struct Collect : GenerateObserver {
+    std::vector<int32_t> tokens;
+    GenerateResult result;
+    absl::Notification done;
+    void OnTokens(std::span<const GeneratedTokenEvent> t) override {
+      for (const auto& e : t) tokens.push_back(e.token);
+    }
+    void OnFinish(const GenerateResult& r) override {
+      result = r;
+      done.Notify();
+    }
+  };
+  const auto turn = [&](Engine& engine, const std::string& session, const std::string& text,
+                        bool bos) {
+    GenerateRequest req;
+    req.prompt = tokenizer->Encode(text, {.add_bos = bos});
+    req.max_new_tokens = 6;
+    req.ignore_eos = true;
+    req.session_id = session;
+    auto obs = std::make_shared<Collect>();
+    EXPECT_TRUE(engine.Submit(req, obs).ok());
+    obs->done.WaitForNotification();
+    return std::make_pair(obs->tokens, obs->result.usage.reused_tokens);
+  };
+  auto a = make_engine();
+  auto b = make_engine();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const std::string moved = a->CreateSession()->id;
+  const std::string stays = a->CreateSession()->id;
+  EXPECT_EQ(turn(*a, moved, "Once upon a time there was", true).first,
+            turn(*a, stays, "Once upon a time there was", true).first);
+  absl::StatusOr<Engine::ExportedSession> exported = a->ExportSession(moved);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  ASSERT_TRUE(exported->cache.ok()) << exported->cache;
+  absl::StatusOr<Engine::ImportedSession> imported = b->ImportSession(exported->image);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  ASSERT_TRUE(imported->cache.ok()) << imported->cache;
+  const auto there = turn(*b, moved, " a little", false);
+  const auto here = turn(*a, stays, " a little", false);
+  EXPECT_EQ(there.first, here.first);
+  EXPECT_EQ(there.second, here.second);
+  EXPECT_EQ(there.second, imported->info.cached_tokens);
+  EXPECT_GT(there.second, 0);
+}
+
 }  // namespace
 }  // namespace subspace::cuda
