@@ -102,7 +102,7 @@ Pair OpenCompressed(
 }
 
 Pair Open(int max_batch_tokens = 256, int max_sequences = 8,
-          std::shared_ptr<const GgufFile> file = nullptr) {
+          const std::shared_ptr<const GgufFile>& file = nullptr) {
   Pair p;
   absl::StatusOr<std::unique_ptr<LlamaModel>> cpu =
       file != nullptr ? LlamaModel::Load(file) : LlamaModel::Open(ModelPath());
@@ -636,7 +636,7 @@ TEST(CudaModelTest, EngineGeneratesOnTheCudaBackend) {
     EngineConfig config;
     config.max_batch_tokens = 256;
     config.max_running = 8;
-    auto engine = Engine::Create(config, model, tokenizer, std::move(cache));
+    auto engine = Engine::Create(config, std::move(model), tokenizer, std::move(cache));
     EXPECT_TRUE(engine.ok()) << engine.status();
     GenerateRequest req;
     req.prompt = tokenizer->Encode("Once upon a time");
