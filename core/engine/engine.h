@@ -158,6 +158,9 @@ class Engine {
   // session is busy with another request; RESOURCE_EXHAUSTED: queue full, or the request can
   // never fit the pool;
   // UNAVAILABLE: draining. Observer calls may begin before Submit returns.
+  // On a session whose cache is in a tier, Submit first brings it back into the pool (a disk
+  // tier's file is read without the engine's lock, the import runs between two steps), so it
+  // may wait for one step: never call it from an observer callback.
   // On a session, the request runs over the session's history + `prompt`; when it ends
   // (for any reason) the history gains the prompt and every token reported through
   // OnTokens, EOS included. EOS is reported as a token with empty text.
