@@ -162,7 +162,10 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
         {.geometry = m.cache_geometry(), .block_size = options.block_size, .copy = std::move(copy)},
         r.kv_pool, r.kv_pool_bytes, runner);
     if (!cache.ok()) return cache.status();
-    r.cache = r.paged = cache->get();
+    r.cache = cache->get();
+    for (int l = 0; l < m.n_layers; ++l) {
+      r.kv_layers.push_back({.layout = (*cache)->layout(), .pool = (*cache)->LayerPool(l)});
+    }
     return CudaBackend{std::move(runner), *std::move(cache)};
   }
   const CudaCompressedCacheOptions& co = *options.compressed;
@@ -190,7 +193,13 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
     if (absl::Status st = (*cache)->SetDefaultEpoch(*epoch); !st.ok()) return st;
     if (absl::Status st = (*cache)->ReleaseEpoch(*epoch); !st.ok()) return st;
   }
-  r.cache = r.compressed = cache->get();
+  r.cache = cache->get();
+  for (int l = 0; l < m.n_layers; ++l) {
+    r.kv_layers.push_back({.layout = r.layouts[static_cast<size_t>(l)],
+                           .pool = r.store->LayerPool(l),
+                           .basis_pq = r.store->basis_pq(l),
+                           .basis_rv = r.store->basis_rv(l)});
+  }
   return CudaBackend{std::move(runner), *std::move(cache)};
 }
 

@@ -22,6 +22,7 @@
 #include "cuda/decode_plan_builder.h"
 #include "cuda/device_compressed_kv_cache.h"
 #include "cuda/device_memory.h"
+#include "cuda/device_paged_kv_cache.h"
 #include "cuda/gemm.h"
 #include "cuda/rope_table.h"
 #include "cuda/step_graphs.h"
@@ -97,9 +98,16 @@ struct CudaLlamaModel::Impl {
   StepMetaLayout meta;
   std::unique_ptr<PinnedHostBuffer> meta_host;
   std::unique_ptr<PinnedHostBuffer> logits_host;  // [T, vocab] fp32
-  const KvCacheBase* cache = nullptr;             // the one created with this model: one of
-  DevicePagedKvCache* paged = nullptr;
-  DeviceCompressedKvCache* compressed = nullptr;
+  // The cache created with this model (whatever its kind: the step sees only DeviceKvCache),
+  // and each layer's bytes as the attention kernels read them.
+  struct KvLayer {
+    kernels::KvPoolLayout layout;
+    uint8_t* pool = nullptr;
+    const float* basis_pq = nullptr;  // basis tables of coded blocks (null: none)
+    const float* basis_rv = nullptr;
+  };
+  DeviceKvCache* cache = nullptr;
+  std::vector<KvLayer> kv_layers;  // [n_layers]
 
   // Per-step host scratch (reused; grows only to the largest step).
   std::vector<SeqId> seq_scratch;
@@ -342,12 +350,6 @@ struct CudaLlamaModel::Impl {
 
   absl::Status Launch(cudaError_t err, std::string_view what) { return CudaStatus(err, what); }
 
-  const kernels::KvPoolLayout& LayerLayout(int layer) const {
-    return paged != nullptr ? paged->layout() : layouts[static_cast<size_t>(layer)];
-  }
-  uint8_t* LayerPool(int layer) const {
-    return paged != nullptr ? paged->LayerPool(layer) : store->LayerPool(layer);
-  }
   // Forward and ForwardAndSample after their checks: one of out_logits and (rows, sampled).
   absl::Status Run(std::span<const SequenceChunk> batch, KvCacheBase& cache,
                    std::vector<float>* out_logits, std::span<const RowSampling> rows,

@@ -62,24 +62,17 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
                                         std::span<const RowSampling> rows,
                                         std::vector<TokenLogprob>* sampled) {
   const ModelConfig& m = config;
-  KvCacheBase& cache = paged != nullptr ? static_cast<KvCacheBase&>(*paged) : *compressed;
-  // Compressions queued outside a step (a Commit by the engine) run before this step's writes.
-  if (compressed != nullptr) {
-    if (absl::Status st = compressed->Flush(); !st.ok()) return st;
-  }
+  // Work queued outside a step (a Commit by the engine) runs before this step's writes.
+  if (absl::Status st = cache->Flush(); !st.ok()) return st;
 
   // ---- Plan on the host: decodes first, then prefill chunks (cuda_step_plan.h). ------------
-  const StepPlanInputs inputs = {
-      .meta = &meta,
-      .meta_host = meta_host->data(),
-      .block_size = options.block_size,
-      .n_kv_heads = m.n_kv_heads,
-      .target_ctas = target_ctas,
-      .paged = paged,
-      .compressed = compressed,
-      .num_pages = num_pages,
-      .basis_capacity = compressed != nullptr ? store->basis_capacity() : 0,
-      .scratch_pages = scratch_pages};
+  const StepPlanInputs inputs = {.meta = &meta,
+                                 .meta_host = meta_host->data(),
+                                 .block_size = options.block_size,
+                                 .n_kv_heads = m.n_kv_heads,
+                                 .target_ctas = target_ctas,
+                                 .cache = cache,
+                                 .scratch_pages = scratch_pages};
   if (absl::Status st = planner.Plan(inputs, batch, &plan); !st.ok()) return st;
 
   // ---- The forward pass: replayed as a graph for decode-only steps (step_graphs.h). --------
@@ -115,13 +108,13 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
   // the step attended with, as on the CPU backend.
   if (absl::Status q = DeliverQueries(); !q.ok()) return q;
   for (const SequenceChunk& ch : batch) {
-    if (absl::Status c = cache.Commit(ch.seq, ch.pos + static_cast<int64_t>(ch.tokens.size()));
+    if (absl::Status c = cache->Commit(ch.seq, ch.pos + static_cast<int64_t>(ch.tokens.size()));
         !c.ok()) {
       return c;
     }
   }
   // The blocks that left the window, coded in one batch on the stream (ahead of the next step).
-  return compressed != nullptr ? compressed->Flush() : absl::OkStatus();
+  return cache->Flush();
 }
 
 absl::Status CudaLlamaModel::Impl::EnqueueQueryGather(int layer) {
@@ -147,7 +140,7 @@ absl::Status CudaLlamaModel::Impl::DeliverQueries() {
       const uint16_t* src = host + (l * n + span.first) * width;
       std::copy(src, src + span.n * width, o.q.begin() + l * span.n * width);
     }
-    if (absl::Status st = compressed->ObserveQueries(span.seq, std::move(o)); !st.ok()) return st;
+    if (absl::Status st = cache->ObserveQueries(span.seq, std::move(o)); !st.ok()) return st;
   }
   return absl::OkStatus();
 }
@@ -260,8 +253,9 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
   };
   for (int l = 0; l < m.n_layers && st.ok(); ++l) {
     const DeviceLayer& w = layers[static_cast<size_t>(l)];
-    uint8_t* pool = LayerPool(l);
-    const kernels::KvPoolLayout& layout = LayerLayout(l);
+    const KvLayer& kv = kv_layers[static_cast<size_t>(l)];
+    uint8_t* pool = kv.pool;
+    const kernels::KvPoolLayout& layout = kv.layout;
     // Past the first layer, the previous layer's FFN output (proj) joins x here.
     st = norm(w.attn_norm, l > 0 ? proj : nullptr, "attention norm");
     if (st.ok()) st = gemm->Linear(w.wqkv, QkvWidth(), dim, xn, t, qkv);
@@ -302,10 +296,8 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
       p.layout = layout;
       p.plan = plan.decode.DeviceView(meta_device + meta.plan);
       p.pool = pool;
-      if (compressed != nullptr) {
-        p.basis_pq = store->basis_pq(l);
-        p.basis_rv = store->basis_rv(l);
-      }
+      p.basis_pq = kv.basis_pq;
+      p.basis_rv = kv.basis_rv;
       p.q = q;
       p.out = attn;
       p.workspace = decode_workspace;
@@ -323,8 +315,8 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
         ep.layout = layout;
         ep.src_pool = pool;
         ep.dst_pool = scratch;
-        ep.basis_pq = store->basis_pq(l);
-        ep.basis_rv = store->basis_rv(l);
+        ep.basis_pq = kv.basis_pq;
+        ep.basis_rv = kv.basis_rv;
         ep.src_page = MetaDevice<int32_t>(meta.exp_src_page) + e0;
         ep.src_slot = MetaDevice<int32_t>(meta.exp_src_slot) + e0;
         ep.dst_page = MetaDevice<int32_t>(meta.exp_dst) + e0;

@@ -25,32 +25,21 @@ T* MetaHost(const StepPlanInputs& in, int64_t offset) {
 
 // The page holding position `pos` of `seq` (a full block: new tokens always land in one).
 int32_t FullPage(const StepPlanInputs& in, SeqId seq, int64_t pos) {
-  const int64_t b = pos / in.block_size;
-  if (in.paged != nullptr) return in.paged->BlockTable(seq)[static_cast<size_t>(b)];
-  return in.compressed->BlockTable(seq)[static_cast<size_t>(b)].page;
+  return in.cache->BlockOf(seq, pos / in.block_size).page;
 }
 
-// Compressed blocks among the first `blocks` of `seq` (0 for the full-rank cache).
+// Coded blocks among the first `blocks` of `seq`.
 int64_t CodedBlocks(const StepPlanInputs& in, SeqId seq, int64_t blocks) {
-  if (in.compressed == nullptr) return 0;
-  const std::span<const DeviceCompressedKvCache::Block> table = in.compressed->BlockTable(seq);
   int64_t coded = 0;
-  for (int64_t b = 0; b < blocks; ++b)
-    coded += table[static_cast<size_t>(b)].slot != kernels::kFullBlock;
+  for (int64_t b = 0; b < blocks; ++b) coded += !in.cache->BlockOf(seq, b).full();
   return coded;
 }
 
-// Prefill block table row of one chunk; compressed blocks go to scratch pages (-1 - j, j
-// counted from the group's first expansion) with their expansions (and, with outliers, where
-// each block's outliers sit) appended to the meta lists. True when some block has outliers.
+// Prefill block table row of one chunk; coded blocks go to scratch pages (-1 - j, j counted
+// from the group's first expansion) with their expansions (and, with outliers, where each
+// block's outliers sit) appended to the meta lists. True when some block has outliers.
 bool PrefillTableRow(const StepPlanInputs& in, SeqId seq, int64_t blocks, int32_t* row,
                      int64_t* n_exp, int64_t group_first_exp) {
-  if (in.paged != nullptr) {
-    const std::span<const int32_t> table = in.paged->BlockTable(seq);
-    std::copy(table.begin(), table.begin() + blocks, row);
-    return false;
-  }
-  const std::span<const DeviceCompressedKvCache::Block> table = in.compressed->BlockTable(seq);
   auto* src_page = MetaHost<int32_t>(in, in.meta->exp_src_page);
   auto* src_slot = MetaHost<int32_t>(in, in.meta->exp_src_slot);
   auto* dst = MetaHost<int32_t>(in, in.meta->exp_dst);
@@ -62,8 +51,8 @@ bool PrefillTableRow(const StepPlanInputs& in, SeqId seq, int64_t blocks, int32_
   bool any = false;
   const int n_kv = in.n_kv_heads;
   for (int64_t b = 0; b < blocks; ++b) {
-    const DeviceCompressedKvCache::Block& e = table[static_cast<size_t>(b)];
-    if (e.slot == kernels::kFullBlock) {
+    const DeviceBlockRef e = in.cache->BlockOf(seq, b);
+    if (e.full()) {
       row[b] = e.page;
       continue;
     }
@@ -73,12 +62,11 @@ bool PrefillTableRow(const StepPlanInputs& in, SeqId seq, int64_t blocks, int32_
     dst[*n_exp] = static_cast<int32_t>(j);
     std::fill_n(epoch + *n_exp * n_kv, n_kv, e.entry);
     if (with_outliers) {
-      const DeviceCompressedKvCache::BlockOutliers o = in.compressed->OutliersOf(seq, b);
-      outlier_mask[*n_exp] = o.mask;
-      outlier_first[*n_exp] = o.first_slot;
-      outlier_pages[2 * *n_exp] = o.pages[0];
-      outlier_pages[2 * *n_exp + 1] = o.pages[1];
-      any = any || o.mask != 0;
+      outlier_mask[*n_exp] = e.outlier_mask;
+      outlier_first[*n_exp] = e.outlier_first_slot;
+      outlier_pages[2 * *n_exp] = e.outlier_pages[0];
+      outlier_pages[2 * *n_exp + 1] = e.outlier_pages[1];
+      any = any || e.outlier_mask != 0;
     }
     row[b] = static_cast<int32_t>(-1 - j);
     ++*n_exp;
@@ -215,28 +203,13 @@ absl::Status StepPlanner::Plan(const StepPlanInputs& in, std::span<const Sequenc
   descs_.resize(static_cast<size_t>(n_decode));
   for (int64_t d = 0; d < n_decode; ++d) {
     const SequenceChunk& ch = batch[static_cast<size_t>(order_[static_cast<size_t>(d)])];
-    DecodeSeqDesc& desc = descs_[static_cast<size_t>(d)];
-    if (in.compressed != nullptr) {
-      in.compressed->DescribeDecode(ch.seq, ch.pos + 1, &desc);
-      continue;
-    }
-    desc.length = ch.pos + 1;
-    const int64_t nb = CeilDiv(desc.length, bs);
-    const std::span<const int32_t> table = in.paged->BlockTable(ch.seq);
-    desc.pages.assign(table.begin(), table.begin() + nb);
-    desc.slots.assign(static_cast<size_t>(nb), kernels::kFullBlock);
-    desc.epochs.assign(static_cast<size_t>(nb * in.n_kv_heads), -1);
-    desc.outlier_masks.clear();
-    desc.outlier_pages.clear();
-    desc.n_outliers = 0;
+    in.cache->DescribeDecode(ch.seq, ch.pos + 1, &descs_[static_cast<size_t>(d)]);
   }
   if (n_decode > 0) {
+    const DecodePlanBounds bounds = in.cache->plan_bounds();
     absl::StatusOr<DecodePlan> built =
-        in.paged != nullptr
-            ? BuildDecodePlan(in.paged->layout(), in.paged->num_blocks(), 0, descs_,
-                              {.target_ctas = in.target_ctas})
-            : BuildDecodePlan(in.compressed->plan_layout(), in.num_pages, in.basis_capacity, descs_,
-                              {.target_ctas = in.target_ctas});
+        BuildDecodePlan(bounds.layout, bounds.num_pages, bounds.num_basis_epochs, descs_,
+                        {.target_ctas = in.target_ctas});
     if (!built.ok()) return built.status();
     plan->decode = *std::move(built);
     if (plan->decode.bytes() > meta.plan_capacity) {
@@ -293,9 +266,9 @@ absl::Status StepPlanner::Plan(const StepPlanInputs& in, std::span<const Sequenc
 
   // KQ-SVD refresh: the queries of the sequences that want them, as many as the readback holds.
   query_chunks_.clear();
-  if (in.compressed != nullptr && meta.query_capacity > 0) {
+  if (meta.query_capacity > 0) {
     for (size_t ci = 0; ci < batch.size(); ++ci) {
-      if (!in.compressed->WantsQueries(batch[ci].seq)) continue;
+      if (!in.cache->WantsQueries(batch[ci].seq)) continue;
       query_chunks_.push_back({.seq = batch[ci].seq,
                                .first_row = first_row_[ci],
                                .n = static_cast<int64_t>(batch[ci].tokens.size())});

@@ -13,8 +13,7 @@
 #include "absl/status/status.h"
 #include "core/model/model_runner.h"
 #include "cuda/decode_plan_builder.h"
-#include "cuda/device_compressed_kv_cache.h"
-#include "cuda/device_paged_kv_cache.h"
+#include "cuda/device_kv_cache.h"
 
 namespace subspace::cuda {
 
@@ -61,7 +60,7 @@ struct StepMetaLimits {
   int64_t pool_blocks = 0;         // page ids of the KV pool
   int n_kv_heads = 0;
   int target_ctas = 0;      // decode split-K
-  bool compressed = false;  // DeviceCompressedKvCache: slab pages, epochs and expansions
+  bool compressed = false;  // coded blocks: slab pages, epochs and expansions
   bool outliers = false;    // ... and outlier pages (up to one per compressed block)
   int64_t query_rows = 0;   // query rows one step reads back (0: none; see PlanQueryRows)
 };
@@ -76,14 +75,10 @@ struct StepPlanInputs {
   uint8_t* meta_host = nullptr;  // [meta->total] the pinned buffer the plan is written into
   int block_size = 0;
   int n_kv_heads = 0;
-  int target_ctas = 0;  // decode split-K
-  // The cache the step runs on: exactly one of the two.
-  const DevicePagedKvCache* paged = nullptr;
-  const DeviceCompressedKvCache* compressed = nullptr;
-  // Compressed cache only: the decode plan's page and epoch bounds, and the scratch pages that
-  // one group of prefill chunks may expand its history into.
-  int64_t num_pages = 0;
-  int basis_capacity = 0;
+  int target_ctas = 0;                   // decode split-K
+  const DeviceKvCache* cache = nullptr;  // the cache the step runs on
+  // The scratch pages one group of prefill chunks may expand its coded history into (0 for a
+  // cache without coded blocks).
   int64_t scratch_pages = 0;
 };
 

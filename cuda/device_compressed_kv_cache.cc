@@ -507,6 +507,18 @@ absl::StatusOr<std::shared_ptr<const Basis>> DeviceCompressedKvCache::PcaOfSeque
 
 // --- Views ---------------------------------------------------------------------------------
 
+DeviceBlockRef DeviceCompressedKvCache::BlockOf(SeqId seq, int64_t b) const {
+  const Block& e = BlockTable(seq)[static_cast<size_t>(b)];
+  DeviceBlockRef ref{.page = e.page, .slot = e.slot, .entry = e.entry};
+  if (e.slot == kernels::kFullBlock || e.outliers == 0) return ref;
+  const BlockOutliers o = OutliersOf(seq, b);
+  ref.outlier_mask = o.mask;
+  ref.outlier_first_slot = o.first_slot;
+  ref.outlier_pages[0] = o.pages[0];
+  ref.outlier_pages[1] = o.pages[1];
+  return ref;
+}
+
 void DeviceCompressedKvCache::DescribeDecode(SeqId seq, int64_t length, DecodeSeqDesc* desc) const {
   const std::span<const Block> table = BlockTable(seq);
   const int n_kv = config_.geometry.n_kv_heads;

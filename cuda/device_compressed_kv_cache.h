@@ -56,6 +56,7 @@
 #include "core/kvcache/sequence_manager.h"
 #include "cuda/compressed_kv_store.h"
 #include "cuda/decode_plan_builder.h"
+#include "cuda/device_kv_cache.h"
 #include "kernels/kv_layout.h"
 
 namespace subspace::cuda {
@@ -93,7 +94,7 @@ struct DeviceCompressedKvCacheDetail {
   int64_t outliers_dropped = 0;    // outliers compressed anyway: the pool had no page
 };
 
-class DeviceCompressedKvCache final : public KvCacheBase {
+class DeviceCompressedKvCache final : public DeviceKvCache {
  public:
   // One block table entry: a full page (slot kFullBlock, entry -1), or a slab slot coded with
   // basis-table entry `entry` (every KV head alike: no compactor mixes them) whose tokens
@@ -138,7 +139,7 @@ class DeviceCompressedKvCache final : public KvCacheBase {
 
   // Issues the queued compressions to the store and frees their full pages; hands landed
   // readbacks to the refresher and starts the next; runs the compactor.
-  absl::Status Flush();
+  absl::Status Flush() override;
 
   // --- Basis epochs (as CompressedKvCache's) ---
   // RESOURCE_EXHAUSTED when the store's basis tables are full; INVALID_ARGUMENT for a basis
@@ -165,8 +166,14 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   const std::vector<int>& r_v() const { return r_v_; }
   // Blocks of `seq` in position order; empty for an unknown id.
   std::span<const Block> BlockTable(SeqId seq) const;
-  // The decode-plan description of `seq`'s first `length` tokens (every layer alike).
-  void DescribeDecode(SeqId seq, int64_t length, DecodeSeqDesc* desc) const;
+  // DeviceKvCache: the block table's entry with its outliers' addresses; every layer alike.
+  DeviceBlockRef BlockOf(SeqId seq, int64_t b) const override;
+  void DescribeDecode(SeqId seq, int64_t length, DecodeSeqDesc* desc) const override;
+  DecodePlanBounds plan_bounds() const override {
+    return {.layout = plan_layout(),
+            .num_pages = config_.num_pages,
+            .num_basis_epochs = store_->basis_capacity()};
+  }
   // The epoch `seq` codes new blocks with (kNoEpoch before its first compression).
   EpochId SequenceEpoch(SeqId seq) const;
   // Positions of `seq`'s outlier tokens, ascending, and the pages holding them (B to a page).
@@ -176,11 +183,11 @@ class DeviceCompressedKvCache final : public KvCacheBase {
   BlockOutliers OutliersOf(SeqId seq, int64_t b) const;
   Refresher* refresher() { return epochs_.refresher(); }  // null until a sequence refreshes
   // Whether `seq` refreshes by kqsvd now and wants its queries (from its first compression on).
-  bool WantsQueries(SeqId seq) const;
+  bool WantsQueries(SeqId seq) const override;
   // Queries of `seq` for its refresher: every layer's rows of one step, still fp16
   // ([n_layers, n, n_query_heads * head_dim]). NOT_FOUND for an unknown sequence,
   // FAILED_PRECONDITION when it does not want them, INVALID_ARGUMENT for other shapes.
-  absl::Status ObserveQueries(SeqId seq, HalfQueryObservation queries);
+  absl::Status ObserveQueries(SeqId seq, HalfQueryObservation queries) override;
 
  private:
   // next_compress, epoch, refresh stream: CompressedSequence; length and the block table (one

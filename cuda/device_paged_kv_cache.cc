@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "core/base/int_math.h"
 #include "core/kvcache/sequence_image.h"
 
 namespace subspace::cuda {
@@ -68,6 +69,19 @@ std::span<const int32_t> DevicePagedKvCache::BlockTable(SeqId seq) const {
   const std::vector<int32_t>* table = seqs_.Table(seq, 0);
   if (table == nullptr) return {};
   return *table;
+}
+
+void DevicePagedKvCache::DescribeDecode(SeqId seq, int64_t length, DecodeSeqDesc* desc) const {
+  const std::span<const int32_t> table = BlockTable(seq);
+  const int64_t nb =
+      std::min<int64_t>(CeilDiv(length, block_size_), static_cast<int64_t>(table.size()));
+  desc->length = length;
+  desc->pages.assign(table.begin(), table.begin() + nb);
+  desc->slots.assign(static_cast<size_t>(nb), kernels::kFullBlock);
+  desc->epochs.assign(static_cast<size_t>(nb * geometry_.n_kv_heads), -1);
+  desc->outlier_masks.clear();
+  desc->outlier_pages.clear();
+  desc->n_outliers = 0;
 }
 
 int64_t DevicePagedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {

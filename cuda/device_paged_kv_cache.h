@@ -2,7 +2,7 @@
 // the layout of kernels/kv_layout.h, one block table per sequence shared by every layer (vLLM's
 // habit: block id b of layer l is page b of layer l's slice of the pool, so one table and one
 // plan serve all layers), bookkeeping on the host. The bytes are written and read only by the
-// CUDA backend's kernels (cuda/cuda_model.h), so this is a KvCacheBase, not a host KvCache.
+// CUDA backend's kernels (cuda/cuda_model.h), so this is a DeviceKvCache, not a host KvCache.
 #ifndef SUBSPACE_CUDA_DEVICE_PAGED_KV_CACHE_H_
 #define SUBSPACE_CUDA_DEVICE_PAGED_KV_CACHE_H_
 
@@ -19,11 +19,12 @@
 #include "core/kvcache/block_pool.h"
 #include "core/kvcache/kv_cache.h"
 #include "core/kvcache/sequence_manager.h"
+#include "cuda/device_kv_cache.h"
 #include "kernels/kv_layout.h"
 
 namespace subspace::cuda {
 
-class DevicePagedKvCache final : public KvCacheBase {
+class DevicePagedKvCache final : public DeviceKvCache {
  public:
   // Copies `bytes` between the pool and host memory, synchronously and after the backend's
   // queued work (the CUDA backend's waits for its stream).
@@ -60,7 +61,14 @@ class DevicePagedKvCache final : public KvCacheBase {
   absl::StatusOr<std::string> ExportSequence(SeqId seq) const override;
   absl::StatusOr<SeqId> ImportSequence(std::string_view image) override;
 
-  // --- The CUDA backend's view ---
+  // --- The CUDA backend's view (DeviceKvCache) ---
+  DeviceBlockRef BlockOf(SeqId seq, int64_t b) const override {
+    return {.page = BlockTable(seq)[static_cast<size_t>(b)]};
+  }
+  void DescribeDecode(SeqId seq, int64_t length, DecodeSeqDesc* desc) const override;
+  DecodePlanBounds plan_bounds() const override {
+    return {.layout = layout_, .num_pages = num_blocks(), .num_basis_epochs = 0};
+  }
   // One layer's page geometry (full pages; the ranks are placeholders: no compressed slots).
   const kernels::KvPoolLayout& layout() const { return layout_; }
   // Layer `layer`'s pages: [num_blocks, page_bytes] on the device.

@@ -77,6 +77,8 @@ struct AttentionRequest {
   }
 };
 
+class KvCache;
+
 // A KV cache's sequences, blocks and accounting, wherever its bytes live: what the engine and
 // the scheduler use (admission, reservation, commit, truncation, stats). Called from one thread
 // (the engine's step loop). The bytes are written and attended by the backend that owns them:
@@ -114,6 +116,10 @@ class KvCacheBase {
 
   virtual KvCacheStats Stats() const = 0;
 
+  // This cache as one in host memory (the CPU backend writes and attends through it); null for
+  // a cache whose bytes live on a device.
+  virtual KvCache* AsHostCache() { return nullptr; }
+
   // --- Images (session snapshots: core/engine/session_snapshot.h) ---
   // What an image of this cache depends on (kind, geometry, block size, storage types, policy)
   // as one line; images import only into a cache with the same line. Empty: no images.
@@ -140,6 +146,8 @@ class KvCacheBase {
 // else is called from one thread (the engine's step loop).
 class KvCache : public KvCacheBase {
  public:
+  KvCache* AsHostCache() final { return this; }
+
   // Stores keys (post-RoPE) and values of tokens [pos, pos + n) for `layer`; the range must
   // be reserved.   k, v: [n, n_kv_heads, head_dim]
   virtual void Write(int layer, SeqId seq, int64_t pos, int64_t n, const float* k,

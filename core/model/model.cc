@@ -233,7 +233,7 @@ absl::Status LlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBa
   const ModelConfig& c = config_;
   Workspace& ws = *ws_;
   // ---- Validation: nothing is written before every chunk has been checked. ----------------
-  auto* host_cache = dynamic_cast<KvCache*>(&cache_base);
+  KvCache* host_cache = cache_base.AsHostCache();
   if (host_cache == nullptr) {
     return absl::InvalidArgumentError(
         "the CPU backend needs a KV cache in host memory; this one lives on a device");

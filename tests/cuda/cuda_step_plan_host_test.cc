@@ -11,6 +11,7 @@
 
 #include "cuda/cuda_step_plan.h"
 #include "cuda/device_compressed_kv_cache.h"
+#include "cuda/device_paged_kv_cache.h"
 #include "tests/cuda/device_compressed_kv_cache_test_util.h"
 #include "tests/kernels/kv_test_data.h"
 
@@ -126,6 +127,77 @@ TEST(PlanQueryRowsTest, RandomDemandsKeepTheInvariants) {
 
 // The planner over a device cache: the kqsvd sequences' rows (decodes first, then prefill
 // chunks, as the activations are laid out) go into the metadata; a pca sequence's do not.
+// The full-rank cache through the same planner: slots and prefill rows are its block table's
+// pages, decodes describe whole pages, and nothing is expanded or read back.
+TEST(StepPlannerTest, FullRankCachePlansFromItsBlockTable) {
+  const KvCacheGeometry g{.n_layers = 2, .n_kv_heads = 2, .head_dim = 64};
+  constexpr int kBlock = 16;
+  const int64_t blocks = 12;
+  std::vector<uint8_t> pool(
+      static_cast<size_t>(blocks * DevicePagedKvCache::BlockBytes(g, kBlock)));
+  absl::StatusOr<std::unique_ptr<DevicePagedKvCache>> made =
+      DevicePagedKvCache::Create({.geometry = g, .block_size = kBlock}, pool.data(),
+                                 static_cast<int64_t>(pool.size()), nullptr);
+  ASSERT_TRUE(made.ok()) << made.status();
+  DevicePagedKvCache& cache = **made;
+  const SeqId a = *cache.CreateSequence(), b = *cache.CreateSequence();
+  ASSERT_TRUE(cache.Reserve(b, 5).ok());  // b's first block, then a's three
+  ASSERT_TRUE(cache.Reserve(a, 40).ok());
+  ASSERT_TRUE(cache.Commit(a, 40).ok());
+  ASSERT_TRUE(cache.Reserve(a, 1).ok());
+  const std::vector<int32_t> one = {9}, five = {1, 2, 3, 4, 5};
+  // The prefill first: the plan puts decodes first all the same.
+  const std::vector<SequenceChunk> batch = {{.seq = b, .pos = 0, .tokens = five},
+                                            {.seq = a, .pos = 40, .tokens = one}};
+  const StepMetaLayout meta = LayoutStepMeta({.max_tokens = 16,
+                                              .max_sequences = 4,
+                                              .max_blocks_per_seq = 8,
+                                              .pool_blocks = blocks,
+                                              .n_kv_heads = g.n_kv_heads,
+                                              .target_ctas = 8});
+  EXPECT_EQ(meta.exp_capacity, 0);
+  std::vector<uint64_t> host(static_cast<size_t>(meta.total / 8 + 1));
+  const StepPlanInputs in = {.meta = &meta,
+                             .meta_host = reinterpret_cast<uint8_t*>(host.data()),
+                             .block_size = kBlock,
+                             .n_kv_heads = g.n_kv_heads,
+                             .target_ctas = 8,
+                             .cache = &cache};
+  StepPlanner planner;
+  StepPlan plan;
+  ASSERT_TRUE(planner.Plan(in, batch, &plan).ok());
+  EXPECT_EQ(plan.n_decode, 1);
+  EXPECT_EQ(plan.n_prefill, 1);
+  EXPECT_EQ(plan.n_exp, 0);
+  EXPECT_FALSE(plan.exp_outliers);
+  EXPECT_EQ(plan.n_query_rows, 0);
+  EXPECT_EQ(plan.table_stride, 1);
+  EXPECT_GT(plan.decode.bytes(), 0);
+  const std::span<const int32_t> ta = cache.BlockTable(a), tb = cache.BlockTable(b);
+  ASSERT_EQ(ta.size(), 3u);
+  // Row 0 is a's decode at position 40 (block 2, offset 8); rows 1..5 b's prefill.
+  const auto* slots = reinterpret_cast<const int64_t*>(in.meta_host + meta.slot_mapping);
+  const auto* positions = reinterpret_cast<const int32_t*>(in.meta_host + meta.positions);
+  EXPECT_EQ(slots[0], int64_t{ta[2]} * kBlock + 8);
+  EXPECT_EQ(positions[0], 40);
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(slots[1 + i], int64_t{tb[0]} * kBlock + i);
+    EXPECT_EQ(positions[1 + i], i);
+  }
+  const auto* table = reinterpret_cast<const int32_t*>(in.meta_host + meta.block_table);
+  EXPECT_EQ(table[0], tb[0]);
+  // Logit rows in the caller's order: the prefill's last row, then the decode's.
+  const auto* logit_rows = reinterpret_cast<const int32_t*>(in.meta_host + meta.logit_rows);
+  EXPECT_EQ(logit_rows[0], 5);
+  EXPECT_EQ(logit_rows[1], 0);
+  DecodeSeqDesc desc;
+  cache.DescribeDecode(a, 41, &desc);
+  EXPECT_EQ(desc.length, 41);
+  EXPECT_EQ(desc.pages, std::vector<int32_t>(ta.begin(), ta.end()));
+  EXPECT_EQ(desc.slots, std::vector<int32_t>(3, kernels::kFullBlock));
+  EXPECT_EQ(desc.epochs, std::vector<int32_t>(3 * g.n_kv_heads, -1));
+}
+
 TEST(StepPlannerQueryRowsTest, OnlyKqsvdSequencesRowsAreReadBack) {
   using namespace device_cache_test;  // NOLINT(build/namespaces): this test family's helpers
   CompressedKvCacheConfig c = CpuConfig(64, CoeffDtype::kFp16);
@@ -169,9 +241,7 @@ TEST(StepPlannerQueryRowsTest, OnlyKqsvdSequencesRowsAreReadBack) {
                              .block_size = c.block_size,
                              .n_kv_heads = c.geometry.n_kv_heads,
                              .target_ctas = 8,
-                             .compressed = p.dev.get(),
-                             .num_pages = p.dev->num_pages(),
-                             .basis_capacity = p.store->basis_capacity(),
+                             .cache = p.dev.get(),
                              .scratch_pages = 16};
   StepPlanner planner;
   StepPlan plan;
