@@ -59,6 +59,24 @@ uint32_t ComponentQuantizer::Encode(float x) const {
   return static_cast<uint32_t>(std::min(c, levels));
 }
 
+CodedRunLayout LayOutCodedRun(const TransformCode& code, int block_size) {
+  CodedRunLayout run;
+  std::vector<int> order(code.components.size());
+  for (size_t j = 0; j < order.size(); ++j) order[j] = static_cast<int>(j);
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
+    return code.components[static_cast<size_t>(x)].bits >
+           code.components[static_cast<size_t>(y)].bits;
+  });
+  for (int j : order) {
+    const int bits = code.components[static_cast<size_t>(j)].bits;
+    if (bits == 0) break;  // widest first: the rest have none
+    run.components.push_back(j);
+    run.byte_at.push_back(run.run_bytes);
+    run.run_bytes += (int64_t{block_size} * bits + 7) / 8;
+  }
+  return run;
+}
+
 int TransformCode::BitsPerRow() const {
   int bits = 0;
   for (const ComponentQuantizer& c : components) bits += c.bits;

@@ -49,6 +49,19 @@ struct TransformCode {
   void RoundTrip(float* x) const;
 };
 
+// How a block of B rows coded with one TransformCode is stored by the transform-coded caches
+// (TransformKvCache on the CPU, the CUDA backend's kernels): component-major, the components
+// with bits widest first (stable in component order), each holding its B codes packed least
+// significant bit first in ceil(B x bits / 8) bytes, one component after the other. One
+// definition for every cache and kernel that reads or writes these runs.
+struct CodedRunLayout {
+  std::vector<int> components;   // [active] component index, widest first
+  std::vector<int64_t> byte_at;  // [active] first byte of each component's codes in the run
+  int64_t run_bytes = 0;         // the run of one KV head's B rows
+  int active() const { return static_cast<int>(components.size()); }
+};
+CodedRunLayout LayOutCodedRun(const TransformCode& code, int block_size);
+
 struct FittedQuantizer {
   ComponentQuantizer quantizer;
   double mse = 0.0;  // mean squared error over the samples it was fitted on

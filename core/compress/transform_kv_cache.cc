@@ -45,27 +45,27 @@ TransformKvCache::DecodeTable TransformKvCache::DecodeTable::Of(const TransformC
   DecodeTable t;
   const int d = code.dim;
   std::vector<double> ext(static_cast<size_t>(d), 0.0);
-  // Components widest first (stable): a run holds each width's components together, which the
-  // kernels widen with compile-time shifts.
-  std::vector<int> order(static_cast<size_t>(d));
-  for (int j = 0; j < d; ++j) order[static_cast<size_t>(j)] = j;
-  std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
-    return code.components[static_cast<size_t>(x)].bits >
-           code.components[static_cast<size_t>(y)].bits;
-  });
-  for (int j : order) {
+  // The components with bits, widest first: the kernels widen each width's components with
+  // compile-time shifts.
+  const CodedRunLayout run = LayOutCodedRun(code, block_size);
+  for (int a = 0; a < run.active(); ++a) {
+    const int j = run.components[static_cast<size_t>(a)];
     const ComponentQuantizer& q = code.components[static_cast<size_t>(j)];
     const float* row = code.basis.data() + static_cast<int64_t>(j) * d;
-    if (q.bits == 0) {
-      for (int i = 0; i < d; ++i) ext[static_cast<size_t>(i)] += double{q.offset} * row[i];
-      continue;
-    }
     t.bits.push_back(q.bits);
-    t.byte_at.push_back(t.run_bytes);
+    t.byte_at.push_back(run.byte_at[static_cast<size_t>(a)]);
     t.offset.push_back(q.offset);
     t.step.push_back(q.step);
     t.basis.insert(t.basis.end(), row, row + d);
-    t.run_bytes += CeilDiv(int64_t{block_size} * q.bits, int64_t{8});
+  }
+  t.run_bytes = run.run_bytes;
+  // What the components without bits add: their offsets along their basis rows, in the order
+  // the components come (as before the layout was shared).
+  for (int j = 0; j < d; ++j) {
+    const ComponentQuantizer& q = code.components[static_cast<size_t>(j)];
+    if (q.bits != 0) continue;
+    const float* row = code.basis.data() + static_cast<int64_t>(j) * d;
+    for (int i = 0; i < d; ++i) ext[static_cast<size_t>(i)] += double{q.offset} * row[i];
   }
   for (int i = 0; i < d; ++i) {
     const double s = code.scale.empty() ? 1.0 : code.scale[static_cast<size_t>(i)];
