@@ -15,16 +15,11 @@
 namespace subspace::cuda {
 namespace {
 
-// Blocks per staged launch: a batch larger than this (a long prompt's first commit) goes in
-// chunks, so the staging buffers stay small whatever the pool.
-constexpr int64_t kStagedBlocks = 1024;
+constexpr int64_t kStagedBlocks = BatchStager::kStagedBlocks;
 
-// The largest chunk of any batch: compress and expand stage three int32 columns and the epochs
+// The widest block of any batch: compress and expand stage three int32 columns and the epochs
 // [n_kv] int32; an outlier move stages page, slot and two pages (int32) and a mask (uint64).
-int64_t StagingBytes(int n_kv) {
-  const int64_t per_block = std::max<int64_t>(4 * (3 + n_kv), 4 + 8 + 4 + 8);
-  return kStagedBlocks * per_block + CudaKvStore::kMaxColumns * 8;  // + each column's alignment
-}
+int64_t StagedBytesPerBlock(int n_kv) { return std::max<int64_t>(4 * (3 + n_kv), 4 + 8 + 4 + 8); }
 
 }  // namespace
 
@@ -43,7 +38,7 @@ void CudaKvStore::CarveDevice(Carver& c, const std::vector<kernels::KvPoolLayout
     out->pv.push_back(c.TakeArray<float>(v));
     out->rv.push_back(c.TakeArray<float>(v));
   }
-  out->staging = c.Take(StagingBytes(layouts[0].n_kv_heads));
+  out->staging = c.Take(BatchStager::DeviceBytes(StagedBytesPerBlock(layouts[0].n_kv_heads)));
   out->outlier_masks = c.TakeArray<uint64_t>(kStagedBlocks);
 }
 
@@ -52,19 +47,14 @@ absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(
     int64_t readback_pages, const Device& device, cudaStream_t stream) {
   std::unique_ptr<CudaKvStore> store(
       new CudaKvStore(std::move(layouts), num_pages, capacity, readback_pages, device, stream));
-  absl::StatusOr<std::unique_ptr<PinnedHostBuffer>> host =
-      PinnedHostBuffer::Create(StagingBytes(store->layouts_[0].n_kv_heads), "KV store staging");
-  if (!host.ok()) return host.status();
-  store->staging_host_ = *std::move(host);
+  absl::StatusOr<std::unique_ptr<BatchStager>> stager = BatchStager::Create(
+      device.staging, StagedBytesPerBlock(store->layouts_[0].n_kv_heads), stream);
+  if (!stager.ok()) return stager.status();
+  store->stager_ = *std::move(stager);
   absl::StatusOr<std::unique_ptr<PinnedHostBuffer>> masks =
       PinnedHostBuffer::Create(kStagedBlocks * 8, "outlier masks");
   if (!masks.ok()) return masks.status();
   store->masks_host_ = *std::move(masks);
-  if (absl::Status st = CudaStatus(
-          cudaEventCreateWithFlags(&store->staged_, cudaEventDisableTiming), "cudaEventCreate");
-      !st.ok()) {
-    return st;
-  }
   if (readback_pages > 0) {
     int device = 0, max_pitch = 0;
     if (absl::Status st = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); !st.ok()) return st;
@@ -101,7 +91,6 @@ CudaKvStore::CudaKvStore(std::vector<kernels::KvPoolLayout> layouts, int64_t num
       readback_capacity_(readback_pages) {}
 
 CudaKvStore::~CudaKvStore() {
-  if (staged_ != nullptr) cudaEventDestroy(staged_);
   // A readback still in flight writes into readback_host_: let it land before that goes.
   if (read_back_ != nullptr) {
     cudaEventSynchronize(read_back_);
@@ -145,37 +134,15 @@ absl::Status CudaKvStore::StageAndLaunch(
     absl::FunctionRef<cudaError_t(size_t layer, const void* const staged[kMaxColumns],
                                   int64_t first, int32_t n)>
         launch) {
-  for (int64_t first = 0; first < n; first += kStagedBlocks) {
-    const int64_t chunk = std::min(kStagedBlocks, n - first);
-    // The previous staging copy must have left the pinned buffer before it is rewritten.
-    if (absl::Status st = CudaStatus(cudaEventSynchronize(staged_), "staging"); !st.ok()) {
-      return st;
-    }
-    const void* staged[kMaxColumns] = {};
-    int64_t offset = 0;
-    int i = 0;
-    for (const Column& c : columns) {
-      const int64_t bytes = chunk * c.bytes_per_block;
-      std::memcpy(staging_host_->data() + offset,
-                  static_cast<const uint8_t*>(c.host) + first * c.bytes_per_block,
-                  static_cast<size_t>(bytes));
-      staged[i++] = device_.staging + offset;
-      offset += AlignUp(bytes, 8);
-    }
-    absl::Status st =
-        CudaStatus(cudaMemcpyAsync(device_.staging, staging_host_->data(),
-                                   static_cast<size_t>(offset), cudaMemcpyHostToDevice, stream_),
-                   "staging copy");
-    if (st.ok()) st = CudaStatus(cudaEventRecord(staged_, stream_), "staging");
-    if (!st.ok()) return st;
-    for (size_t l = 0; l < layouts_.size(); ++l) {
-      if (absl::Status st = CudaStatus(launch(l, staged, first, static_cast<int32_t>(chunk)), what);
-          !st.ok()) {
-        return st;
-      }
-    }
-  }
-  return absl::OkStatus();
+  return stager_->Run(
+      n, columns, [&](const void* const staged[kMaxColumns], int64_t first, int32_t chunk) {
+        for (size_t l = 0; l < layouts_.size(); ++l) {
+          if (absl::Status st = CudaStatus(launch(l, staged, first, chunk), what); !st.ok()) {
+            return st;
+          }
+        }
+        return absl::OkStatus();
+      });
 }
 
 absl::Status CudaKvStore::Compress(const CompressBatch& batch) {

@@ -17,6 +17,7 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "cuda/batch_stager.h"
 #include "cuda/compressed_kv_store.h"
 #include "cuda/device_memory.h"
 #include "kernels/kv_layout.h"
@@ -26,14 +27,14 @@ namespace subspace::cuda {
 class CudaKvStore final : public CompressedKvStore {
  public:
   // Per-block arrays one staged batch has at most.
-  static constexpr int kMaxColumns = 4;
+  static constexpr int kMaxColumns = BatchStager::kMaxColumns;
 
   // Device buffers, carved by the backend (CarveDevice with a counting Carver sizes them).
   struct Device {
     uint8_t* pool = nullptr;             // [n_layers, num_pages, page_bytes]
     std::vector<float*> pk, pq, pv, rv;  // [n_layers] each [capacity, n_kv, d, r] / [.., r_v, d]
-    uint8_t* staging = nullptr;          // [StagingBytes]
-    uint64_t* outlier_masks = nullptr;   // [kStagedBlocks] one chunk's detected outliers
+    uint8_t* staging = nullptr;          // BatchStager::DeviceBytes
+    uint64_t* outlier_masks = nullptr;   // [BatchStager::kStagedBlocks] one chunk's outliers
   };
   static void CarveDevice(Carver& c, const std::vector<kernels::KvPoolLayout>& layouts,
                           int64_t num_pages, int capacity, Device* out);
@@ -67,14 +68,9 @@ class CudaKvStore final : public CompressedKvStore {
  private:
   CudaKvStore(std::vector<kernels::KvPoolLayout> layouts, int64_t num_pages, int capacity,
               int64_t readback_pages, const Device& device, cudaStream_t stream);
-  // One per-block array of a batch: `bytes_per_block` bytes of each block from `host`.
-  struct Column {
-    const void* host = nullptr;
-    int64_t bytes_per_block = 0;
-  };
-  // Stages the batch's columns (blocks of n) in chunks of at most kStagedBlocks and calls
-  // `launch` for every layer of each chunk with the staged device arrays (8-byte aligned, in
-  // column order), the chunk's first block and its size.
+  using Column = BatchStager::Column;
+  // Stages the batch's columns (blocks of n) in chunks (BatchStager) and calls `launch` for
+  // every layer of each chunk with the staged device arrays, the chunk's first block and size.
   absl::Status StageAndLaunch(
       int64_t n, std::initializer_list<Column> columns, const char* what,
       absl::FunctionRef<cudaError_t(size_t layer, const void* const staged[kMaxColumns],
@@ -86,8 +82,7 @@ class CudaKvStore final : public CompressedKvStore {
   int capacity_;
   Device device_;
   cudaStream_t stream_;
-  std::unique_ptr<PinnedHostBuffer> staging_host_;
-  cudaEvent_t staged_ = nullptr;  // the last staging copy has been read from the host buffer
+  std::unique_ptr<BatchStager> stager_;
   std::unique_ptr<PinnedHostBuffer> masks_host_;  // [kStagedBlocks] detected outliers, read back
   int64_t readback_capacity_;
   std::unique_ptr<PinnedHostBuffer> readback_host_;  // [n_layers][readback_capacity_][page]

@@ -29,6 +29,9 @@ absl::Status CheckOptions(const ModelConfig& m, const CudaModelOptions& o) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "CUDA backend: head_dim %d; the attention kernels support 64 and 128", m.head_dim));
   }
+  if (o.compressed && o.transform) {
+    return absl::InvalidArgumentError("CUDA backend: one KV cache kind, compressed or transform");
+  }
   if (m.rope_dim % 2 != 0 || m.rope_dim > m.head_dim) {
     return absl::InvalidArgumentError("CUDA backend: rope_dim must be even and <= head_dim");
   }
@@ -71,6 +74,12 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
   if (options.compressed) {
     if (absl::Status st = s.LayoutCompressedLayers(); !st.ok()) return st;
     s.query_readback_rows = s.QueryReadbackRows();
+  }
+  if (options.transform) {
+    if (absl::Status st = DeviceTransformKvCache::Validate(s.TransformCacheConfig()); !st.ok()) {
+      return st;
+    }
+    s.layouts = DeviceTransformKvCache::Layouts(s.TransformCacheConfig());
   }
 
   // Size everything but the pool, then the pool from what is left. One page id costs a page in
@@ -144,10 +153,47 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
                             options.compressed->readback_pages, s.store_device, s.stream);
     if (!store.ok()) return store.status();
     s.store = *std::move(store);
+    s.expand_history = &CudaLlamaModel::Impl::ExpandLowRank;
+  }
+  if (options.transform) {
+    const CudaTransformCacheOptions& to = *options.transform;
+    std::vector<TransformLayerTables> tables;
+    for (int l = 0; l < m.n_layers; ++l) {
+      tables.push_back(BuildTransformTables(*to.key_codes, *to.value_codes, l, m.n_kv_heads,
+                                            m.head_dim, options.block_size));
+    }
+    kernels::TransformKeyRope key_rope;
+    if (to.pre_rope_keys) {
+      absl::StatusOr<RopeSchedule> rope = m.rope();
+      if (!rope.ok()) return rope.status();
+      key_rope = {.cos_sin = s.rope_table,
+                  .rope_dim = m.rope_dim,
+                  .max_position = s.config.context_length,
+                  .halves = m.rope_layout == RopeLayout::kHalves,
+                  .unscale = static_cast<float>(1.0 / (rope->mscale * rope->mscale))};
+    }
+    absl::StatusOr<std::unique_ptr<CudaTransformStore>> store = CudaTransformStore::Create(
+        s.layouts, s.num_pages, tables, key_rope, s.transform_device, s.stream);
+    if (!store.ok()) return store.status();
+    s.transform_store = *std::move(store);
+    s.expand_history = &CudaLlamaModel::Impl::ExpandTransform;
   }
 
   std::shared_ptr<CudaLlamaModel> runner(new CudaLlamaModel(std::move(impl)));
   CudaLlamaModel::Impl& r = *runner->impl_;
+  if (options.transform) {
+    // The store's buffers are the runner's: the cache keeps the runner alive through it.
+    absl::StatusOr<std::unique_ptr<DeviceTransformKvCache>> cache = DeviceTransformKvCache::Create(
+        r.TransformCacheConfig(),
+        std::shared_ptr<TransformKvStore>(runner, r.transform_store.get()));
+    if (!cache.ok()) return cache.status();
+    r.cache = cache->get();
+    for (int l = 0; l < m.n_layers; ++l) {
+      r.kv_layers.push_back(
+          {.layout = r.layouts[static_cast<size_t>(l)], .pool = r.transform_store->LayerPool(l)});
+    }
+    return CudaBackend{std::move(runner), *std::move(cache)};
+  }
   if (!options.compressed) {
     // Images copy between steps, after whatever the stream still runs.
     DevicePagedKvCache::Copy copy = [stream = r.stream](void* dst, const void* src,

@@ -1,7 +1,8 @@
 // The CUDA backend's forward pass (--device cuda): the Llama decoder of core/model/model.h on a
 // GPU. Weights live on the device as fp16 (GEMMs through cuBLAS with fp32 accumulation); the
-// residual stream is fp32; keys/values go to a DevicePagedKvCache or a DeviceCompressedKvCache
-// (whose compressed history a prefill chunk attends through expand_blocks into scratch pages). Each
+// residual stream is fp32; keys/values go to a DevicePagedKvCache, a DeviceCompressedKvCache or a
+// DeviceTransformKvCache (whose coded history a chunk attends through its kind's expansion
+// kernel into scratch pages). Each
 // step's metadata (tokens, positions, slot mapping, block tables, the decode plan) is built on the
 // host into a pinned buffer and copied to the device once; decodes run the split-K decode attention
 // kernel and prefill chunks the tiled prefill kernel. Everything is carved from one device
@@ -21,6 +22,7 @@
 #include "core/base/coeff_codec.h"
 #include "core/compress/basis.h"
 #include "core/compress/compression_policy.h"
+#include "core/compress/transform_codec.h"
 #include "core/kvcache/refresh_config.h"
 #include "core/model/model.h"
 #include "core/model/model_runner.h"
@@ -50,6 +52,17 @@ struct CudaCompressedCacheOptions {
   int64_t query_readback_bytes = int64_t{16} << 20;
 };
 
+// --kv-cache=transform on the GPU (DeviceTransformKvCache): the CPU cache's sinks and window
+// and the codec's codes (a codec file or a start-up fit).
+struct CudaTransformCacheOptions {
+  int sink_tokens = CompressionPolicy::kDefaultSinkTokens;
+  int window_tokens = CompressionPolicy::kDefaultWindowTokens;
+  // Layer l, KV head h at [l * n_kv_heads + h], each of dimension head_dim.
+  std::shared_ptr<const std::vector<TransformCode>> key_codes, value_codes;
+  // Keys coded before RoPE with the model's own schedule (CodecFileInfo::pre_rope_keys).
+  bool pre_rope_keys = false;
+};
+
 struct CudaModelOptions {
   int device = 0;              // CUDA device index
   int max_batch_tokens = 512;  // tokens per step the activations are sized for
@@ -59,8 +72,10 @@ struct CudaModelOptions {
   // minus everything else the backend takes (weights, activations, plan, workspaces).
   int64_t kv_cache_bytes = 0;
   double gpu_memory_fraction = 0.0;
-  // Set: the compressed cache (DeviceCompressedKvCache); unset: full-rank pages.
+  // Set: the compressed cache (DeviceCompressedKvCache), or the transform-coded one
+  // (DeviceTransformKvCache); neither: full-rank pages. At most one.
   std::optional<CudaCompressedCacheOptions> compressed;
+  std::optional<CudaTransformCacheOptions> transform;
   // Decode-only steps run as CUDA graphs (cuda/step_graphs.h); false: launched one by one. Off
   // by default: each step is captured and the graph updated, which cost more host time on an
   // H200 than the launch gaps it saves (0.64-0.86x eager, bench/RESULTS.md, 2026-11-26).
@@ -72,7 +87,8 @@ class CudaLlamaModel;
 struct StepGraphStats;
 
 // The backend's two halves: Forward accepts only the cache created with it (a
-// DevicePagedKvCache, or a DeviceCompressedKvCache with options.compressed).
+// DevicePagedKvCache, a DeviceCompressedKvCache with options.compressed, a
+// DeviceTransformKvCache with options.transform).
 struct CudaBackend {
   std::shared_ptr<CudaLlamaModel> model;
   std::unique_ptr<KvCacheBase> cache;

@@ -19,10 +19,12 @@
 #include "cuda/cuda_model.h"
 #include "cuda/cuda_status.h"
 #include "cuda/cuda_step_plan.h"
+#include "cuda/cuda_transform_store.h"
 #include "cuda/decode_plan_builder.h"
 #include "cuda/device_compressed_kv_cache.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_paged_kv_cache.h"
+#include "cuda/device_transform_kv_cache.h"
 #include "cuda/gemm.h"
 #include "cuda/rope_table.h"
 #include "cuda/step_graphs.h"
@@ -87,6 +89,12 @@ struct CudaLlamaModel::Impl {
   std::vector<kernels::KvPoolLayout> layouts;
   CudaKvStore::Device store_device;
   std::shared_ptr<CudaKvStore> store;
+  // Transform-coded cache: its device buffers and store (the layouts above are its layers').
+  CudaTransformStore::Device transform_device;
+  std::shared_ptr<CudaTransformStore> transform_store;
+  // How the step decodes a group's coded history into the scratch pages: the cache kind's
+  // kernels (ExpandLowRank, ExpandTransform), chosen once at start-up; null without codes.
+  absl::Status (Impl::*expand_history)(int layer, int64_t first, int64_t n) = nullptr;
   int64_t num_pages = 0;
   uint8_t* scratch = nullptr;
   int64_t scratch_pages = 0;
@@ -171,7 +179,7 @@ struct CudaLlamaModel::Impl {
     for (const kernels::KvPoolLayout& l : layouts)
       max_rank_v = std::max<int64_t>(max_rank_v, l.rank_v);
     decode_workspace = c.TakeArray<float>(max_work * m.n_heads * (4 + m.head_dim + max_rank_v));
-    if (options.compressed) {
+    if (options.compressed || options.transform) {
       scratch_pages = max_blocks_per_seq;
       scratch = c.Take(scratch_pages * layouts[0].page_bytes);
     }
@@ -229,12 +237,16 @@ struct CudaLlamaModel::Impl {
   void CarvePool(Carver& c, int64_t kv_bytes) {
     const int64_t block_bytes =
         DevicePagedKvCache::BlockBytes(config.cache_geometry(), options.block_size);
-    if (!options.compressed) {
+    if (!options.compressed && !options.transform) {
       kv_pool = c.Take(kv_bytes);
       kv_pool_bytes = kv_bytes;
       return;
     }
     num_pages = kv_bytes / block_bytes;
+    if (options.transform) {
+      CudaTransformStore::CarveDevice(c, layouts, num_pages, &transform_device);
+      return;
+    }
     CudaKvStore::CarveDevice(c, layouts, num_pages, options.compressed->basis_capacity,
                              &store_device);
   }
@@ -246,7 +258,7 @@ struct CudaLlamaModel::Impl {
                            .pool_blocks = pool_blocks,
                            .n_kv_heads = config.n_kv_heads,
                            .target_ctas = target_ctas,
-                           .compressed = options.compressed.has_value(),
+                           .compressed = options.compressed || options.transform,
                            .outliers = options.compressed.has_value() &&
                                        options.compressed->policy.outliers_enabled(),
                            .query_rows = query_readback_rows});
@@ -363,6 +375,20 @@ struct CudaLlamaModel::Impl {
   // Everything a planned step runs on the stream, from the plan copy to the logits: what a
   // decode step's graph captures.
   absl::Status EnqueueForward(int64_t t_rows, int64_t n_logit_rows);
+  // The expansions [first, first + n) of the plan into the scratch pages, for layer `layer`.
+  absl::Status ExpandLowRank(int layer, int64_t first, int64_t n);
+  absl::Status ExpandTransform(int layer, int64_t first, int64_t n);
+  // The transform cache's configuration (before its pool is sized: num_pages 0).
+  DeviceTransformKvCacheConfig TransformCacheConfig() const {
+    const CudaTransformCacheOptions& o = *options.transform;
+    return {.geometry = config.cache_geometry(),
+            .block_size = options.block_size,
+            .sink_tokens = o.sink_tokens,
+            .window_tokens = o.window_tokens,
+            .key_codes = o.key_codes,
+            .value_codes = o.value_codes,
+            .num_pages = num_pages};
+  }
   // kqsvd refresh: layer `layer`'s planned query rows into the readback buffer (after RoPE).
   absl::Status EnqueueQueryGather(int layer);
   // After the step's synchronisation: each planned sequence's rows to its refresher.

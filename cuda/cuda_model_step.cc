@@ -117,6 +117,46 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
   return cache->Flush();
 }
 
+absl::Status CudaLlamaModel::Impl::ExpandLowRank(int l, int64_t e0, int64_t n_expand) {
+  const KvLayer& kv = kv_layers[static_cast<size_t>(l)];
+  kernels::ExpandBlocksParams ep;
+  ep.layout = kv.layout;
+  ep.src_pool = kv.pool;
+  ep.dst_pool = scratch;
+  ep.basis_pq = kv.basis_pq;
+  ep.basis_rv = kv.basis_rv;
+  ep.src_page = MetaDevice<int32_t>(meta.exp_src_page) + e0;
+  ep.src_slot = MetaDevice<int32_t>(meta.exp_src_slot) + e0;
+  ep.dst_page = MetaDevice<int32_t>(meta.exp_dst) + e0;
+  ep.epoch = MetaDevice<int32_t>(meta.exp_epoch) + e0 * config.n_kv_heads;
+  ep.n_blocks = static_cast<int32_t>(n_expand);
+  absl::Status st = Launch(kernels::LaunchExpandBlocks(ep, stream), "history expansion");
+  if (st.ok() && plan.exp_outliers) {
+    // The expanded blocks' outliers, exact, from the pool's outlier pages.
+    kernels::OutlierTokensParams op;
+    op.layout = kv.layout;
+    op.block_pool = scratch;
+    op.outlier_pool = kv.pool;
+    op.block_page = MetaDevice<int32_t>(meta.exp_dst) + e0;
+    op.mask = MetaDevice<uint64_t>(meta.exp_outlier_mask) + e0;
+    op.first_slot = MetaDevice<int32_t>(meta.exp_outlier_first) + e0;
+    op.outlier_page = MetaDevice<int32_t>(meta.exp_outlier_pages) + 2 * e0;
+    op.n_blocks = static_cast<int32_t>(n_expand);
+    op.direction = kernels::OutlierMove::kToBlockPages;
+    st = Launch(kernels::LaunchOutlierTokens(op, stream), "history outliers");
+  }
+  return st;
+}
+
+absl::Status CudaLlamaModel::Impl::ExpandTransform(int l, int64_t e0, int64_t n_expand) {
+  return Launch(transform_store->ExpandInto(l, scratch, MetaDevice<int32_t>(meta.exp_src_page) + e0,
+                                            MetaDevice<int32_t>(meta.exp_src_slot) + e0,
+                                            MetaDevice<int32_t>(meta.exp_dst) + e0,
+                                            MetaDevice<int32_t>(meta.exp_first_pos) + e0,
+                                            static_cast<int32_t>(n_expand)),
+                "history decoding");
+}
+
 absl::Status CudaLlamaModel::Impl::EnqueueQueryGather(int layer) {
   const int64_t n = plan.n_query_rows;
   return Launch(kernels::LaunchGatherRowsToHalf({.in = q,
@@ -212,7 +252,7 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
   for (const auto& [offset, ints] :
        {std::pair{meta.exp_src_page, n_exp}, std::pair{meta.exp_src_slot, n_exp},
         std::pair{meta.exp_dst, n_exp}, std::pair{meta.exp_epoch, n_exp * m.n_kv_heads},
-        std::pair{meta.exp_outlier_mask, 2 * n_exp_outliers},
+        std::pair{meta.exp_first_pos, n_exp}, std::pair{meta.exp_outlier_mask, 2 * n_exp_outliers},
         std::pair{meta.exp_outlier_first, n_exp_outliers},
         std::pair{meta.exp_outlier_pages, 2 * n_exp_outliers},
         std::pair{meta.query_rows, plan.n_query_rows}}) {
@@ -305,38 +345,13 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
       p.sm_scale = sm_scale;
       st = Launch(kernels::LaunchDecodeAttention(p, stream), "decode attention");
     }
-    // Prefill chunks, group by group: the group's compressed history expanded into the scratch
-    // pages (this layer's bases), then attention over pool and scratch pages.
+    // Prefill chunks, group by group: the group's coded history decoded into the scratch pages
+    // (by the cache kind's kernels), then attention over pool and scratch pages.
     for (size_t g = 0; st.ok() && n_prefill > 0 && g < plan.group_end.size(); ++g) {
       const int first = g == 0 ? 0 : plan.group_end[g - 1];
       const int64_t e0 = plan.group_exp[g], n_expand = plan.group_exp[g + 1] - e0;
       if (n_expand > 0) {
-        kernels::ExpandBlocksParams ep;
-        ep.layout = layout;
-        ep.src_pool = pool;
-        ep.dst_pool = scratch;
-        ep.basis_pq = kv.basis_pq;
-        ep.basis_rv = kv.basis_rv;
-        ep.src_page = MetaDevice<int32_t>(meta.exp_src_page) + e0;
-        ep.src_slot = MetaDevice<int32_t>(meta.exp_src_slot) + e0;
-        ep.dst_page = MetaDevice<int32_t>(meta.exp_dst) + e0;
-        ep.epoch = MetaDevice<int32_t>(meta.exp_epoch) + e0 * m.n_kv_heads;
-        ep.n_blocks = static_cast<int32_t>(n_expand);
-        st = Launch(kernels::LaunchExpandBlocks(ep, stream), "history expansion");
-        if (st.ok() && plan.exp_outliers) {
-          // The expanded blocks' outliers, exact, from the pool's outlier pages.
-          kernels::OutlierTokensParams op;
-          op.layout = layout;
-          op.block_pool = scratch;
-          op.outlier_pool = pool;
-          op.block_page = MetaDevice<int32_t>(meta.exp_dst) + e0;
-          op.mask = MetaDevice<uint64_t>(meta.exp_outlier_mask) + e0;
-          op.first_slot = MetaDevice<int32_t>(meta.exp_outlier_first) + e0;
-          op.outlier_page = MetaDevice<int32_t>(meta.exp_outlier_pages) + 2 * e0;
-          op.n_blocks = static_cast<int32_t>(n_expand);
-          op.direction = kernels::OutlierMove::kToBlockPages;
-          st = Launch(kernels::LaunchOutlierTokens(op, stream), "history outliers");
-        }
+        st = (this->*expand_history)(l, e0, n_expand);
         if (!st.ok()) break;
       }
       // q_indptr holds rows from the first prefill row, so a group only moves the pointers.

@@ -44,6 +44,7 @@ bool PrefillTableRow(const StepPlanInputs& in, SeqId seq, int64_t blocks, int32_
   auto* src_slot = MetaHost<int32_t>(in, in.meta->exp_src_slot);
   auto* dst = MetaHost<int32_t>(in, in.meta->exp_dst);
   auto* epoch = MetaHost<int32_t>(in, in.meta->exp_epoch);
+  auto* first_pos = MetaHost<int32_t>(in, in.meta->exp_first_pos);
   const bool with_outliers = in.meta->exp_outlier_capacity > 0;
   auto* outlier_mask = MetaHost<uint64_t>(in, in.meta->exp_outlier_mask);
   auto* outlier_first = MetaHost<int32_t>(in, in.meta->exp_outlier_first);
@@ -61,6 +62,7 @@ bool PrefillTableRow(const StepPlanInputs& in, SeqId seq, int64_t blocks, int32_
     src_slot[*n_exp] = e.slot;
     dst[*n_exp] = static_cast<int32_t>(j);
     std::fill_n(epoch + *n_exp * n_kv, n_kv, e.entry);
+    first_pos[*n_exp] = static_cast<int32_t>(b * in.block_size);
     if (with_outliers) {
       outlier_mask[*n_exp] = e.outlier_mask;
       outlier_first[*n_exp] = e.outlier_first_slot;
@@ -144,6 +146,7 @@ StepMetaLayout LayoutStepMeta(const StepMetaLimits& limits) {
   meta.exp_src_slot = at(meta.exp_capacity * 4);
   meta.exp_dst = at(meta.exp_capacity * 4);
   meta.exp_epoch = at(meta.exp_capacity * limits.n_kv_heads * 4);
+  meta.exp_first_pos = at(meta.exp_capacity * 4);
   meta.exp_outlier_capacity = limits.outliers ? meta.exp_capacity : 0;
   meta.exp_outlier_mask = at(meta.exp_outlier_capacity * 8);
   meta.exp_outlier_first = at(meta.exp_outlier_capacity * 4);
@@ -163,15 +166,18 @@ absl::Status StepPlanner::Plan(const StepPlanInputs& in, std::span<const Sequenc
   plan->decode = DecodePlan();
 
   // Decodes first (their rows are the decode kernel's sequences), then prefill chunks; logit
-  // rows in the caller's chunk order.
+  // rows in the caller's chunk order. A cache whose codes the decode kernel cannot read has
+  // every chunk planned as a prefill chunk.
+  const bool decodes = in.cache->decode_reads_codes();
+  const auto is_decode = [&](const SequenceChunk& ch) { return decodes && ch.tokens.size() == 1; };
   order_.clear();
   for (size_t ci = 0; ci < batch.size(); ++ci) {
-    if (batch[ci].tokens.size() == 1) order_.push_back(static_cast<int>(ci));
+    if (is_decode(batch[ci])) order_.push_back(static_cast<int>(ci));
   }
   const int64_t n_decode = static_cast<int64_t>(order_.size());
   plan->n_decode = n_decode;
   for (size_t ci = 0; ci < batch.size(); ++ci) {
-    if (batch[ci].tokens.size() != 1) order_.push_back(static_cast<int>(ci));
+    if (!is_decode(batch[ci])) order_.push_back(static_cast<int>(ci));
   }
   auto* tokens = MetaHost<int32_t>(in, meta.tokens);
   auto* positions = MetaHost<int32_t>(in, meta.positions);

@@ -149,29 +149,19 @@ std::span<const DeviceCompressedKvCache::Block> DeviceCompressedKvCache::BlockTa
   return *table;
 }
 
-// A compressed block cut by a truncation that could not be expanded yet: the next Reserve
-// expands it and needs a page for it.
-bool DeviceCompressedKvCache::CutBlockPending(const Sequence& s) const {
-  return s.length % config_.block_size != 0 && s.blocks() > 0 &&
-         s.tables[0].back().slot != kernels::kFullBlock;
-}
-
 int64_t DeviceCompressedKvCache::BlocksNeeded(SeqId seq, int64_t n) const {
-  const Sequence* s = seqs_.Find(seq);
-  return seqs_.BlocksNeeded(seq, n, s != nullptr && n > 0 && CutBlockPending(*s) ? 1 : 0);
+  return BlocksNeededPastACutBlock(seqs_, seq, n, config_.block_size);
 }
 
 // New tokens land in full pages, as in the CPU cache; the manager leaves kCompressionHeadroom.
 absl::Status DeviceCompressedKvCache::Reserve(SeqId seq, int64_t n) {
-  const Sequence* found = seqs_.Find(seq);
-  const bool cut = found != nullptr && n > 0 && CutBlockPending(*found);
-  absl::StatusOr<int64_t> blocks = seqs_.CheckReserve(seq, n, cut ? 1 : 0);
-  if (!blocks.ok()) return blocks.status();
-  Sequence& s = *seqs_.Find(seq);
-  if (cut) {
-    if (absl::Status st = ExpandBlock(s, s.blocks() - 1); !st.ok()) return st;
+  if (absl::Status st =
+          ReservePastACutBlock(seqs_, seq, n, config_.block_size,
+                               [&](Sequence& s) { return ExpandBlock(s, s.blocks() - 1); });
+      !st.ok()) {
+    return st;
   }
-  seqs_.AppendBlocks(s, *blocks);
+  Sequence& s = *seqs_.Find(seq);
   s.block_epochs.resize(static_cast<size_t>(s.blocks()), kNoEpoch);
   return absl::OkStatus();
 }

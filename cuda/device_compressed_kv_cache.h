@@ -219,8 +219,6 @@ class DeviceCompressedKvCache final : public DeviceKvCache {
   absl::StatusOr<bool> QueueCompression(Sequence& s, SeqId seq, int64_t b);
   void FreeBlock(Sequence& s, int64_t b);
   absl::Status ExpandBlock(Sequence& s, int64_t b);
-  // The last block of `s` is a compressed one cut by a truncation that has no page yet.
-  bool CutBlockPending(const Sequence& s) const;
   BlockOutliers OutliersOf(const Sequence& s, int64_t b) const;
   // Gives each flagged token of the batch just issued a slot in its sequence's outlier pages
   // and moves it there from the block's source page (still held).

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "core/compress/refresher.h"
 #include "core/kvcache/kv_cache.h"
 #include "cuda/decode_plan_builder.h"
@@ -53,6 +54,10 @@ class DeviceKvCache : public KvCacheBase {
   // The decode plan's description of `seq`'s first `length` tokens (every layer alike).
   virtual void DescribeDecode(SeqId seq, int64_t length, DecodeSeqDesc* desc) const = 0;
   virtual DecodePlanBounds plan_bounds() const = 0;
+  // Whether the decode attention kernel reads this cache's coded blocks in place. When it does
+  // not, the step plans every chunk, decodes too, as it plans prefill chunks: the coded history
+  // decoded into scratch pages, attention by the prefill kernel.
+  virtual bool decode_reads_codes() const { return true; }
 
   // KQ-SVD refresh: whether `seq` wants its queries read back now, and those queries (every
   // layer's rows of one step, fp16). Caches without refresh want none.
@@ -66,6 +71,36 @@ class DeviceKvCache : public KvCacheBase {
     return absl::FailedPreconditionError("this KV cache reads no queries");
   }
 };
+
+// A truncation into a coded block that found no page to decode it into leaves the sequence's
+// last block coded and cut; the next Reserve decodes it first and counts its page. Shared by the
+// device caches whose SequenceManager entries have a `slot` (kFullBlock for full pages).
+template <typename Sequence>
+bool CutCodedBlockPending(const Sequence& s, int block_size) {
+  return s.length % block_size != 0 && s.blocks() > 0 &&
+         s.tables[0].back().slot != kernels::kFullBlock;
+}
+template <typename Sequences>
+int64_t BlocksNeededPastACutBlock(const Sequences& seqs, SeqId seq, int64_t n, int block_size) {
+  const auto* s = seqs.Find(seq);
+  const bool cut = s != nullptr && n > 0 && CutCodedBlockPending(*s, block_size);
+  return seqs.BlocksNeeded(seq, n, cut ? 1 : 0);
+}
+// Reserve: all or nothing; `decode_last(sequence)` decodes the cut block into a page first.
+template <typename Sequences, typename DecodeLast>
+absl::Status ReservePastACutBlock(Sequences& seqs, SeqId seq, int64_t n, int block_size,
+                                  DecodeLast&& decode_last) {
+  const auto* found = seqs.Find(seq);
+  const bool cut = found != nullptr && n > 0 && CutCodedBlockPending(*found, block_size);
+  absl::StatusOr<int64_t> blocks = seqs.CheckReserve(seq, n, cut ? 1 : 0);
+  if (!blocks.ok()) return blocks.status();
+  auto& s = *seqs.Find(seq);
+  if (cut) {
+    if (absl::Status st = decode_last(s); !st.ok()) return st;
+  }
+  seqs.AppendBlocks(s, *blocks);
+  return absl::OkStatus();
+}
 
 }  // namespace subspace::cuda
 

@@ -14,10 +14,9 @@
 
 namespace subspace {
 
-namespace {
-
-absl::Status CheckCodes(const std::shared_ptr<const std::vector<TransformCode>>& codes,
-                        const KvCacheGeometry& g, const char* side) {
+absl::Status CheckTransformCacheCodes(
+    const std::shared_ptr<const std::vector<TransformCode>>& codes, const KvCacheGeometry& g,
+    const char* side) {
   const size_t want = static_cast<size_t>(g.n_layers) * static_cast<size_t>(g.n_kv_heads);
   if (codes == nullptr || codes->size() != want) {
     return absl::InvalidArgumentError(
@@ -34,11 +33,15 @@ absl::Status CheckCodes(const std::shared_ptr<const std::vector<TransformCode>>&
                           side, i, i / static_cast<size_t>(g.n_kv_heads),
                           i % static_cast<size_t>(g.n_kv_heads), g.head_dim));
     }
+    for (const ComponentQuantizer& q : c.components) {
+      if (q.bits < 0 || q.bits > ComponentQuantizer::kMaxBits) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "transform KV cache: %s code %d has a %d-bit component", side, i, q.bits));
+      }
+    }
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 TransformKvCache::DecodeTable TransformKvCache::DecodeTable::Of(const TransformCode& code,
                                                                 int block_size) {
@@ -101,8 +104,9 @@ absl::StatusOr<std::unique_ptr<TransformKvCache>> TransformKvCache::Create(
         absl::StrFormat("sink and window tokens must be >= 0, got %d and %d", config.sink_tokens,
                         config.window_tokens));
   }
-  if (absl::Status st = CheckCodes(config.key_codes, g, "key"); !st.ok()) return st;
-  if (absl::Status st = CheckCodes(config.value_codes, g, "value"); !st.ok()) return st;
+  if (absl::Status st = CheckTransformCacheCodes(config.key_codes, g, "key"); !st.ok()) return st;
+  if (absl::Status st = CheckTransformCacheCodes(config.value_codes, g, "value"); !st.ok())
+    return st;
   if (config.key_rope.has_value() &&
       (config.key_rope->dim < 2 || config.key_rope->dim % 2 != 0 ||
        config.key_rope->dim > g.head_dim ||

@@ -59,6 +59,13 @@ struct TransformKvCacheConfig {
   int64_t capacity_bytes = 0;  // pool budget; pages = capacity_bytes / PageBytes
 };
 
+// INVALID_ARGUMENT naming `side` ("key", "value") unless `codes` holds n_layers x n_kv_heads
+// codes of dimension head_dim with widths of 0..8 bits: the check of every transform-coded
+// cache, on the CPU and on the device.
+absl::Status CheckTransformCacheCodes(
+    const std::shared_ptr<const std::vector<TransformCode>>& codes, const KvCacheGeometry& geometry,
+    const char* side);
+
 // Beyond KvCacheStats (tests, benchmarks).
 struct TransformKvCacheDetail {
   int64_t pages_full = 0;

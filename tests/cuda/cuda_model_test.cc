@@ -21,6 +21,8 @@
 
 #include "absl/synchronization/notification.h"
 #include "core/compress/compressed_kv_cache.h"
+#include "core/compress/transform_calibration.h"
+#include "core/compress/transform_kv_cache.h"
 #include "core/engine/engine.h"
 #include "core/gguf/gguf.h"
 #include "core/kvcache/paged_kv_cache.h"
@@ -28,6 +30,7 @@
 #include "core/model/sampler.h"
 #include "core/tokenizer/tokenizer.h"
 #include "cuda/device_compressed_kv_cache.h"
+#include "cuda/device_transform_kv_cache.h"
 #include "cuda/step_graphs.h"
 #include "tests/core/compress/compressed_kv_cache_test_util.h"
 #include "tests/core/model/tiny_model_util.h"
@@ -271,8 +274,6 @@ INSTANTIATE_TEST_SUITE_P(Families, CudaModelFamilyTest, ::testing::Values("qwen2
 class CudaModelCompressedTest : public ::testing::TestWithParam<CoeffDtype> {};
 
 void CompareMixedSteps(Pair& p) {
-  auto* device_cache = dynamic_cast<DeviceCompressedKvCache*>(p.cuda.cache.get());
-  ASSERT_NE(device_cache, nullptr);
   std::vector<SeqId> cpu_seqs, gpu_seqs;
   for (int s = 0; s < 3; ++s) {
     cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
@@ -284,7 +285,7 @@ void CompareMixedSteps(Pair& p) {
     return t;
   };
   StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(100, 0)}, {1, tokens(70, 1)}}, "prefill");
-  EXPECT_GT(device_cache->Detail().blocks_compressed, 0);
+  EXPECT_GT(p.cuda.cache->Stats().bytes_used_compressed, 0);
   StepBoth(p, cpu_seqs, gpu_seqs, {{0, {42}}, {1, tokens(60, 2)}, {2, tokens(90, 3)}}, "history");
   for (int step = 0; step < 40; ++step) {
     StepBoth(p, cpu_seqs, gpu_seqs,
@@ -307,6 +308,63 @@ TEST_P(CudaModelCompressedTest, LogitsMatchTheCpuCompressedCache) {
   const KvCacheStats st = p.cuda.cache->Stats();
   EXPECT_LT(st.bytes_used_full + st.bytes_used_compressed, st.bytes_full_fp16_equivalent);
 }
+
+// The transform-coded cache on both backends (sinks 4, window 32), codes fitted on the model's
+// own keys and values at 3 / 2 bits, keys coded before or after RoPE: the same mixed steps.
+class CudaModelTransformTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(CudaModelTransformTest, LogitsMatchTheCpuTransformCache) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  const bool pre_rope = GetParam();
+  Pair p;
+  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(ModelPath());
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  p.cpu = *std::move(cpu);
+  std::vector<int32_t> text;
+  for (int i = 0; i < 600; ++i) text.push_back(1 + (i * 7919 + i / 13) % 900);
+  absl::StatusOr<KvRows> rows = CollectKvRows(*p.cpu, text, {.window = 200});
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  absl::StatusOr<TransformCodes> codes =
+      FitTransformCodes(*rows, {.key_bits = 3.0, .value_bits = 2.0, .pre_rope_keys = pre_rope});
+  ASSERT_TRUE(codes.ok()) << codes.status();
+  TransformKvCacheConfig c;
+  c.geometry = p.cpu->config().cache_geometry();
+  c.block_size = 16;
+  c.sink_tokens = 4;
+  c.window_tokens = 32;
+  c.key_codes = codes->keys;
+  c.value_codes = codes->values;
+  if (pre_rope) c.key_rope = rows->rope;
+  c.capacity_bytes = int64_t{64} << 20;
+  absl::StatusOr<std::unique_ptr<TransformKvCache>> cache = TransformKvCache::Create(c);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  p.cpu_cache = *std::move(cache);
+  absl::StatusOr<CudaBackend> cuda = CreateCudaBackend(
+      *p.cpu, {.max_batch_tokens = 256,
+               .max_sequences = 8,
+               .block_size = 16,
+               .kv_cache_bytes = int64_t{32} << 20,
+               .transform = CudaTransformCacheOptions{.sink_tokens = 4,
+                                                      .window_tokens = 32,
+                                                      .key_codes = codes->keys,
+                                                      .value_codes = codes->values,
+                                                      .pre_rope_keys = pre_rope}});
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  p.cuda = *std::move(cuda);
+  CompareMixedSteps(p);
+  auto* device_cache = dynamic_cast<DeviceTransformKvCache*>(p.cuda.cache.get());
+  ASSERT_NE(device_cache, nullptr);
+  EXPECT_GT(device_cache->Detail().blocks_coded, 0);
+  // The same blocks are coded on both, in fewer bytes than fp16.
+  const KvCacheStats gpu = p.cuda.cache->Stats(), host = p.cpu_cache->Stats();
+  EXPECT_EQ(gpu.tokens_cached, host.tokens_cached);
+  EXPECT_LT(gpu.bytes_used_full + gpu.bytes_used_compressed, gpu.bytes_full_fp16_equivalent);
+}
+
+INSTANTIATE_TEST_SUITE_P(Keys, CudaModelTransformTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? std::string("PreRope") : std::string("PostRope");
+                         });
 
 // Outliers: at a threshold this low every coded token is one, in every layer on both caches
 // (the device decides for all layers at once, the CPU per layer: here they agree), so the
