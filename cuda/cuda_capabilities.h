@@ -12,9 +12,8 @@ namespace subspace::cuda {
 struct CudaCacheCapabilities {
   // Paged rows quantized per 32 values (q8_0 / q4_0): no device kernels for them yet.
   bool quantized_paged = false;
-  // The transform codec's mixed-width codes: no device kernels yet (the CPU cache is the
-  // reference they will be held to).
-  bool transform_coded = false;
+  // The transform codec's mixed-width codes (DeviceTransformKvCache, held to the CPU cache).
+  bool transform_coded = true;
   // The compressed cache's full-rank blocks (sinks, window, outliers): fp16 pages only.
   constexpr bool HoldsFullDtype(CoeffDtype dtype) const { return dtype == CoeffDtype::kFp16; }
   // Its coefficient codes: fp16 or int8 (no fp32 or int4 kernels).

@@ -19,7 +19,7 @@ namespace subspace::cuda {
 
 // Bumped whenever this table or the types it passes change: plugin and server are built
 // together, and a stale plugin must be refused rather than called.
-inline constexpr int kCudaPluginAbi = 6;  // 6: CudaCompressedCacheOptions::policy
+inline constexpr int kCudaPluginAbi = 7;  // 7: CudaModelOptions::transform
 inline constexpr char kCudaPluginFile[] = "libsubspace_cuda.so";
 inline constexpr char kCudaPluginSymbol[] = "SubspaceCudaPlugin";
 

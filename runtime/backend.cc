@@ -115,8 +115,23 @@ std::string CpuOnlyCompressedFeature(const KvCacheOptions& o) {
 absl::StatusOr<Backend> CudaBackend(const cuda::CudaPluginApi& plugin,
                                     const BackendOptions& options, const LlamaModel& cpu_model,
                                     const KvCacheOptions& cache_options,
-                                    std::shared_ptr<const Basis> bases) {
+                                    const KvCacheInputs& inputs) {
+  std::shared_ptr<const Basis> bases = inputs.bases;
   std::optional<cuda::CudaCompressedCacheOptions> compressed;
+  std::optional<cuda::CudaTransformCacheOptions> transform;
+  if (cache_options.kind == KvCacheKind::kTransform) {
+    if (inputs.codec == nullptr) {
+      return absl::InvalidArgumentError("--kv-cache transform needs the --codec file loaded");
+    }
+    // The CPU cache's codes and policy (CreateTransformKvCache); keys before RoPE are rotated
+    // with the model's own schedule on both backends.
+    transform = cuda::CudaTransformCacheOptions{
+        .sink_tokens = cache_options.sink_tokens,
+        .window_tokens = cache_options.window_tokens,
+        .key_codes = std::make_shared<const std::vector<TransformCode>>(inputs.codec->keys),
+        .value_codes = std::make_shared<const std::vector<TransformCode>>(inputs.codec->values),
+        .pre_rope_keys = inputs.codec->info.pre_rope_keys};
+  }
   if (cache_options.kind == KvCacheKind::kCompressed) {
     const KvCacheGeometry g = cpu_model.config().cache_geometry();
     const KvCacheOptions o = ResolveKvCacheOptions(cache_options, g, bases.get());
@@ -137,6 +152,7 @@ absl::StatusOr<Backend> CudaBackend(const cuda::CudaPluginApi& plugin,
                   .kv_cache_bytes = options.gpu_memory_fraction > 0.0 ? 0 : options.kv_cache_bytes,
                   .gpu_memory_fraction = options.gpu_memory_fraction,
                   .compressed = std::move(compressed),
+                  .transform = std::move(transform),
                   .cuda_graphs = options.cuda_graphs});
   if (!cuda.ok()) return cuda.status();
   spdlog::info("CUDA backend on {}", cuda->description);
@@ -181,10 +197,10 @@ absl::StatusOr<Backend> CreateBackend(const BackendOptions& options,
     if (!has_device) {
       return absl::UnavailableError(absl::StrCat("--device cuda: no CUDA device (", why, ")"));
     }
-    return CudaBackend(**plugin, options, *cpu_model, cache_options, inputs.bases);
+    return CudaBackend(**plugin, options, *cpu_model, cache_options, inputs);
   }
   if (has_device && cpu_only.empty()) {
-    return CudaBackend(**plugin, options, *cpu_model, cache_options, inputs.bases);
+    return CudaBackend(**plugin, options, *cpu_model, cache_options, inputs);
   }
   spdlog::info("--device auto: serving on the CPU ({})",
                !plugin.ok() ? std::string(plugin.status().message())

@@ -9,6 +9,7 @@ kernel_slices=(
   "compress compress_blocks_test *LimitsTest*:*/d64_b8_n1_r8_fp16:*/d128_b64_rfull_int8"
   "expand expand_blocks_test *LimitsTest*:*/d64_b1_r1_fp16_scratch:*/d128_b64_rfull_int8_onepool"
   "outliers outlier_tokens_test *d64_b16*:*d128_b64*"
+  "transform transform_blocks_test *LaunchTest*:*/d64_b5_prerope_halves_rot32_mscale:*/d128_b64_prerope"
   "recode recode_blocks_test *LimitsTest*:*/d64_b8_n1_r8_fp16:*/d128_b32_n32_r32_int8"
   "sampling sampling_test *LimitsTest*:*/v7_normal"
   "backend cuda_model_test CudaModelTest.AllLogitsRowsMatch:CudaModelTest.Rejects*:CudaModelTest.Takes*"
