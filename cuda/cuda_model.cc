@@ -189,8 +189,10 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
     if (!cache.ok()) return cache.status();
     r.cache = cache->get();
     for (int l = 0; l < m.n_layers; ++l) {
-      r.kv_layers.push_back(
-          {.layout = r.layouts[static_cast<size_t>(l)], .pool = r.transform_store->LayerPool(l)});
+      r.kv_layers.push_back({.layout = r.layouts[static_cast<size_t>(l)],
+                             .pool = r.transform_store->LayerPool(l),
+                             .transform = r.transform_store->Tables(static_cast<size_t>(l)),
+                             .key_rope = r.transform_store->key_rope()});
     }
     return CudaBackend{std::move(runner), *std::move(cache)};
   }

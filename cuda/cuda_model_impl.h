@@ -113,6 +113,8 @@ struct CudaLlamaModel::Impl {
     uint8_t* pool = nullptr;
     const float* basis_pq = nullptr;  // basis tables of coded blocks (null: none)
     const float* basis_rv = nullptr;
+    kernels::TransformTables transform;  // transform-coded blocks' tables (null: none)
+    kernels::TransformKeyRope key_rope;
   };
   DeviceKvCache* cache = nullptr;
   std::vector<KvLayer> kv_layers;  // [n_layers]

@@ -338,6 +338,8 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
       p.pool = pool;
       p.basis_pq = kv.basis_pq;
       p.basis_rv = kv.basis_rv;
+      p.transform = kv.transform;
+      p.key_rope = kv.key_rope;
       p.q = q;
       p.out = attn;
       p.workspace = decode_workspace;

@@ -166,10 +166,8 @@ absl::Status StepPlanner::Plan(const StepPlanInputs& in, std::span<const Sequenc
   plan->decode = DecodePlan();
 
   // Decodes first (their rows are the decode kernel's sequences), then prefill chunks; logit
-  // rows in the caller's chunk order. A cache whose codes the decode kernel cannot read has
-  // every chunk planned as a prefill chunk.
-  const bool decodes = in.cache->decode_reads_codes();
-  const auto is_decode = [&](const SequenceChunk& ch) { return decodes && ch.tokens.size() == 1; };
+  // rows in the caller's chunk order.
+  const auto is_decode = [](const SequenceChunk& ch) { return ch.tokens.size() == 1; };
   order_.clear();
   for (size_t ci = 0; ci < batch.size(); ++ci) {
     if (is_decode(batch[ci])) order_.push_back(static_cast<int>(ci));

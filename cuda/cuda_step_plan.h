@@ -28,10 +28,9 @@ struct StepMetaLayout {
   int64_t q_start = 0;        // [S] int32
   int64_t plan = 0;           // decode plan buffer
   int64_t plan_capacity = 0;  // its bound (LayoutDecodePlan of the largest step)
-  // Coded blocks: the blocks prefill chunks (and, for a cache whose codes the decode kernel does
-  // not read, every chunk) read expanded into scratch pages, per group of chunks whose
-  // expansions fit the scratch (src page, src slot, scratch page, first position: [E] each;
-  // epochs [E, n_kv]).
+  // Coded blocks: the blocks prefill chunks read decoded into scratch pages, per group of
+  // chunks whose expansions fit the scratch (src page, src slot, scratch page, first position:
+  // [E] each; epochs [E, n_kv]).
   int64_t exp_src_page = 0;
   int64_t exp_src_slot = 0;
   int64_t exp_dst = 0;
@@ -111,8 +110,7 @@ int64_t PlanQueryRows(std::span<const QueryChunk> chunks, int64_t capacity, int3
 // What the forward pass reads of a plan besides the metadata bytes. Reused step after step: the
 // vectors grow only to the largest step.
 struct StepPlan {
-  // Decodes (one-token chunks, when the decode kernel reads the cache's codes) come first: rows
-  // [0, n_decode) are the decode kernel's sequences.
+  // Decodes (one-token chunks) come first: rows [0, n_decode) are the decode kernel's sequences.
   // The prefill chunks follow in the caller's order; logit rows stay in the caller's order.
   int64_t n_decode = 0;
   int64_t n_prefill = 0;

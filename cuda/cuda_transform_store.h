@@ -48,6 +48,11 @@ class CudaTransformStore final : public TransformKvStore {
                          const int32_t* src_slot, const int32_t* dst_page, const int32_t* first_pos,
                          int32_t n) const;
 
+  // Layer `layer`'s tables and the keys' rotation, as the decode kernel reads them.
+  kernels::TransformTables Tables(size_t layer) const {
+    return {device_.floats[layer], device_.ints[layer]};
+  }
+  const kernels::TransformKeyRope& key_rope() const { return key_rope_; }
   uint8_t* LayerPool(int layer) const {
     return device_.pool + static_cast<int64_t>(layer) * num_pages_ *
                               layouts_[static_cast<size_t>(layer)].page_bytes;
@@ -62,10 +67,6 @@ class CudaTransformStore final : public TransformKvStore {
         key_rope_(key_rope),
         device_(device),
         stream_(stream) {}
-  kernels::TransformTables Tables(size_t layer) const {
-    return {device_.floats[layer], device_.ints[layer]};
-  }
-
   std::vector<kernels::KvPoolLayout> layouts_;
   int64_t num_pages_;
   kernels::TransformKeyRope key_rope_;

@@ -54,10 +54,6 @@ class DeviceKvCache : public KvCacheBase {
   // The decode plan's description of `seq`'s first `length` tokens (every layer alike).
   virtual void DescribeDecode(SeqId seq, int64_t length, DecodeSeqDesc* desc) const = 0;
   virtual DecodePlanBounds plan_bounds() const = 0;
-  // Whether the decode attention kernel reads this cache's coded blocks in place. When it does
-  // not, the step plans every chunk, decodes too, as it plans prefill chunks: the coded history
-  // decoded into scratch pages, attention by the prefill kernel.
-  virtual bool decode_reads_codes() const { return true; }
 
   // KQ-SVD refresh: whether `seq` wants its queries read back now, and those queries (every
   // layer's rows of one step, fp16). Caches without refresh want none.

@@ -9,9 +9,10 @@
 // a smaller layer addresses slot s at s times its own slot size; coding is queued at Commit and
 // issued by Flush as one batch, the queued blocks' full pages freed once it is issued (one page
 // of headroom kept for a slab page). Truncation into a coded block decodes it back into a full
-// page. The decode kernel does not read coded blocks (decode_reads_codes() is false): the step
-// decodes a sequence's coded history into scratch pages and attends with the prefill kernel,
-// for decodes too, until the code-space decode kernel of issue 32 lands.
+// page. The decode kernel reads coded blocks by decoding each into fp16 rows in shared memory
+// (kernels/decode_attention.h, DecodeAttentionParams::transform); a prefill chunk's coded
+// history is decoded into scratch pages for the prefill kernel. Reading the codes in code space
+// (values always, keys coded after RoPE) is the bandwidth work of issue 32.
 #ifndef SUBSPACE_CUDA_DEVICE_TRANSFORM_KV_CACHE_H_
 #define SUBSPACE_CUDA_DEVICE_TRANSFORM_KV_CACHE_H_
 
@@ -92,7 +93,6 @@ class DeviceTransformKvCache final : public DeviceKvCache {
             .num_pages = config_.num_pages,
             .num_basis_epochs = 1};
   }
-  bool decode_reads_codes() const override { return false; }
 
   const kernels::KvPoolLayout& layout(int layer) const {
     return layouts_[static_cast<size_t>(layer)];

@@ -16,6 +16,7 @@
 
 #include "kernels/cuda_util.cuh"
 #include "kernels/decode_attention.h"
+#include "kernels/transform_rows.cuh"
 
 namespace subspace::kernels {
 namespace {
@@ -26,11 +27,12 @@ constexpr int kWarps = kThreads / device::kWarpSize;
 // Shared memory of a split CTA: floats first, then the two 16-byte aligned row tiles.
 struct SplitSmem {
   // int offsets: a CTA's shared memory is far below 2^31 bytes, and 64-bit ones cost registers.
-  int q, q_coef, acc, u, prob, run_max, run_sum, corr, k_scale, v_scale;  // float offsets
-  int k_tile, v_tile, bytes;                                              // byte offsets
+  int q, q_coef, acc, u, prob, run_max, run_sum, corr, k_scale, v_scale, coef;  // floats
+  int k_tile, v_tile, bytes;                                                    // byte offsets
 
+  // transform: room for a transform-coded block's coefficients ([B, head_dim] floats at most).
   __host__ __device__ SplitSmem(int group, int max_epochs, int head_dim, int rank_k, int rank_v,
-                                int block_size) {
+                                int block_size, bool transform) {
     q = 0;                                       // [G, d]
     q_coef = q + group * head_dim;               // [G, E, r_k]
     acc = q_coef + group * max_epochs * rank_k;  // [G, d]
@@ -41,7 +43,8 @@ struct SplitSmem {
     corr = run_sum + group;                      // [G]
     k_scale = corr + group;                      // [B]
     v_scale = k_scale + block_size;              // [B]
-    const int floats = v_scale + block_size;
+    coef = v_scale + block_size;                 // [B, active] (transform)
+    const int floats = coef + (transform ? block_size * head_dim : 0);
     k_tile = (floats * 4 + 15) / 16 * 16;         // [B, d] fp16 rows, or [B, r_k] codes
     v_tile = k_tile + block_size * head_dim * 2;  // [B, d] fp16 rows, or [B, r_v] codes
     bytes = v_tile + block_size * head_dim * 2;
@@ -59,12 +62,13 @@ __global__ void __launch_bounds__(kThreads)
   const int n_kv = l.n_kv_heads, group = p.n_heads / n_kv;
   const int bs = l.block_size, rk = l.rank_k, rv = l.rank_v;
   const int s = plan.work_seq[w];
-  const int n_ep = plan.SeqEpochs(s);
+  const bool transform = p.transform.floats != nullptr;
+  const int n_ep = transform ? 0 : plan.SeqEpochs(s);
   const int32_t* epochs = plan.seq_epochs + plan.seq_epoch_indptr[s];  // [n_ep]
   const int tid = threadIdx.x, warp = tid / device::kWarpSize, lane = tid % device::kWarpSize;
 
   extern __shared__ __align__(16) uint8_t smem[];
-  const SplitSmem at(group, plan.max_seq_epochs, kHeadDim, rk, rv, bs);
+  const SplitSmem at(group, plan.max_seq_epochs, kHeadDim, rk, rv, bs, transform);
   float* f = reinterpret_cast<float*>(smem);
   float* q_s = f + at.q;
   float* q_coef = f + at.q_coef;  // [G, n_ep, r_k] (stride n_ep <= max_seq_epochs)
@@ -106,9 +110,23 @@ __global__ void __launch_bounds__(kThreads)
   for (int b = plan.work_block_begin[w]; b < b_end; ++b) {
     const int nb = plan.block_tokens[b];
     const int32_t page = plan.block_page[b];
-    const bool full = plan.block_slot[b] == kFullBlock;
+    // A transform-coded block is decoded into the tiles and read as a full one from here on.
+    const bool coded = plan.block_slot[b] != kFullBlock;
+    const bool full = !coded || transform;
     const int e_blk = full ? -1 : plan.block_epoch[static_cast<int64_t>(b) * n_kv + h];
-    if (full) {
+    if (coded && transform) {
+      const uint8_t* slot = p.pool + l.Slot(page, plan.block_slot[b]);
+      const int64_t first = static_cast<int64_t>(b - plan.seq_block_indptr[s]) * bs;
+      for (int side = 0; side < 2; ++side) {
+        const int64_t rec = static_cast<int64_t>(side) * n_kv + h;
+        const int32_t* n = p.transform.ints + rec * TransformInts(kHeadDim);
+        device::DecodeTransformRun<kHeadDim, kThreads>(
+            p.transform.floats + rec * TransformFloats(kHeadDim), n,
+            slot + n[TransformField::kRunOffset], bs, nb,
+            side == 0 && p.key_rope.cos_sin != nullptr, p.key_rope, first, f + at.coef,
+            reinterpret_cast<__half*>(side == 0 ? k_tile : v_tile));
+      }
+    } else if (full) {
       device::CopyToShared(k_tile, p.pool + l.FullK(page, h),
                            static_cast<int64_t>(nb) * kHeadDim * 2);
       device::CopyToShared(v_tile, p.pool + l.FullV(page, h),
@@ -248,7 +266,7 @@ __global__ void __launch_bounds__(kThreads)
   const DecodePlanView& plan = p.plan;
   const int s = blockIdx.x, hq = blockIdx.y;
   const int n_kv = l.n_kv_heads, h = hq / (p.n_heads / n_kv), rv = l.rank_v;
-  const int n_ep = plan.SeqEpochs(s);
+  const int n_ep = p.transform.floats != nullptr ? 0 : plan.SeqEpochs(s);
   const int32_t* epochs = plan.seq_epochs + plan.seq_epoch_indptr[s];
   const int w0 = plan.seq_work_indptr[s], w1 = plan.seq_work_indptr[s + 1];
   const int64_t stride = DecodePartialStride(plan, l);
@@ -293,9 +311,16 @@ cudaError_t LaunchDecodeAttention(const DecodeAttentionParams& p, cudaStream_t s
       plan.max_seq_epochs > kMaxSeqEpochs || plan.num_seqs < 0 || plan.num_work < plan.num_seqs) {
     return cudaErrorInvalidValue;
   }
+  if (p.transform.floats != nullptr &&
+      (TransformLayoutError(l) != nullptr || p.transform.ints == nullptr ||
+       (p.key_rope.cos_sin != nullptr && (p.key_rope.rope_dim < 2 || p.key_rope.rope_dim % 2 != 0 ||
+                                          p.key_rope.rope_dim > l.head_dim)))) {
+    return cudaErrorInvalidValue;
+  }
   if (plan.num_seqs == 0) return cudaSuccess;
   const int group = p.n_heads / l.n_kv_heads;
-  const SplitSmem split(group, plan.max_seq_epochs, l.head_dim, l.rank_k, l.rank_v, l.block_size);
+  const SplitSmem split(group, plan.max_seq_epochs, l.head_dim, l.rank_k, l.rank_v, l.block_size,
+                        p.transform.floats != nullptr);
   const size_t split_smem = static_cast<size_t>(split.bytes);
   const size_t merge_smem = static_cast<size_t>(plan.max_seq_epochs) * l.rank_v * sizeof(float);
   int device = 0, optin = 0;

@@ -13,6 +13,7 @@
 
 #include "kernels/decode_plan.h"
 #include "kernels/kv_layout.h"
+#include "kernels/transform_blocks.h"
 
 #if defined(SUBSPACE_WITH_CUDA)
 #include <cuda_runtime_api.h>
@@ -31,6 +32,12 @@ struct DecodeAttentionParams {
   float* workspace = nullptr;       // [DecodeWorkspaceFloats] split-K partials (twin: unused)
   int32_t n_heads = 0;              // query heads; head hq reads KV head hq / (n_heads / n_kv)
   float sm_scale = 0.0f;            // 1 / sqrt(head_dim), as the full model
+  // The transform-coded cache (transform_blocks.h): with transform.floats set, every block that
+  // is not full is a coded block of this layer's codec (layout.slot_bytes its slot), decoded
+  // into fp16 rows as TransformExpand decodes them (keys rotated to their positions when
+  // key_rope is set) and read as a full block; the bases and the plan's epochs are unused.
+  TransformTables transform;
+  TransformKeyRope key_rope;
 };
 
 // One partial row per work item and query head:

@@ -10,32 +10,12 @@
 // each (token, pair) sums ext + sum_a c_a u_a, unweights, rotates and rounds once to fp16.
 #include "kernels/cuda_util.cuh"
 #include "kernels/transform_blocks.h"
+#include "kernels/transform_rows.cuh"
 
 namespace subspace::kernels {
 namespace {
 
 constexpr int kThreads = 128;
-
-// The two dims of rotary pair p (p < d / 2): RoPE's pair while p < rope_dim / 2 (rotated),
-// the remaining dims two by two after it (never rotated; with adjacent pairs the same rule).
-__device__ __forceinline__ void PairDims(int p, int d, const TransformKeyRope& r, int* i0, int* i1,
-                                         bool* rotated) {
-  const int rp = r.cos_sin != nullptr ? r.rope_dim / 2 : 0;
-  *rotated = p < rp;
-  if (r.halves && p < rp) {
-    *i0 = p;
-    *i1 = p + rp;
-    return;
-  }
-  if (r.halves) {  // after the rotated dims [0, rope_dim)
-    *i0 = 2 * rp + 2 * (p - rp);
-    *i1 = *i0 + 1;
-    return;
-  }
-  *i0 = 2 * p;
-  *i1 = 2 * p + 1;
-  (void)d;
-}
 
 // Shared memory: rows [B, d] float, then codes [active, B] bytes.
 int64_t CodeSharedBytes(const KvPoolLayout& l) {
@@ -69,7 +49,7 @@ __global__ void __launch_bounds__(kThreads)
       const int t = idx / (d / 2), pair = idx % (d / 2);
       int i0, i1;
       bool rotated;
-      PairDims(pair, d, p.key_rope, &i0, &i1, &rotated);
+      device::TransformPairDims(pair, p.key_rope, &i0, &i1, &rotated);
       float x0 = __half2float(in[t * d + i0]), x1 = __half2float(in[t * d + i1]);
       if (unrotate && rotated) {
         const float* cs = p.key_rope.cos_sin + ((first + t) * (p.key_rope.rope_dim / 2) + pair) * 2;
@@ -146,50 +126,12 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int side = 0; side < 2; ++side) {
     const int64_t rec = static_cast<int64_t>(side) * l.n_kv_heads + h;
-    const float* f = p.tables.floats + rec * TransformFloats(d);
     const int32_t* n = p.tables.ints + rec * TransformInts(d);
-    const int active = n[TransformField::kActive];
-    const uint8_t* run = slot + n[TransformField::kRunOffset];
-    for (int idx = threadIdx.x; idx < bs * active; idx += kThreads) {
-      const int a = idx / bs, t = idx % bs;
-      const int bits = n[TransformField::kBits + a];
-      const uint8_t* codes = run + n[TransformField::kBits + d + a];
-      const int at = t * bits;
-      uint32_t v = codes[at >> 3];
-      if ((at & 7) + bits > 8) v |= static_cast<uint32_t>(codes[(at >> 3) + 1]) << 8;
-      const uint32_t code = (v >> (at & 7)) & ((1u << bits) - 1u);
-      coef[t * active + a] = f[TransformField::kOffset * d + a] +
-                             static_cast<float>(code) * f[TransformField::kStep * d + a];
-    }
-    __syncthreads();
     auto* out = reinterpret_cast<__half*>(
         p.dst_pool + (side == 0 ? l.FullK(dst, h) : l.FullV(dst, h)));  // [B, d]
-    const bool rotate = side == 0 && p.key_rope.cos_sin != nullptr;
-    const float* basis = f + TransformField::kBasis * d;
-    for (int idx = threadIdx.x; idx < bs * (d / 2); idx += kThreads) {
-      const int t = idx / (d / 2), pair = idx % (d / 2);
-      int i0, i1;
-      bool rotated;
-      PairDims(pair, d, p.key_rope, &i0, &i1, &rotated);
-      float x0 = f[TransformField::kExt * d + i0], x1 = f[TransformField::kExt * d + i1];
-      const float* c = coef + t * active;
-      for (int a = 0; a < active; ++a) {
-        x0 = fmaf(c[a], __ldg(basis + static_cast<int64_t>(a) * d + i0), x0);
-        x1 = fmaf(c[a], __ldg(basis + static_cast<int64_t>(a) * d + i1), x1);
-      }
-      x0 *= f[TransformField::kInvScale * d + i0];
-      x1 *= f[TransformField::kInvScale * d + i1];
-      if (rotate && rotated) {
-        const float* cs = p.key_rope.cos_sin + ((first + t) * (p.key_rope.rope_dim / 2) + pair) * 2;
-        const float cc = cs[0], s = cs[1];
-        const float y0 = cc * x0 - s * x1, y1 = s * x0 + cc * x1;
-        x0 = y0;
-        x1 = y1;
-      }
-      out[t * d + i0] = __float2half_rn(x0);
-      out[t * d + i1] = __float2half_rn(x1);
-    }
-    __syncthreads();  // coef is reused by the value side
+    device::DecodeTransformRun<kHeadDim, kThreads>(
+        p.tables.floats + rec * TransformFloats(d), n, slot + n[TransformField::kRunOffset], bs, bs,
+        side == 0 && p.key_rope.cos_sin != nullptr, p.key_rope, first, coef, out);
   }
 }
 

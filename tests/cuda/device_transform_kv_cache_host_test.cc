@@ -100,7 +100,6 @@ TEST_P(DeviceTransformKvCacheHostTest, CodesWhatLeftTheWindowAndDecodesACutBlock
   Rig s = Make(GetParam(), 32, rng);
   ASSERT_NE(s.cache, nullptr);
   DeviceTransformKvCache& cache = *s.cache;
-  EXPECT_FALSE(cache.decode_reads_codes());
   const SeqId seq = *cache.CreateSequence();
   ASSERT_TRUE(cache.Reserve(seq, 100).ok());
   Fill(s, seq, 0, 100, rng);

@@ -1,7 +1,9 @@
 // Plain loops in double over the plan and the pool bytes: the reference decode_attention.cu is
 // tested against. Same math as CompressedKvCache::Attend: logits q.k / sqrt(d) on full rows and
 // q~_e . c (times the int8 row scale) on coefficients, one softmax over all of a sequence's
-// tokens, value coefficients summed per epoch and expanded once with R_v[e]^T.
+// tokens, value coefficients summed per epoch and expanded once with R_v[e]^T. Transform-coded
+// blocks are decoded by their own twin (TransformExpandRef) into pages of a copy of the pool
+// first, and read as full blocks.
 #include "tests/kernels/decode_attention_ref.h"
 
 #include <algorithm>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "core/base/coeff_codec.h"
+#include "tests/kernels/transform_blocks_ref.h"
 
 namespace subspace::kernels {
 namespace {
@@ -33,6 +36,48 @@ double LoadCode(const KvPoolLayout& l, const uint8_t* codes, int j) {
 void DecodeAttentionRef(const DecodeAttentionParams& p) {
   const KvPoolLayout& l = p.layout;
   const DecodePlanView& plan = p.plan;
+  if (p.transform.floats != nullptr) {
+    // Every coded block decoded into a page of its own past the pool's pages (a copy of the
+    // bytes the plan names: the highest page it reads bounds them), then full blocks only.
+    int32_t pages = 0;
+    for (int b = 0; b < plan.num_blocks; ++b) pages = std::max(pages, plan.block_page[b] + 1);
+    std::vector<uint8_t> pool(p.pool, p.pool + static_cast<int64_t>(pages) * l.page_bytes);
+    std::vector<int32_t> block_page(plan.block_page, plan.block_page + plan.num_blocks);
+    std::vector<int32_t> block_slot(plan.block_slot, plan.block_slot + plan.num_blocks);
+    std::vector<int32_t> src_page, src_slot, dst_page, first_pos;
+    for (int s = 0; s < plan.num_seqs; ++s) {
+      for (int b = plan.seq_block_indptr[s]; b < plan.seq_block_indptr[s + 1]; ++b) {
+        if (plan.IsFull(b)) continue;
+        src_page.push_back(plan.block_page[b]);
+        src_slot.push_back(plan.block_slot[b]);
+        dst_page.push_back(pages + static_cast<int32_t>(dst_page.size()));
+        first_pos.push_back((b - plan.seq_block_indptr[s]) * l.block_size);
+        block_page[static_cast<size_t>(b)] = dst_page.back();
+        block_slot[static_cast<size_t>(b)] = kFullBlock;
+      }
+    }
+    pool.resize(pool.size() + dst_page.size() * static_cast<size_t>(l.page_bytes));
+    TransformExpandRef({.layout = l,
+                        .tables = p.transform,
+                        .key_rope = p.key_rope,
+                        .src_pool = pool.data(),
+                        .dst_pool = pool.data(),
+                        .src_page = src_page.data(),
+                        .src_slot = src_slot.data(),
+                        .dst_page = dst_page.data(),
+                        .first_pos = first_pos.data(),
+                        .n_blocks = static_cast<int32_t>(dst_page.size())});
+    DecodeAttentionParams full = p;
+    full.transform = {};
+    full.key_rope = {};
+    full.pool = pool.data();
+    full.plan.block_page = block_page.data();
+    full.plan.block_slot = block_slot.data();
+    const std::vector<int32_t> no_epochs(static_cast<size_t>(plan.num_seqs) + 1, 0);
+    full.plan.seq_epoch_indptr = no_epochs.data();  // the epochs of the plan mean nothing here
+    DecodeAttentionRef(full);
+    return;
+  }
   const int hd = l.head_dim, rk = l.rank_k, rv = l.rank_v, n_kv = l.n_kv_heads;
   const int group = p.n_heads / n_kv;
   const bool int8 = l.coeff_dtype == CoeffDtype::kInt8;

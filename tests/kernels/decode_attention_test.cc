@@ -23,6 +23,7 @@
 #include "tests/kernels/cuda_test_util.h"
 #include "tests/kernels/decode_attention_ref.h"
 #include "tests/kernels/kv_test_data.h"
+#include "tests/kernels/transform_blocks_ref.h"
 
 namespace subspace::kernels {
 namespace {
@@ -140,6 +141,120 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Eight live epochs, a group of 8 query heads and rank 64: more than 48 KiB of shared memory a
 // CTA, the opt-in path of the launcher. MQA (one KV head) on the side.
+// Transform-coded blocks (transform_blocks.h) mixed with full ones in two sequences, keys coded
+// before RoPE or as written, under the three partitions. The kernel decodes a coded block in
+// float and the twin in double, each rounding the rows once to fp16: a row element may land one
+// fp16 unit apart (2^-11 relative), which the softmax and the value sum average out to well
+// under 2e-3 of a row; indexing, position or table errors are O(1).
+using TransformShape = std::tuple<int, int, bool>;  // head_dim, block size, keys before RoPE
+
+class DecodeAttentionTransformGpuTest : public ::testing::TestWithParam<TransformShape> {
+ protected:
+  void SetUp() override { SUBSPACE_REQUIRE_CUDA_DEVICE(); }
+};
+
+TEST_P(DecodeAttentionTransformGpuTest, MatchesCpuTwin) {
+  const auto [hd, bs, pre_rope] = GetParam();
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  testing::TransformCase c = testing::RandomTransformCase({.n_kv = 2,
+                                                           .head_dim = hd,
+                                                           .block_size = bs,
+                                                           .n_blocks = 6,
+                                                           .bits = 2.5,
+                                                           .pre_rope = pre_rope,
+                                                           .halves = hd == 128},
+                                                          rng);
+  const KvPoolLayout& l = c.layout;
+  // Sequence 0: full page 0, coded blocks 1 and 2, full page 3 (5 tokens); sequence 1: coded
+  // blocks 4 and 5, then full page 0 again (3 tokens). Each coded at its place in its sequence.
+  c.first_pos = {0, bs, 2 * bs, 3 * bs, 0, bs};
+  testing::TransformCase coded = c;
+  TransformCodeRef(coded.CodeParams());
+  const auto desc = [&](std::vector<int> blocks, std::vector<bool> is_coded, int64_t length) {
+    cuda::DecodeSeqDesc d;
+    d.length = length;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const auto b = static_cast<size_t>(blocks[i]);
+      d.pages.push_back(is_coded[i] ? c.slab_page[b] : c.full_page[b]);
+      d.slots.push_back(is_coded[i] ? c.slot[b] : kFullBlock);
+      d.epochs.insert(d.epochs.end(), 2, is_coded[i] ? 0 : -1);
+    }
+    return d;
+  };
+  const std::vector<cuda::DecodeSeqDesc> seqs = {
+      desc({0, 1, 2, 3}, {false, true, true, false}, 3 * bs + std::min(bs, 5)),
+      desc({4, 5, 0}, {true, true, false}, 2 * bs + std::min(bs, 3))};
+  constexpr int kHeads = 4;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> q_host(static_cast<size_t>(2 * kHeads * hd));
+  for (float& x : q_host) x = normal(rng);
+  const float sm_scale = 1.0f / std::sqrt(static_cast<float>(hd));
+
+  std::vector<float> want(q_host.size(), std::nanf(""));
+  {
+    absl::StatusOr<cuda::DecodePlan> plan = cuda::BuildDecodePlan(l, c.num_pages, 1, seqs);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    DecodeAttentionParams p;
+    p.layout = l;
+    p.plan = plan->HostView();
+    p.pool = coded.pool.data();
+    p.q = q_host.data();
+    p.out = want.data();
+    p.n_heads = kHeads;
+    p.sm_scale = sm_scale;
+    p.transform = coded.HostTables();
+    p.key_rope = coded.HostRope();
+    DecodeAttentionRef(p);
+  }
+  DeviceBuffer<uint8_t> pool = ToDevice(coded.pool);
+  DeviceBuffer<float> floats = ToDevice(c.tables.floats), cos_sin = ToDevice(c.cos_sin),
+                      q = ToDevice(q_host);
+  DeviceBuffer<int32_t> ints = ToDevice(c.tables.ints);
+  DeviceBuffer<float> out(q_host.size());
+  ASSERT_TRUE(pool.ok() && floats.ok() && cos_sin.ok() && q.ok() && ints.ok() && out.ok());
+  const cuda::DecodePlanOptions partitions[] = {
+      {}, {.blocks_per_split = 1}, {.target_ctas = 8 * MultiProcessors()}};
+  for (const cuda::DecodePlanOptions& o : partitions) {
+    SCOPED_TRACE(::testing::Message() << "blocks_per_split " << o.blocks_per_split);
+    absl::StatusOr<cuda::DecodePlan> plan = cuda::BuildDecodePlan(l, c.num_pages, 1, seqs, o);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    DeviceBuffer<uint64_t> plan_d = ToDevice(plan->buffer);
+    DeviceBuffer<float> workspace(
+        static_cast<size_t>(DecodeWorkspaceFloats(plan->HostView(), l, kHeads)));
+    ASSERT_TRUE(plan_d.ok() && workspace.ok());
+    SUBSPACE_ASSERT_CUDA(workspace.Poison());
+    SUBSPACE_ASSERT_CUDA(out.Poison());
+    DecodeAttentionParams p;
+    p.layout = l;
+    p.plan = plan->DeviceView(plan_d.get());
+    p.pool = pool.get();
+    p.q = q.get();
+    p.out = out.get();
+    p.workspace = workspace.get();
+    p.n_heads = kHeads;
+    p.sm_scale = sm_scale;
+    p.transform = {floats.get(), ints.get()};
+    p.key_rope = coded.HostRope();
+    if (pre_rope) p.key_rope.cos_sin = cos_sin.get();
+    SUBSPACE_ASSERT_CUDA(LaunchDecodeAttention(p, nullptr));
+    SUBSPACE_ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<float> got;
+    SUBSPACE_ASSERT_CUDA(out.Download(&got));
+    for (size_t row = 0; row < got.size() / hd; ++row) {
+      EXPECT_LT(testing::RelError(got.data() + row * hd, want.data() + row * hd, hd), 2e-3)
+          << "sequence " << row / kHeads << " head " << row % kHeads;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DecodeAttentionTransformGpuTest,
+                         ::testing::Values(TransformShape{64, 16, false},
+                                           TransformShape{64, 16, true},
+                                           TransformShape{128, 64, true},
+                                           TransformShape{128, 7, false}));
+
 TEST(DecodeAttentionGpuLimitsTest, ManyEpochsAndLargeGroups) {
   SUBSPACE_REQUIRE_CUDA_DEVICE();
   const uint64_t seed = testing::FreshSeed();
