@@ -389,7 +389,8 @@ struct CudaLlamaModel::Impl {
             .window_tokens = o.window_tokens,
             .key_codes = o.key_codes,
             .value_codes = o.value_codes,
-            .num_pages = num_pages};
+            .num_pages = num_pages,
+            .pre_rope_keys = o.pre_rope_keys};
   }
   // kqsvd refresh: layer `layer`'s planned query rows into the readback buffer (after RoPE).
   absl::Status EnqueueQueryGather(int layer);

@@ -112,6 +112,27 @@ absl::Status CudaTransformStore::Expand(const TransformExpandBatch& batch) {
       });
 }
 
+absl::Status CudaTransformStore::Read(int layer, int64_t offset, std::span<uint8_t> out) {
+  if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream_), "KV image: stream sync");
+      !st.ok()) {
+    return st;
+  }
+  return CudaStatus(
+      cudaMemcpy(out.data(), LayerPool(layer) + offset, out.size(), cudaMemcpyDeviceToHost),
+      "KV image: read");
+}
+
+absl::Status CudaTransformStore::Write(int layer, int64_t offset, std::span<const uint8_t> bytes) {
+  // Pageable host bytes: the copy is synchronous, after the stream's queued work.
+  if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream_), "KV image: stream sync");
+      !st.ok()) {
+    return st;
+  }
+  return CudaStatus(
+      cudaMemcpy(LayerPool(layer) + offset, bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
+      "KV image: write");
+}
+
 cudaError_t CudaTransformStore::ExpandInto(int layer, uint8_t* scratch, const int32_t* src_page,
                                            const int32_t* src_slot, const int32_t* dst_page,
                                            const int32_t* first_pos, int32_t n) const {

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -41,6 +42,8 @@ class CudaTransformStore final : public TransformKvStore {
 
   absl::Status Code(const TransformCodeBatch& batch) override;
   absl::Status Expand(const TransformExpandBatch& batch) override;
+  absl::Status Read(int layer, int64_t offset, std::span<uint8_t> out) override;
+  absl::Status Write(int layer, int64_t offset, std::span<const uint8_t> bytes) override;
 
   // The step's history: `n` coded blocks of layer `layer` (device arrays: slab page, slot,
   // scratch page, first position) decoded into pages of `scratch`. Asynchronous.

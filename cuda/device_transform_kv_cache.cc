@@ -3,11 +3,13 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_format.h"
 #include "core/base/int_math.h"
 #include "core/compress/transform_kv_cache.h"
+#include "core/kvcache/sequence_image.h"
 #include "kernels/transform_blocks.h"
 
 namespace subspace::cuda {
@@ -101,6 +103,14 @@ DeviceTransformKvCache::DeviceTransformKvCache(const DeviceTransformKvCacheConfi
   }
   slab_class_ = slabs_.AddClass(layouts_[static_cast<size_t>(widest_layer_)].slot_bytes);
   assert(slab_class_ >= 0);
+  const KvCacheGeometry& g = config_.geometry;
+  for (int l = 0; l < g.n_layers; ++l) {
+    coded_bytes_.push_back(TransformCodedBlockBytes(*config_.key_codes, *config_.value_codes, l,
+                                                    g.n_kv_heads, config_.block_size));
+  }
+  image_layout_ =
+      TransformImageLayout(g, config_.block_size, config_.sink_tokens, config_.window_tokens,
+                           config_.pre_rope_keys, *config_.key_codes, *config_.value_codes);
 }
 
 // --- Sequences -----------------------------------------------------------------------------
@@ -266,6 +276,126 @@ void DeviceTransformKvCache::DescribeDecode(SeqId seq, int64_t length, DecodeSeq
   desc->outlier_masks.clear();
   desc->outlier_pages.clear();
   desc->n_outliers = 0;
+}
+
+// --- Images --------------------------------------------------------------------------------
+
+absl::StatusOr<std::string> DeviceTransformKvCache::ExportSequence(SeqId seq) const {
+  const Sequence* s = seqs_.Find(seq);
+  if (s == nullptr) return Sequences::Unknown(seq);
+  // Queued codings land first: their slots are named by the table already. Issuing them changes
+  // no state a caller sees but when the bytes are written.
+  if (absl::Status st = const_cast<DeviceTransformKvCache*>(this)->Flush(); !st.ok()) return st;
+  const KvCacheGeometry& g = config_.geometry;
+  const int bs = config_.block_size;
+  const int64_t hd = g.head_dim;
+  ImageWriter w;
+  w.Bytes(image_layout_);
+  w.I64(s->length);
+  w.I64(s->next_compress);
+  const int64_t blocks = CeilDiv(s->length, int64_t{bs});
+  std::vector<uint8_t> page(static_cast<size_t>(layouts_[0].page_bytes));
+  for (int l = 0; l < g.n_layers; ++l) {
+    const kernels::KvPoolLayout& lay = layouts_[static_cast<size_t>(l)];
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Block& e = s->tables[0][static_cast<size_t>(b)];
+      if (e.slot != kernels::kFullBlock) {
+        const auto n = static_cast<size_t>(coded_bytes_[static_cast<size_t>(l)]);
+        if (absl::Status st = store_->Read(l, lay.Slot(e.page, e.slot), {page.data(), n});
+            !st.ok()) {
+          return st;
+        }
+        w.U8(static_cast<uint8_t>(TransformImageBlock::kCoded));
+        w.Raw(page.data(), n);
+        continue;
+      }
+      if (absl::Status st = store_->Read(l, lay.Page(e.page), page); !st.ok()) return st;
+      w.U8(static_cast<uint8_t>(TransformImageBlock::kFull));
+      const int64_t valid = std::min<int64_t>(bs, s->length - b * bs);
+      for (int side = 0; side < 2; ++side) {
+        for (int h = 0; h < g.n_kv_heads; ++h) {
+          w.Raw(page.data() + (side == 0 ? lay.FullK(0, h) : lay.FullV(0, h)),
+                static_cast<size_t>(valid * hd * 2));
+        }
+      }
+    }
+  }
+  return w.Take();
+}
+
+absl::StatusOr<SeqId> DeviceTransformKvCache::ImportSequence(std::string_view image) {
+  const KvCacheGeometry& g = config_.geometry;
+  const int bs = config_.block_size;
+  const int64_t hd = g.head_dim;
+  // Every block read and checked before a page is taken: a corrupt image changes nothing.
+  absl::StatusOr<TransformImage> read =
+      ReadTransformImage(image, image_layout_, g, bs, coded_bytes_);
+  if (!read.ok()) return read.status();
+  const int64_t blocks = read->blocks;
+  const auto part = [&](int l, int64_t b) -> const TransformImage::Part& {
+    return read->parts[static_cast<size_t>(l * blocks + b)];
+  };
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int l = 1; l < g.n_layers; ++l) {
+      if (part(l, b).coded != part(0, b).coded) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "block %d is coded in some layers only; this cache codes every layer alike", b));
+      }
+    }
+  }
+  if (absl::Status st = Flush(); !st.ok()) return st;
+  absl::StatusOr<SeqId> seq = CreateSequence();
+  if (!seq.ok()) return seq.status();
+  if (absl::Status st = Reserve(*seq, read->length); !st.ok()) {
+    (void)FreeSequence(*seq);
+    return st;
+  }
+  Sequence& s = seqs_[*seq];
+  std::vector<uint8_t> page(static_cast<size_t>(layouts_[0].page_bytes), 0);
+  for (int64_t b = 0; b < blocks; ++b) {
+    Block& e = s.tables[0][static_cast<size_t>(b)];
+    if (part(0, b).coded) {
+      pool_->Free(e.page);  // before the slot, as Commit does: never more than a page short
+      const SlabAllocator::Slot slot = slabs_.Allocate(slab_class_);
+      if (slot.page < 0) {
+        e.page = pool_->Allocate(BlockKind::kFull);  // the page just freed: FreeSequence frees it
+        (void)FreeSequence(*seq);
+        return absl::ResourceExhaustedError("KV cache full: no slot for a coded block");
+      }
+      e = {slot.page, slot.index};
+      ++blocks_coded_;
+    }
+    for (int l = 0; l < g.n_layers; ++l) {
+      const kernels::KvPoolLayout& lay = layouts_[static_cast<size_t>(l)];
+      const std::string_view bytes = part(l, b).bytes;
+      absl::Status st;
+      if (part(l, b).coded) {
+        st = store_->Write(l, lay.Slot(e.page, e.slot),
+                           {reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()});
+      } else {
+        const int64_t row_bytes = std::min<int64_t>(bs, read->length - b * bs) * hd * 2;
+        for (int side = 0; side < 2; ++side) {
+          for (int h = 0; h < g.n_kv_heads; ++h) {
+            std::memcpy(page.data() + (side == 0 ? lay.FullK(0, h) : lay.FullV(0, h)),
+                        bytes.data() + (side * g.n_kv_heads + h) * row_bytes,
+                        static_cast<size_t>(row_bytes));
+          }
+        }
+        st = store_->Write(l, lay.Page(e.page), page);
+      }
+      if (!st.ok()) {
+        (void)FreeSequence(*seq);
+        return st;
+      }
+    }
+  }
+  // The bookkeeping's commit only: the blocks are as the exporting cache had coded them.
+  if (absl::Status st = seqs_.Commit(*seq, read->length); !st.ok()) {
+    (void)FreeSequence(*seq);
+    return st;
+  }
+  s.next_compress = read->next_compress;
+  return *seq;
 }
 
 DeviceTransformKvCacheDetail DeviceTransformKvCache::Detail() const {

@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -41,7 +43,8 @@ struct DeviceTransformKvCacheConfig {
   int window_tokens = CompressionPolicy::kDefaultWindowTokens;
   // Layer l, KV head h at [l * n_kv_heads + h] (TransformKvCacheConfig's).
   std::shared_ptr<const std::vector<TransformCode>> key_codes, value_codes;
-  int64_t num_pages = 0;  // pages in each layer's slice of the store's pool
+  int64_t num_pages = 0;       // pages in each layer's slice of the store's pool
+  bool pre_rope_keys = false;  // the codec codes keys before RoPE (the image layout says so)
 };
 
 // Beyond KvCacheStats (tests, benchmarks).
@@ -83,6 +86,15 @@ class DeviceTransformKvCache final : public DeviceKvCache {
   absl::Status Truncate(SeqId seq, int64_t length) override;
   KvCacheStats Stats() const override { return seqs_.Stats(config_.geometry); }
   DeviceTransformKvCacheDetail Detail() const;
+
+  // Images (session snapshots, tiers) in TransformKvCache's format and layout line
+  // (core/compress/transform_kv_cache.h): a session moves between this cache and the CPU's when
+  // model, codec and policy agree. Export issues queued codings first and reads through the
+  // store. Import refuses (FAILED_PRECONDITION) an image whose block is coded in some layers
+  // only: one table serves every layer here.
+  std::string ImageLayout() const override { return image_layout_; }
+  absl::StatusOr<std::string> ExportSequence(SeqId seq) const override;
+  absl::StatusOr<SeqId> ImportSequence(std::string_view image) override;
 
   // --- DeviceKvCache ---
   absl::Status Flush() override;
@@ -129,6 +141,8 @@ class DeviceTransformKvCache final : public DeviceKvCache {
   Sequences seqs_;
   int64_t blocks_coded_ = 0;
   int64_t codings_deferred_ = 0;
+  std::vector<int64_t> coded_bytes_;  // [n_layers] payload of a coded block
+  std::string image_layout_;
   // Queued codings; their full pages are freed once the batch is issued.
   std::vector<int32_t> pending_src_, pending_dst_page_, pending_dst_slot_, pending_first_;
 };

@@ -37,6 +37,12 @@ class TransformKvStore {
   virtual ~TransformKvStore() = default;
   virtual absl::Status Code(const TransformCodeBatch& batch) = 0;
   virtual absl::Status Expand(const TransformExpandBatch& batch) = 0;
+  // Copies bytes [offset, offset + out.size()) of layer `layer`'s slice of the pool to the host,
+  // after every earlier operation has finished; waits for it (sequence images).
+  virtual absl::Status Read(int layer, int64_t offset, std::span<uint8_t> out) = 0;
+  // Copies `bytes` into layer `layer`'s slice at `offset`, ordered before later operations;
+  // `bytes` may be reused as soon as the call returns.
+  virtual absl::Status Write(int layer, int64_t offset, std::span<const uint8_t> bytes) = 0;
 };
 
 }  // namespace subspace::cuda

@@ -139,7 +139,9 @@ TransformKvCache::TransformKvCache(const TransformKvCacheConfig& config,
             pool_.get()) {
   policy_.sink_tokens = config.sink_tokens;
   policy_.window_tokens = config.window_tokens;
-  codes_checksum_ = CodesChecksum();
+  image_layout_ = TransformImageLayout(config_.geometry, config_.block_size, config_.sink_tokens,
+                                       config_.window_tokens, config_.key_rope.has_value(),
+                                       *config_.key_codes, *config_.value_codes);
   if (config_.key_rope.has_value()) {
     // Rotating by -p with the scale divided out undoes the rotation by p.
     key_unrope_ = *config_.key_rope;

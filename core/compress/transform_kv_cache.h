@@ -66,6 +66,42 @@ absl::Status CheckTransformCacheCodes(
     const std::shared_ptr<const std::vector<TransformCode>>& codes, const KvCacheGeometry& geometry,
     const char* side);
 
+// --- Images of the transform-coded caches (TransformKvCache here, the CUDA backend's
+// DeviceTransformKvCache), one format for both, so a session moves between them: after the
+// layout line and the committed length, `next_compress` (where the next Commit's coding
+// starts), then per layer and per block a kind byte: 0, a full block, its committed rows (per
+// KV head keys, then per KV head values, fp16, [valid, head_dim] each); 1, a coded block, its
+// codes as stored (CodedRunLayout runs, every head's keys then every head's values).
+
+// The layout line: geometry, block size, sinks and window, where keys are coded, and a
+// checksum of every code's numbers.
+std::string TransformImageLayout(const KvCacheGeometry& geometry, int block_size, int sink_tokens,
+                                 int window_tokens, bool pre_rope_keys,
+                                 const std::vector<TransformCode>& key_codes,
+                                 const std::vector<TransformCode>& value_codes);
+// Bytes of one coded block of `layer` (before any slab rounding).
+int64_t TransformCodedBlockBytes(const std::vector<TransformCode>& key_codes,
+                                 const std::vector<TransformCode>& value_codes, int layer,
+                                 int n_kv_heads, int block_size);
+
+enum class TransformImageBlock : uint8_t { kFull = 0, kCoded = 1 };
+// An image read and checked: every block's kind and bytes, [layer * blocks + b].
+struct TransformImage {
+  int64_t length = 0;
+  int64_t next_compress = 0;
+  int64_t blocks = 0;  // per layer
+  struct Part {
+    bool coded = false;
+    std::string_view bytes;  // into the image: full rows [2][n_kv][valid, head_dim], or codes
+  };
+  std::vector<Part> parts;
+};
+// DATA_LOSS for a corrupt image, FAILED_PRECONDITION for another layout line. coded_bytes:
+// [n_layers] the caches' TransformCodedBlockBytes.
+absl::StatusOr<TransformImage> ReadTransformImage(std::string_view image, std::string_view layout,
+                                                  const KvCacheGeometry& geometry, int block_size,
+                                                  std::span<const int64_t> coded_bytes);
+
 // Beyond KvCacheStats (tests, benchmarks).
 struct TransformKvCacheDetail {
   int64_t pages_full = 0;
@@ -200,8 +236,6 @@ class TransformKvCache final : public KvCache {
   // Decodes coded block b of `layer` back into a full page (Truncate).
   absl::Status ExpandBlock(Sequence& s, int layer, int64_t b);
   void FreeBlock(Block& e);
-  // FNV-1a over every code's numbers (transform_kv_cache_image.cc).
-  uint64_t CodesChecksum() const;
 
   TransformKvCacheConfig config_;
   CompressionPolicy policy_;                // sinks and window: which blocks a Commit codes
@@ -218,7 +252,7 @@ class TransformKvCache final : public KvCache {
   std::unique_ptr<BlockPool> pool_;
   SlabAllocator slabs_;
   std::vector<int> slab_class_;  // [n_layers]
-  uint64_t codes_checksum_ = 0;  // of the key and value codes (ImageLayout)
+  std::string image_layout_;     // TransformImageLayout of this cache
   Sequences seqs_;
 };
 

@@ -1,9 +1,6 @@
-// The transform-coded cache's sequence images (session snapshots, the session tiers). After the
-// layout line and the committed length, `next_compress` (where the next Commit's coding starts),
-// then per layer and per block of the sequence a kind byte: 0, a full block, its committed rows
-// (per KV head keys, then per KV head values, fp16, [valid, head_dim] each); 1, a coded block,
-// its CodedBlockBytes(layer) codes as stored. Only whole blocks are coded, so a coded block is
-// never the partial last one.
+// The transform-coded caches' sequence images (session snapshots, the session tiers; the format
+// is in transform_kv_cache.h, shared with the CUDA backend's cache). Only whole blocks are coded,
+// so a coded block is never the partial last one.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -20,8 +17,8 @@ namespace subspace {
 
 namespace {
 
-constexpr uint8_t kFullBlock = 0;
-constexpr uint8_t kCodedBlock = 1;
+constexpr auto kFullBlock = static_cast<uint8_t>(TransformImageBlock::kFull);
+constexpr auto kCodedBlock = static_cast<uint8_t>(TransformImageBlock::kCoded);
 
 class Fnv1a {
  public:
@@ -43,9 +40,12 @@ class Fnv1a {
 
 }  // namespace
 
-uint64_t TransformKvCache::CodesChecksum() const {
+std::string TransformImageLayout(const KvCacheGeometry& g, int block_size, int sink_tokens,
+                                 int window_tokens, bool pre_rope_keys,
+                                 const std::vector<TransformCode>& key_codes,
+                                 const std::vector<TransformCode>& value_codes) {
   Fnv1a h;
-  for (const auto* codes : {config_.key_codes.get(), config_.value_codes.get()}) {
+  for (const auto* codes : {&key_codes, &value_codes}) {
     for (const TransformCode& c : *codes) {
       h.Add(&c.dim, sizeof(c.dim));
       h.AddVector(c.mean);
@@ -58,18 +58,73 @@ uint64_t TransformKvCache::CodesChecksum() const {
       }
     }
   }
-  return h.value();
-}
-
-std::string TransformKvCache::ImageLayout() const {
-  const KvCacheGeometry& g = config_.geometry;
   return absl::StrFormat(
       "transform layers=%d kv_heads=%d head_dim=%d block=%d sinks=%d window=%d keys=%s "
       "codes=%016x",
-      g.n_layers, g.n_kv_heads, g.head_dim, config_.block_size, config_.sink_tokens,
-      config_.window_tokens, config_.key_rope.has_value() ? "pre-rope" : "post-rope",
-      codes_checksum_);
+      g.n_layers, g.n_kv_heads, g.head_dim, block_size, sink_tokens, window_tokens,
+      pre_rope_keys ? "pre-rope" : "post-rope", h.value());
 }
+
+int64_t TransformCodedBlockBytes(const std::vector<TransformCode>& key_codes,
+                                 const std::vector<TransformCode>& value_codes, int layer,
+                                 int n_kv_heads, int block_size) {
+  int64_t bytes = 0;
+  for (const auto* codes : {&key_codes, &value_codes}) {
+    for (int h = 0; h < n_kv_heads; ++h) {
+      bytes += LayOutCodedRun((*codes)[static_cast<size_t>(layer * n_kv_heads + h)], block_size)
+                   .run_bytes;
+    }
+  }
+  return bytes;
+}
+
+absl::StatusOr<TransformImage> ReadTransformImage(std::string_view image, std::string_view layout,
+                                                  const KvCacheGeometry& g, int bs,
+                                                  std::span<const int64_t> coded_bytes) {
+  ImageReader r(image, "transform KV cache image");
+  if (absl::Status st = r.ExpectLayout(layout); !st.ok()) return st;
+  const int64_t hd = g.head_dim;
+  const int n_kv = g.n_kv_heads;
+  TransformImage out;
+  // Bounded by the image (every block takes at least its kind byte), not by a pool: a pool too
+  // small for it is the importer's RESOURCE_EXHAUSTED, not a corrupt image.
+  absl::StatusOr<int64_t> length = r.Int("length", 0, int64_t{1} << 40);
+  if (!length.ok()) return length.status();
+  out.length = *length;
+  out.blocks = CeilDiv(*length, int64_t{bs});
+  absl::StatusOr<int64_t> next_compress = r.Int("next_compress", 0, out.blocks);
+  if (!next_compress.ok()) return next_compress.status();
+  out.next_compress = *next_compress;
+  if (static_cast<uint64_t>(out.blocks * g.n_layers) > r.left()) {
+    return r.Corrupt(absl::StrFormat("%d tokens need %d blocks, it holds %d bytes", *length,
+                                     out.blocks * g.n_layers, r.left()));
+  }
+  out.parts.reserve(static_cast<size_t>(out.blocks * g.n_layers));
+  for (int l = 0; l < g.n_layers; ++l) {
+    for (int64_t b = 0; b < out.blocks; ++b) {
+      absl::StatusOr<uint8_t> kind = r.U8("block kind");
+      if (!kind.ok()) return kind.status();
+      const int64_t valid = std::min<int64_t>(bs, *length - b * bs);
+      if (*kind == kCodedBlock && valid != bs) {
+        return r.Corrupt(absl::StrFormat("layer %d block %d is coded but holds %d of %d tokens", l,
+                                         b, valid, bs));
+      }
+      if (*kind != kFullBlock && *kind != kCodedBlock) {
+        return r.Corrupt(absl::StrFormat("layer %d block %d has kind %d", l, b, *kind));
+      }
+      const int64_t n =
+          *kind == kCodedBlock ? coded_bytes[static_cast<size_t>(l)] : 2 * n_kv * valid * hd * 2;
+      absl::StatusOr<std::string_view> bytes =
+          r.Raw(*kind == kCodedBlock ? "coded block" : "full block rows", static_cast<uint64_t>(n));
+      if (!bytes.ok()) return bytes.status();
+      out.parts.push_back({*kind == kCodedBlock, *bytes});
+    }
+  }
+  if (absl::Status st = r.ExpectEnd(); !st.ok()) return st;
+  return out;
+}
+
+std::string TransformKvCache::ImageLayout() const { return image_layout_; }
 
 absl::StatusOr<std::string> TransformKvCache::ExportSequence(SeqId seq) const {
   const Sequence* s = seqs_.Find(seq);
@@ -103,50 +158,17 @@ absl::StatusOr<std::string> TransformKvCache::ExportSequence(SeqId seq) const {
 }
 
 absl::StatusOr<SeqId> TransformKvCache::ImportSequence(std::string_view image) {
-  ImageReader r(image, "transform KV cache image");
-  if (absl::Status st = r.ExpectLayout(ImageLayout()); !st.ok()) return st;
   const int bs = config_.block_size;
   const int64_t hd = config_.geometry.head_dim;
   const int n_kv = config_.geometry.n_kv_heads;
-  // Bounded by the image (every block takes at least its kind byte), not by this pool: a pool
-  // too small for it is RESOURCE_EXHAUSTED below, not a corrupt image.
-  absl::StatusOr<int64_t> length = r.Int("length", 0, int64_t{1} << 40);
-  if (!length.ok()) return length.status();
-  const int64_t blocks = CeilDiv(*length, int64_t{bs});
-  absl::StatusOr<int64_t> next_compress = r.Int("next_compress", 0, blocks);
-  if (!next_compress.ok()) return next_compress.status();
-  if (static_cast<uint64_t>(blocks * config_.geometry.n_layers) > r.left()) {
-    return r.Corrupt(absl::StrFormat("%d tokens need %d blocks, it holds %d bytes", *length,
-                                     blocks * config_.geometry.n_layers, r.left()));
-  }
-
   // Every block read and checked before a page is taken: a corrupt image changes nothing.
-  struct Part {
-    bool coded = false;
-    std::string_view bytes;
-  };
-  std::vector<Part> parts;
-  parts.reserve(static_cast<size_t>(blocks * config_.geometry.n_layers));
-  for (int l = 0; l < config_.geometry.n_layers; ++l) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      absl::StatusOr<uint8_t> kind = r.U8("block kind");
-      if (!kind.ok()) return kind.status();
-      const int64_t valid = std::min<int64_t>(bs, *length - b * bs);
-      if (*kind == kCodedBlock && valid != bs) {
-        return r.Corrupt(absl::StrFormat("layer %d block %d is coded but holds %d of %d tokens", l,
-                                         b, valid, bs));
-      }
-      if (*kind != kFullBlock && *kind != kCodedBlock) {
-        return r.Corrupt(absl::StrFormat("layer %d block %d has kind %d", l, b, *kind));
-      }
-      const int64_t n = *kind == kCodedBlock ? CodedBlockBytes(l) : 2 * n_kv * valid * hd * 2;
-      absl::StatusOr<std::string_view> bytes =
-          r.Raw(*kind == kCodedBlock ? "coded block" : "full block rows", static_cast<uint64_t>(n));
-      if (!bytes.ok()) return bytes.status();
-      parts.push_back({*kind == kCodedBlock, *bytes});
-    }
-  }
-  if (absl::Status st = r.ExpectEnd(); !st.ok()) return st;
+  absl::StatusOr<TransformImage> read =
+      ReadTransformImage(image, image_layout_, config_.geometry, bs, coded_bytes_);
+  if (!read.ok()) return read.status();
+  const int64_t* length = &read->length;
+  const int64_t* next_compress = &read->next_compress;
+  const int64_t blocks = read->blocks;
+  const std::vector<TransformImage::Part>& parts = read->parts;
 
   absl::StatusOr<SeqId> seq = CreateSequence();
   if (!seq.ok()) return seq.status();
@@ -157,7 +179,7 @@ absl::StatusOr<SeqId> TransformKvCache::ImportSequence(std::string_view image) {
   Sequence& s = seqs_[*seq];
   for (int l = 0; l < config_.geometry.n_layers; ++l) {
     for (int64_t b = 0; b < blocks; ++b) {
-      const Part& part = parts[static_cast<size_t>(l * blocks + b)];
+      const TransformImage::Part& part = parts[static_cast<size_t>(l * blocks + b)];
       Block& e = s.tables[static_cast<size_t>(l)][static_cast<size_t>(b)];
       if (part.coded) {
         pool_->Free(e.page);  // before the slot, as Commit does: never more than a page short

@@ -10,6 +10,8 @@
 #include <random>
 #include <vector>
 
+#include "core/compress/transform_kv_cache.h"
+#include "core/kvcache/sequence_image.h"
 #include "cuda/device_transform_kv_cache.h"
 #include "cuda/rope_table.h"
 #include "cuda/transform_tables.h"
@@ -24,6 +26,7 @@ constexpr int kBlock = 16;
 
 struct Rig {
   DeviceTransformKvCacheConfig config;
+  std::optional<RopeSchedule> rope;  // keys coded before RoPE with it
   std::vector<kernels::KvPoolLayout> layouts;
   std::shared_ptr<TwinTransformStore> store;
   std::unique_ptr<DeviceTransformKvCache> cache;
@@ -52,7 +55,9 @@ Rig Make(bool pre_rope, int64_t num_pages, std::mt19937_64& rng) {
               .window_tokens = 32,
               .key_codes = keys,
               .value_codes = values,
-              .num_pages = num_pages};
+              .num_pages = num_pages,
+              .pre_rope_keys = pre_rope};
+  s.rope = rope;
   s.layouts = DeviceTransformKvCache::Layouts(s.config);
   std::vector<TransformLayerTables> tables;
   for (int l = 0; l < 2; ++l)
@@ -186,6 +191,87 @@ TEST_P(DeviceTransformKvCacheHostTest, CodesWhatLeftTheWindowAndDecodesACutBlock
 }
 
 INSTANTIATE_TEST_SUITE_P(Keys, DeviceTransformKvCacheHostTest, ::testing::Values(false, true));
+
+// Images in the CPU cache's format: a session exported here imports into TransformKvCache
+// (same codes and policy) and back, byte for byte; corrupt images change nothing.
+TEST_P(DeviceTransformKvCacheHostTest, ImagesMoveBetweenTheCpuAndTheDeviceCache) {
+  const uint64_t seed = kernels::testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  Rig s = Make(GetParam(), 32, rng);
+  ASSERT_NE(s.cache, nullptr);
+  DeviceTransformKvCache& cache = *s.cache;
+  const SeqId seq = *cache.CreateSequence();
+  ASSERT_TRUE(cache.Reserve(seq, 100).ok());
+  Fill(s, seq, 0, 100, rng);
+  ASSERT_TRUE(cache.Commit(seq, 100).ok());  // codings queued: Export issues them
+  absl::StatusOr<std::string> image = cache.ExportSequence(seq);
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_EQ(cache.Detail().blocks_coded, 3);
+
+  TransformKvCacheConfig c;
+  c.geometry = s.config.geometry;
+  c.block_size = kBlock;
+  c.sink_tokens = 4;
+  c.window_tokens = 32;
+  c.key_codes = s.config.key_codes;
+  c.value_codes = s.config.value_codes;
+  c.key_rope = s.rope;
+  if (!GetParam()) c.key_rope.reset();
+  c.capacity_bytes = int64_t{8} << 20;
+  absl::StatusOr<std::unique_ptr<TransformKvCache>> cpu = TransformKvCache::Create(c);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ((*cpu)->ImageLayout(), cache.ImageLayout());
+  absl::StatusOr<SeqId> on_cpu = (*cpu)->ImportSequence(*image);
+  ASSERT_TRUE(on_cpu.ok()) << on_cpu.status();
+  EXPECT_EQ((*cpu)->Length(*on_cpu), 100);
+  EXPECT_TRUE((*cpu)->IsCoded(*on_cpu, 1, 2));
+  absl::StatusOr<std::string> back = (*cpu)->ExportSequence(*on_cpu);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, *image);
+
+  const DeviceTransformKvCacheDetail before = cache.Detail();
+  absl::StatusOr<SeqId> again = cache.ImportSequence(*back);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(cache.Length(*again), 100);
+  EXPECT_EQ(cache.Detail().blocks_coded, 6);
+  absl::StatusOr<std::string> twice = cache.ExportSequence(*again);
+  ASSERT_TRUE(twice.ok());
+  EXPECT_EQ(*twice, *image);
+  ASSERT_TRUE(cache.FreeSequence(*again).ok());
+  EXPECT_EQ(cache.Detail().pages_full, before.pages_full);
+
+  // Truncated, or from another cache: refused, nothing taken.
+  EXPECT_EQ(cache.ImportSequence(image->substr(0, image->size() - 1)).status().code(),
+            absl::StatusCode::kDataLoss);
+  c.window_tokens = 64;
+  absl::StatusOr<std::unique_ptr<TransformKvCache>> other = TransformKvCache::Create(c);
+  ASSERT_TRUE(other.ok());
+  const SeqId o = *(*other)->CreateSequence();
+  ASSERT_TRUE((*other)->Reserve(o, 3).ok());
+  ASSERT_TRUE((*other)->Commit(o, 3).ok());
+  EXPECT_EQ(cache.ImportSequence(*(*other)->ExportSequence(o)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // A block coded in one layer only: the CPU cache's format allows it, one table does not.
+  ImageWriter w;
+  w.Bytes(cache.ImageLayout());
+  w.I64(32);
+  w.I64(2);
+  const std::string full_rows(static_cast<size_t>(2 * 2 * kBlock * 64 * 2), '\0');
+  const int64_t coded0 =
+      TransformCodedBlockBytes(*s.config.key_codes, *s.config.value_codes, 0, 2, kBlock);
+  w.U8(0);
+  w.Raw(full_rows.data(), full_rows.size());
+  w.U8(1);
+  w.Raw(std::string(static_cast<size_t>(coded0), '\0').data(), static_cast<size_t>(coded0));
+  for (int b = 0; b < 2; ++b) {
+    w.U8(0);
+    w.Raw(full_rows.data(), full_rows.size());
+  }
+  EXPECT_EQ(cache.ImportSequence(w.Take()).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache.Detail().pages_full, before.pages_full);
+  EXPECT_EQ(cache.Stats().sequences, 1);
+}
 
 TEST(DeviceTransformKvCacheCreateTest, RefusesBadConfigs) {
   std::mt19937_64 rng(5);

@@ -1,6 +1,7 @@
 // TwinTransformStore: the transform kernels' twins over host pools (twin_transform_store_ref.h).
 #include "tests/cuda/twin_transform_store_ref.h"
 
+#include <cstring>
 #include <utility>
 
 #include "tests/kernels/transform_blocks_ref.h"
@@ -60,6 +61,25 @@ absl::Status TwinTransformStore::Expand(const TransformExpandBatch& batch) {
     kernels::TransformExpandRef(p);
   }
   blocks_expanded_ += static_cast<int64_t>(batch.src_page.size());
+  return absl::OkStatus();
+}
+
+absl::Status TwinTransformStore::Read(int layer, int64_t offset, std::span<uint8_t> out) {
+  const std::vector<uint8_t>& pool = pools_[static_cast<size_t>(layer)];
+  if (offset < 0 || offset + static_cast<int64_t>(out.size()) > static_cast<int64_t>(pool.size())) {
+    return absl::InvalidArgumentError("read outside the layer's pool");
+  }
+  std::memcpy(out.data(), pool.data() + offset, out.size());
+  return absl::OkStatus();
+}
+
+absl::Status TwinTransformStore::Write(int layer, int64_t offset, std::span<const uint8_t> bytes) {
+  std::vector<uint8_t>& pool = pools_[static_cast<size_t>(layer)];
+  if (offset < 0 ||
+      offset + static_cast<int64_t>(bytes.size()) > static_cast<int64_t>(pool.size())) {
+    return absl::InvalidArgumentError("write outside the layer's pool");
+  }
+  std::memcpy(pool.data() + offset, bytes.data(), bytes.size());
   return absl::OkStatus();
 }
 

@@ -6,6 +6,7 @@
 #define SUBSPACE_TESTS_CUDA_TWIN_TRANSFORM_STORE_REF_H_
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "cuda/transform_kv_store.h"
@@ -24,6 +25,9 @@ class TwinTransformStore final : public TransformKvStore {
   // INVALID_ARGUMENT for a batch CheckTransformCodeBatch / CheckTransformExpandBatch rejects.
   absl::Status Code(const TransformCodeBatch& batch) override;
   absl::Status Expand(const TransformExpandBatch& batch) override;
+  // INVALID_ARGUMENT for a range outside the layer's slice.
+  absl::Status Read(int layer, int64_t offset, std::span<uint8_t> out) override;
+  absl::Status Write(int layer, int64_t offset, std::span<const uint8_t> bytes) override;
 
   uint8_t* pool(int layer) { return pools_[static_cast<size_t>(layer)].data(); }
   const std::vector<uint8_t>& pool_bytes(int layer) const {
