@@ -720,19 +720,38 @@ TEST(CudaModelTest, EngineGeneratesOnTheCudaBackend) {
 
 // A session on the CUDA backend's full cache moves: exported (its device pages copied out),
 // imported into another CUDA engine, it continues as the uninterrupted one, its cache reused.
-TEST(CudaModelTest, SessionMovesBetweenCudaEnginesBitwise) {
-  SUBSPACE_REQUIRE_CUDA_DEVICE();
+// A session exported from one CUDA engine continues in another exactly as the one left behind
+// does. transform: on the transform-coded cache (codes fitted on the model's own rows, sinks 4,
+// window 16), with a prompt long enough to have coded blocks; else the full-rank cache.
+void ExpectSessionMovesBetweenCudaEnginesBitwise(bool transform) {
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(ModelPath());
   ASSERT_TRUE(file.ok());
   std::shared_ptr<const GgufFile> gguf = *std::move(file);
   std::shared_ptr<const Tokenizer> tokenizer = *Tokenizer::FromGguf(*gguf);
   std::shared_ptr<LlamaModel> cpu = *LlamaModel::Load(gguf);
+  std::optional<CudaTransformCacheOptions> codec;
+  std::string text = "Once upon a time there was";
+  if (transform) {
+    std::vector<int32_t> calib;
+    for (int i = 0; i < 400; ++i) calib.push_back(1 + (i * 7919 + i / 13) % 900);
+    absl::StatusOr<KvRows> rows = CollectKvRows(*cpu, calib, {.window = 200});
+    ASSERT_TRUE(rows.ok()) << rows.status();
+    absl::StatusOr<TransformCodes> codes =
+        FitTransformCodes(*rows, {.key_bits = 3.0, .value_bits = 2.0});
+    ASSERT_TRUE(codes.ok()) << codes.status();
+    codec = CudaTransformCacheOptions{.sink_tokens = 4,
+                                      .window_tokens = 16,
+                                      .key_codes = codes->keys,
+                                      .value_codes = codes->values,
+                                      .pre_rope_keys = true};
+    for (int i = 0; i < 4; ++i) text += " a small cat sat on a warm mat near the old door,";
+  }
   const auto make_engine = [&]() -> std::unique_ptr<Engine> {
-    absl::StatusOr<CudaBackend> cuda =
-        CreateCudaBackend(*cpu, {.max_batch_tokens = 256,
-                                 .max_sequences = 8,
-                                 .block_size = 16,
-                                 .kv_cache_bytes = int64_t{16} << 20});
+    absl::StatusOr<CudaBackend> cuda = CreateCudaBackend(*cpu, {.max_batch_tokens = 256,
+                                                                .max_sequences = 8,
+                                                                .block_size = 16,
+                                                                .kv_cache_bytes = int64_t{16} << 20,
+                                                                .transform = codec});
     EXPECT_TRUE(cuda.ok()) << cuda.status();
     if (!cuda.ok()) return nullptr;
     EngineConfig config;
@@ -773,8 +792,8 @@ TEST(CudaModelTest, SessionMovesBetweenCudaEnginesBitwise) {
   ASSERT_NE(b, nullptr);
   const std::string moved = a->CreateSession()->id;
   const std::string stays = a->CreateSession()->id;
-  EXPECT_EQ(turn(*a, moved, "Once upon a time there was", true).first,
-            turn(*a, stays, "Once upon a time there was", true).first);
+  EXPECT_EQ(turn(*a, moved, text, true).first, turn(*a, stays, text, true).first);
+  if (transform) EXPECT_GT(a->Stats().cache.bytes_used_compressed, 0);
   absl::StatusOr<Engine::ExportedSession> exported = a->ExportSession(moved);
   ASSERT_TRUE(exported.ok()) << exported.status();
   ASSERT_TRUE(exported->cache.ok()) << exported->cache;
@@ -787,6 +806,16 @@ TEST(CudaModelTest, SessionMovesBetweenCudaEnginesBitwise) {
   EXPECT_EQ(there.second, here.second);
   EXPECT_EQ(there.second, imported->info.cached_tokens);
   EXPECT_GT(there.second, 0);
+}
+
+TEST(CudaModelTest, SessionMovesBetweenCudaEnginesBitwise) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  ExpectSessionMovesBetweenCudaEnginesBitwise(/*transform=*/false);
+}
+
+TEST(CudaModelTest, TransformCodedSessionMovesBetweenCudaEnginesBitwise) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  ExpectSessionMovesBetweenCudaEnginesBitwise(/*transform=*/true);
 }
 
 }  // namespace
