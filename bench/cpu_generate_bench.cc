@@ -41,7 +41,7 @@ ABSL_FLAG(bool, cuda_graphs, false, "cuda: decode steps as CUDA graphs (false: e
 ABSL_FLAG(std::vector<std::string>, kv_cache, std::vector<std::string>({"full", "compressed"}),
           "comma-separated KV cache kinds, each measured in turn: full (paged full-rank), "
           "quantized (paged q8_0 rows, CPU only), compressed (low-rank), transform (the codec "
-          "of --codec, CPU only)");
+          "of --codec)");
 ABSL_FLAG(std::string, codec, "",
           "transform: codec file from subspace-calibrate --kv-budget, as the server's --codec");
 

@@ -18,13 +18,18 @@ tests=(compress_blocks_test decode_attention_test layer_ops_test prefill_attenti
 [[ -f tests/kernels/sampling_test.cc ]] && tests+=(sampling_test)
 benches=(subspace-bench-decode-attention subspace-bench-cpu)
 # subspace-bench-cpu reaches the CUDA backend as the server does, through the plugin beside it.
-cmake --build "$build" -j "$(nproc)" --target "${tests[@]}" "${benches[@]}" subspace_cuda
+cmake --build "$build" -j "$(nproc)" --target "${tests[@]}" "${benches[@]}" subspace_cuda \
+  subspace-calibrate
 
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/lib"
 for t in "${tests[@]}"; do cp "$build/tests/$t" "$bundle/bin/"; done
 for b in "${benches[@]}"; do cp "$build/bin/$b" "$bundle/bin/"; done
 cp "$build/bin/libsubspace_cuda.so" "$bundle/bin/"
+# A transform codec for the tiny model (2.5 / 1.5 bits, fitted on its own text, ~30 s here):
+# gpu_run.sh measures the transform-coded cache with it.
+"$build/bin/subspace-calibrate" --model models/subspace-tiny.gguf --kv-budget 2.5 \
+  --kv-budget-v 1.5 --max-tokens 4000 --out "$bundle/tiny.codec.gguf" >/dev/null
 # Every resolved library but glibc's, the C++ runtime (the GPU image's is newer) and CUDA's.
 for f in "$bundle"/bin/*; do
   ldd "$f" | awk '$3 ~ /^\// {print $3}'
