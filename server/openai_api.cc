@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -26,6 +27,17 @@ using Json = nlohmann::json;
 template <typename... Args>
 absl::Status Invalid(const Args&... args) {
   return absl::InvalidArgumentError(absl::StrCat(args...));
+}
+
+// INVALID_ARGUMENT about request field `param` (a path: "top_p", "messages[2].content"), which
+// the error body names in OpenAI's `param`.
+absl::Status WithParam(absl::Status status, std::string_view param) {
+  status.SetPayload(kParamPayload, absl::Cord(std::string(param)));
+  return status;
+}
+template <typename... Args>
+absl::Status InvalidAt(std::string_view param, const Args&... args) {
+  return WithParam(Invalid(args...), param);
 }
 
 std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
@@ -72,7 +84,7 @@ class Fields {
       if (read_.count(it.key()) == 0) {
         std::string shown = it.key().substr(0, 64);
         shown = ToValidUtf8(std::move(shown));
-        return Invalid("unknown field '", Path(shown), "'");
+        return InvalidAt(Path(shown), "unknown field '", Path(shown), "'");
       }
     }
     return absl::OkStatus();
@@ -85,37 +97,38 @@ class Fields {
 };
 
 absl::StatusOr<bool> Bool(const Json& j, const std::string& path) {
-  if (!j.is_boolean()) return Invalid(path, " must be a boolean, got ", j.type_name());
+  if (!j.is_boolean()) return InvalidAt(path, path, " must be a boolean, got ", j.type_name());
   return j.get<bool>();
 }
 
 absl::StatusOr<int64_t> Int(const Json& j, const std::string& path, int64_t lo, int64_t hi) {
-  if (!j.is_number_integer()) return Invalid(path, " must be an integer, got ", j.type_name());
+  if (!j.is_number_integer())
+    return InvalidAt(path, path, " must be an integer, got ", j.type_name());
   if (j.is_number_unsigned() &&
       j.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-    return Invalid(path, " must be in [", lo, ", ", hi, "], got ", j.get<uint64_t>());
+    return InvalidAt(path, path, " must be in [", lo, ", ", hi, "], got ", j.get<uint64_t>());
   }
   const int64_t v = j.get<int64_t>();
-  if (v < lo || v > hi) return Invalid(path, " must be in [", lo, ", ", hi, "], got ", v);
+  if (v < lo || v > hi) return InvalidAt(path, path, " must be in [", lo, ", ", hi, "], got ", v);
   return v;
 }
 
 absl::StatusOr<float> Float(const Json& j, const std::string& path) {
-  if (!j.is_number()) return Invalid(path, " must be a number, got ", j.type_name());
+  if (!j.is_number()) return InvalidAt(path, path, " must be a number, got ", j.type_name());
   const double v = j.get<double>();
   if (!std::isfinite(v) || std::fabs(v) > std::numeric_limits<float>::max()) {
-    return Invalid(path, " must be a finite number, got ", v);
+    return InvalidAt(path, path, " must be a finite number, got ", v);
   }
   return static_cast<float>(v);
 }
 
 absl::StatusOr<std::string> String(const Json& j, const std::string& path) {
-  if (!j.is_string()) return Invalid(path, " must be a string, got ", j.type_name());
+  if (!j.is_string()) return InvalidAt(path, path, " must be a string, got ", j.type_name());
   return j.get<std::string>();
 }
 
 absl::Status NotSupported(const std::string& path, const std::string& what = "") {
-  return Invalid(path, " is not supported by this server", what.empty() ? "" : ": ", what);
+  return InvalidAt(path, path, " is not supported by this server", what.empty() ? "" : ": ", what);
 }
 
 // `lhs` names a new variable, so it cannot be parenthesized.
@@ -128,7 +141,7 @@ absl::Status NotSupported(const std::string& path, const std::string& what = "")
 
 absl::Status CheckModel(Fields& f, const ApiContext& context) {
   const Json* model = f.Get("model");
-  if (model == nullptr) return Invalid("model is required (GET /v1/models lists it)");
+  if (model == nullptr) return InvalidAt("model", "model is required (GET /v1/models lists it)");
   SUBSPACE_ASSIGN_OR_RETURN(name, String(*model, "model"));
   if (name != context.model_id) {
     return absl::NotFoundError(absl::StrCat("the model '", ToValidUtf8(name.substr(0, 128)),
@@ -147,7 +160,7 @@ absl::Status ParseCommon(Fields& f, bool chat, v1::SamplingParams* sampling,
   const Json* max_tokens = f.Get("max_tokens");
   const Json* max_completion = chat ? f.Get("max_completion_tokens") : nullptr;
   if (max_tokens != nullptr && max_completion != nullptr) {
-    return Invalid("set max_tokens or max_completion_tokens, not both");
+    return InvalidAt("max_tokens", "set max_tokens or max_completion_tokens, not both");
   }
   if (const Json* m = max_completion != nullptr ? max_completion : max_tokens; m != nullptr) {
     const char* name = max_completion != nullptr ? "max_completion_tokens" : "max_tokens";
@@ -168,7 +181,8 @@ absl::Status ParseCommon(Fields& f, bool chat, v1::SamplingParams* sampling,
     sampling->set_top_p(v);
   }
   if (const Json* s = f.Get("seed")) {
-    if (!s->is_number_integer()) return Invalid("seed must be an integer, got ", s->type_name());
+    if (!s->is_number_integer())
+      return InvalidAt("seed", "seed must be an integer, got ", s->type_name());
     // Negative seeds are fine: the bits are the seed.
     sampling->set_seed(s->is_number_unsigned() ? s->get<uint64_t>()
                                                : static_cast<uint64_t>(s->get<int64_t>()));
@@ -179,11 +193,13 @@ absl::Status ParseCommon(Fields& f, bool chat, v1::SamplingParams* sampling,
     } else if (stop->is_array()) {
       for (size_t i = 0; i < stop->size(); ++i) {
         SUBSPACE_ASSIGN_OR_RETURN(s, String((*stop)[i], absl::StrCat("stop[", i, "]")));
-        if (s.empty()) return Invalid("stop[", i, "] must not be empty");
+        if (s.empty())
+          return InvalidAt(absl::StrCat("stop[", i, "]"), "stop[", i, "] must not be empty");
         sampling->add_stop(std::move(s));
       }
     } else {
-      return Invalid("stop must be a string or an array of strings, got ", stop->type_name());
+      return InvalidAt("stop", "stop must be a string or an array of strings, got ",
+                       stop->type_name());
     }
   }
   // Extensions with the gRPC API's meaning.
@@ -213,9 +229,10 @@ absl::Status ParseCommon(Fields& f, bool chat, v1::SamplingParams* sampling,
     *stream = v;
   }
   if (const Json* o = f.Get("stream_options")) {
-    if (!*stream) return Invalid("stream_options is only allowed when stream is true");
+    if (!*stream)
+      return InvalidAt("stream_options", "stream_options is only allowed when stream is true");
     if (!o->is_object()) {
-      return Invalid("stream_options must be an object, got ", o->type_name());
+      return InvalidAt("stream_options", "stream_options must be an object, got ", o->type_name());
     }
     Fields options(*o, "stream_options.");
     if (const Json* u = options.Get("include_usage")) {
@@ -238,7 +255,8 @@ absl::Status ParseCommon(Fields& f, bool chat, v1::SamplingParams* sampling,
     }
   }
   if (const Json* b = f.Get("logit_bias")) {
-    if (!b->is_object()) return Invalid("logit_bias must be an object, got ", b->type_name());
+    if (!b->is_object())
+      return InvalidAt("logit_bias", "logit_bias must be an object, got ", b->type_name());
     if (!b->empty()) return NotSupported("logit_bias");
   }
   f.Get("user");  // an end-user id for abuse monitoring: accepted, not used
@@ -253,7 +271,7 @@ absl::Status ParsePrompt(const Json& prompt, v1::GenerateRequest* out) {
           id, Int(ids[i], absl::StrCat(path, "[", i, "]"), 0, std::numeric_limits<int32_t>::max()));
       out->mutable_tokens()->add_ids(static_cast<int32_t>(id));
     }
-    if (ids.empty()) return Invalid(path, " must not be empty");
+    if (ids.empty()) return InvalidAt(path, path, " must not be empty");
     return absl::OkStatus();
   };
   if (prompt.is_string()) {
@@ -261,9 +279,9 @@ absl::Status ParsePrompt(const Json& prompt, v1::GenerateRequest* out) {
     return absl::OkStatus();
   }
   if (!prompt.is_array()) {
-    return Invalid("prompt must be a string or an array, got ", prompt.type_name());
+    return InvalidAt("prompt", "prompt must be a string or an array, got ", prompt.type_name());
   }
-  if (prompt.empty()) return Invalid("prompt must not be empty");
+  if (prompt.empty()) return InvalidAt("prompt", "prompt must not be empty");
   if (prompt[0].is_number()) return tokens(prompt, "prompt");
   if (prompt.size() != 1) {
     return NotSupported("prompt", absl::StrCat("one prompt per request (got ", prompt.size(), ")"));
@@ -273,23 +291,23 @@ absl::Status ParsePrompt(const Json& prompt, v1::GenerateRequest* out) {
     return absl::OkStatus();
   }
   if (prompt[0].is_array()) return tokens(prompt[0], "prompt[0]");
-  return Invalid("prompt[0] must be a string or an array of token ids, got ",
-                 prompt[0].type_name());
+  return InvalidAt("prompt[0]", "prompt[0] must be a string or an array of token ids, got ",
+                   prompt[0].type_name());
 }
 
 absl::Status ParseMessages(const Json& messages, v1::ChatRequest* out) {
   if (!messages.is_array()) {
-    return Invalid("messages must be an array, got ", messages.type_name());
+    return InvalidAt("messages", "messages must be an array, got ", messages.type_name());
   }
-  if (messages.empty()) return Invalid("messages must not be empty");
+  if (messages.empty()) return InvalidAt("messages", "messages must not be empty");
   for (size_t i = 0; i < messages.size(); ++i) {
     const std::string path = absl::StrCat("messages[", i, "]");
     const Json& m = messages[i];
-    if (!m.is_object()) return Invalid(path, " must be an object, got ", m.type_name());
+    if (!m.is_object()) return InvalidAt(path, path, " must be an object, got ", m.type_name());
     Fields f(m, path + ".");
     v1::ChatMessage* message = out->add_messages();
     const Json* role = f.Get("role");
-    if (role == nullptr) return Invalid(path, ".role is required");
+    if (role == nullptr) return InvalidAt(path + ".role", path, ".role is required");
     SUBSPACE_ASSIGN_OR_RETURN(r, String(*role, path + ".role"));
     // OpenAI's newer name for the system prompt.
     message->set_role(r == "developer" ? "system" : r);
@@ -302,11 +320,12 @@ absl::Status ParseMessages(const Json& messages, v1::ChatRequest* out) {
           const std::string part_path = absl::StrCat(path, ".content[", k, "]");
           const Json& part = (*content)[k];
           if (!part.is_object()) {
-            return Invalid(part_path, " must be an object, got ", part.type_name());
+            return InvalidAt(part_path, part_path, " must be an object, got ", part.type_name());
           }
           Fields pf(part, part_path + ".");
           const Json* type = pf.Get("type");
-          if (type == nullptr) return Invalid(part_path, ".type is required");
+          if (type == nullptr)
+            return InvalidAt(part_path + ".type", part_path, ".type is required");
           SUBSPACE_ASSIGN_OR_RETURN(t, String(*type, part_path + ".type"));
           if (t != "text") {
             return NotSupported(part_path + ".type",
@@ -314,18 +333,20 @@ absl::Status ParseMessages(const Json& messages, v1::ChatRequest* out) {
                                              "' (this model reads text parts only)"));
           }
           const Json* part_text = pf.Get("text");
-          if (part_text == nullptr) return Invalid(part_path, ".text is required");
+          if (part_text == nullptr)
+            return InvalidAt(part_path + ".text", part_path, ".text is required");
           SUBSPACE_ASSIGN_OR_RETURN(s, String(*part_text, part_path + ".text"));
           text += s;
           if (absl::Status st = pf.CheckNoneUnknown(); !st.ok()) return st;
         }
         message->set_content(std::move(text));
       } else {
-        return Invalid(path, ".content must be a string or an array of parts, got ",
-                       content->type_name());
+        return InvalidAt(path + ".content", path,
+                         ".content must be a string or an array of parts, got ",
+                         content->type_name());
       }
     } else if (r != "assistant") {
-      return Invalid(path, ".content is required");
+      return InvalidAt(path + ".content", path, ".content is required");
     }
     f.Get("name");  // a participant's name: accepted, not rendered
     for (const char* tool_field : {"tool_calls", "tool_call_id", "function_call"}) {
@@ -345,7 +366,7 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
   if (absl::Status s = CheckModel(f, context); !s.ok()) return s;
   CompletionRequest out;
   const Json* prompt = f.Get("prompt");
-  if (prompt == nullptr) return Invalid("prompt is required");
+  if (prompt == nullptr) return InvalidAt("prompt", "prompt is required");
   if (absl::Status s = ParsePrompt(*prompt, &out.request); !s.ok()) return s;
   // OpenAI's default for completions is 16 tokens.
   if (absl::Status s = ParseCommon(f, /*chat=*/false, out.request.mutable_sampling(),
@@ -382,7 +403,7 @@ absl::StatusOr<ChatCompletionRequest> ParseChatCompletionRequest(std::string_vie
   if (absl::Status s = CheckModel(f, context); !s.ok()) return s;
   ChatCompletionRequest out;
   const Json* messages = f.Get("messages");
-  if (messages == nullptr) return Invalid("messages is required");
+  if (messages == nullptr) return InvalidAt("messages", "messages is required");
   if (absl::Status s = ParseMessages(*messages, &out.request); !s.ok()) return s;
   // Chat has no length default: the answer runs to its end or the context's.
   if (absl::Status s =
@@ -398,7 +419,7 @@ absl::StatusOr<ChatCompletionRequest> ParseChatCompletionRequest(std::string_vie
   }
   if (const Json* t = f.Get("top_logprobs")) {
     SUBSPACE_ASSIGN_OR_RETURN(v, Int(*t, "top_logprobs", 0, 20));
-    if (!out.logprobs) return Invalid("top_logprobs needs logprobs set to true");
+    if (!out.logprobs) return InvalidAt("top_logprobs", "top_logprobs needs logprobs set to true");
     out.top_logprobs = static_cast<int>(v);
   }
   if (out.logprobs) {
@@ -408,7 +429,8 @@ absl::StatusOr<ChatCompletionRequest> ParseChatCompletionRequest(std::string_vie
   }
   if (const Json* r = f.Get("response_format")) {
     if (!r->is_object()) {
-      return Invalid("response_format must be an object, got ", r->type_name());
+      return InvalidAt("response_format", "response_format must be an object, got ",
+                       r->type_name());
     }
     const auto type = r->find("type");
     if (type == r->end() || !type->is_string() || type->get<std::string>() != "text" ||
@@ -429,12 +451,14 @@ absl::StatusOr<ChatCompletionRequest> ParseChatCompletionRequest(std::string_vie
   }
   if (const Json* k = f.Get("chat_template_kwargs")) {
     if (!k->is_object()) {
-      return Invalid("chat_template_kwargs must be an object, got ", k->type_name());
+      return InvalidAt("chat_template_kwargs", "chat_template_kwargs must be an object, got ",
+                       k->type_name());
     }
     for (auto it = k->begin(); it != k->end(); ++it) {
       if (it->is_structured()) {
-        return Invalid("chat_template_kwargs.", ToValidUtf8(it.key().substr(0, 64)),
-                       " must be a string, number, boolean or null");
+        const std::string param =
+            absl::StrCat("chat_template_kwargs.", ToValidUtf8(it.key().substr(0, 64)));
+        return InvalidAt(param, param, " must be a string, number, boolean or null");
       }
       (*out.request.mutable_template_kwargs())[it.key()] = Dump(*it);
     }
@@ -482,10 +506,17 @@ absl::Status RenameFields(const absl::Status& status, bool chat) {
   for (const auto& [from, to] : chat ? Renames(kChat) : Renames(kGenerate)) {
     if (message.compare(0, from.size(), from) == 0) {
       message = std::string(to) + message.substr(from.size());
-      break;
+      // The message starts with the field it is about ("top_p must be ...", "prompt[3] must
+      // be ..."): that is the error's param.
+      const std::string param = message.substr(0, message.find(' '));
+      return WithParam(absl::Status(status.code(), message), param);
     }
   }
-  return absl::Status(status.code(), message);
+  absl::Status renamed(status.code(), message);
+  if (const auto param = status.GetPayload(kParamPayload); param.has_value()) {
+    renamed.SetPayload(kParamPayload, *param);
+  }
+  return renamed;
 }
 
 int HttpStatusFor(absl::StatusCode code) {
@@ -538,10 +569,11 @@ const char* ErrorType(int http_status) {
   }
 }
 
-std::string ErrorJsonOf(int http_status, std::string_view message, std::string_view code) {
+std::string ErrorJsonOf(int http_status, std::string_view message, std::string_view code,
+                        std::string_view param = {}) {
   Json error = {{"message", std::string(message)},
                 {"type", ErrorType(http_status)},
-                {"param", nullptr},
+                {"param", param.empty() ? Json(nullptr) : Json(std::string(param))},
                 {"code", code.empty() ? Json(nullptr) : Json(std::string(code))}};
   return Dump(Json{{"error", std::move(error)}});
 }
@@ -560,7 +592,9 @@ std::string ErrorJson(const absl::Status& status) {
   } else {
     code = absl::AsciiStrToLower(absl::StatusCodeToString(status.code()));
   }
-  return ErrorJsonOf(http, std::string(status.message()), code);
+  const auto param = status.GetPayload(kParamPayload);
+  return ErrorJsonOf(http, std::string(status.message()), code,
+                     param.has_value() ? std::string(*param) : std::string());
 }
 
 std::string ErrorJsonForHttpStatus(int http_status) {

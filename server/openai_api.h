@@ -26,6 +26,9 @@ namespace subspace::server::openai {
 // Bodies nest no deeper than this (objects and arrays); deeper ones are refused before they are
 // built, so no input can exhaust the stack.
 inline constexpr int kMaxJsonDepth = 16;
+// The status payload naming the request field an INVALID_ARGUMENT is about (a path such as
+// "top_p" or "messages[2].content"), which ErrorJson writes as OpenAI's `param`.
+inline constexpr char kParamPayload[] = "type.subspace.dev/openai-param";
 
 // What the parsers need of the server.
 struct ApiContext {

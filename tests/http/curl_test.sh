@@ -48,6 +48,7 @@ status() { curl -s -o "$work/body" -w '%{http_code}' "$@"; }
 [[ $(status "$api/completions" -d "{\"model\": \"$id\", \"prompt\": \"a\", \"top_p\": 7}") == 400 ]] ||
   fail "bad top_p: $(cat "$work/body")"
 grep -q '"message":"top_p must be in (0, 1], got 7"' "$work/body" || fail "message: $(cat "$work/body")"
+grep -q '"param":"top_p"' "$work/body" || fail "param: $(cat "$work/body")"
 [[ $(status "$api/completions" -d '{"model": "other", "prompt": "a"}') == 404 ]] || fail "model"
 grep -q '"code":"model_not_found"' "$work/body" || fail "code: $(cat "$work/body")"
 head -c 70000 /dev/zero | tr '\0' ' ' >"$work/big"

@@ -249,6 +249,48 @@ TEST(RenameFieldsTest, TheSharedValidationSpeaksThisApi) {
   EXPECT_EQ(RenameFields(absl::NotFoundError("x"), true).code(), absl::StatusCode::kNotFound);
 }
 
+// OpenAI's `param`: the request field an error is about, as the message names it.
+TEST(ErrorJsonTest, ParamNamesTheField) {
+  const auto param = [](const absl::Status& st) {
+    const Json e = Json::parse(ErrorJson(st));
+    return e["error"]["param"].is_null() ? std::string("null")
+                                         : e["error"]["param"].get<std::string>();
+  };
+  const struct {
+    const char* body;
+    const char* param;
+  } cases[] = {
+      {R"({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": "a"})",
+       "top_p"},
+      {R"({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "colour": 1})",
+       "colour"},
+      {R"({"messages": [{"role": "user", "content": "x"}]})", "model"},
+      {R"({"model": "tiny", "messages": []})", "messages"},
+      {R"({"model": "tiny", "messages": [{"content": "x"}]})", "messages[0].role"},
+      {R"({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+          "stream_options": {"include_usage": true}})",
+       "stream_options"},
+      {R"({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+          "chat_template_kwargs": {"a": [1]}})",
+       "chat_template_kwargs.a"},
+  };
+  for (const auto& c : cases) {
+    const absl::StatusOr<ChatCompletionRequest> r = Chat(c.body);
+    ASSERT_FALSE(r.ok()) << c.body;
+    EXPECT_EQ(param(r.status()), c.param) << c.body << "\n  " << r.status();
+  }
+  // The shared validation's messages, renamed: the field is the renamed one.
+  EXPECT_EQ(param(RenameFields(
+                absl::InvalidArgumentError("sampling.top_p must be in (0, 1], got 3"), false)),
+            "top_p");
+  EXPECT_EQ(
+      param(RenameFields(absl::InvalidArgumentError("tokens.ids[3] must be in [0, 9)"), false)),
+      "prompt[3]");
+  // Not about a field: null.
+  EXPECT_EQ(param(absl::ResourceExhaustedError("the queue is full")), "null");
+  EXPECT_EQ(param(absl::InvalidArgumentError("the request body is not valid JSON")), "null");
+}
+
 TEST(ErrorJsonTest, StatusesAndShape) {
   EXPECT_EQ(HttpStatusFor(absl::StatusCode::kInvalidArgument), 400);
   EXPECT_EQ(HttpStatusFor(absl::StatusCode::kUnauthenticated), 401);
