@@ -21,14 +21,8 @@ std::vector<kernels::KvPoolLayout> DeviceTransformKvCache::Layouts(
   for (int l = 0; l < g.n_layers; ++l) {
     kernels::KvPoolLayout layout = kernels::MakeKvPoolLayout(
         g.n_kv_heads, g.head_dim, config.block_size, 1, 1, CoeffDtype::kFp16);
-    int64_t bytes = 0;
-    for (const auto* codes : {config.key_codes.get(), config.value_codes.get()}) {
-      for (int h = 0; h < g.n_kv_heads; ++h) {
-        bytes +=
-            LayOutCodedRun((*codes)[static_cast<size_t>(l * g.n_kv_heads + h)], config.block_size)
-                .run_bytes;
-      }
-    }
+    const int64_t bytes = TransformCodedBlockBytes(*config.key_codes, *config.value_codes, l,
+                                                   g.n_kv_heads, config.block_size);
     layout.slot_bytes = std::max<int64_t>((bytes + 15) / 16 * 16, 16);
     layouts.push_back(layout);
   }
