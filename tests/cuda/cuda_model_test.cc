@@ -1,12 +1,9 @@
 // The CUDA backend end to end against the CPU backend on the default model: the same steps
 // (prefills, a chunked prefill over a cached prefix, decodes of several sequences in one batch)
 // through CudaLlamaModel + DevicePagedKvCache and LlamaModel + PagedKvCache, logits compared
-// after every step; then the engine generating greedily on each. Skips without a device.
-//
-// Tolerance: the CUDA path stores weights, GEMM inputs and the KV cache in fp16 (fp32
-// accumulation), the CPU path keeps fp32 activations and cache, so logits differ by fp16
-// rounding carried through 6 layers: we require max |cuda - cpu| <= 2 % of the step's logit
-// range, and the same argmax wherever the CPU's top-2 margin exceeds 5 % of that range.
+// after every step; then the engine generating greedily on each, and sessions moving between
+// CUDA engines. Skips without a device. The compressed and transform-coded caches are compared
+// in cuda_model_cache_test.cc; the tolerance is cuda_model_pair.h's.
 #include "cuda/cuda_model.h"
 
 #include <cuda_runtime_api.h>
@@ -22,151 +19,20 @@
 #include "absl/synchronization/notification.h"
 #include "core/compress/compressed_kv_cache.h"
 #include "core/compress/transform_calibration.h"
-#include "core/compress/transform_kv_cache.h"
 #include "core/engine/engine.h"
 #include "core/gguf/gguf.h"
 #include "core/kvcache/paged_kv_cache.h"
 #include "core/model/model.h"
 #include "core/model/sampler.h"
 #include "core/tokenizer/tokenizer.h"
-#include "cuda/device_compressed_kv_cache.h"
-#include "cuda/device_transform_kv_cache.h"
 #include "cuda/step_graphs.h"
 #include "tests/core/compress/compressed_kv_cache_test_util.h"
 #include "tests/core/model/tiny_model_util.h"
+#include "tests/cuda/cuda_model_pair.h"
 #include "tests/kernels/cuda_test_util.h"
 
 namespace subspace::cuda {
 namespace {
-
-// SUBSPACE_TEST_MODEL overrides the path (binaries carried to a GPU machine by
-// scripts/gpu_bundle.sh run from another checkout).
-std::string ModelPath() {
-  const char* env = std::getenv("SUBSPACE_TEST_MODEL");
-  return env != nullptr ? env : SUBSPACE_SOURCE_DIR "/models/subspace-tiny.gguf";
-}
-
-struct Pair {
-  std::shared_ptr<LlamaModel> cpu;
-  std::unique_ptr<KvCache> cpu_cache;
-  CudaBackend cuda;
-};
-
-// Both backends on the compressed cache with one installed basis (random orthonormal, rank
-// head_dim / 4: the comparison is of the implementations, not of the basis), sinks 4, window 32.
-// refresh: online refresh on both caches, inline (each publishes at the same steps).
-// outlier_threshold: both caches'. query_readback_bytes: the device's kqsvd query readback.
-Pair OpenCompressed(
-    CoeffDtype coeff_dtype, const RefreshConfig& refresh = {}, float outlier_threshold = 1.0f,
-    int64_t query_readback_bytes = CudaCompressedCacheOptions().query_readback_bytes) {
-  Pair p;
-  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(ModelPath());
-  EXPECT_TRUE(cpu.ok()) << cpu.status();
-  if (!cpu.ok()) return p;
-  p.cpu = *std::move(cpu);
-  const KvCacheGeometry g = p.cpu->config().cache_geometry();
-  const int r = g.head_dim / 4;
-  std::shared_ptr<const Basis> basis = cache_test::OrthoBasis(g, r, r, 17);
-  CompressedKvCacheConfig c;
-  c.geometry = g;
-  c.block_size = 16;
-  c.policy.sink_tokens = 4;
-  c.policy.window_tokens = 32;
-  c.policy.coeff_dtype = coeff_dtype;
-  c.capacity_bytes = int64_t{64} << 20;
-  c.refresh = refresh;
-  c.refresh_inline = true;
-  c.policy.outlier_threshold = outlier_threshold;
-  c.n_query_heads = p.cpu->config().n_heads;
-  absl::StatusOr<std::unique_ptr<CompressedKvCache>> cache = CompressedKvCache::Create(c);
-  EXPECT_TRUE(cache.ok()) << cache.status();
-  if (!cache.ok()) return p;
-  absl::StatusOr<EpochId> epoch = (*cache)->InstallBasis(basis);
-  EXPECT_TRUE(epoch.ok() && (*cache)->SetDefaultEpoch(*epoch).ok());
-  p.cpu_cache = *std::move(cache);
-  CudaCompressedCacheOptions co;
-  co.policy.sink_tokens = 4;
-  co.policy.window_tokens = 32;
-  co.policy.coeff_dtype = coeff_dtype;
-  co.basis = basis;
-  co.refresh = refresh;
-  co.refresh_inline = true;
-  co.basis_capacity = 32;  // every epoch of the refresh test stays live
-  co.policy.outlier_threshold = outlier_threshold;
-  co.query_readback_bytes = query_readback_bytes;
-  absl::StatusOr<CudaBackend> cuda = CreateCudaBackend(*p.cpu, {.max_batch_tokens = 256,
-                                                                .max_sequences = 8,
-                                                                .block_size = 16,
-                                                                .kv_cache_bytes = int64_t{32} << 20,
-                                                                .compressed = co});
-  EXPECT_TRUE(cuda.ok()) << cuda.status();
-  if (cuda.ok()) p.cuda = *std::move(cuda);
-  return p;
-}
-
-Pair Open(int max_batch_tokens = 256, int max_sequences = 8,
-          const std::shared_ptr<const GgufFile>& file = nullptr) {
-  Pair p;
-  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu =
-      file != nullptr ? LlamaModel::Load(file) : LlamaModel::Open(ModelPath());
-  EXPECT_TRUE(cpu.ok()) << cpu.status();
-  if (!cpu.ok()) return p;
-  p.cpu = *std::move(cpu);
-  absl::StatusOr<std::unique_ptr<PagedKvCache>> cache =
-      PagedKvCache::Create({.geometry = p.cpu->config().cache_geometry(),
-                            .block_size = 16,
-                            .capacity_bytes = int64_t{64} << 20});
-  EXPECT_TRUE(cache.ok()) << cache.status();
-  p.cpu_cache = *std::move(cache);
-  absl::StatusOr<CudaBackend> cuda =
-      CreateCudaBackend(*p.cpu, {.max_batch_tokens = max_batch_tokens,
-                                 .max_sequences = max_sequences,
-                                 .block_size = 16,
-                                 .kv_cache_bytes = int64_t{32} << 20});
-  EXPECT_TRUE(cuda.ok()) << cuda.status();
-  if (cuda.ok()) p.cuda = *std::move(cuda);
-  return p;
-}
-
-// Runs `chunks` (seq index, token count) as one step on both backends and compares logits
-// (within `tolerance` of each row's range; negative: only that they are finite).
-void StepBoth(Pair& p, std::vector<SeqId>& cpu_seqs, std::vector<SeqId>& gpu_seqs,
-              const std::vector<std::pair<int, std::vector<int32_t>>>& chunks,
-              const std::string& what, float tolerance = 0.02f) {
-  std::vector<SequenceChunk> cpu_batch, gpu_batch;
-  for (const auto& [s, tokens] : chunks) {
-    const int64_t n = static_cast<int64_t>(tokens.size());
-    ASSERT_TRUE(p.cpu_cache->Reserve(cpu_seqs[s], n).ok());
-    ASSERT_TRUE(p.cuda.cache->Reserve(gpu_seqs[s], n).ok());
-    cpu_batch.push_back({cpu_seqs[s], p.cpu_cache->Length(cpu_seqs[s]), tokens});
-    gpu_batch.push_back({gpu_seqs[s], p.cuda.cache->Length(gpu_seqs[s]), tokens});
-  }
-  std::vector<float> cpu_logits, gpu_logits;
-  ASSERT_TRUE(p.cpu->Forward(cpu_batch, *p.cpu_cache, &cpu_logits).ok());
-  const absl::Status st = p.cuda.model->Forward(gpu_batch, *p.cuda.cache, &gpu_logits);
-  ASSERT_TRUE(st.ok()) << st;
-  ASSERT_EQ(cpu_logits.size(), gpu_logits.size());
-  const int vocab = p.cpu->config().n_vocab;
-  for (size_t r = 0; r * vocab < cpu_logits.size(); ++r) {
-    const float* c = cpu_logits.data() + r * vocab;
-    const float* g = gpu_logits.data() + r * vocab;
-    const auto [lo, hi] = std::minmax_element(c, c + vocab);
-    const float range = *hi - *lo;
-    float worst = 0.0f;
-    for (int i = 0; i < vocab; ++i) {
-      ASSERT_TRUE(std::isfinite(g[i])) << what << " row " << r << " logit " << i;
-      worst = std::max(worst, std::fabs(g[i] - c[i]));
-    }
-    if (tolerance < 0.0f) continue;
-    EXPECT_LE(worst, tolerance * range) << what << " row " << r;
-    std::vector<float> sorted(c, c + vocab);
-    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
-    if (sorted[0] - sorted[1] > 0.05f * range) {
-      EXPECT_EQ(std::max_element(c, c + vocab) - c, std::max_element(g, g + vocab) - g)
-          << what << " row " << r;
-    }
-  }
-}
 
 TEST(CudaModelTest, LogitsMatchTheCpuBackendAcrossPrefillAndDecode) {
   SUBSPACE_REQUIRE_CUDA_DEVICE();
@@ -266,206 +132,6 @@ TEST(CudaModelTest, SlidingWindowModelIsServedUpToItsWindow) {
 INSTANTIATE_TEST_SUITE_P(Families, CudaModelFamilyTest, ::testing::Values("qwen2", "qwen3", "phi3"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
-                         });
-
-// The compressed cache on both backends: prefills long enough to leave the window, a second
-// chunk over a compressed history (expanded into scratch pages for the prefill kernel), then
-// decodes whose attention runs over mixed blocks while more blocks are coded step by step.
-class CudaModelCompressedTest : public ::testing::TestWithParam<CoeffDtype> {};
-
-void CompareMixedSteps(Pair& p) {
-  std::vector<SeqId> cpu_seqs, gpu_seqs;
-  for (int s = 0; s < 3; ++s) {
-    cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
-    gpu_seqs.push_back(*p.cuda.cache->CreateSequence());
-  }
-  const auto tokens = [](int n, int salt) {
-    std::vector<int32_t> t;
-    for (int i = 0; i < n; ++i) t.push_back(1 + (i * 37 + salt * 101) % 900);
-    return t;
-  };
-  StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(100, 0)}, {1, tokens(70, 1)}}, "prefill");
-  EXPECT_GT(p.cuda.cache->Stats().bytes_used_compressed, 0);
-  StepBoth(p, cpu_seqs, gpu_seqs, {{0, {42}}, {1, tokens(60, 2)}, {2, tokens(90, 3)}}, "history");
-  for (int step = 0; step < 40; ++step) {
-    StepBoth(p, cpu_seqs, gpu_seqs,
-             {{0, {static_cast<int32_t>(3 + step)}},
-              {1, {static_cast<int32_t>(50 + step)}},
-              {2, {static_cast<int32_t>(400 + step)}}},
-             "decode " + std::to_string(step));
-  }
-  // Truncation into a compressed block on both, then more decoding.
-  ASSERT_TRUE(p.cpu_cache->Truncate(cpu_seqs[0], 57).ok());
-  ASSERT_TRUE(p.cuda.cache->Truncate(gpu_seqs[0], 57).ok());
-  StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(9, 4)}, {1, {5}}}, "after truncation");
-}
-
-TEST_P(CudaModelCompressedTest, LogitsMatchTheCpuCompressedCache) {
-  SUBSPACE_REQUIRE_CUDA_DEVICE();
-  Pair p = OpenCompressed(GetParam());
-  ASSERT_NE(p.cuda.model, nullptr);
-  CompareMixedSteps(p);
-  const KvCacheStats st = p.cuda.cache->Stats();
-  EXPECT_LT(st.bytes_used_full + st.bytes_used_compressed, st.bytes_full_fp16_equivalent);
-}
-
-// The transform-coded cache on both backends (sinks 4, window 32), codes fitted on the model's
-// own keys and values at 3 / 2 bits, keys coded before or after RoPE: the same mixed steps.
-class CudaModelTransformTest : public ::testing::TestWithParam<bool> {};
-
-TEST_P(CudaModelTransformTest, LogitsMatchTheCpuTransformCache) {
-  SUBSPACE_REQUIRE_CUDA_DEVICE();
-  const bool pre_rope = GetParam();
-  Pair p;
-  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(ModelPath());
-  ASSERT_TRUE(cpu.ok()) << cpu.status();
-  p.cpu = *std::move(cpu);
-  std::vector<int32_t> text;
-  for (int i = 0; i < 600; ++i) text.push_back(1 + (i * 7919 + i / 13) % 900);
-  absl::StatusOr<KvRows> rows = CollectKvRows(*p.cpu, text, {.window = 200});
-  ASSERT_TRUE(rows.ok()) << rows.status();
-  absl::StatusOr<TransformCodes> codes =
-      FitTransformCodes(*rows, {.key_bits = 3.0, .value_bits = 2.0, .pre_rope_keys = pre_rope});
-  ASSERT_TRUE(codes.ok()) << codes.status();
-  TransformKvCacheConfig c;
-  c.geometry = p.cpu->config().cache_geometry();
-  c.block_size = 16;
-  c.sink_tokens = 4;
-  c.window_tokens = 32;
-  c.key_codes = codes->keys;
-  c.value_codes = codes->values;
-  if (pre_rope) c.key_rope = rows->rope;
-  c.capacity_bytes = int64_t{64} << 20;
-  absl::StatusOr<std::unique_ptr<TransformKvCache>> cache = TransformKvCache::Create(c);
-  ASSERT_TRUE(cache.ok()) << cache.status();
-  p.cpu_cache = *std::move(cache);
-  absl::StatusOr<CudaBackend> cuda = CreateCudaBackend(
-      *p.cpu, {.max_batch_tokens = 256,
-               .max_sequences = 8,
-               .block_size = 16,
-               .kv_cache_bytes = int64_t{32} << 20,
-               .transform = CudaTransformCacheOptions{.sink_tokens = 4,
-                                                      .window_tokens = 32,
-                                                      .key_codes = codes->keys,
-                                                      .value_codes = codes->values,
-                                                      .pre_rope_keys = pre_rope}});
-  ASSERT_TRUE(cuda.ok()) << cuda.status();
-  p.cuda = *std::move(cuda);
-  CompareMixedSteps(p);
-  auto* device_cache = dynamic_cast<DeviceTransformKvCache*>(p.cuda.cache.get());
-  ASSERT_NE(device_cache, nullptr);
-  EXPECT_GT(device_cache->Detail().blocks_coded, 0);
-  // The same blocks are coded on both, in fewer bytes than fp16.
-  const KvCacheStats gpu = p.cuda.cache->Stats(), host = p.cpu_cache->Stats();
-  EXPECT_EQ(gpu.tokens_cached, host.tokens_cached);
-  EXPECT_LT(gpu.bytes_used_full + gpu.bytes_used_compressed, gpu.bytes_full_fp16_equivalent);
-}
-
-INSTANTIATE_TEST_SUITE_P(Keys, CudaModelTransformTest, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return info.param ? std::string("PreRope") : std::string("PostRope");
-                         });
-
-// Outliers: at a threshold this low every coded token is one, in every layer on both caches
-// (the device decides for all layers at once, the CPU per layer: here they agree), so the
-// detection, the moves into outlier pages, decode attention through the masks, the prefill
-// scratch and the truncation putting outliers back all run against the CPU cache.
-TEST_P(CudaModelCompressedTest, OutlierTokensMatchTheCpuCompressedCache) {
-  SUBSPACE_REQUIRE_CUDA_DEVICE();
-  Pair p = OpenCompressed(GetParam(), {}, /*outlier_threshold=*/1e-3f);
-  ASSERT_NE(p.cuda.model, nullptr);
-  CompareMixedSteps(p);
-  auto* device_cache = dynamic_cast<DeviceCompressedKvCache*>(p.cuda.cache.get());
-  ASSERT_NE(device_cache, nullptr);
-  const DeviceCompressedKvCacheDetail detail = device_cache->Detail();
-  EXPECT_GT(detail.outlier_tokens, 0);
-  EXPECT_EQ(detail.outlier_tokens, detail.blocks_compressed * 16);
-  EXPECT_EQ(detail.outliers_dropped, 0);
-  EXPECT_GT(p.cuda.cache->Stats().bytes_used_outlier, 0);
-}
-
-// Online refresh on both caches (pca every two blocks, no compaction: every epoch stays). The
-// device reads the compressed blocks back and the refresher publishes at the next Flush that
-// finds the copy landed; the test waits for the device between steps, so that is the next
-// step's first Flush, before its Commits: the same steps as the CPU cache's installs.
-TEST_P(CudaModelCompressedTest, OnlineRefreshInstallsTheCpuCachesEpochs) {
-  SUBSPACE_REQUIRE_CUDA_DEVICE();
-  RefreshConfig refresh;
-  refresh.method = RefreshMethod::kPca;
-  refresh.every_tokens = 32;
-  refresh.max_epochs = 32;
-  Pair p = OpenCompressed(GetParam(), refresh);
-  ASSERT_NE(p.cuda.model, nullptr);
-  std::vector<SeqId> cpu_seqs, gpu_seqs;
-  for (int s = 0; s < 2; ++s) {
-    cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
-    gpu_seqs.push_back(*p.cuda.cache->CreateSequence());
-  }
-  std::vector<int32_t> prompt;
-  for (int i = 0; i < 90; ++i) prompt.push_back(1 + (i * 53) % 900);
-  StepBoth(p, cpu_seqs, gpu_seqs, {{0, prompt}, {1, {prompt.begin(), prompt.begin() + 70}}},
-           "prefill");
-  for (int step = 0; step < 120; ++step) {
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    StepBoth(p, cpu_seqs, gpu_seqs,
-             {{0, {static_cast<int32_t>(3 + step)}}, {1, {static_cast<int32_t>(500 + step)}}},
-             "decode " + std::to_string(step));
-  }
-  const KvCacheStats cpu = p.cpu_cache->Stats(), gpu = p.cuda.cache->Stats();
-  EXPECT_GE(gpu.refresh.installed, 4);
-  EXPECT_EQ(gpu.refresh.installed, cpu.refresh.installed);
-  EXPECT_EQ(gpu.epochs_live, cpu.epochs_live);
-}
-
-// KQ-SVD refresh: the device reads every kqsvd sequence's query rows back after each step and
-// hands them to the same refresher; both caches install epochs at the same steps and stay within
-// the logits tolerance (the queries differ by fp16 rounding and GPU arithmetic). With a readback
-// of max_sequences rows only, the prefill chunks are read back as weighted subsets: epochs land
-// at the same steps (they are counted by blocks), the bases differ somewhat, logits stay finite.
-TEST_P(CudaModelCompressedTest, KqsvdRefreshReadsTheQueriesBack) {
-  SUBSPACE_REQUIRE_CUDA_DEVICE();
-  RefreshConfig refresh;
-  refresh.method = RefreshMethod::kKqsvd;
-  refresh.every_tokens = 32;
-  refresh.max_epochs = 32;
-  for (const bool tight : {false, true}) {
-    SCOPED_TRACE(tight ? "readback of max_sequences rows" : "every query read back");
-    std::unique_ptr<LlamaModel> probe = *LlamaModel::Open(ModelPath());
-    const ModelConfig& m = probe->config();
-    const int64_t row_bytes = int64_t{m.n_layers} * m.n_heads * m.head_dim * 2;
-    Pair p = OpenCompressed(GetParam(), refresh, 1.0f,
-                            tight ? row_bytes : CudaCompressedCacheOptions().query_readback_bytes);
-    ASSERT_NE(p.cuda.model, nullptr);
-    std::vector<SeqId> cpu_seqs, gpu_seqs;
-    for (int s = 0; s < 2; ++s) {
-      cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
-      gpu_seqs.push_back(*p.cuda.cache->CreateSequence());
-    }
-    const float tolerance = tight ? -1.0f : 0.02f;
-    std::vector<int32_t> prompt;
-    for (int i = 0; i < 90; ++i) prompt.push_back(1 + (i * 53) % 900);
-    StepBoth(p, cpu_seqs, gpu_seqs, {{0, prompt}, {1, {prompt.begin(), prompt.begin() + 70}}},
-             "prefill", tolerance);
-    // A second prefill chunk once both sequences refresh (want queries), then decodes.
-    StepBoth(p, cpu_seqs, gpu_seqs, {{0, {prompt.begin(), prompt.begin() + 40}}}, "chunk",
-             tolerance);
-    for (int step = 0; step < 100; ++step) {
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      StepBoth(p, cpu_seqs, gpu_seqs,
-               {{0, {static_cast<int32_t>(3 + step)}}, {1, {static_cast<int32_t>(500 + step)}}},
-               "decode " + std::to_string(step), tolerance);
-    }
-    const KvCacheStats cpu = p.cpu_cache->Stats(), gpu = p.cuda.cache->Stats();
-    EXPECT_GE(gpu.refresh.installed, 4);
-    EXPECT_EQ(gpu.refresh.installed, cpu.refresh.installed);
-    EXPECT_EQ(gpu.refresh.observations_dropped, 0);
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Codes, CudaModelCompressedTest,
-                         ::testing::Values(CoeffDtype::kFp16, CoeffDtype::kInt8),
-                         [](const ::testing::TestParamInfo<CoeffDtype>& info) {
-                           return std::string(CoeffDtypeName(info.param));
                          });
 
 TEST(CudaModelTest, AllLogitsRowsMatch) {

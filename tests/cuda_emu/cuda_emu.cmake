@@ -36,8 +36,8 @@ gtest_discover_tests(cuda_emu_test DISCOVERY_TIMEOUT 60 PROPERTIES LABELS emu)
 
 foreach(src ${SUBSPACE_GPU_TESTS})
   get_filename_component(name ${src} NAME_WE)
-  if(name STREQUAL "cuda_model_test")
-    continue()  # below: it also needs the emulated backend and cuBLAS
+  if(name MATCHES "^cuda_model(_cache)?_test$")
+    continue()  # below: they also need the emulated backend and cuBLAS
   endif()
   add_executable(${name}_emu ${src})
   target_link_libraries(${name}_emu PRIVATE subspace_kernels_emu subspace_kernel_twins
@@ -48,10 +48,10 @@ foreach(src ${SUBSPACE_GPU_TESTS})
                        PROPERTIES LABELS emu)
 endforeach()
 
-# The CUDA backend end to end (cuda_model_test) on the emulated device: its host code as is, the
-# kernels emulated, cuBLAS replaced by tests/cuda_emu/cublas_emu.cc, built as
-# libcublas.so.<major> in a directory the test puts first on the loader's path, so cuda/gemm.cc
-# loads it as it loads cuBLAS.
+# The CUDA backend end to end (cuda_model_test, cuda_model_cache_test) on the emulated device:
+# its host code as is, the kernels emulated, cuBLAS replaced by tests/cuda_emu/cublas_emu.cc,
+# built as libcublas.so.<major> in a directory the test puts first on the loader's path, so
+# cuda/gemm.cc loads it as it loads cuBLAS.
 add_library(subspace_cuda_backend_emu STATIC ${SUBSPACE_CUDA_BACKEND_SOURCES})
 target_link_libraries(subspace_cuda_backend_emu
   PUBLIC subspace_kernels_emu subspace_cuda_host subspace_core ${CMAKE_DL_LIBS})
@@ -64,14 +64,16 @@ set_target_properties(cublas_emu PROPERTIES
   SUFFIX ".so.${CUDAToolkit_VERSION_MAJOR}"
   LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests/cuda_emu_lib)
 
-add_executable(cuda_model_test_emu ${CMAKE_CURRENT_SOURCE_DIR}/cuda/cuda_model_test.cc)
-add_dependencies(cuda_model_test_emu cublas_emu)
-target_link_libraries(cuda_model_test_emu PRIVATE subspace_cuda_backend_emu subspace_kernel_twins
-                                                  subspace_test_util GTest::gtest_main)
-target_compile_definitions(cuda_model_test_emu PRIVATE SUBSPACE_CUDA_EMULATOR=1)
-# libcublas.so.N resolves subspace::emu::Submit from the executable.
-set_target_properties(cuda_model_test_emu PROPERTIES
-  RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests ENABLE_EXPORTS ON)
-gtest_discover_tests(cuda_model_test_emu DISCOVERY_TIMEOUT 60 TEST_SUFFIX .emu
-                     PROPERTIES LABELS emu
-                                ENVIRONMENT LD_LIBRARY_PATH=${CMAKE_BINARY_DIR}/tests/cuda_emu_lib)
+foreach(name cuda_model_test cuda_model_cache_test)
+  add_executable(${name}_emu ${CMAKE_CURRENT_SOURCE_DIR}/cuda/${name}.cc)
+  add_dependencies(${name}_emu cublas_emu)
+  target_link_libraries(${name}_emu PRIVATE subspace_cuda_backend_emu subspace_kernel_twins
+                                            subspace_test_util GTest::gtest_main)
+  target_compile_definitions(${name}_emu PRIVATE SUBSPACE_CUDA_EMULATOR=1)
+  # libcublas.so.N resolves subspace::emu::Submit from the executable.
+  set_target_properties(${name}_emu PROPERTIES
+    RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests ENABLE_EXPORTS ON)
+  gtest_discover_tests(${name}_emu DISCOVERY_TIMEOUT 60 TEST_SUFFIX .emu
+                       PROPERTIES LABELS emu
+                                  ENVIRONMENT LD_LIBRARY_PATH=${CMAKE_BINARY_DIR}/tests/cuda_emu_lib)
+endforeach()
