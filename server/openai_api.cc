@@ -139,9 +139,11 @@ absl::Status CheckModel(Fields& f, const ApiContext& context) {
   if (model == nullptr) return InvalidAt("model", "model is required (GET /v1/models lists it)");
   SUBSPACE_ASSIGN_OR_RETURN(name, String(*model, "model"));
   if (name != context.model_id) {
-    return absl::NotFoundError(absl::StrCat("the model '", ToValidUtf8(name.substr(0, 128)),
-                                            "' does not exist; this server serves '",
-                                            context.model_id, "'"));
+    absl::Status status = absl::NotFoundError(
+        absl::StrCat("the model '", ToValidUtf8(name.substr(0, 128)),
+                     "' does not exist; this server serves '", context.model_id, "'"));
+    status.SetPayload(kCodePayload, absl::Cord(std::string("model_not_found")));
+    return status;
   }
   return absl::OkStatus();
 }
@@ -479,6 +481,17 @@ absl::StatusOr<SessionCreateRequest> ParseSessionCreateRequest(std::string_view 
   return out;
 }
 
+namespace {
+
+// `to` with every payload of `from` (the param, the error code).
+absl::Status KeepPayloads(const absl::Status& from, absl::Status to) {
+  from.ForEachPayload(
+      [&to](auto type_url, const absl::Cord& payload) { to.SetPayload(type_url, payload); });
+  return to;
+}
+
+}  // namespace
+
 absl::Status RenameFields(const absl::Status& status, bool chat) {
   if (status.ok()) return status;
   std::string message(status.message());
@@ -504,14 +517,10 @@ absl::Status RenameFields(const absl::Status& status, bool chat) {
       // The message starts with the field it is about ("top_p must be ...", "prompt[3] must
       // be ..."): that is the error's param.
       const std::string param = message.substr(0, message.find(' '));
-      return WithParam(absl::Status(status.code(), message), param);
+      return WithParam(KeepPayloads(status, absl::Status(status.code(), message)), param);
     }
   }
-  absl::Status renamed(status.code(), message);
-  if (const auto param = status.GetPayload(kParamPayload); param.has_value()) {
-    renamed.SetPayload(kParamPayload, *param);
-  }
-  return renamed;
+  return KeepPayloads(status, absl::Status(status.code(), message));
 }
 
 }  // namespace subspace::server::openai

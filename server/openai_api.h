@@ -29,6 +29,9 @@ inline constexpr int kMaxJsonDepth = 16;
 // The status payload naming the request field an INVALID_ARGUMENT is about (a path such as
 // "top_p" or "messages[2].content"), which ErrorJson writes as OpenAI's `param`.
 inline constexpr char kParamPayload[] = "type.subspace.dev/openai-param";
+// The status payload carrying OpenAI's error `code` where the status code alone does not say it
+// ("model_not_found" for a NOT_FOUND about the model, not a session); ErrorJson writes it.
+inline constexpr char kCodePayload[] = "type.subspace.dev/openai-code";
 
 // What the parsers need of the server.
 struct ApiContext {

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "nlohmann/json.hpp"
@@ -83,8 +82,8 @@ std::string ErrorJsonOf(int http_status, std::string_view message, std::string_v
 std::string ErrorJson(const absl::Status& status) {
   const int http = HttpStatusFor(status.code());
   std::string code;
-  if (absl::IsNotFound(status) && absl::StrContains(status.message(), "model")) {
-    code = "model_not_found";
+  if (const auto named = status.GetPayload(kCodePayload); named.has_value()) {
+    code = std::string(*named);
   } else if (http == 401) {
     code = "invalid_api_key";
   } else if (http == 429) {

@@ -217,6 +217,15 @@ TEST(ParseRequestTest, AnotherModelIsNotFound) {
   EXPECT_EQ(HttpStatusFor(r.status().code()), 404);
 }
 
+// Only the model check says model_not_found: another NOT_FOUND whose message happens to name a
+// model (a session id such as "my-model-chat") is a plain not_found.
+TEST(ErrorJsonTest, OnlyTheModelCheckIsModelNotFound) {
+  const Json session = Json::parse(
+      ErrorJson(absl::NotFoundError("session 'my-model-chat' does not exist (or has expired)")));
+  EXPECT_EQ(session["error"]["code"], "not_found");
+  EXPECT_EQ(session["error"]["type"], "invalid_request_error");
+}
+
 TEST(ParseSessionCreateRequestTest, OptionalFields) {
   absl::StatusOr<SessionCreateRequest> r = ParseSessionCreateRequest("");
   ASSERT_TRUE(r.ok());
