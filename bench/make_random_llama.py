@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+sys.path.insert(0, os.path.join(HERE, "..", "tools", "gguf"))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "reference"))
 from gguf_writer import GgufWriter, TensorType  # noqa: E402
 from make_reference import tokenizer_metadata  # noqa: E402

@@ -1,7 +1,7 @@
 // Unicode facts the tokenizers need: UTF-8 decoding that never fails (a byte that is not part
 // of a valid sequence becomes its own unit, shown to patterns as U+FFFD), the general category
 // of a code point and the White_Space property. The tables are generated from the same
-// python3-regex module the tests use as the oracle (tools/gen_unicode_tables.py).
+// python3-regex module the tests use as the oracle (tools/unicode/gen_unicode_tables.py).
 #ifndef SUBSPACE_CORE_TOKENIZER_UNICODE_H_
 #define SUBSPACE_CORE_TOKENIZER_UNICODE_H_
 
@@ -13,7 +13,7 @@
 
 namespace subspace::unicode {
 
-// Values match tools/gen_unicode_tables.py's CATEGORIES; kCn (unassigned) is 0.
+// Values match tools/unicode/gen_unicode_tables.py's CATEGORIES; kCn (unassigned) is 0.
 // clang-format off
 enum GeneralCategory : uint8_t {
   kCn, kLu, kLl, kLt, kLm, kLo, kMn, kMc, kMe, kNd, kNl, kNo, kPc, kPd, kPs,

@@ -1,6 +1,6 @@
 """Independent float64 NumPy Llama forward pass, the oracle for the C++ model's logits.
 
-Reads the GGUF with its own small parser (it shares no code with core/ nor tools/gguf_writer.py,
+Reads the GGUF with its own small parser (it shares no code with core/ nor tools/gguf/gguf_writer.py,
 so a bug in either writer or engine cannot hide behind the same bug here) and runs a plain,
 uncached, causal forward over a whole token sequence.
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the fixtures of the model reference tests: small random-weight Llama, Qwen2, Qwen3 and
 Phi-3 GGUFs (written
-with tools/gguf_writer.py) and their float64 NumPy logits (tests/reference/llama_numpy.py).
+with tools/gguf/gguf_writer.py) and their float64 NumPy logits (tests/reference/llama_numpy.py).
 
     make_reference.py --out DIR
 
@@ -24,7 +24,7 @@ except ImportError:  # a Python without NumPy first on PATH (pyenv): use Debian'
     raise
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tools", "gguf"))
 sys.path.insert(0, HERE)
 from gguf_writer import GgufType, GgufWriter, TensorType  # noqa: E402
 from llama_numpy import LlamaNumpy  # noqa: E402

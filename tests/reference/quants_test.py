@@ -2,7 +2,7 @@
 """The Python side of the quantized types, against ggml's numbers (tests/data/quants/):
 
 - the NumPy reference's decoders (llama_numpy.py) turn ggml's bytes into ggml's values;
-- the writer's quantizers (tools/gguf_quants.py) produce blocks that those decoders read back
+- the writer's quantizers (tools/gguf/gguf_quants.py) produce blocks that those decoders read back
   close to the input (round trip), for every type.
 
     python3 tests/reference/quants_test.py
@@ -16,7 +16,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "gguf"))
 sys.path.insert(0, HERE)
 import gguf_quants  # noqa: E402
 from llama_numpy import _decode  # noqa: E402

@@ -12,7 +12,7 @@ import sentencepiece as spm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "gguf"))
 from gguf_writer import GgufType, GgufWriter, TensorType  # noqa: E402
 from model import load_checkpoint  # noqa: E402
 

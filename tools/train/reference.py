@@ -21,7 +21,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "gguf"))
 import eval_lib  # noqa: E402
 from gguf_writer import GgufReader  # noqa: E402
 from model import Config, Llama, load_checkpoint  # noqa: E402

@@ -1,5 +1,5 @@
 """Quantizers for the GGUF block types, for writing test and benchmark models with our own GGUF
-writer (tools/gguf_writer.py): q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl.
+writer (tools/gguf/gguf_writer.py): q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl.
 
 The byte layouts are ggml's (ggml-common.h); the choice of scales is plain round-to-nearest on
 each block's range, simpler than llama-quantize's error-minimising search, so files written here
