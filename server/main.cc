@@ -113,6 +113,10 @@ ABSL_FLAG(int32_t, max_running, 16, "sequences admitted to the batch at once");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens per engine step (decodes + prefill chunks)");
 ABSL_FLAG(int32_t, max_queue, 256, "waiting requests; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, max_sessions, 1024, "live sessions; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, prompt_cache_entries, 8,
+          "caches of finished requests without a session kept for a later one that starts with "
+          "the same tokens (a client resending its conversation, a shared system prompt), which "
+          "then prefills only the rest; 0 frees them at once. The pool reclaims them first");
 ABSL_FLAG(int32_t, session_ttl_seconds, 600, "idle time after which a session is dropped");
 ABSL_FLAG(int32_t, drain_seconds, 30, "on SIGTERM, how long running requests may take to finish");
 ABSL_FLAG(std::string, session_dir, "",
@@ -232,6 +236,7 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.engine.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   c.engine.max_queue = absl::GetFlag(FLAGS_max_queue);
   c.engine.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  c.engine.prompt_cache_entries = absl::GetFlag(FLAGS_prompt_cache_entries);
   c.engine.default_session_ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
   c.drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
   c.session_dir = absl::GetFlag(FLAGS_session_dir);

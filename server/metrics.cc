@@ -216,6 +216,13 @@ class Metrics::EngineCollector : public prometheus::Collectable {
           s.running);
     gauge("subspace_requests_waiting", "Requests queued for admission.", s.waiting);
     gauge("subspace_sessions_active", "Sessions alive (busy or idle).", s.sessions);
+    gauge("subspace_prompt_cache_entries",
+          "Finished stateless requests whose caches are kept for a later request that starts "
+          "the same way (--prompt-cache-entries).",
+          s.prompt_cache_entries);
+    counter("subspace_prompt_cache_hits_total",
+            "Stateless requests that took over a kept cache and prefilled only the rest.",
+            static_cast<double>(s.prompt_cache_hits_total));
     gauge("subspace_kv_pool_capacity_bytes", "KV cache pool size, allocated at start-up.",
           static_cast<double>(c.bytes_total));
     out.push_back(Family("subspace_kv_pool_used_bytes",

@@ -84,6 +84,10 @@ absl::Status ValidateConfig(const ServerAppConfig& c) {
         "got ",
         e.max_running, ", ", e.max_batch_tokens, ", ", e.max_queue, ", ", e.max_sessions));
   }
+  if (e.prompt_cache_entries < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--prompt-cache-entries must be >= 0, got ", e.prompt_cache_entries));
+  }
   if (e.default_session_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--session-ttl-seconds must be > 0");
   }

@@ -182,10 +182,16 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
     }
     kept = std::min(kept, shared);
   }
+  // A stateless request may take over a kept cache that starts as its prompt does.
+  PromptCacheEntry reuse;
+  if (session == nullptr)
+    reuse = TakePromptCacheLocked(request.prompt, request.session_owner, &shared);
+  if (reuse.seq >= 0) kept = shared;
   const int64_t history =
       session == nullptr || replaces ? 0 : static_cast<int64_t>(session->tokens.size());
   const int64_t total = history + static_cast<int64_t>(request.prompt.size());
   if (total >= mc.context_length) {
+    if (reuse.seq >= 0) FreeSeqLocked(reuse.seq);
     return absl::InvalidArgumentError(absl::StrFormat(
         "prompt: %d tokens (session history %d + prompt %d) leave no room to generate in the "
         "context of %d",
@@ -205,17 +211,22 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
   const RequestId id = next_id_;
   // The longest the sequence gets in the cache: the last generated token is never written (a
   // prefill-only request writes its whole prompt).
-  absl::Status added = scheduler_->Add(
-      id, total, total + std::max<int64_t>(max_new - 1, 0), session == nullptr ? -1 : session->seq,
-      session == nullptr || session->seq < 0 ? 0 : kept,
-      session != nullptr && session->refresh ? &*session->refresh : nullptr);
-  if (!added.ok()) return added;
+  const SeqId seq = session != nullptr ? session->seq : reuse.seq;
+  absl::Status added =
+      scheduler_->Add(id, total, total + std::max<int64_t>(max_new - 1, 0), seq, seq < 0 ? 0 : kept,
+                      session != nullptr && session->refresh ? &*session->refresh : nullptr);
+  if (!added.ok()) {
+    if (reuse.seq >= 0) FreeSeqLocked(reuse.seq);
+    return added;
+  }
+  if (reuse.seq >= 0) ++prompt_cache_hits_;
   ++next_id_;
 
   auto r = std::make_unique<Request>(id, request.sampling, *tokenizer_, strip_leading_space,
                                      std::move(request.stop));
   r->observer = std::move(observer);
   r->session_id = std::move(request.session_id);
+  r->owner = std::move(request.session_owner);
   r->tokens = std::move(tokens);
   // A replaced conversation counts what it added past the shared prefix as its prompt.
   r->prompt_tokens = static_cast<int64_t>(request.prompt.size()) - (replaces ? shared : 0);
@@ -258,6 +269,8 @@ EngineStats Engine::Impl::Stats() const {
   s.running = scheduler_->running();
   s.waiting = scheduler_->waiting();
   s.sessions = sessions_.size();
+  s.prompt_cache_entries = static_cast<int>(prompt_cache_.size());
+  s.prompt_cache_hits_total = prompt_cache_hits_;
   s.preemptions_total = scheduler_->preemptions_total();
   s.steps_total = steps_total_;
   s.cache = cache_stats_;
@@ -452,6 +465,14 @@ void Engine::Impl::FinishLocked(Request& r, FinishReason reason, absl::Status st
     session->active_request = 0;
     session->last_used = now;
     next_session_expiry_ = std::min(next_session_expiry_, now + session->idle_ttl);
+  } else if (removed.seq >= 0 && r.session_id.empty() && config_.prompt_cache_entries > 0 &&
+             removed.num_cached > 0 && !stop_) {
+    // A stateless request's cache stays for a later request that starts the same way.
+    prompt_cache_.push_front({removed.seq, std::move(r.tokens), removed.num_cached, r.owner});
+    while (static_cast<int>(prompt_cache_.size()) > config_.prompt_cache_entries) {
+      FreeSeqLocked(prompt_cache_.back().seq);
+      prompt_cache_.pop_back();
+    }
   } else if (removed.seq >= 0) {
     FreeSeqLocked(removed.seq);  // a one-shot request, or its session was deleted
   }
@@ -469,6 +490,12 @@ void Engine::Impl::FinishLocked(Request& r, FinishReason reason, absl::Status st
 }
 
 bool Engine::Impl::ReclaimIdleLocked() {
+  // Kept stateless caches go first, oldest first: nobody was promised them.
+  if (!prompt_cache_.empty()) {
+    FreeSeqLocked(prompt_cache_.back().seq);
+    prompt_cache_.pop_back();
+    return true;
+  }
   Session* s = sessions_.LeastRecentlyUsedCached();
   if (s == nullptr) return false;
   if (tiers_ != nullptr && s->cached > 0) {
@@ -480,6 +507,27 @@ bool Engine::Impl::ReclaimIdleLocked() {
   s->seq = -1;
   if (!s->tiered) s->cached = 0;
   return true;
+}
+
+Engine::Impl::PromptCacheEntry Engine::Impl::TakePromptCacheLocked(
+    const std::vector<int32_t>& prompt, std::string_view owner, int64_t* shared) {
+  auto best = prompt_cache_.end();
+  int64_t best_shared = 0;
+  for (auto it = prompt_cache_.begin(); it != prompt_cache_.end(); ++it) {
+    if (it->owner != owner) continue;
+    const int64_t limit = std::min<int64_t>(it->cached, static_cast<int64_t>(prompt.size()) - 1);
+    int64_t n = 0;
+    while (n < limit && it->tokens[static_cast<size_t>(n)] == prompt[static_cast<size_t>(n)]) ++n;
+    if (n > best_shared) {
+      best_shared = n;
+      best = it;
+    }
+  }
+  if (best == prompt_cache_.end() || best_shared < kMinPromptCacheReuse) return {};
+  PromptCacheEntry taken = std::move(*best);
+  prompt_cache_.erase(best);
+  *shared = best_shared;
+  return taken;
 }
 
 void Engine::Impl::FreeSeqLocked(SeqId seq) {

@@ -45,6 +45,12 @@ struct EngineConfig {
   // enabled: they are dropped, and the next call prefills the conversation again. The engine
   // sets max_image_bytes from its pool.
   SessionTierOptions session_tiers;
+  // Stateless requests (no session) whose caches are kept after they finish, most recent first:
+  // a later stateless request of the same owner that starts with at least
+  // kMinPromptCacheReuse of one's tokens (a chat client resending its conversation, a shared
+  // system prompt) takes that cache over and prefills only the rest. 0: freed at once. The
+  // pool reclaims them before any session's blocks.
+  int prompt_cache_entries = 0;
   // Called on the engine thread after each step; must not block.
   std::function<void(const StepStats&)> on_step;
   // Called on the engine thread, without the engine's lock, after a session ended: deleted or
@@ -125,10 +131,15 @@ struct SessionInfo {
   RefreshMethod refresh_method = RefreshMethod::kNone;  // as set at creation (none: the default)
 };
 
+// The shortest common prefix for which a stateless request takes over a kept cache.
+inline constexpr int64_t kMinPromptCacheReuse = 16;
+
 struct EngineStats {
   int running = 0;
   int waiting = 0;
   int sessions = 0;
+  int prompt_cache_entries = 0;         // stateless requests' caches kept (EngineConfig)
+  int64_t prompt_cache_hits_total = 0;  // stateless requests that reused one
   int64_t preemptions_total = 0;
   int64_t steps_total = 0;
   KvCacheStats cache;

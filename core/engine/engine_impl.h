@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -75,6 +76,7 @@ class Engine::Impl {
     const RequestId id;
     std::shared_ptr<GenerateObserver> observer;
     std::string session_id;
+    std::string owner;            // the caller's principal (GenerateRequest::session_owner)
     std::vector<int32_t> tokens;  // session history + prompt + generated
     int64_t prompt_tokens = 0;    // of this request alone
     int64_t max_new = 0;          // clamped to the context left
@@ -93,6 +95,15 @@ class Engine::Impl {
     absl::Time first_scheduled;
     absl::Time last_token;
     GenerateTimings timings;
+  };
+
+  // A finished stateless request's cache, kept for a later one
+  // (EngineConfig::prompt_cache_entries).
+  struct PromptCacheEntry {
+    SeqId seq = -1;
+    std::vector<int32_t> tokens;  // prompt + generated
+    int64_t cached = 0;           // of them in the cache
+    std::string owner;
   };
 
   // Observer calls collected under the lock and made after releasing it, in order.
@@ -133,6 +144,10 @@ class Engine::Impl {
                                           const std::optional<RefreshConfig>& refresh,
                                           bool reclaim);
   void FreeSeqLocked(SeqId seq);
+  // The kept cache sharing the longest prefix (>= kMinPromptCacheReuse, short of the prompt's
+  // last token) with a stateless request's prompt, taken out of prompt_cache_; seq -1: none.
+  PromptCacheEntry TakePromptCacheLocked(const std::vector<int32_t>& prompt, std::string_view owner,
+                                         int64_t* shared);
   Outcome SampleAndDecode(Request& r, std::span<float> logits);
   // The rest of SampleAndDecode, for a token sampled on the device or the host.
   Outcome Decode(Request& r, SampledToken s);
@@ -178,6 +193,8 @@ class Engine::Impl {
   SessionStore sessions_;
   absl::flat_hash_map<RequestId, std::unique_ptr<Request>> requests_;
   std::vector<SeqId> seqs_to_free_;
+  std::list<PromptCacheEntry> prompt_cache_;  // most recently finished first
+  int64_t prompt_cache_hits_ = 0;
   std::vector<std::string> removed_sessions_;  // ended, for on_session_removed (the loop's)
   RequestId next_id_ = 1;
   mutable bool kicked_ = false;  // something for the loop to look at (set through KickLocked)

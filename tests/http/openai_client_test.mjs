@@ -206,6 +206,22 @@ test("a session keeps its cache between turns", async () => {
                        (e) => e instanceof OpenAI.NotFoundError);
 });
 
+test("without a session, a resent conversation reuses the kept cache", async () => {
+  const [{ id: model }] = (await client.models.list()).data;
+  const request = { model, max_tokens: 8, temperature: 0, ignore_eos: true };
+  const turn1 = await client.chat.completions.create({ ...request, messages: MESSAGES });
+  const messages = [
+    ...MESSAGES,
+    { role: "assistant", content: turn1.choices[0].message.content },
+    { role: "user", content: "And then what happened?" },
+  ];
+  const turn2 = await client.chat.completions.create({ ...request, messages });
+  // The server kept turn 1's cache (--prompt-cache-entries): only the new turn is prefilled.
+  const cached = turn2.usage.prompt_tokens_details.cached_tokens;
+  assert.ok(cached >= turn1.usage.prompt_tokens, JSON.stringify(turn2.usage));
+  assert.ok(cached < turn2.usage.prompt_tokens, JSON.stringify(turn2.usage));
+});
+
 test("a client that aborts a stream gets its request cancelled", async () => {
   const [{ id: model }] = (await client.models.list()).data;
   const series = 'subspace_requests_total{finish_reason="cancelled",status="CANCELLED"}';

@@ -126,6 +126,8 @@ TEST_F(ServerOpsTest, MetricsEndpoint) {
            "subspace_requests_running 0",
            "subspace_requests_waiting 0",
            "subspace_sessions_active 0",
+           "subspace_prompt_cache_entries 0",
+           "subspace_prompt_cache_hits_total 0",
            "subspace_kv_pool_capacity_bytes",
            "subspace_kv_pool_used_bytes{kind=\"full\"} 0",
            "subspace_kv_pool_used_bytes{kind=\"compressed\"} 0",
