@@ -182,7 +182,8 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
     }
     kept = std::min(kept, shared);
   }
-  // A stateless request may take over a kept cache that starts as its prompt does.
+  // A stateless request may take over a kept cache that starts as its prompt does (given back
+  // if the request is refused below).
   PromptCacheEntry reuse;
   if (session == nullptr)
     reuse = TakePromptCacheLocked(request.prompt, request.session_owner, &shared);
@@ -191,7 +192,7 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
       session == nullptr || replaces ? 0 : static_cast<int64_t>(session->tokens.size());
   const int64_t total = history + static_cast<int64_t>(request.prompt.size());
   if (total >= mc.context_length) {
-    if (reuse.seq >= 0) FreeSeqLocked(reuse.seq);
+    if (reuse.seq >= 0) prompt_cache_.push_front(std::move(reuse));
     return absl::InvalidArgumentError(absl::StrFormat(
         "prompt: %d tokens (session history %d + prompt %d) leave no room to generate in the "
         "context of %d",
@@ -216,7 +217,8 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
       scheduler_->Add(id, total, total + std::max<int64_t>(max_new - 1, 0), seq, seq < 0 ? 0 : kept,
                       session != nullptr && session->refresh ? &*session->refresh : nullptr);
   if (!added.ok()) {
-    if (reuse.seq >= 0) FreeSeqLocked(reuse.seq);
+    // Back where it was (this thread must not touch the cache: the loop owns it).
+    if (reuse.seq >= 0) prompt_cache_.push_front(std::move(reuse));
     return added;
   }
   if (reuse.seq >= 0) ++prompt_cache_hits_;

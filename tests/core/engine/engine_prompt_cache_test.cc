@@ -2,9 +2,11 @@
 // starts as a finished one did takes its cache over and prefills only the rest, with the tokens
 // a fresh engine gives; short prefixes, other owners, the entry limit and a short pool.
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/engine/engine.h"
@@ -68,6 +70,15 @@ TEST(EnginePromptCacheTest, ShortPrefixesAndOtherOwnersStartFresh) {
   GenerateRequest other = Greedy(a, 4);
   other.session_owner = "someone else";
   EXPECT_EQ(Generate(*engine, other).result.usage.reused_tokens, 0);
+  // A request refused at the door (no room left in the context) leaves the kept caches as
+  // they were.
+  const int entries = engine->Stats().prompt_cache_entries;
+  std::vector<int32_t> too_long = a;
+  too_long.resize(engine->model_config().context_length, a.back());
+  auto obs = std::make_shared<TestObserver>();
+  EXPECT_EQ(engine->Submit(Greedy(too_long, 4), obs).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->Stats().prompt_cache_entries, entries);
   // Its own owner does.
   EXPECT_EQ(Generate(*engine, Greedy(a, 4)).result.usage.reused_tokens,
             static_cast<int64_t>(a.size()) - 1);
