@@ -468,7 +468,8 @@ absl::StatusOr<SoakReport> RunSoak(std::shared_ptr<grpc::Channel> channel,
   } else if (report.blocks_in_use_at_end != 0) {
     report.failures.push_back(absl::StrFormat(
         "%d of %d pool blocks still in use after the soak's sessions were deleted (%d sessions "
-        "left on the server): leaked blocks",
+        "left on the server): leaked blocks, unless the server keeps finished calls' caches "
+        "(--prompt-cache-entries > 0: run it with 0 for this check)",
         report.blocks_in_use_at_end, freed->blocks_total(), freed->sessions()));
   }
   if (config.server_pid > 0) {

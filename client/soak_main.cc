@@ -47,7 +47,8 @@ and prints one row per report interval: calls by status, p50/p99 latency of the 
 ended OK, server RSS (with --server-pid), KV pool blocks in use, tokens cached and sessions.
 At the end it waits for the server to go idle, deletes its sessions and exits 1 if any pool
 block is still in use, the RSS grew past --max-rss-growth-mb, or a call ended with a status
-its kind does not allow. Use a server no other client is using.)";
+its kind does not allow. Use a server no other client is using, started with
+--prompt-cache-entries 0 (it otherwise keeps finished calls' caches on purpose).)";
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "subspace-soak: %s\n", message.c_str());
