@@ -19,7 +19,7 @@ case "$kind" in
   tsan) scope="${2:-sched}" ;;
   *) scope="" ;;
 esac
-sched_tests=(scheduler_test engine_test engine_session_test session_snapshot_test
+sched_tests=(scheduler_test engine_test engine_session_test engine_prompt_cache_test session_snapshot_test
   session_tiers_test engine_tier_test
   online_statistics_test
   compressed_kv_cache_refresh_test
