@@ -91,11 +91,11 @@ TEST(SoakTest, FortyFiveSecondsOnTheDefaultModelPass) {
   BoundAsanQuarantine();
   // No prompt cache: the soak's leak check wants every pool block free at the end, and kept
   // caches of finished stateless calls would hold some on purpose.
-  absl::StatusOr<std::unique_ptr<ServerProcess>> started = ServerProcess::Start(
-      {SUBSPACE_SERVER_BIN, "--model", kDefaultModel, "--host", "127.0.0.1", "--port", "0",
-       "--metrics-port", "-1", "--http-port", "-1", "--log-level", "warn",
-       "--prompt-cache-entries", "0"},
-      absl::Seconds(120));
+  absl::StatusOr<std::unique_ptr<ServerProcess>> started =
+      ServerProcess::Start({SUBSPACE_SERVER_BIN, "--model", kDefaultModel, "--host", "127.0.0.1",
+                            "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
+                            "--log-level", "warn", "--prompt-cache-entries", "0"},
+                           absl::Seconds(120));
   ASSERT_TRUE(started.ok()) << started.status();
   ServerProcess& server = **started;
 
