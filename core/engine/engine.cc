@@ -80,6 +80,17 @@ constexpr absl::Duration kBlockedPoll = absl::Milliseconds(10);
 
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
+// The leading tokens a cached `history` (at most its first `limit`) and a new `prompt` share,
+// short of the prompt's last token: generation needs that token's logits. prompt: not empty.
+int64_t SharedPrefix(const std::vector<int32_t>& history, const std::vector<int32_t>& prompt,
+                     int64_t limit) {
+  const int64_t n = std::min(
+      {limit, static_cast<int64_t>(history.size()), static_cast<int64_t>(prompt.size()) - 1});
+  int64_t i = 0;
+  while (i < n && history[static_cast<size_t>(i)] == prompt[static_cast<size_t>(i)]) ++i;
+  return i;
+}
+
 // Waits on `cv` until `ready()` holds or absl's clock passes `deadline` (which may be
 // absl::InfiniteFuture()); true when ready. Each wait is capped so the conversion to a chrono
 // duration cannot overflow; an early wake-up only re-checks.
@@ -171,15 +182,12 @@ absl::StatusOr<RequestId> Engine::Impl::Submit(GenerateRequest request,
   }
   const bool replaces = session != nullptr && request.prompt_replaces_history;
   // Tokens of the session's cache the new conversation keeps: its common prefix with the old
-  // history, short of the prompt's last token (generation needs that token's logits).
+  // history.
   int64_t kept = session == nullptr ? 0 : session->cached;
   int64_t shared = 0;
   if (replaces) {
-    const size_t limit = std::min(session->tokens.size(), request.prompt.size() - 1);
-    while (static_cast<size_t>(shared) < limit && session->tokens[static_cast<size_t>(shared)] ==
-                                                      request.prompt[static_cast<size_t>(shared)]) {
-      ++shared;
-    }
+    shared =
+        SharedPrefix(session->tokens, request.prompt, static_cast<int64_t>(session->tokens.size()));
     kept = std::min(kept, shared);
   }
   // A stateless request may take over a kept cache that starts as its prompt does (given back
@@ -517,9 +525,7 @@ Engine::Impl::PromptCacheEntry Engine::Impl::TakePromptCacheLocked(
   int64_t best_shared = 0;
   for (auto it = prompt_cache_.begin(); it != prompt_cache_.end(); ++it) {
     if (it->owner != owner) continue;
-    const int64_t limit = std::min<int64_t>(it->cached, static_cast<int64_t>(prompt.size()) - 1);
-    int64_t n = 0;
-    while (n < limit && it->tokens[static_cast<size_t>(n)] == prompt[static_cast<size_t>(n)]) ++n;
+    const int64_t n = SharedPrefix(it->tokens, prompt, it->cached);
     if (n > best_shared) {
       best_shared = n;
       best = it;
