@@ -1,8 +1,9 @@
 // The HTTP API's handlers; see http_server.h. A generation request is an HttpCall: the engine's
 // observer, which queues tokens from the engine thread (never blocking it) for the connection's
-// thread to write. A stream writes what has arrived every time it wakes and, while nothing
-// arrives, checks every kPollInterval that its client is still there: a client that went away
-// has its engine request cancelled within that interval (and its blocks freed within a step).
+// thread to write. A stream writes what has arrived every time it wakes, and both a stream and
+// a unary request check at least every kPollInterval that their client is still there
+// (connection_probe.h): a client that hung up has its engine request cancelled within that
+// interval (and its blocks freed within a step), streamed or not.
 #include "server/http_server.h"
 
 #include <httplib.h>
@@ -23,6 +24,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/connection_probe.h"
 #include "server/generate_calls.h"
 #include "server/openai_api.h"
 #include "server/prepare_request.h"
@@ -445,16 +447,25 @@ class HttpServer::Impl {
     // The id the server's log line and metrics know the request by.
     res.set_header("X-Request-Id", prepared_id);
     const Tokenizer& tokenizer = engine->tokenizer();
+    // This request's connection, to see a client that hangs up (-1 if not found: a stream then
+    // notices at its next failed write, an unary answer when it is written).
+    const int connection = FindConnectionSocket(port_, req.remote_addr, req.remote_port);
     if (!stream) {
       std::vector<GeneratedTokenEvent> tokens;
       std::string text;
       std::optional<GenerateResult> result;
+      bool cancelled = false;
       while (!result.has_value()) {
-        HttpCall::Batch batch = call->Take(std::nullopt);
+        HttpCall::Batch batch =
+            call->Take(connection >= 0 ? std::optional(kPollInterval) : std::nullopt);
         text += batch.text;
         tokens.insert(tokens.end(), std::make_move_iterator(batch.tokens.begin()),
                       std::make_move_iterator(batch.tokens.end()));
         result = std::move(batch.result);
+        if (!result.has_value() && !cancelled && connection >= 0 && PeerHungUp(connection)) {
+          call->Cancel();  // nobody will read the answer: free the engine's slot now
+          cancelled = true;
+        }
       }
       Unregister(call);
       if (absl::Status s = FinishStatus(*result); !s.ok()) return ReplyError(res, s);
@@ -471,8 +482,8 @@ class HttpServer::Impl {
     auto first = std::make_shared<bool>(true);
     res.set_chunked_content_provider(
         "text/event-stream",
-        [call, meta, chat, logprobs, include_usage, first, &tokenizer](size_t,
-                                                                       httplib::DataSink& sink) {
+        [call, meta, chat, logprobs, include_usage, first, connection, &tokenizer](
+            size_t, httplib::DataSink& sink) {
           // The role opens a chat stream at once, before the first token.
           if (chat && *first) {
             *first = false;
@@ -510,8 +521,9 @@ class HttpServer::Impl {
           }
           if (batch.result.has_value()) {
             sink.done();
-          } else if (out.empty() && !sink.is_writable()) {
-            call->Cancel();  // the client went away while nothing was to be written
+          } else if (connection >= 0 ? PeerHungUp(connection)
+                                     : out.empty() && !sink.is_writable()) {
+            call->Cancel();  // the client went away
             return false;
           }
           return true;

@@ -1,7 +1,8 @@
 // The HTTP API of an in-process server on the tiny model, through cpp-httplib's client and raw
 // sockets: the same greedy answer as gRPC, the bad-input matrix (each a 4xx with an OpenAI error
 // body, the server serving on), bearer tokens, a full queue (429 with Retry-After), draining
-// (503), a client that disconnects mid-stream (its request cancelled at once) and /metrics.
+// (503), a client that disconnects mid-stream or before a unary answer (its request cancelled
+// at once) and /metrics.
 // The official OpenAI client drives the same API in tests/http/openai_client_test.mjs.
 #include <httplib.h>
 
@@ -371,6 +372,48 @@ TEST_F(HttpApiTest, ClientThatLeavesMidStreamIsCancelledAtOnce) {
                 .value_or(0),
             1)
       << metrics;
+}
+
+TEST_F(HttpApiTest, UnaryRequestWhoseClientLeavesIsCancelled) {
+  // As above, but not streamed: the client sends the request and hangs up before any answer.
+  server::ServerAppConfig config = HttpConfig();
+  config.engine.on_step = [](const StepStats&) { absl::SleepFor(absl::Milliseconds(5)); };
+  Start(config);
+  const std::string id = Body(client_->Get("/v1/models"))["data"][0]["id"];
+  const Json body = {{"model", id}, {"prompt", "a"}, {"max_tokens", 200}, {"ignore_eos", true}};
+  const int fd = ConnectLoopback(port_);
+  ASSERT_GE(fd, 0);
+  const std::string request = Post("/v1/completions", body.dump());
+  ASSERT_EQ(send(fd, request.data(), request.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(request.size()));
+  // Hang up once the request is running.
+  const absl::Time started = absl::Now() + absl::Seconds(5);
+  while (server_->app().engine().Stats().running == 0 && absl::Now() < started) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(server_->app().engine().Stats().running, 1);
+  close(fd);
+  const absl::Time left = absl::Now();
+  const absl::Time deadline = left + absl::Seconds(5);
+  while (server_->app().engine().Stats().running > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(server_->app().engine().Stats().running, 0);
+  EXPECT_LT(absl::Now() - left, absl::Milliseconds(500));
+  const EngineStats stats = server_->app().engine().Stats();
+  EXPECT_EQ(stats.cache.blocks_free, stats.cache.blocks_total);
+  const std::string metrics = client_->Get("/metrics")->body;
+  EXPECT_EQ(MetricValue(metrics,
+                        "subspace_requests_total{finish_reason=\"cancelled\","
+                        "status=\"CANCELLED\"}")
+                .value_or(0),
+            1)
+      << metrics;
+  // A unary client that stays gets its whole answer, as before.
+  httplib::Result kept = client_->Post("/v1/completions", body.dump(), "application/json");
+  ASSERT_TRUE(kept);
+  EXPECT_EQ(kept->status, 200) << kept->body;
+  EXPECT_EQ(Body(kept)["usage"]["completion_tokens"], 200);
 }
 
 TEST_F(HttpApiTest, HealthAndMetrics) {
