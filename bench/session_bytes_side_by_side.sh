@@ -23,17 +23,9 @@ kinds=${KINDS:-full compressed transform}
 budgets=${BUDGETS:-2.5/1.5 2/1}
 port=51079
 http_port=8191
-server=build/bin/subspace-server
-client=build/bin/subspace
 work=$(mktemp -d)
-pid=""
-cleanup() {
-  if [[ -n $pid ]]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi
-  pid=""
-}
-trap 'cleanup; rm -rf "$work"' EXIT
+source bench/lib.sh
 head -c "$chars" docs/design.md >"$work/prompt.txt"
-field() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))" "$@"; }
 
 echo "# $(date -u +%Y-%m-%d), Subspace $(git rev-parse --short=8 HEAD), llama.cpp" \
   "${LLAMA_COMMIT:-$(git -C "$llama" rev-parse --short=8 HEAD 2>/dev/null || echo unknown)};" \
@@ -46,7 +38,7 @@ echo "|---|---|--:|--:|--:|--:|"
 mkdir -p "$work/slots"
 "$llama/build/bin/llama-server" -m "$model" -t 2 -np 1 -c 4096 --port "$http_port" \
   --slot-save-path "$work/slots" >"$work/llama.log" 2>&1 &
-pid=$!
+server_pid=$!  # server_stop (and the EXIT trap) stop it as they stop ours
 for _ in $(seq 300); do
   curl -sf "http://localhost:$http_port/health" >/dev/null 2>&1 && break
   sleep 1
@@ -58,7 +50,7 @@ curl -sf "http://localhost:$http_port/completion" -H 'Content-Type: application/
   -d @"$work/llama_req.json" >"$work/llama_out.json"
 curl -sf -X POST "http://localhost:$http_port/slots/0?action=save" \
   -H 'Content-Type: application/json' -d '{"filename": "conversation.bin"}' >"$work/llama_save.json"
-cleanup
+server_stop
 ll_tokens=$(field "$work/llama_save.json" "d['n_saved']")
 ll_bytes=$(stat -c %s "$work/slots/conversation.bin")
 ll_per=$(python3 -c "print(f'{$ll_bytes / $ll_tokens:.0f}')")
@@ -80,16 +72,12 @@ for run in "${runs[@]}"; do
     flags+=(--kv-budget "${budget%/*}" --kv-budget-v "${budget#*/}")
   fi
   rm -rf "$work/sessions"
-  "$server" --model "$model" --port $port --http-port -1 --metrics-port -1 \
-    --session-dir "$work/sessions" --log-level info "${flags[@]}" >"$work/ours.log" 2>&1 &
-  pid=$!
-  "$client" --server 127.0.0.1:$port health --wait-seconds 300 >/dev/null
+  server_start "$work/ours.log" --model "$model" --session-dir "$work/sessions" \
+    --log-level info "${flags[@]}"
   id=$("$client" --server 127.0.0.1:$port session create)
   "$client" --server 127.0.0.1:$port --json generate --session "$id" --max-new-tokens "$gen" \
     --prompt "$(cat "$work/prompt.txt")" >"$work/ours.json"
-  kill -TERM "$pid"
-  wait "$pid" || true
-  pid=""
+  server_stop
   # The history saved: prompt and generated tokens (the last one's K/V waits for the next call).
   tokens=$(field "$work/ours.json" "d['usage']['prompt_tokens'] + d['usage']['generated_tokens']")
   bytes=$(sed -n 's/.*saved 1 sessions .* in [0-9.]* s: \([0-9]*\) bytes.*/\1/p' "$work/ours.log")

@@ -11,20 +11,16 @@ model=${1:-models/subspace-long.gguf}
 chars=${2:-3800}
 rounds=${3:-3}
 shift $(( $# < 3 ? $# : 3 ))
-server=build/bin/subspace-server
-client=build/bin/subspace
 port=51077
 work=$(mktemp -d)
-trap 'pkill -f "subspace-server.*--port $port" 2>/dev/null || true; rm -rf "$work"' EXIT
+source bench/lib.sh
 head -c "$chars" docs/design.md > "$work/prompt.txt"
 
 start() {  # logs to $1
-  "$server" --model "$model" --port $port --http-port -1 --metrics-port -1 \
-    --session-dir "$work/sessions" --log-level info "$@" > "$1" 2>&1 &
-  "$client" --server 127.0.0.1:$port health --wait-seconds 120 > /dev/null
+  local log=$1
+  shift
+  server_start "$log" --model "$model" --session-dir "$work/sessions" --log-level info "$@"
 }
-stop() { pkill -TERM -f "subspace-server.*--port $port"; while pgrep -f "subspace-server.*--port $port" > /dev/null; do sleep 0.1; done; }
-field() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))" "$@"; }
 
 printf "%5s %7s | %9s | %9s %10s | %9s | %9s %6s\n" round tokens prefill_s save_s bytes restore_s ttft_s speedup
 results=()
@@ -34,11 +30,11 @@ for r in $(seq 1 "$rounds"); do
   id=$("$client" --server 127.0.0.1:$port session create)
   "$client" --server 127.0.0.1:$port --json generate --session "$id" --max-new-tokens 1 \
     --prompt "$(cat "$work/prompt.txt")" > "$work/first.json"
-  stop
+  server_stop
   start "$work/b.log" "$@"
   "$client" --server 127.0.0.1:$port --json generate --session "$id" --max-new-tokens 1 \
     --prompt " and" > "$work/next.json"
-  stop
+  server_stop
   tokens=$(field "$work/first.json" "d['usage']['prompt_tokens']")
   prefill=$(field "$work/first.json" "d['timings']['time_to_first_token_seconds']")
   ttft=$(field "$work/next.json" "d['timings']['time_to_first_token_seconds']")
