@@ -30,8 +30,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "cli/flags.h"
-#include "core/base/ggml_types.h"
 #include "core/base/int_math.h"
+#include "core/base/tensor_types.h"
 #include "cuda/decode_plan_builder.h"
 #include "kernels/decode_attention.h"
 

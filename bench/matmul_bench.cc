@@ -23,8 +23,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "cli/flags.h"
-#include "core/base/ggml_quants.h"
-#include "core/base/ggml_types.h"
+#include "core/base/quant_blocks.h"
+#include "core/base/tensor_types.h"
 #include "core/base/weight.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/ops.h"
@@ -82,10 +82,10 @@ std::vector<Shape> ParseShapes(const std::string& list) {
   return out;
 }
 
-bool ParseType(absl::string_view name, GgmlType* type) {
+bool ParseType(absl::string_view name, TensorType* type) {
   for (uint32_t id = 0; id < 64; ++id) {
-    const auto t = static_cast<GgmlType>(id);
-    if (IsSupportedGgmlType(id) && name == GgmlTypeName(t)) {
+    const auto t = static_cast<TensorType>(id);
+    if (IsSupportedTensorType(id) && name == TensorTypeName(t)) {
       *type = t;
       return true;
     }
@@ -96,8 +96,8 @@ bool ParseType(absl::string_view name, GgmlType* type) {
 // Copies of one random matrix laid end to end, at least `min_bytes` in all.
 class WeightPool {
  public:
-  WeightPool(GgmlType type, Shape shape, uint64_t min_bytes) {
-    const uint64_t row_bytes = GgmlRowBytes(type, shape.cols);
+  WeightPool(TensorType type, Shape shape, uint64_t min_bytes) {
+    const uint64_t row_bytes = TensorRowBytes(type, shape.cols);
     matrix_bytes_ = row_bytes * shape.rows;
     copies_ = std::max<uint64_t>(1, (min_bytes + matrix_bytes_ - 1) / matrix_bytes_);
     storage_.resize(matrix_bytes_ * copies_);
@@ -106,7 +106,7 @@ class WeightPool {
     uint8_t* first = storage_.data();
     for (int64_t r = 0; r < shape.rows; ++r) {
       uint8_t* row = first + r * row_bytes;
-      if (type == GgmlType::kQ8_0) {
+      if (type == TensorType::kQ8_0) {
         for (int64_t b = 0; b < shape.cols / kQ8BlockSize; ++b) {
           BlockQ8_0 block;
           block.scale_f16 = Fp32ToFp16(0.01f * (1.0f + dist(rng)));
@@ -115,11 +115,11 @@ class WeightPool {
         }
         continue;
       }
-      if (IsQuantizedGgmlType(type)) {
+      if (IsQuantizedTensorType(type)) {
         // Random codes; every fp16 field of each block set to a modest scale. Speed does not
         // depend on the values.
         for (uint64_t i = 0; i < row_bytes; ++i) row[i] = static_cast<uint8_t>(rng());
-        const uint64_t block_bytes = GgmlBlockBytes(type);
+        const uint64_t block_bytes = TensorBlockBytes(type);
         const uint16_t scale = Fp32ToFp16(0.01f);
         uint64_t fields[2];
         const int num_fields = BlockHalfFields(type, fields);
@@ -130,10 +130,10 @@ class WeightPool {
       }
       for (int64_t k = 0; k < shape.cols; ++k) {
         const float v = dist(rng);
-        if (type == GgmlType::kF32) {
+        if (type == TensorType::kF32) {
           std::memcpy(row + 4 * k, &v, 4);
         } else {
-          const uint16_t h = type == GgmlType::kF16 ? Fp32ToFp16(v) : Fp32ToBf16(v);
+          const uint16_t h = type == TensorType::kF16 ? Fp32ToFp16(v) : Fp32ToBf16(v);
           std::memcpy(row + 2 * k, &h, 2);
         }
       }
@@ -274,13 +274,13 @@ int Main() {
               "panel", "best ms", "median ms", "GFLOP/s", "GB/s");
 
   for (absl::string_view type_name : absl::StrSplit(absl::GetFlag(FLAGS_types), ',')) {
-    GgmlType type;
+    TensorType type;
     if (!ParseType(type_name, &type)) {
       std::fprintf(stderr, "unknown type %s\n", std::string(type_name).c_str());
       return 1;
     }
     for (const Shape& shape : ParseShapes(absl::GetFlag(FLAGS_shapes))) {
-      if (type == GgmlType::kQ8_0 && shape.cols % kQ8BlockSize != 0) continue;
+      if (type == TensorType::kQ8_0 && shape.cols % kQ8BlockSize != 0) continue;
       WeightPool pool(type, shape, absl::GetFlag(FLAGS_hot) ? 0 : 256ull << 20);
       for (int64_t n : ParseInts(absl::GetFlag(FLAGS_ns))) {
         std::vector<float> x(n * shape.cols), y(n * shape.rows);
@@ -302,7 +302,7 @@ int Main() {
           const bool prefill = std::strcmp(run.name, "prefill") == 0;
           // Panel size only matters where prefill converts weights.
           const std::vector<int64_t> run_panels =
-              prefill && type != GgmlType::kF32 ? panels : std::vector<int64_t>{0};
+              prefill && type != TensorType::kF32 ? panels : std::vector<int64_t>{0};
           for (int64_t panel : run_panels) {
             internal::SetPrefillPanelRows(panel);
             const Timing t = TimeIt(
@@ -313,7 +313,7 @@ int Main() {
                   run.fn(pool.Next(), x.data(), n, y.data());
                 },
                 min_time);
-            PrintRow(GgmlTypeName(type), shape, n, run.name, panel, t, pool.matrix_bytes());
+            PrintRow(TensorTypeName(type), shape, n, run.name, panel, t, pool.matrix_bytes());
           }
           internal::SetPrefillPanelRows(0);
         }

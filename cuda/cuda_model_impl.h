@@ -13,8 +13,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/base/ggml_types.h"
 #include "core/base/int_math.h"
+#include "core/base/tensor_types.h"
 #include "cuda/cuda_kv_store.h"
 #include "cuda/cuda_model.h"
 #include "cuda/cuda_status.h"
@@ -283,7 +283,7 @@ struct CudaLlamaModel::Impl {
     std::vector<float> row(static_cast<size_t>(w.cols));
     out->reserve(out->size() + static_cast<size_t>(w.rows * w.cols));
     for (int64_t r = 0; r < w.rows; ++r) {
-      if (w.type == GgmlType::kF16) {
+      if (w.type == TensorType::kF16) {
         const auto* src = reinterpret_cast<const uint16_t*>(w.row(r));
         out->insert(out->end(), src, src + w.cols);
         continue;

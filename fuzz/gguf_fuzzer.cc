@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "core/base/ggml_quants.h"
+#include "core/base/quant_blocks.h"
 #include "core/compress/basis_file.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/gguf/gguf.h"
@@ -58,7 +58,7 @@ void Walk(const GgufFile& f) {
 // whatever codes and scales they hold.
 void DecodeRows(const GgufTensorInfo& t) {
   const int64_t cols = t.dims[0];
-  const uint64_t row_bytes = GgmlRowBytes(t.type, cols);
+  const uint64_t row_bytes = TensorRowBytes(t.type, cols);
   if (cols <= 0 || cols > (1 << 16) || row_bytes == 0) return;
   const int64_t rows =
       std::min<int64_t>(t.num_elements / cols, static_cast<int64_t>((64 << 10) / row_bytes) + 1);
@@ -67,9 +67,9 @@ void DecodeRows(const GgufTensorInfo& t) {
     FUZZ_CHECK((r + 1) * row_bytes <= t.num_bytes);
     DequantizeRow(t.type, t.data + r * row_bytes, values.data(), cols);
   }
-  if (!IsQuantizedGgmlType(t.type)) return;
-  const GgmlType act_type = DotActivationType(t.type);
-  std::vector<uint8_t> act(GgmlRowBytes(act_type, cols));
+  if (!IsQuantizedTensorType(t.type)) return;
+  const TensorType act_type = DotActivationType(t.type);
+  std::vector<uint8_t> act(TensorRowBytes(act_type, cols));
   for (int64_t i = 0; i < cols; ++i) values[i] = static_cast<float>(i % 7) - 3.0f;
   QuantizeActivationRow(act_type, values.data(), act.data(), cols);
   const cpu::internal::QuantDotFn dot = cpu::internal::QuantDotKernel(t.type);

@@ -40,12 +40,13 @@ void GgufSeeds(const std::filesystem::path& dir) {
   Write(dir / "tiny_llama.gguf", testing::BuildTinyLlamaGguf(o));
   // One 2 x 256 tensor of every quantized type: varied bytes, fp16 scales left as they fall.
   GgufBuilder quants;
-  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1,
-                        GgmlType::kQ8_0, GgmlType::kQ2_K, GgmlType::kQ3_K, GgmlType::kQ4_K,
-                        GgmlType::kQ5_K, GgmlType::kQ6_K, GgmlType::kIQ4_NL}) {
-    std::string bytes(2 * GgmlRowBytes(type, 256), '\0');
+  for (TensorType type :
+       {TensorType::kQ4_0, TensorType::kQ4_1, TensorType::kQ5_0, TensorType::kQ5_1,
+        TensorType::kQ8_0, TensorType::kQ2_K, TensorType::kQ3_K, TensorType::kQ4_K,
+        TensorType::kQ5_K, TensorType::kQ6_K, TensorType::kIQ4_NL}) {
+    std::string bytes(2 * TensorRowBytes(type, 256), '\0');
     for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>((i * 37 + 11) & 0x3b);
-    quants.AddTensor(GgmlTypeName(type), {256, 2}, type, bytes);
+    quants.AddTensor(TensorTypeName(type), {256, 2}, type, bytes);
   }
   Write(dir / "quant_tensors.gguf", quants.Build());
 }

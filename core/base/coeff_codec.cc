@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 
 namespace subspace {
 

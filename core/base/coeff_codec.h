@@ -42,7 +42,7 @@ inline int Int4Code(const uint8_t* codes, int64_t k) {
 }
 
 // fp16 -> fp32 without branches on the common path, inline so decode loops stay tight
-// (ggml_types' Fp16ToFp32 is out of line). Exact for normals, subnormals and zero.
+// (tensor_types' Fp16ToFp32 is out of line). Exact for normals, subnormals and zero.
 inline float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t em = h & 0x7fffu;

@@ -5,18 +5,18 @@
 
 #include <cstdint>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 
 namespace subspace {
 
 // Row-major [rows, cols]: row r holds output feature r (GGUF dims {cols, rows}).
 struct WeightMatrix {
-  GgmlType type = GgmlType::kF32;
+  TensorType type = TensorType::kF32;
   int64_t rows = 0;
   int64_t cols = 0;
-  const uint8_t* data = nullptr;  // rows * GgmlRowBytes(type, cols) bytes
+  const uint8_t* data = nullptr;  // rows * TensorRowBytes(type, cols) bytes
 
-  uint64_t row_bytes() const { return GgmlRowBytes(type, cols); }
+  uint64_t row_bytes() const { return TensorRowBytes(type, cols); }
   const uint8_t* row(int64_t r) const { return data + static_cast<uint64_t>(r) * row_bytes(); }
 };
 

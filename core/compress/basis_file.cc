@@ -72,8 +72,8 @@ absl::Status ReadF32Matrix(const GgufFile& file, const std::string& name, int64_
   };
   const GgufTensorInfo* t = file.FindTensor(name);
   if (t == nullptr) return invalid(" is missing");
-  if (t->type != GgmlType::kF32) {
-    return invalid(absl::StrCat(" is ", GgmlTypeName(t->type), ", expected F32"));
+  if (t->type != TensorType::kF32) {
+    return invalid(absl::StrCat(" is ", TensorTypeName(t->type), ", expected F32"));
   }
   if (t->dims.size() != 2 || t->dims[0] != cols || t->dims[1] != rows) {
     std::string dims;

@@ -14,8 +14,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/base/ggml_types.h"
 #include "core/base/pca.h"
+#include "core/base/tensor_types.h"
 #include "core/kvcache/paged_kv_cache.h"
 
 namespace subspace {
@@ -123,7 +123,7 @@ absl::Status AccumulateOutputGrams(const LlamaModel& model, CalibrationStats* st
       return absl::InvalidArgumentError(
           absl::StrCat("model tensor ", name, " missing or not [", c.dim, ", ", width, "]"));
     }
-    const uint64_t row_bytes = GgmlRowBytes(t->type, width);
+    const uint64_t row_bytes = TensorRowBytes(t->type, width);
     for (int64_t r = 0; r < c.dim; ++r) {
       DequantizeRow(t->type, t->data + static_cast<uint64_t>(r) * row_bytes, w.data() + r * width,
                     width);

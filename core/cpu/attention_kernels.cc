@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/simd.h"
 
 namespace subspace::cpu {

@@ -31,8 +31,8 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "core/base/ggml_quants.h"
-#include "core/base/ggml_types.h"
+#include "core/base/quant_blocks.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/ops.h"
 
@@ -91,7 +91,7 @@ void PrefillRows(const WeightMatrix& w, const float* x, int64_t n, int64_t begin
                  float* y) {
   const int64_t cols = w.cols;
   // sgemm takes fp32 weights in place when they are float-aligned (GGUF allows less).
-  if (w.type == GgmlType::kF32 && reinterpret_cast<uintptr_t>(w.data) % alignof(float) == 0) {
+  if (w.type == TensorType::kF32 && reinterpret_cast<uintptr_t>(w.data) % alignof(float) == 0) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, end - begin, cols, 1.0f, x, cols,
                 reinterpret_cast<const float*>(w.row(begin)), cols, 0.0f, y + begin, w.rows);
     return;
@@ -132,40 +132,40 @@ int NumThreads() {
   return n > 0 ? n : omp_get_max_threads();
 }
 
-int64_t DecodeMaxN(GgmlType type) {
+int64_t DecodeMaxN(TensorType type) {
   switch (type) {
-    case GgmlType::kF16:
-    case GgmlType::kBF16:
+    case TensorType::kF16:
+    case TensorType::kBF16:
       return 128;  // converting for sgemm costs more than the kernel's shortfall
-    case GgmlType::kF32:
+    case TensorType::kF32:
       return 64;
     // Quantized types: integer dots against quantized activations (compute-bound at ~90-115
     // GFLOP/s one row at a time, 125-190 for the eight-row kernels) up to the cross-over with
     // dequantized panels + sgemm (~150 GFLOP/s at n = 128), measured with
     // subspace-bench-matmul --paths=both on 8192x2048.
-    case GgmlType::kQ4_K:
-    case GgmlType::kQ5_K:
-    case GgmlType::kQ6_K:
+    case TensorType::kQ4_K:
+    case TensorType::kQ5_K:
+    case TensorType::kQ6_K:
       return 32;
-    case GgmlType::kQ3_K:
+    case TensorType::kQ3_K:
       return 16;
-    case GgmlType::kQ2_K:
+    case TensorType::kQ2_K:
       // Its panels are dequantized by the scalar code; the integer path (~127 GFLOP/s) stays
       // ahead of that at any n.
       return std::numeric_limits<int64_t>::max();
-    case GgmlType::kQ8_0:
+    case TensorType::kQ8_0:
       return 32;  // eight-row kernel from n = 2: ~128 GFLOP/s, sgemm 145 at 64
-    case GgmlType::kQ4_1:
-    case GgmlType::kQ5_1:
+    case TensorType::kQ4_1:
+    case TensorType::kQ5_1:
       // Always the integer path: it multiplies the weights' mins by q8_1's fp16 activation sum,
       // which sgemm on the decoded activations cannot reproduce (2^-10 apart), and a token's
       // logits must not depend on the size of the batch it ran in.
       return std::numeric_limits<int64_t>::max();
-    case GgmlType::kQ4_0:
+    case TensorType::kQ4_0:
       return std::numeric_limits<int64_t>::max();  // eight-row kernel: ~200 GFLOP/s at any n
-    case GgmlType::kIQ4_NL:
+    case TensorType::kIQ4_NL:
       return 64;  // eight-row kernel: ~145 GFLOP/s; sgemm 148 at 128, 167 at 512
-    case GgmlType::kQ5_0:
+    case TensorType::kQ5_0:
       return 128;
     default:
       break;
@@ -175,35 +175,35 @@ int64_t DecodeMaxN(GgmlType type) {
 
 namespace {
 
-template <GgmlType kType>
+template <TensorType kType>
 float ScalarQuantDot(const uint8_t* row, const uint8_t* act, int64_t n) {
   return DotQuantizedRowScalar(kType, row, act, n);
 }
 
-QuantDotFn QuantDotKernelScalar(GgmlType type) {
+QuantDotFn QuantDotKernelScalar(TensorType type) {
   switch (type) {
-    case GgmlType::kQ4_0:
-      return ScalarQuantDot<GgmlType::kQ4_0>;
-    case GgmlType::kQ4_1:
-      return ScalarQuantDot<GgmlType::kQ4_1>;
-    case GgmlType::kQ5_0:
-      return ScalarQuantDot<GgmlType::kQ5_0>;
-    case GgmlType::kQ5_1:
-      return ScalarQuantDot<GgmlType::kQ5_1>;
-    case GgmlType::kQ8_0:
-      return ScalarQuantDot<GgmlType::kQ8_0>;
-    case GgmlType::kQ2_K:
-      return ScalarQuantDot<GgmlType::kQ2_K>;
-    case GgmlType::kQ3_K:
-      return ScalarQuantDot<GgmlType::kQ3_K>;
-    case GgmlType::kQ4_K:
-      return ScalarQuantDot<GgmlType::kQ4_K>;
-    case GgmlType::kQ5_K:
-      return ScalarQuantDot<GgmlType::kQ5_K>;
-    case GgmlType::kQ6_K:
-      return ScalarQuantDot<GgmlType::kQ6_K>;
-    case GgmlType::kIQ4_NL:
-      return ScalarQuantDot<GgmlType::kIQ4_NL>;
+    case TensorType::kQ4_0:
+      return ScalarQuantDot<TensorType::kQ4_0>;
+    case TensorType::kQ4_1:
+      return ScalarQuantDot<TensorType::kQ4_1>;
+    case TensorType::kQ5_0:
+      return ScalarQuantDot<TensorType::kQ5_0>;
+    case TensorType::kQ5_1:
+      return ScalarQuantDot<TensorType::kQ5_1>;
+    case TensorType::kQ8_0:
+      return ScalarQuantDot<TensorType::kQ8_0>;
+    case TensorType::kQ2_K:
+      return ScalarQuantDot<TensorType::kQ2_K>;
+    case TensorType::kQ3_K:
+      return ScalarQuantDot<TensorType::kQ3_K>;
+    case TensorType::kQ4_K:
+      return ScalarQuantDot<TensorType::kQ4_K>;
+    case TensorType::kQ5_K:
+      return ScalarQuantDot<TensorType::kQ5_K>;
+    case TensorType::kQ6_K:
+      return ScalarQuantDot<TensorType::kQ6_K>;
+    case TensorType::kIQ4_NL:
+      return ScalarQuantDot<TensorType::kIQ4_NL>;
     default:
       return nullptr;
   }
@@ -220,12 +220,12 @@ void ActivationBlockSums(const uint8_t* act, int64_t n, int32_t* sums) {
   }
 }
 
-void QuantizeActivations(GgmlType act_type, const float* x, uint8_t* dst, int64_t n) {
+void QuantizeActivations(TensorType act_type, const float* x, uint8_t* dst, int64_t n) {
   if (ActiveIsa() >= Isa::kAvx2 && QuantizeActivationRowAvx2(act_type, x, dst, n)) return;
   QuantizeActivationRow(act_type, x, dst, n);
 }
 
-QuantDotFn QuantDotKernel(GgmlType type) {
+QuantDotFn QuantDotKernel(TensorType type) {
   if (ActiveIsa() >= Isa::kAvx2) {
     if (const QuantDotFn avx2 = QuantDotKernelAvx2(type)) return avx2;
   }
@@ -308,8 +308,8 @@ struct ActivationBuffers {
   std::vector<int32_t> q8_0_sums;  // block sums of q8_0, for q4_0 and q5_0's eight-row kernels
   bool sums_ready = false;
 
-  Quantized& For(GgmlType act_type) {
-    return act_type == GgmlType::kQ8_1 ? q8_1 : act_type == GgmlType::kQ8_K ? q8_k : q8_0;
+  Quantized& For(TensorType act_type) {
+    return act_type == TensorType::kQ8_1 ? q8_1 : act_type == TensorType::kQ8_K ? q8_k : q8_0;
   }
   void NewCall() { q8_0.ready = q8_1.ready = q8_k.ready = sums_ready = false; }
 };
@@ -319,12 +319,12 @@ DecodeJob PrepareDecodeJob(const WeightMatrix& w, const float* x, int64_t n, flo
   DecodeJob job;
   job.w = &w;
   job.y = y;
-  if (!IsQuantizedGgmlType(w.type)) {
+  if (!IsQuantizedTensorType(w.type)) {
     job.float_kernel = ActiveIsa() >= Isa::kAvx2 ? DecodeRowsAvx2 : DecodeRowsScalar;
     return job;
   }
-  const GgmlType act_type = DotActivationType(w.type);
-  job.act_bytes = GgmlRowBytes(act_type, w.cols);
+  const TensorType act_type = DotActivationType(w.type);
+  job.act_bytes = TensorRowBytes(act_type, w.cols);
   ActivationBuffers::Quantized& act = buffers.For(act_type);
   if (!act.ready) {
     act.bytes.resize(static_cast<size_t>(n) * job.act_bytes);
@@ -337,10 +337,10 @@ DecodeJob PrepareDecodeJob(const WeightMatrix& w, const float* x, int64_t n, flo
   job.dot = QuantDotKernel(w.type);
   // q8_0 reads its rows fastest one at a time (they are dense already); from two activation
   // rows on, sharing the transposed rows wins.
-  const bool one_row_faster = w.type == GgmlType::kQ8_0 && n < 2;
+  const bool one_row_faster = w.type == TensorType::kQ8_0 && n < 2;
   job.dot8 = ActiveIsa() >= Isa::kAvx2 && !one_row_faster ? QuantDot8KernelAvx2(w.type) : nullptr;
   // Block sums of the activation codes, for the eight-row kernels of offset types (q4_0, q5_0).
-  if (job.dot8 != nullptr && (w.type == GgmlType::kQ4_0 || w.type == GgmlType::kQ5_0)) {
+  if (job.dot8 != nullptr && (w.type == TensorType::kQ4_0 || w.type == TensorType::kQ5_0)) {
     const int64_t blocks = w.cols / kQuantBlock;
     if (!buffers.sums_ready) {
       buffers.q8_0_sums.resize(static_cast<size_t>(n * blocks));
@@ -423,19 +423,19 @@ void MatMulPrefill(const WeightMatrix& w, const float* x, int64_t n, float* y) {
   // One item is one converted panel; fp32 weights need no buffer, so their items only stop
   // at two per thread (each sgemm call repacks x, which costs at large n).
   int64_t item_rows = PanelRows(n, w.cols);
-  if (w.type == GgmlType::kF32) {
+  if (w.type == TensorType::kF32) {
     item_rows = std::max(item_rows, RoundUp((w.rows + 2 * threads - 1) / (2 * threads), 16));
   }
   const int64_t items = (w.rows + item_rows - 1) / item_rows;
   // Quantized weights multiply the activations as the decode path's integer dots see them
   // (quantized to q8_0 / q8_K and back), so that a token's logits do not depend on which path
   // its batch took (as in llama.cpp, whose CPU matmuls quantize activations at any batch size).
-  if (IsQuantizedGgmlType(w.type)) {
+  if (IsQuantizedTensorType(w.type)) {
     thread_local std::vector<float> rounded_buffer;
     rounded_buffer.resize(static_cast<size_t>(n * w.cols));
     float* rounded = rounded_buffer.data();  // the OpenMP threads share the caller's buffer
-    const GgmlType act_type = DotActivationType(w.type);
-    const uint64_t act_bytes = GgmlRowBytes(act_type, w.cols);
+    const TensorType act_type = DotActivationType(w.type);
+    const uint64_t act_bytes = TensorRowBytes(act_type, w.cols);
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
     {
       thread_local std::vector<uint8_t> quantized;  // one row, per thread

@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/simd.h"
 
@@ -246,11 +246,11 @@ SUBSPACE_AVX2 void ConvertRows(const WeightMatrix& w, int64_t first_row, int64_t
 void DecodeRowsAvx2(const WeightMatrix& w, const float* x, int64_t n, int64_t row_begin,
                     int64_t row_end, float* y) {
   switch (w.type) {
-    case GgmlType::kF32:
+    case TensorType::kF32:
       return DecodeRows<F32Weights>(w, x, n, row_begin, row_end, y);
-    case GgmlType::kF16:
+    case TensorType::kF16:
       return DecodeRows<F16Weights>(w, x, n, row_begin, row_end, y);
-    case GgmlType::kBF16:
+    case TensorType::kBF16:
       return DecodeRows<Bf16Weights>(w, x, n, row_begin, row_end, y);
     default:
       break;  // quantized types take MatMulDecode's integer path (quant_dot_avx2.cc)
@@ -260,13 +260,13 @@ void DecodeRowsAvx2(const WeightMatrix& w, const float* x, int64_t n, int64_t ro
 
 void ConvertRowsToF32Avx2(const WeightMatrix& w, int64_t first_row, int64_t num_rows, float* dst) {
   switch (w.type) {
-    case GgmlType::kF32:
+    case TensorType::kF32:
       return ConvertRows<F32Weights>(w, first_row, num_rows, dst);
-    case GgmlType::kF16:
+    case TensorType::kF16:
       return ConvertRows<F16Weights>(w, first_row, num_rows, dst);
-    case GgmlType::kBF16:
+    case TensorType::kBF16:
       return ConvertRows<Bf16Weights>(w, first_row, num_rows, dst);
-    case GgmlType::kQ8_0:
+    case TensorType::kQ8_0:
       return ConvertRows<Q8Weights>(w, first_row, num_rows, dst);
     default:
       break;

@@ -43,7 +43,7 @@ int NumThreads();
 // MatMul uses the decode path for n <= DecodeMaxN(type) and the prefill path above it: the
 // decode kernel keeps up with convert + sgemm well past n = 8 (cross-over measured with
 // bench/matmul_bench.cc --paths=both; see matmul.cc).
-int64_t DecodeMaxN(GgmlType type);
+int64_t DecodeMaxN(TensorType type);
 
 // Both paths accept any n >= 1; MatMul picks one. Same contract as cpu::MatMul.
 // x: [n, w.cols], y: [n, w.rows]
@@ -74,12 +74,12 @@ void DecodeRowsAvx2(const WeightMatrix& w, const float* x, int64_t n, int64_t ro
 void ConvertRowsToF32Avx2(const WeightMatrix& w, int64_t first_row, int64_t num_rows, float* dst);
 
 // dot(quantized weight row, quantized activation row) over n values; the activation row is in
-// DotActivationType(weight type) (core/base/ggml_quants.h).
+// DotActivationType(weight type) (core/base/quant_blocks.h).
 using QuantDotFn = float (*)(const uint8_t* row, const uint8_t* act, int64_t n);
 // The kernel for `type` at the active ISA: the AVX2 one, else the scalar twin.
-QuantDotFn QuantDotKernel(GgmlType type);
+QuantDotFn QuantDotKernel(TensorType type);
 // The AVX2 kernel for `type`; nullptr where there is none (or no x86).
-QuantDotFn QuantDotKernelAvx2(GgmlType type);
+QuantDotFn QuantDotKernelAvx2(TensorType type);
 // Eight consecutive weight rows (row_bytes apart) against n_act activation rows (act_stride
 // bytes apart): out[j * out_stride + r] = dot(row r, activation row j), r = 0..7. act_sums
 // [n_act, n / 32] holds each activation block's sum of codes (ActivationBlockSums); q4_0 and q5_0
@@ -88,20 +88,20 @@ QuantDotFn QuantDotKernelAvx2(GgmlType type);
 using QuantDot8Fn = void (*)(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act,
                              uint64_t act_stride, const int32_t* act_sums, int64_t n_act, int64_t n,
                              float* out, int64_t out_stride);
-QuantDot8Fn QuantDot8KernelAvx2(GgmlType type);
+QuantDot8Fn QuantDot8KernelAvx2(TensorType type);
 // sums[b] = the sum of the int8 codes of block b of a q8_0 activation row of n values.
 void ActivationBlockSums(const uint8_t* act, int64_t n, int32_t* sums);
 
 // QuantizeActivationRow (core/base) for q8_0, q8_1 and q8_K with AVX2, bit for bit; false (and
 // nothing written) for other types.
-bool QuantizeActivationRowAvx2(GgmlType act_type, const float* x, uint8_t* dst, int64_t n);
+bool QuantizeActivationRowAvx2(TensorType act_type, const float* x, uint8_t* dst, int64_t n);
 // QuantizeActivationRow at the active ISA.
-void QuantizeActivations(GgmlType act_type, const float* x, uint8_t* dst, int64_t n);
+void QuantizeActivations(TensorType act_type, const float* x, uint8_t* dst, int64_t n);
 
 // Dequantizes n values of a row with AVX2 where written for `type` (q4_0, q5_0, iq4_nl, q3_K ..
 // q6_K), equal to DequantizeRow to fp32 rounding of the fused multiply-add; false (and
 // nothing written) for other types.
-bool DequantizeRowAvx2(GgmlType type, const uint8_t* row, float* out, int64_t n);
+bool DequantizeRowAvx2(TensorType type, const uint8_t* row, float* out, int64_t n);
 
 }  // namespace subspace::cpu::internal
 

@@ -11,7 +11,7 @@
 #include <cstring>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/simd.h"
 

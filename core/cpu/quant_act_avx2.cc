@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "core/base/ggml_quants.h"
-#include "core/base/ggml_types.h"
+#include "core/base/quant_blocks.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/quant_avx2.h"
 #include "core/cpu/simd.h"
@@ -76,7 +76,7 @@ SUBSPACE_AVX2 void QuantizeQ8K(const float* x, uint8_t* out, int64_t n) {
     int first = 0;  // the scalar code keeps the first value of largest magnitude
     while (first < kSuperBlock && std::fabs(x[first]) != amax) ++first;
     if (first == kSuperBlock) {  // NaN in the block: whatever the scalar code makes of it
-      QuantizeActivationRow(GgmlType::kQ8_K, x, out, kSuperBlock);
+      QuantizeActivationRow(TensorType::kQ8_K, x, out, kSuperBlock);
       continue;
     }
     BlockQ8_K block{};
@@ -110,15 +110,15 @@ SUBSPACE_AVX2 void QuantizeQ8K(const float* x, uint8_t* out, int64_t n) {
 
 }  // namespace
 
-bool QuantizeActivationRowAvx2(GgmlType act_type, const float* x, uint8_t* dst, int64_t n) {
+bool QuantizeActivationRowAvx2(TensorType act_type, const float* x, uint8_t* dst, int64_t n) {
   switch (act_type) {
-    case GgmlType::kQ8_0:
+    case TensorType::kQ8_0:
       QuantizeQ8_0Or1(false, x, dst, n);
       return true;
-    case GgmlType::kQ8_1:
+    case TensorType::kQ8_1:
       QuantizeQ8_0Or1(true, x, dst, n);
       return true;
-    case GgmlType::kQ8_K:
+    case TensorType::kQ8_K:
       QuantizeQ8K(x, dst, n);
       return true;
     default:
@@ -128,7 +128,7 @@ bool QuantizeActivationRowAvx2(GgmlType act_type, const float* x, uint8_t* dst, 
 
 #else  // !SUBSPACE_HAVE_X86
 
-bool QuantizeActivationRowAvx2(GgmlType, const float*, uint8_t*, int64_t) { return false; }
+bool QuantizeActivationRowAvx2(TensorType, const float*, uint8_t*, int64_t) { return false; }
 
 #endif  // SUBSPACE_HAVE_X86
 

@@ -12,22 +12,22 @@
 #include <cstdint>
 #include <cstring>
 
-#include "core/base/ggml_quants.h"
-#include "core/base/ggml_types.h"
+#include "core/base/quant_blocks.h"
+#include "core/base/tensor_types.h"
 
 namespace subspace::cpu::internal::quant_avx2 {
 
 // Bytes of one block of a 32-value type.
-template <GgmlType kType>
+template <TensorType kType>
 constexpr uint64_t Block32Bytes() {
   switch (kType) {
-    case GgmlType::kQ4_1:
+    case TensorType::kQ4_1:
       return sizeof(BlockQ4_1);
-    case GgmlType::kQ5_0:
+    case TensorType::kQ5_0:
       return sizeof(BlockQ5_0);
-    case GgmlType::kQ5_1:
+    case TensorType::kQ5_1:
       return sizeof(BlockQ5_1);
-    case GgmlType::kQ8_0:
+    case TensorType::kQ8_0:
       return sizeof(BlockQ8_0);
     default:
       return sizeof(BlockQ4_0);  // q4_0, iq4_nl
@@ -72,19 +72,19 @@ SUBSPACE_AVX2 inline int HorizontalSumI32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 // Signed codes of block b of the weight type, -127..127.
-template <GgmlType kType>
+template <TensorType kType>
 SUBSPACE_AVX2 inline __m256i SignedCodes(const uint8_t* block) {
-  if constexpr (kType == GgmlType::kQ8_0) {
+  if constexpr (kType == TensorType::kQ8_0) {
     return Load256(block + 2);
-  } else if constexpr (kType == GgmlType::kQ4_0) {
+  } else if constexpr (kType == TensorType::kQ4_0) {
     return _mm256_sub_epi8(Nibbles(block + 2), _mm256_set1_epi8(8));
-  } else if constexpr (kType == GgmlType::kQ5_0) {
+  } else if constexpr (kType == TensorType::kQ5_0) {
     uint32_t qh;
     std::memcpy(&qh, block + 2, 4);
     const __m256i high = _mm256_and_si256(BitsToBytes(qh), _mm256_set1_epi8(0x10));
     return _mm256_sub_epi8(_mm256_or_si256(Nibbles(block + 6), high), _mm256_set1_epi8(16));
   } else {
-    static_assert(kType == GgmlType::kIQ4_NL);
+    static_assert(kType == TensorType::kIQ4_NL);
     const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues));
     return _mm256_shuffle_epi8(_mm256_set_m128i(table, table), Nibbles(block + 2));
   }

@@ -4,7 +4,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "core/base/ggml_quants.h"
+#include "core/base/quant_blocks.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/quant_avx2.h"
 #include "core/cpu/simd.h"
@@ -43,7 +43,7 @@ SUBSPACE_AVX2 inline void StoreSigned16x2(__m256i codes, float scale0, float sca
       out + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), s1));
 }
 
-template <GgmlType kType>
+template <TensorType kType>
 SUBSPACE_AVX2 void DequantizeQ8_0Partner(const uint8_t* row, float* out, int64_t n) {
   constexpr uint64_t kBytes = Block32Bytes<kType>();
   for (int64_t b = 0; b < n / kQuantBlock; ++b) {
@@ -138,27 +138,27 @@ SUBSPACE_AVX2 void DequantizeQ3K(const uint8_t* row, float* out, int64_t n) {
 
 }  // namespace
 
-bool DequantizeRowAvx2(GgmlType type, const uint8_t* row, float* out, int64_t n) {
+bool DequantizeRowAvx2(TensorType type, const uint8_t* row, float* out, int64_t n) {
   switch (type) {
-    case GgmlType::kQ4_0:
-      DequantizeQ8_0Partner<GgmlType::kQ4_0>(row, out, n);
+    case TensorType::kQ4_0:
+      DequantizeQ8_0Partner<TensorType::kQ4_0>(row, out, n);
       return true;
-    case GgmlType::kQ5_0:
-      DequantizeQ8_0Partner<GgmlType::kQ5_0>(row, out, n);
+    case TensorType::kQ5_0:
+      DequantizeQ8_0Partner<TensorType::kQ5_0>(row, out, n);
       return true;
-    case GgmlType::kIQ4_NL:
-      DequantizeQ8_0Partner<GgmlType::kIQ4_NL>(row, out, n);
+    case TensorType::kIQ4_NL:
+      DequantizeQ8_0Partner<TensorType::kIQ4_NL>(row, out, n);
       return true;
-    case GgmlType::kQ4_K:
+    case TensorType::kQ4_K:
       DequantizeQ4KOrQ5K<false>(row, out, n);
       return true;
-    case GgmlType::kQ5_K:
+    case TensorType::kQ5_K:
       DequantizeQ4KOrQ5K<true>(row, out, n);
       return true;
-    case GgmlType::kQ6_K:
+    case TensorType::kQ6_K:
       DequantizeQ6K(row, out, n);
       return true;
-    case GgmlType::kQ3_K:
+    case TensorType::kQ3_K:
       DequantizeQ3K(row, out, n);
       return true;
     default:
@@ -168,7 +168,7 @@ bool DequantizeRowAvx2(GgmlType type, const uint8_t* row, float* out, int64_t n)
 
 #else  // !SUBSPACE_HAVE_X86
 
-bool DequantizeRowAvx2(GgmlType, const uint8_t*, float*, int64_t) { return false; }
+bool DequantizeRowAvx2(TensorType, const uint8_t*, float*, int64_t) { return false; }
 
 #endif  // SUBSPACE_HAVE_X86
 

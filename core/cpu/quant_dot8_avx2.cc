@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "core/base/ggml_quants.h"
+#include "core/base/quant_blocks.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/quant_avx2.h"
 #include "core/cpu/simd.h"
@@ -41,17 +41,19 @@ SUBSPACE_AVX2 inline void TransposeDwords8x4(const uint8_t* const p[8], __m256i 
 }
 
 // Where the parts of a 32-value block sit, per type (bytes from the block's start).
-template <GgmlType kType>
+template <TensorType kType>
 struct Layout8 {
-  static constexpr bool kMin = kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1;
-  static constexpr bool kFifthBit = kType == GgmlType::kQ5_0 || kType == GgmlType::kQ5_1;
+  static constexpr bool kMin = kType == TensorType::kQ4_1 || kType == TensorType::kQ5_1;
+  static constexpr bool kFifthBit = kType == TensorType::kQ5_0 || kType == TensorType::kQ5_1;
   static constexpr uint64_t kBytes = Block32Bytes<kType>();
   static constexpr uint64_t kHighBits = kMin ? 4 : 2;  // qh (q5_0, q5_1)
   static constexpr uint64_t kCodes = 2 + (kMin ? 2 : 0) + (kFifthBit ? 4 : 0);
   static constexpr uint64_t kActBytes = kMin ? sizeof(BlockQ8_1) : sizeof(BlockQ8_0);
   static constexpr uint64_t kActCodes = kMin ? 4 : 2;
   // Codes are stored + kOffset (q4_0: 8, q5_0: 16); it comes off through the activation sum.
-  static constexpr int kOffset = kType == GgmlType::kQ4_0 ? 8 : kType == GgmlType::kQ5_0 ? 16 : 0;
+  static constexpr int kOffset = kType == TensorType::kQ4_0   ? 8
+                                 : kType == TensorType::kQ5_0 ? 16
+                                                              : 0;
 };
 
 // The eight fp16 values at byte `at` of blocks[0..7], as fp32.
@@ -75,7 +77,7 @@ SUBSPACE_AVX2 inline __m256i FifthBits(__m256i words, int shift) {
 // out[j * out_stride + r] = dot(row r, activation row j) for rows[r] = rows + r * row_bytes,
 // r = 0..7, and N activation rows act_stride bytes apart. The transposed, unpacked weight codes
 // of a block serve all N activation rows.
-template <GgmlType kType, int N>
+template <TensorType kType, int N>
 SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act,
                             uint64_t act_stride, const int32_t* act_sums, int64_t n, float* out,
                             int64_t out_stride) {
@@ -105,7 +107,7 @@ SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8
       codes[r] = blocks[r] + L::kCodes;
     }
     const __m256 d8 = Halves8(blocks, 0);
-    if constexpr (kType == GgmlType::kQ8_0) {
+    if constexpr (kType == TensorType::kQ8_0) {
       // 32 signed code bytes: eight dwords per row, each against a broadcast activation dword
       // with the sign trick; pairs reach 2 * 128 * 127, so each product is widened at once.
       __m256i words[8], abs_words[8];
@@ -145,7 +147,7 @@ SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8
     for (int k = 0; k < 4; ++k) {
       lo[k] = _mm256_and_si256(words[k], low_mask);
       hi[k] = _mm256_and_si256(_mm256_srli_epi16(words[k], 4), low_mask);
-      if constexpr (kType == GgmlType::kIQ4_NL) {
+      if constexpr (kType == TensorType::kIQ4_NL) {
         lo[k] = _mm256_shuffle_epi8(table2, lo[k]);
         hi[k] = _mm256_shuffle_epi8(table2, hi[k]);
       } else if constexpr (L::kFifthBit) {
@@ -171,7 +173,7 @@ SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8
         std::memcpy(&y_hi, yq + 16 + 4 * k, 4);
         const __m256i bl = _mm256_set1_epi32(y_lo), bh = _mm256_set1_epi32(y_hi);
         __m256i pairs;
-        if constexpr (kType == GgmlType::kIQ4_NL) {
+        if constexpr (kType == TensorType::kIQ4_NL) {
           // Signed values up to 127 in magnitude: the sign trick, pairs widened at once.
           const __m256i pl =
               _mm256_maddubs_epi16(_mm256_sign_epi8(lo[k], lo[k]), _mm256_sign_epi8(bl, lo[k]));
@@ -210,7 +212,7 @@ SUBSPACE_AVX2 void Dot8Rows(const uint8_t* rows, uint64_t row_bytes, const uint8
 }
 
 // Dot8Rows over any number of activation rows, four at a time.
-template <GgmlType kType>
+template <TensorType kType>
 SUBSPACE_AVX2 void Dot8RowsAnyN(const uint8_t* rows, uint64_t row_bytes, const uint8_t* act,
                                 uint64_t act_stride, const int32_t* act_sums, int64_t n_act,
                                 int64_t n, float* out, int64_t out_stride) {
@@ -237,20 +239,20 @@ SUBSPACE_AVX2 void Dot8RowsAnyN(const uint8_t* rows, uint64_t row_bytes, const u
 
 }  // namespace
 
-QuantDot8Fn QuantDot8KernelAvx2(GgmlType type) {
+QuantDot8Fn QuantDot8KernelAvx2(TensorType type) {
   switch (type) {
-    case GgmlType::kQ8_0:
-      return Dot8RowsAnyN<GgmlType::kQ8_0>;
-    case GgmlType::kQ4_0:
-      return Dot8RowsAnyN<GgmlType::kQ4_0>;
-    case GgmlType::kQ4_1:
-      return Dot8RowsAnyN<GgmlType::kQ4_1>;
-    case GgmlType::kQ5_0:
-      return Dot8RowsAnyN<GgmlType::kQ5_0>;
-    case GgmlType::kQ5_1:
-      return Dot8RowsAnyN<GgmlType::kQ5_1>;
-    case GgmlType::kIQ4_NL:
-      return Dot8RowsAnyN<GgmlType::kIQ4_NL>;
+    case TensorType::kQ8_0:
+      return Dot8RowsAnyN<TensorType::kQ8_0>;
+    case TensorType::kQ4_0:
+      return Dot8RowsAnyN<TensorType::kQ4_0>;
+    case TensorType::kQ4_1:
+      return Dot8RowsAnyN<TensorType::kQ4_1>;
+    case TensorType::kQ5_0:
+      return Dot8RowsAnyN<TensorType::kQ5_0>;
+    case TensorType::kQ5_1:
+      return Dot8RowsAnyN<TensorType::kQ5_1>;
+    case TensorType::kIQ4_NL:
+      return Dot8RowsAnyN<TensorType::kIQ4_NL>;
     default:
       return nullptr;
   }
@@ -258,7 +260,7 @@ QuantDot8Fn QuantDot8KernelAvx2(GgmlType type) {
 
 #else  // !SUBSPACE_HAVE_X86
 
-QuantDot8Fn QuantDot8KernelAvx2(GgmlType) { return nullptr; }
+QuantDot8Fn QuantDot8KernelAvx2(TensorType) { return nullptr; }
 
 #endif  // SUBSPACE_HAVE_X86
 

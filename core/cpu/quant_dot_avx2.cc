@@ -11,7 +11,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "core/base/ggml_quants.h"
+#include "core/base/quant_blocks.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/cpu/quant_avx2.h"
 #include "core/cpu/simd.h"
@@ -30,14 +30,14 @@ constexpr int kPrefetchAhead = 2048;
 
 // --- 32-value blocks against q8_0 ------------------------------------------------------------
 
-template <GgmlType kType>
+template <TensorType kType>
 SUBSPACE_AVX2 inline __m256 BlockProducts(const uint8_t* x, const uint8_t* y) {
   return _mm256_cvtepi32_ps(DotSigned(SignedCodes<kType>(x), Load256(y + 2)));
 }
 
 // Four blocks per step into two accumulators: the per-block chain (unpack, maddubs, madd,
 // convert, fma) is long, and several in flight keep the ports busy.
-template <GgmlType kType>
+template <TensorType kType>
 SUBSPACE_AVX2 float DotQ8_0Partner(const uint8_t* row, const uint8_t* act, int64_t n) {
   constexpr uint64_t kBytes = Block32Bytes<kType>();
   constexpr uint64_t kActBytes = sizeof(BlockQ8_0);
@@ -72,16 +72,16 @@ SUBSPACE_AVX2 float DotQ8_0Partner(const uint8_t* row, const uint8_t* act, int64
 
 // --- q4_1 / q5_1 against q8_1 ---------------------------------------------------------------
 
-template <GgmlType kType>
+template <TensorType kType>
 SUBSPACE_AVX2 float DotQ8_1Partner(const uint8_t* row, const uint8_t* act, int64_t n) {
-  const uint64_t block_bytes = GgmlBlockBytes(kType);
+  const uint64_t block_bytes = TensorBlockBytes(kType);
   __m256 acc = _mm256_setzero_ps();
   float mins = 0.0f;
   for (int64_t b = 0; b < n / kQuantBlock; ++b) {
     const uint8_t* x = row + b * block_bytes;
     const uint8_t* y = act + b * sizeof(BlockQ8_1);
     __m256i codes;
-    if constexpr (kType == GgmlType::kQ4_1) {
+    if constexpr (kType == TensorType::kQ4_1) {
       codes = Nibbles(x + 4);
     } else {
       uint32_t qh;
@@ -296,29 +296,29 @@ SUBSPACE_AVX2 float DotQ2K(const uint8_t* row, const uint8_t* act, int64_t n) {
 
 }  // namespace
 
-QuantDotFn QuantDotKernelAvx2(GgmlType type) {
+QuantDotFn QuantDotKernelAvx2(TensorType type) {
   switch (type) {
-    case GgmlType::kQ4_0:
-      return DotQ8_0Partner<GgmlType::kQ4_0>;
-    case GgmlType::kQ5_0:
-      return DotQ8_0Partner<GgmlType::kQ5_0>;
-    case GgmlType::kQ8_0:
-      return DotQ8_0Partner<GgmlType::kQ8_0>;
-    case GgmlType::kIQ4_NL:
-      return DotQ8_0Partner<GgmlType::kIQ4_NL>;
-    case GgmlType::kQ4_1:
-      return DotQ8_1Partner<GgmlType::kQ4_1>;
-    case GgmlType::kQ5_1:
-      return DotQ8_1Partner<GgmlType::kQ5_1>;
-    case GgmlType::kQ2_K:
+    case TensorType::kQ4_0:
+      return DotQ8_0Partner<TensorType::kQ4_0>;
+    case TensorType::kQ5_0:
+      return DotQ8_0Partner<TensorType::kQ5_0>;
+    case TensorType::kQ8_0:
+      return DotQ8_0Partner<TensorType::kQ8_0>;
+    case TensorType::kIQ4_NL:
+      return DotQ8_0Partner<TensorType::kIQ4_NL>;
+    case TensorType::kQ4_1:
+      return DotQ8_1Partner<TensorType::kQ4_1>;
+    case TensorType::kQ5_1:
+      return DotQ8_1Partner<TensorType::kQ5_1>;
+    case TensorType::kQ2_K:
       return DotQ2K;
-    case GgmlType::kQ3_K:
+    case TensorType::kQ3_K:
       return DotQ3K;
-    case GgmlType::kQ4_K:
+    case TensorType::kQ4_K:
       return DotQ4KOrQ5K<false>;
-    case GgmlType::kQ5_K:
+    case TensorType::kQ5_K:
       return DotQ4KOrQ5K<true>;
-    case GgmlType::kQ6_K:
+    case TensorType::kQ6_K:
       return DotQ6K;
     default:
       return nullptr;
@@ -327,7 +327,7 @@ QuantDotFn QuantDotKernelAvx2(GgmlType type) {
 
 #else  // !SUBSPACE_HAVE_X86
 
-QuantDotFn QuantDotKernelAvx2(GgmlType) { return nullptr; }
+QuantDotFn QuantDotKernelAvx2(TensorType) { return nullptr; }
 
 #endif  // SUBSPACE_HAVE_X86
 

@@ -259,20 +259,21 @@ absl::Status ReadTensorInfo(Cursor& c, uint64_t alignment, GgufTensorInfo* t) {
   at = c.pos();
   uint32_t raw_type = 0;
   if (absl::Status s = c.Read(&raw_type, "type"); !s.ok()) return s;
-  if (!IsSupportedGgmlType(raw_type)) {
+  if (!IsSupportedTensorType(raw_type)) {
     return c.Invalid(
         at, absl::StrCat("unsupported tensor type ", raw_type, " (",
-                         GgmlTypeName(static_cast<GgmlType>(raw_type)),
+                         TensorTypeName(static_cast<TensorType>(raw_type)),
                          "); supported: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_K, q3_K, "
                          "q4_K, q5_K, q6_K, iq4_nl"));
   }
-  t->type = static_cast<GgmlType>(raw_type);
-  const int64_t block = GgmlBlockElems(t->type);
+  t->type = static_cast<TensorType>(raw_type);
+  const int64_t block = TensorBlockElems(t->type);
   if (t->dims[0] % block != 0) {
-    return c.Invalid(at, absl::StrCat(GgmlTypeName(t->type), " needs dims[0] to be a multiple of ",
-                                      block, ", got ", t->dims[0]));
+    return c.Invalid(
+        at, absl::StrCat(TensorTypeName(t->type), " needs dims[0] to be a multiple of ", block,
+                         ", got ", t->dims[0]));
   }
-  if (__builtin_mul_overflow(static_cast<uint64_t>(num_elements / block), GgmlBlockBytes(t->type),
+  if (__builtin_mul_overflow(static_cast<uint64_t>(num_elements / block), TensorBlockBytes(t->type),
                              &t->num_bytes)) {
     return c.Invalid(at, "tensor byte size overflows uint64");
   }

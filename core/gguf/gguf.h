@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 
 namespace subspace {
 
@@ -51,7 +51,7 @@ struct GgufValue {
 struct GgufTensorInfo {
   std::string name;
   std::vector<int64_t> dims;  // GGUF order: dims[0] varies fastest (a row's length)
-  GgmlType type = GgmlType::kF32;
+  TensorType type = TensorType::kF32;
   uint64_t offset = 0;  // relative to the start of the data section
   int64_t num_elements = 0;
   uint64_t num_bytes = 0;

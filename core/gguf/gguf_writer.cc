@@ -3,7 +3,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/gguf/gguf.h"
 
 namespace subspace {
@@ -63,7 +63,7 @@ void GgufWriter::AddF32Matrix(std::string_view name, int64_t rows, int64_t cols,
   Pod(infos_, uint32_t{2});
   Pod(infos_, static_cast<uint64_t>(cols));
   Pod(infos_, static_cast<uint64_t>(rows));
-  Pod(infos_, static_cast<uint32_t>(GgmlType::kF32));
+  Pod(infos_, static_cast<uint32_t>(TensorType::kF32));
   Pod(infos_, static_cast<uint64_t>(data_.size()));
   data_.append(reinterpret_cast<const char*>(data), static_cast<size_t>(rows * cols) * 4);
   ++n_tensors_;

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/attention_kernels.h"
 
 namespace subspace {

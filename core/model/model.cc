@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/ops.h"
 
 namespace subspace {
@@ -74,10 +74,10 @@ absl::StatusOr<WeightMatrix> MapMatrix(const GgufFile& file, const std::string& 
     return absl::InvalidArgumentError(absl::StrFormat(
         "tensor %s has dims {%s}, expected {%d, %d} (cols, rows)", name, dims, cols, rows));
   }
-  if (!IsSupportedGgmlType(static_cast<uint32_t>(t->type))) {
+  if (!IsSupportedTensorType(static_cast<uint32_t>(t->type))) {
     return absl::InvalidArgumentError(
         absl::StrFormat("tensor %s has type %s, which the matmul kernels do not read", name,
-                        GgmlTypeName(t->type)));
+                        TensorTypeName(t->type)));
   }
   WeightMatrix w;
   w.type = t->type;
@@ -88,7 +88,7 @@ absl::StatusOr<WeightMatrix> MapMatrix(const GgufFile& file, const std::string& 
       t->data == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrFormat("tensor %s: %d bytes do not hold %d rows of %d %s values", name,
-                        t->num_bytes, rows, cols, GgmlTypeName(t->type)));
+                        t->num_bytes, rows, cols, TensorTypeName(t->type)));
   }
   return w;
 }
@@ -123,15 +123,16 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(std::shared_ptr<con
       return absl::InvalidArgumentError(
           absl::StrFormat("tensor %s must be 1-D of %d elements", name, n));
     }
-    if (t->type != GgmlType::kF32 && t->type != GgmlType::kF16 && t->type != GgmlType::kBF16) {
+    if (t->type != TensorType::kF32 && t->type != TensorType::kF16 &&
+        t->type != TensorType::kBF16) {
       return absl::InvalidArgumentError(
           absl::StrFormat("tensor %s has type %s; norms and biases must be F32, F16 or BF16", name,
-                          GgmlTypeName(t->type)));
+                          TensorTypeName(t->type)));
     }
-    if (t->data == nullptr || t->num_bytes != GgmlRowBytes(t->type, n)) {
+    if (t->data == nullptr || t->num_bytes != TensorRowBytes(t->type, n)) {
       return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has the wrong size"));
     }
-    if (t->type == GgmlType::kF32 && reinterpret_cast<uintptr_t>(t->data) % alignof(float) == 0) {
+    if (t->type == TensorType::kF32 && reinterpret_cast<uintptr_t>(t->data) % alignof(float) == 0) {
       return reinterpret_cast<const float*>(t->data);
     }
     std::vector<float>& copy = m->f32_copies_.emplace_back(static_cast<size_t>(n));

@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/gguf/gguf.h"
 #include "core/model/model.h"
 
@@ -176,8 +176,8 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
   // Llama 3.x: per-pair frequency divisors in a tensor of rope_dim / 2 values.
   if (const GgufTensorInfo* t = file.FindTensor("rope_freqs.weight"); t != nullptr) {
     if (t->dims.size() != 1 || t->dims[0] != c.rope_dim / 2 ||
-        (t->type != GgmlType::kF32 && t->type != GgmlType::kF16) || t->data == nullptr ||
-        t->num_bytes != GgmlRowBytes(t->type, c.rope_dim / 2)) {
+        (t->type != TensorType::kF32 && t->type != TensorType::kF16) || t->data == nullptr ||
+        t->num_bytes != TensorRowBytes(t->type, c.rope_dim / 2)) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "rope_freqs.weight must be F32 or F16 with rope.dimension_count / 2 = %d values",
           c.rope_dim / 2));

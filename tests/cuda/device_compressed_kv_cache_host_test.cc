@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/compress/compressed_kv_cache.h"
 #include "cuda/decode_plan_builder.h"
 #include "cuda/device_compressed_kv_cache.h"

@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "tests/cuda/device_compressed_kv_cache_test_util.h"
 #include "tests/kernels/kv_test_data.h"
 

@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "kernels/compress_blocks.h"
 #include "kernels/expand_blocks.h"
 #include "tests/kernels/compress_blocks_ref.h"

@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_format.h"
 #include "core/base/coeff_codec.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 
 namespace subspace::kernels {
 

@@ -15,7 +15,7 @@
 #include <tuple>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/compress/compressed_kv_cache.h"
 #include "tests/core/compress/compressed_kv_cache_test_util.h"
 #include "tests/kernels/compress_blocks_ref.h"

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "core/base/coeff_codec.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "cuda/decode_plan_builder.h"
 #include "kernels/kv_layout.h"
 

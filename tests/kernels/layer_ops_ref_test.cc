@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "core/base/coeff_codec.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/base/weight.h"
 #include "core/cpu/ops.h"
 #include "cuda/rope_table.h"
@@ -73,7 +73,7 @@ TEST(LayerOpsRefTest, EmbeddingMatchesCpuEmbedBitForBit) {
     tokens[3] = -1;  // ids outside the table: zero rows
     tokens[5] = vocab;
     tokens[6] = std::numeric_limits<int32_t>::max();
-    const WeightMatrix w{GgmlType::kF16, vocab, dim,
+    const WeightMatrix w{TensorType::kF16, vocab, dim,
                          reinterpret_cast<const uint8_t*>(table.data())};
     std::vector<float> want(static_cast<size_t>(n) * dim), got(want.size(), -1.0f);
     cpu::Embed(w, tokens.data(), n, want.data());

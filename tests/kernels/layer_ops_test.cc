@@ -29,7 +29,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/base/coeff_codec.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "cuda/rope_table.h"
 #include "kernels/append_kv.h"
 #include "kernels/embedding.h"

@@ -8,7 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/ops.h"
 #include "cuda/rope_table.h"
 #include "tests/kernels/kv_test_data.h"

@@ -13,7 +13,7 @@
 #include <random>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/ops.h"
 #include "tests/kernels/kv_test_data.h"
 

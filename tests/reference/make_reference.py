@@ -44,7 +44,7 @@ QTOL = 8e-2
 # (~2.5e-4 of values sit that close to a rounding edge); one such code moves a logits row of
 # these random models by up to ~4e-2. Hence QTOL. The kernels themselves are held to 1e-5 on
 # fixed activations by tests/core/cpu/ops_test.cc and to ggml's numbers by
-# tests/core/base/ggml_quants_test.cc.
+# tests/core/base/quant_blocks_test.cc.
 MODELS = {
     "gqa_f32": ({}, TensorType.F32, TensorType.F32, 1e-4),
     "gqa_f16": ({}, TensorType.F16, TensorType.F32, 1e-4),

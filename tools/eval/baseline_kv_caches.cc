@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/ops.h"
 #include "core/kvcache/kv_quant.h"
 #include "core/kvcache/paged_kv_cache.h"

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <random>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 
 namespace subspace::eval {
 

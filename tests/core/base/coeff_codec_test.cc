@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 
 namespace subspace {
 namespace {

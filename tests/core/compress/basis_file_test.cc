@@ -109,7 +109,7 @@ struct Breakage {
   std::string drop_key;
   int rank_k = 2;
   uint64_t p_k_rows = 4;
-  GgmlType p_v_type = GgmlType::kF32;
+  TensorType p_v_type = TensorType::kF32;
   bool drop_r_v = false;
   int ranks_entries = 1;
 };
@@ -133,14 +133,14 @@ std::string BuildBroken(const Breakage& br) {
   });
   maybe("rank_v", [&](const std::string& k) { b.AddInt32Array(k, {3}); });
   auto f32 = [](size_t n) { return std::string(n * 4, '\0'); };
-  b.AddTensor("blk.0.head.0.p_q", {2, 4}, GgmlType::kF32, f32(8));
-  b.AddTensor("blk.0.head.0.p_k", {2, br.p_k_rows}, GgmlType::kF32, f32(2 * br.p_k_rows));
-  if (br.p_v_type == GgmlType::kF32) {
-    b.AddTensor("blk.0.head.0.p_v", {3, 4}, GgmlType::kF32, f32(12));
+  b.AddTensor("blk.0.head.0.p_q", {2, 4}, TensorType::kF32, f32(8));
+  b.AddTensor("blk.0.head.0.p_k", {2, br.p_k_rows}, TensorType::kF32, f32(2 * br.p_k_rows));
+  if (br.p_v_type == TensorType::kF32) {
+    b.AddTensor("blk.0.head.0.p_v", {3, 4}, TensorType::kF32, f32(12));
   } else {
     b.AddTensor("blk.0.head.0.p_v", {3, 4}, br.p_v_type, std::string(24, '\0'));
   }
-  if (!br.drop_r_v) b.AddTensor("blk.0.head.0.r_v", {4, 3}, GgmlType::kF32, f32(12));
+  if (!br.drop_r_v) b.AddTensor("blk.0.head.0.r_v", {4, 3}, TensorType::kF32, f32(12));
   return b.Build();
 }
 
@@ -155,7 +155,7 @@ TEST(BasisFileTest, RejectsInconsistentFiles) {
       {.name = "rank > d", .expect = "outside [1, 4]", .rank_k = 5},
       {.name = "ranks per layer", .expect = "expected 1", .ranks_entries = 2},
       {.name = "p_k shape", .expect = "blk.0.head.0.p_k has dims {2, 5}", .p_k_rows = 5},
-      {.name = "p_v type", .expect = "expected F32", .p_v_type = GgmlType::kF16},
+      {.name = "p_v type", .expect = "expected F32", .p_v_type = TensorType::kF16},
       {.name = "no r_v", .expect = "blk.0.head.0.r_v is missing", .drop_r_v = true},
   };
   for (const Breakage& br : cases) {

@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/matmul_internal.h"
 #include "core/engine/engine.h"
 #include "core/kvcache/paged_kv_cache.h"

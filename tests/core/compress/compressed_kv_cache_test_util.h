@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "core/base/coeff_codec.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/compress/compressed_kv_cache.h"
 #include "gtest/gtest.h"
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "core/base/coeff_codec.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "tests/core/compress/compressed_kv_cache_test_util.h"
 
 namespace subspace {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "core/base/coeff_codec.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/ops.h"
 #include "gtest/gtest.h"
 

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/matmul_internal.h"
 
 namespace subspace::cpu {

@@ -19,8 +19,8 @@
 #include <utility>
 #include <vector>
 
-#include "core/base/ggml_quants.h"
-#include "core/base/ggml_types.h"
+#include "core/base/quant_blocks.h"
+#include "core/base/tensor_types.h"
 #include "core/base/weight.h"
 #include "core/cpu/matmul_internal.h"
 
@@ -45,7 +45,7 @@ std::vector<Isa> IsasToTest() {
 
 const char* IsaName(Isa isa) { return isa == Isa::kScalar ? "scalar" : "avx2"; }
 
-// Decoders independent of core/base/ggml_types.cc, exact in double.
+// Decoders independent of core/base/tensor_types.cc, exact in double.
 double HalfToDouble(uint16_t h) {
   const int exp = (h >> 10) & 31;
   const int mant = h & 1023;
@@ -76,10 +76,10 @@ struct TestWeight {
   std::vector<double> values;  // [rows, cols]
 };
 
-TestWeight MakeWeight(GgmlType type, int64_t rows, int64_t cols, uint32_t seed, int64_t offset) {
+TestWeight MakeWeight(TensorType type, int64_t rows, int64_t cols, uint32_t seed, int64_t offset) {
   std::mt19937 rng(seed);
   TestWeight t;
-  const uint64_t row_bytes = GgmlRowBytes(type, cols);
+  const uint64_t row_bytes = TensorRowBytes(type, cols);
   t.storage.assign(offset + rows * row_bytes, 0);
   t.values.resize(rows * cols);
   uint8_t* base = t.storage.data() + offset;
@@ -87,14 +87,14 @@ TestWeight MakeWeight(GgmlType type, int64_t rows, int64_t cols, uint32_t seed, 
     uint8_t* row = base + r * row_bytes;
     double* out = t.values.data() + r * cols;
     switch (type) {
-      case GgmlType::kF32:
+      case TensorType::kF32:
         for (int64_t k = 0; k < cols; ++k) {
           const float v = std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng);
           std::memcpy(row + 4 * k, &v, 4);
           out[k] = v;
         }
         break;
-      case GgmlType::kF16:
+      case TensorType::kF16:
         for (int64_t k = 0; k < cols; ++k) {
           // Mostly magnitudes 2^-5..2^1; one in 16 is a zero or a subnormal.
           const bool tiny = std::uniform_int_distribution<int>(0, 15)(rng) == 0;
@@ -103,7 +103,7 @@ TestWeight MakeWeight(GgmlType type, int64_t rows, int64_t cols, uint32_t seed, 
           out[k] = HalfToDouble(h);
         }
         break;
-      case GgmlType::kBF16:
+      case TensorType::kBF16:
         for (int64_t k = 0; k < cols; ++k) {
           const int exp = std::uniform_int_distribution<int>(120, 128)(rng);
           const int mant = std::uniform_int_distribution<int>(0, 127)(rng);
@@ -113,7 +113,7 @@ TestWeight MakeWeight(GgmlType type, int64_t rows, int64_t cols, uint32_t seed, 
           out[k] = Bf16ToDouble(h);
         }
         break;
-      case GgmlType::kQ8_0:
+      case TensorType::kQ8_0:
         for (int64_t b = 0; b < cols / kQ8BlockSize; ++b) {
           uint8_t* block = row + b * sizeof(BlockQ8_0);
           const uint16_t scale = RandomHalf(rng, 8, 13);
@@ -130,11 +130,11 @@ TestWeight MakeWeight(GgmlType type, int64_t rows, int64_t cols, uint32_t seed, 
       default: {
         // Other quantized types: random codes, scales and mins (every value a file could
         // hold), the fp16 super-scales kept modest; values through DequantizeRow, itself
-        // checked bit for bit against ggml (tests/core/base/ggml_quants_test.cc).
+        // checked bit for bit against ggml (tests/core/base/quant_blocks_test.cc).
         for (uint64_t i = 0; i < row_bytes; ++i) {
           row[i] = static_cast<uint8_t>(std::uniform_int_distribution<int>(0, 255)(rng));
         }
-        const uint64_t block_bytes = GgmlBlockBytes(type);
+        const uint64_t block_bytes = TensorBlockBytes(type);
         uint64_t fields[2];
         const int num_fields = BlockHalfFields(type, fields);
         for (uint64_t off = 0; off < row_bytes; off += block_bytes) {
@@ -192,15 +192,15 @@ void ExpectClose(const float* got, const std::vector<double>& want,
 // activation format (q8_0 / q8_1 / q8_K) and decoded back, exactly, in double (both paths:
 // the decode path's integer dots and the prefill path's sgemm on the decoded activations);
 // float types see x itself.
-std::vector<double> ActivationsSeenBy(GgmlType type, const float* x, int64_t n, int64_t cols) {
+std::vector<double> ActivationsSeenBy(TensorType type, const float* x, int64_t n, int64_t cols) {
   std::vector<double> out(x, x + n * cols);
-  if (!IsQuantizedGgmlType(type)) return out;
-  const GgmlType act_type = DotActivationType(type);
-  std::vector<uint8_t> q(GgmlRowBytes(act_type, cols));
+  if (!IsQuantizedTensorType(type)) return out;
+  const TensorType act_type = DotActivationType(type);
+  std::vector<uint8_t> q(TensorRowBytes(act_type, cols));
   for (int64_t j = 0; j < n; ++j) {
     QuantizeActivationRow(act_type, x + j * cols, q.data(), cols);
     double* dst = out.data() + j * cols;
-    if (act_type == GgmlType::kQ8_K) {
+    if (act_type == TensorType::kQ8_K) {
       for (int64_t b = 0; b < cols / kSuperBlock; ++b) {
         BlockQ8_K block;
         std::memcpy(&block, q.data() + b * sizeof(block), sizeof(block));
@@ -208,8 +208,8 @@ std::vector<double> ActivationsSeenBy(GgmlType type, const float* x, int64_t n, 
           dst[b * kSuperBlock + i] = double{block.d} * block.qs[i];
       }
     } else {
-      const uint64_t block_bytes = GgmlBlockBytes(act_type);
-      const int code_offset = act_type == GgmlType::kQ8_1 ? 4 : 2;
+      const uint64_t block_bytes = TensorBlockBytes(act_type);
+      const int code_offset = act_type == TensorType::kQ8_1 ? 4 : 2;
       for (int64_t b = 0; b < cols / kQuantBlock; ++b) {
         const uint8_t* p = q.data() + b * block_bytes;
         uint16_t d;
@@ -229,14 +229,14 @@ std::vector<double> ActivationsSeenBy(GgmlType type, const float* x, int64_t n, 
 // kTol, to each output's error scale.
 void AddQ8_1SumRounding(const TestWeight& tw, const std::vector<double>& x_seen, int64_t n,
                         std::vector<double>* scale) {
-  if (DotActivationType(tw.w.type) != GgmlType::kQ8_1) return;
+  if (DotActivationType(tw.w.type) != TensorType::kQ8_1) return;
   const int64_t rows = tw.w.rows, cols = tw.w.cols;
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t r = 0; r < rows; ++r) {
       double slack = 0.0;
       for (int64_t b = 0; b < cols / kQuantBlock; ++b) {
         uint16_t m;
-        std::memcpy(&m, tw.w.row(r) + b * GgmlBlockBytes(tw.w.type) + 2, 2);
+        std::memcpy(&m, tw.w.row(r) + b * TensorBlockBytes(tw.w.type) + 2, 2);
         double sum = 0.0;
         for (int i = 0; i < kQuantBlock; ++i) sum += x_seen[j * cols + b * kQuantBlock + i];
         slack += std::fabs(HalfToDouble(m) * sum) * std::ldexp(1.0, -10);
@@ -283,20 +283,20 @@ void RunMatMul(Path path, const WeightMatrix& w, const float* x, int64_t n, floa
 }
 
 // Every weight type MatMul reads.
-constexpr GgmlType kAllWeightTypes[] = {
-    GgmlType::kF32,  GgmlType::kF16,  GgmlType::kBF16, GgmlType::kQ8_0,  GgmlType::kQ4_0,
-    GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kQ2_K,  GgmlType::kQ3_K,
-    GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K, GgmlType::kIQ4_NL};
+constexpr TensorType kAllWeightTypes[] = {
+    TensorType::kF32,  TensorType::kF16,  TensorType::kBF16, TensorType::kQ8_0,  TensorType::kQ4_0,
+    TensorType::kQ4_1, TensorType::kQ5_0, TensorType::kQ5_1, TensorType::kQ2_K,  TensorType::kQ3_K,
+    TensorType::kQ4_K, TensorType::kQ5_K, TensorType::kQ6_K, TensorType::kIQ4_NL};
 
 struct MatMulCase {
-  GgmlType type;
+  TensorType type;
   int64_t rows;
   int64_t cols;
   int64_t n;
 };
 
 void PrintTo(const MatMulCase& c, std::ostream* os) {
-  *os << GgmlTypeName(c.type) << " " << c.rows << "x" << c.cols << " n=" << c.n;
+  *os << TensorTypeName(c.type) << " " << c.rows << "x" << c.cols << " n=" << c.n;
 }
 
 // Rows and cols off multiples of 8 and 32 where the type allows (Q8_0 rows are whole
@@ -304,8 +304,8 @@ void PrintTo(const MatMulCase& c, std::ostream* os) {
 // for prefill to take several panels.
 std::vector<MatMulCase> MatMulCases() {
   std::vector<MatMulCase> cases;
-  for (GgmlType type : kAllWeightTypes) {
-    const int64_t block = GgmlBlockElems(type);
+  for (TensorType type : kAllWeightTypes) {
+    const int64_t block = TensorBlockElems(type);
     const std::pair<int64_t, int64_t> shapes[] = {{5, block == 1 ? 7 : block},
                                                   {37, block == 256 ? 512 : 96},
                                                   {13, block == 1 ? 200 : 7 * block},
@@ -354,16 +354,17 @@ TEST_P(MatMulTest, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(AllTypes, MatMulTest, ::testing::ValuesIn(MatMulCases()),
                          [](const ::testing::TestParamInfo<MatMulCase>& info) {
                            const MatMulCase& c = info.param;
-                           return std::string(GgmlTypeName(c.type)) + "_" + std::to_string(c.rows) +
-                                  "x" + std::to_string(c.cols) + "_n" + std::to_string(c.n);
+                           return std::string(TensorTypeName(c.type)) + "_" +
+                                  std::to_string(c.rows) + "x" + std::to_string(c.cols) + "_n" +
+                                  std::to_string(c.n);
                          });
 
 // The two ISAs must agree with each other as closely as each agrees with float64.
 TEST(MatMulIsaTest, ScalarAndAvx2Agree) {
   if (internal::DetectedIsa() < Isa::kAvx2) GTEST_SKIP() << "no AVX2 on this CPU";
-  for (GgmlType type : kAllWeightTypes) {
-    SCOPED_TRACE(GgmlTypeName(type));
-    const int64_t rows = 70, cols = GgmlBlockElems(type) == 256 ? 512 : 320, n = 5;
+  for (TensorType type : kAllWeightTypes) {
+    SCOPED_TRACE(TensorTypeName(type));
+    const int64_t rows = 70, cols = TensorBlockElems(type) == 256 ? 512 : 320, n = 5;
     const TestWeight tw = MakeWeight(type, rows, cols, 99, 1);
     const std::vector<float> x = RandomFloats(n * cols, 100);
     std::vector<float> y_scalar(n * rows, kNan), y_avx2(n * rows, kNan);
@@ -392,7 +393,7 @@ TEST(MatMulIsaTest, ScalarAndAvx2Agree) {
 // Row splits differ with the thread count (including more threads than cores); results must
 // not. SetNumThreads(0) restores the default.
 TEST(MatMulThreadsTest, AnyThreadCountGivesTheSameResult) {
-  for (GgmlType type : {GgmlType::kF16, GgmlType::kQ8_0, GgmlType::kQ4_K}) {
+  for (TensorType type : {TensorType::kF16, TensorType::kQ8_0, TensorType::kQ4_K}) {
     const int64_t rows = 301, cols = 512;
     const TestWeight tw = MakeWeight(type, rows, cols, 11, 1);
     for (int64_t n : {2, 40}) {
@@ -402,7 +403,7 @@ TEST(MatMulThreadsTest, AnyThreadCountGivesTheSameResult) {
       for (int threads : {1, 3, 0}) {
         SetNumThreads(threads);
         for (Path path : {Path::kDecode, Path::kPrefill}) {
-          SCOPED_TRACE(std::string(GgmlTypeName(type)) + " n=" + std::to_string(n) +
+          SCOPED_TRACE(std::string(TensorTypeName(type)) + " n=" + std::to_string(n) +
                        " threads=" + std::to_string(threads) + " " + PathName(path));
           std::vector<float> y(n * rows, kNan);
           RunMatMul(path, tw.w, x.data(), n, y.data());
@@ -420,12 +421,12 @@ TEST(MatMulThreadsTest, AnyThreadCountGivesTheSameResult) {
 TEST(MatMulsTest, EqualsOneMatMulPerWeight) {
   const int64_t cols = 512;
   std::vector<TestWeight> weights;
-  weights.push_back(MakeWeight(GgmlType::kQ4_0, 301, cols, 21, 1));
-  weights.push_back(MakeWeight(GgmlType::kQ4_1, 75, cols, 22, 0));
-  weights.push_back(MakeWeight(GgmlType::kQ6_K, 130, cols, 23, 1));
-  weights.push_back(MakeWeight(GgmlType::kF16, 97, cols, 24, 0));
-  weights.push_back(MakeWeight(GgmlType::kQ8_0, 0, cols, 25, 0));
-  weights.push_back(MakeWeight(GgmlType::kQ5_0, 64, cols, 26, 1));
+  weights.push_back(MakeWeight(TensorType::kQ4_0, 301, cols, 21, 1));
+  weights.push_back(MakeWeight(TensorType::kQ4_1, 75, cols, 22, 0));
+  weights.push_back(MakeWeight(TensorType::kQ6_K, 130, cols, 23, 1));
+  weights.push_back(MakeWeight(TensorType::kF16, 97, cols, 24, 0));
+  weights.push_back(MakeWeight(TensorType::kQ8_0, 0, cols, 25, 0));
+  weights.push_back(MakeWeight(TensorType::kQ5_0, 64, cols, 26, 1));
   for (Isa isa : IsasToTest()) {
     ScopedMaxIsa cap(isa);
     for (int64_t n : {1, 3, 40}) {
@@ -447,7 +448,7 @@ TEST(MatMulsTest, EqualsOneMatMulPerWeight) {
         for (size_t i = 0; i < weights.size(); ++i) {
           for (size_t k = 0; k < want[i].size(); ++k) {
             ASSERT_EQ(std::memcmp(&got[i][k], &want[i][k], sizeof(float)), 0)
-                << GgmlTypeName(weights[i].w.type) << " element " << k << ": " << got[i][k]
+                << TensorTypeName(weights[i].w.type) << " element " << k << ": " << got[i][k]
                 << " vs " << want[i][k];
           }
         }
@@ -460,8 +461,8 @@ TEST(MatMulsTest, EqualsOneMatMulPerWeight) {
 // Weights of different widths cannot share one quantized x: MatMuls then runs one MatMul each
 // (each reads x with its own row length), rather than reading past the quantized rows.
 TEST(MatMulsTest, DifferentWidthsRunOneCallEach) {
-  const TestWeight wide = MakeWeight(GgmlType::kQ4_0, 40, 512, 31, 0);
-  const TestWeight narrow = MakeWeight(GgmlType::kQ8_0, 24, 256, 32, 0);
+  const TestWeight wide = MakeWeight(TensorType::kQ4_0, 40, 512, 31, 0);
+  const TestWeight narrow = MakeWeight(TensorType::kQ8_0, 24, 256, 32, 0);
   const int64_t n = 2;
   const std::vector<float> x = RandomFloats(n * 512, 33);
   std::vector<float> want_wide(n * 40), want_narrow(n * 24), got_wide(n * 40, kNan),
@@ -486,14 +487,15 @@ TEST(MatMulIsaTest, ScopedMaxIsaRestores) {
 // Embed
 
 TEST(EmbedTest, CopiesRowsExactly) {
-  for (GgmlType type : {GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16, GgmlType::kQ8_0}) {
+  for (TensorType type :
+       {TensorType::kF32, TensorType::kF16, TensorType::kBF16, TensorType::kQ8_0}) {
     const int64_t vocab = 50;
-    const int64_t dim = type == GgmlType::kQ8_0 ? 224 : 200;
+    const int64_t dim = type == TensorType::kQ8_0 ? 224 : 200;
     const TestWeight table = MakeWeight(type, vocab, dim, 7, 1);
     const std::vector<int32_t> tokens = {0, 49, 3, 3, 17, 50, -1};  // last two out of range
     const int64_t n = static_cast<int64_t>(tokens.size());
     for (Isa isa : IsasToTest()) {
-      SCOPED_TRACE(std::string(GgmlTypeName(type)) + " " + IsaName(isa));
+      SCOPED_TRACE(std::string(TensorTypeName(type)) + " " + IsaName(isa));
       ScopedMaxIsa cap(isa);
       std::vector<float> out(n * dim, kNan);
       Embed(table.w, tokens.data(), n, out.data());

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "tests/core/gguf/gguf_test_util.h"
 #include "tests/test_util.h"
 
@@ -102,10 +102,10 @@ std::string ValidSmallFile(uint32_t version = 3) {
       .AddFloatArray("scores", {0.0f, -1.0f, 2.5f})
       .AddInt32Array("types", {1, 2, 3})
       .AddRaw("nested", kArrayType, nested)
-      .AddTensor("w32", {4, 2}, GgmlType::kF32, GgufBytesOf(Iota(8, 1.0f)))
-      .AddTensor("w16", {8}, GgmlType::kF16, GgufBytesOf(f16))
-      .AddTensor("wbf", {3, 2}, GgmlType::kBF16, GgufBytesOf(bf16))
-      .AddTensor("wq8", {32, 2}, GgmlType::kQ8_0, Q8Blocks({0.5f, 0.125f}))
+      .AddTensor("w32", {4, 2}, TensorType::kF32, GgufBytesOf(Iota(8, 1.0f)))
+      .AddTensor("w16", {8}, TensorType::kF16, GgufBytesOf(f16))
+      .AddTensor("wbf", {3, 2}, TensorType::kBF16, GgufBytesOf(bf16))
+      .AddTensor("wq8", {32, 2}, TensorType::kQ8_0, Q8Blocks({0.5f, 0.125f}))
       .Build();
 }
 
@@ -257,10 +257,10 @@ TEST(GgufTest, TensorDataMatchesForEveryType) {
   for (float x : Iota(4, 0.75f)) bf16.push_back(Fp32ToBf16(x));
   const std::string q8 = Q8Blocks({0.5f, 2.0f, 0.0625f, 1.0f});
   auto f = ParseOrDie(GgufBuilder()
-                          .AddTensor("a", {3, 2}, GgmlType::kF32, GgufBytesOf(f32))
-                          .AddTensor("b", {4}, GgmlType::kF16, GgufBytesOf(f16))
-                          .AddTensor("c", {2, 2, 1, 1}, GgmlType::kBF16, GgufBytesOf(bf16))
-                          .AddTensor("d", {64, 2}, GgmlType::kQ8_0, q8)
+                          .AddTensor("a", {3, 2}, TensorType::kF32, GgufBytesOf(f32))
+                          .AddTensor("b", {4}, TensorType::kF16, GgufBytesOf(f16))
+                          .AddTensor("c", {2, 2, 1, 1}, TensorType::kBF16, GgufBytesOf(bf16))
+                          .AddTensor("d", {64, 2}, TensorType::kQ8_0, q8)
                           .Build());
   ASSERT_NE(f, nullptr);
   ExpectTensorsInBounds(*f);
@@ -274,7 +274,7 @@ TEST(GgufTest, TensorDataMatchesForEveryType) {
 
   const GgufTensorInfo* b = f->FindTensor("b");
   ASSERT_NE(b, nullptr);
-  EXPECT_EQ(b->type, GgmlType::kF16);
+  EXPECT_EQ(b->type, TensorType::kF16);
   EXPECT_EQ(b->num_bytes, 8u);
   std::vector<float> out(4);
   DequantizeRow(b->type, b->data, out.data(), 4);
@@ -282,19 +282,19 @@ TEST(GgufTest, TensorDataMatchesForEveryType) {
 
   const GgufTensorInfo* c = f->FindTensor("c");
   ASSERT_NE(c, nullptr);
-  EXPECT_EQ(c->type, GgmlType::kBF16);
+  EXPECT_EQ(c->type, TensorType::kBF16);
   EXPECT_EQ(c->dims.size(), 4u);
   DequantizeRow(c->type, c->data, out.data(), 4);
   EXPECT_EQ(out, Iota(4, 0.75f));
 
   const GgufTensorInfo* d = f->FindTensor("d");
   ASSERT_NE(d, nullptr);
-  EXPECT_EQ(d->type, GgmlType::kQ8_0);
+  EXPECT_EQ(d->type, TensorType::kQ8_0);
   EXPECT_EQ(d->num_elements, 128);
   EXPECT_EQ(d->num_bytes, 4 * sizeof(BlockQ8_0));
   EXPECT_EQ(std::memcmp(d->data, q8.data(), q8.size()), 0);
   std::vector<float> row(64);
-  DequantizeRow(d->type, d->data + GgmlRowBytes(d->type, 64), row.data(), 64);  // row 1
+  DequantizeRow(d->type, d->data + TensorRowBytes(d->type, 64), row.data(), 64);  // row 1
   EXPECT_EQ(row[0], 0.0625f * static_cast<int8_t>(-128 + 2));
   EXPECT_EQ(row[32], 1.0f * static_cast<int8_t>(-128 + 3));
   EXPECT_EQ(f->FindTensor("zzz"), nullptr);
@@ -304,8 +304,8 @@ TEST(GgufTest, CustomAlignment) {
   for (uint32_t alignment : {1u, 8u, 64u, 4096u}) {
     auto f = ParseOrDie(GgufBuilder()
                             .SetAlignment(alignment)
-                            .AddTensor("x", {3}, GgmlType::kF16, std::string(6, '\x11'))
-                            .AddTensor("y", {5}, GgmlType::kF32, std::string(20, '\x22'))
+                            .AddTensor("x", {3}, TensorType::kF16, std::string(6, '\x11'))
+                            .AddTensor("y", {5}, TensorType::kF32, std::string(20, '\x22'))
                             .Build());
     ASSERT_NE(f, nullptr) << alignment;
     EXPECT_EQ(f->alignment(), alignment);
@@ -353,11 +353,11 @@ TEST(GgufTest, EveryTruncationIsAnError) {
 TEST(GgufTest, TruncationMessageNamesFieldAndOffset) {
   const std::string long_name(40, 'n');
   const std::string named =
-      GgufBuilder().AddTensor(long_name, {2}, GgmlType::kF32, "12345678").Build();
+      GgufBuilder().AddTensor(long_name, {2}, TensorType::kF32, "12345678").Build();
   // Header (24 bytes), then tensor info 0's name length (8): cut 30 bytes into the name.
   EXPECT_GGUF_ERROR(GgufFile::FromBytes(named.substr(0, 62)), absl::StatusCode::kInvalidArgument,
                     "truncated at byte 32 reading tensor info 0 (name): need 40 bytes, 30 left");
-  const std::string bytes = GgufBuilder().AddTensor("w", {2}, GgmlType::kF32, "12345678").Build();
+  const std::string bytes = GgufBuilder().AddTensor("w", {2}, TensorType::kF32, "12345678").Build();
   EXPECT_GGUF_ERROR(GgufFile::FromBytes(bytes.substr(0, bytes.size() - 1)),
                     absl::StatusCode::kInvalidArgument, "tensor info 0 'w' at byte 24");
 }
@@ -428,27 +428,27 @@ TEST(GgufTest, RejectsBadTensorShapes) {
       GgufFile::FromBytes(GgufBuilder().AddTensorInfo("x", {1ull << 31, 1ull << 31}, 0, 0).Build()),
       absl::StatusCode::kInvalidArgument, "byte size overflows");
   EXPECT_GGUF_ERROR(
-      GgufFile::FromBytes(GgufBuilder().AddTensor("x", {33}, GgmlType::kQ8_0, "").Build()),
+      GgufFile::FromBytes(GgufBuilder().AddTensor("x", {33}, TensorType::kQ8_0, "").Build()),
       absl::StatusCode::kInvalidArgument, "multiple of 32, got 33");
 }
 
 TEST(GgufTest, RejectsTensorDataOutsideTheFile) {
   EXPECT_GGUF_ERROR(
-      GgufFile::FromBytes(GgufBuilder().AddTensor("x", {4}, GgmlType::kF32, "12345678").Build()),
+      GgufFile::FromBytes(GgufBuilder().AddTensor("x", {4}, TensorType::kF32, "12345678").Build()),
       absl::StatusCode::kInvalidArgument, "runs past the end");
   EXPECT_GGUF_ERROR(GgufFile::FromBytes(GgufBuilder()
-                                            .AddTensor("a", {2}, GgmlType::kF32, "12345678")
+                                            .AddTensor("a", {2}, TensorType::kF32, "12345678")
                                             .AddTensorInfo("b", {2}, 0, 1ull << 40)
                                             .Build()),
                     absl::StatusCode::kInvalidArgument, "tensor info 1 'b'");
   // offset + size would wrap around uint64 if added naively.
   EXPECT_GGUF_ERROR(GgufFile::FromBytes(GgufBuilder()
-                                            .AddTensor("a", {2}, GgmlType::kF32, "12345678")
+                                            .AddTensor("a", {2}, TensorType::kF32, "12345678")
                                             .AddTensorInfo("b", {8}, 0, ~0ull - 31)
                                             .Build()),
                     absl::StatusCode::kInvalidArgument, "runs past the end");
   EXPECT_GGUF_ERROR(GgufFile::FromBytes(GgufBuilder()
-                                            .AddTensor("a", {2}, GgmlType::kF32, "12345678")
+                                            .AddTensor("a", {2}, TensorType::kF32, "12345678")
                                             .AddTensorInfo("b", {1}, 0, 4)
                                             .Build()),
                     absl::StatusCode::kInvalidArgument,
@@ -460,15 +460,15 @@ TEST(GgufTest, RejectsDuplicates) {
                     absl::StatusCode::kInvalidArgument,
                     "metadata kv 1 'k' at byte 38: duplicate key");
   EXPECT_GGUF_ERROR(GgufFile::FromBytes(GgufBuilder()
-                                            .AddTensor("w", {1}, GgmlType::kF32, "1234")
-                                            .AddTensor("w", {1}, GgmlType::kF32, "5678")
+                                            .AddTensor("w", {1}, TensorType::kF32, "1234")
+                                            .AddTensor("w", {1}, TensorType::kF32, "5678")
                                             .Build()),
                     absl::StatusCode::kInvalidArgument, "duplicate tensor name");
   // Names are arbitrary bytes: errors show them escaped and cut to 64 bytes.
   const std::string odd = "\x01" + std::string(100, 'n');
   EXPECT_GGUF_ERROR(GgufFile::FromBytes(GgufBuilder()
-                                            .AddTensor(odd, {1}, GgmlType::kF32, "1234")
-                                            .AddTensor(odd, {1}, GgmlType::kF32, "5678")
+                                            .AddTensor(odd, {1}, TensorType::kF32, "1234")
+                                            .AddTensor(odd, {1}, TensorType::kF32, "5678")
                                             .Build()),
                     absl::StatusCode::kInvalidArgument,
                     "tensor info 1 '\\x01" + std::string(63, 'n') + "'... at byte");
@@ -562,7 +562,7 @@ TEST(GgufFixtureTest, LlamaTinyRandom) {
   // Matrices are F16; the three RMS-norm vectors are F32.
   ASSERT_EQ(g.tensors().size(), 12u);
   for (const GgufTensorInfo& t : g.tensors()) {
-    const GgmlType want = t.dims.size() == 1 ? GgmlType::kF32 : GgmlType::kF16;
+    const TensorType want = t.dims.size() == 1 ? TensorType::kF32 : TensorType::kF16;
     EXPECT_EQ(t.type, want) << t.name;
     std::vector<float> values(t.num_elements);
     DequantizeRow(t.type, t.data, values.data(), t.num_elements);

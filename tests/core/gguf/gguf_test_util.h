@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/gguf/gguf.h"
 
 namespace subspace::testing {
@@ -101,7 +101,7 @@ class GgufBuilder {
 
   // A tensor whose `data` is placed at the next aligned offset of the data section.
   // dims are in GGUF order (dims[0] is the row length).
-  GgufBuilder& AddTensor(std::string_view name, std::vector<uint64_t> dims, GgmlType type,
+  GgufBuilder& AddTensor(std::string_view name, std::vector<uint64_t> dims, TensorType type,
                          std::string data) {
     tensors_.push_back({std::string(name), std::move(dims), static_cast<uint32_t>(type),
                         std::nullopt, std::move(data)});

@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "gtest/gtest.h"
 
 namespace subspace {
@@ -92,7 +92,7 @@ TEST(KvQuantTest, Q8_0IsTheGgufLayout) {
   const std::vector<uint8_t> b = Quantize(KvDtype::kQ8_0, x);
   std::vector<float> ours(128), gguf(128);
   DequantizeKvRows(KvDtype::kQ8_0, b.data(), 1, 128, ours.data());
-  DequantizeRow(GgmlType::kQ8_0, b.data(), gguf.data(), 128);
+  DequantizeRow(TensorType::kQ8_0, b.data(), gguf.data(), 128);
   EXPECT_EQ(ours, gguf);
 }
 

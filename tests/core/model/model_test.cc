@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/gguf/gguf.h"
 #include "core/kvcache/paged_kv_cache.h"
 #include "gtest/gtest.h"
@@ -36,18 +36,18 @@ struct Spec {
   int ffn = 24;
   int ctx = 16;
   bool tied = false;
-  GgmlType norm_type = GgmlType::kF32;
+  TensorType norm_type = TensorType::kF32;
   std::set<std::string> skip_keys;     // metadata left out
   std::set<std::string> skip_tensors;  // tensors left out
   std::map<std::string, std::vector<uint64_t>> dims_override;
   std::function<void(GgufBuilder&)> extra;  // additional keys
 };
 
-std::string TensorBytes(const std::vector<float>& v, GgmlType type) {
-  if (type == GgmlType::kF32) return GgufBytesOf(v);
+std::string TensorBytes(const std::vector<float>& v, TensorType type) {
+  if (type == TensorType::kF32) return GgufBytesOf(v);
   std::vector<uint16_t> h(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
-    h[i] = type == GgmlType::kF16 ? Fp32ToFp16(v[i]) : Fp32ToBf16(v[i]);
+    h[i] = type == TensorType::kF16 ? Fp32ToFp16(v[i]) : Fp32ToBf16(v[i]);
   }
   return GgufBytesOf(h);
 }
@@ -69,7 +69,7 @@ std::string BuildModel(const Spec& s) {
 
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 0.3f);
-  const auto add = [&](const std::string& name, std::vector<uint64_t> dims, GgmlType type) {
+  const auto add = [&](const std::string& name, std::vector<uint64_t> dims, TensorType type) {
     if (s.skip_tensors.count(name) != 0) return;
     if (auto it = s.dims_override.find(name); it != s.dims_override.end()) dims = it->second;
     uint64_t count = 1;
@@ -83,21 +83,21 @@ std::string BuildModel(const Spec& s) {
     b.AddTensor(name, dims, type, TensorBytes(values, type));
   };
   const uint64_t dim = s.dim, hd = s.dim / s.heads, ffn = s.ffn;
-  add("token_embd.weight", {dim, static_cast<uint64_t>(s.vocab)}, GgmlType::kF32);
+  add("token_embd.weight", {dim, static_cast<uint64_t>(s.vocab)}, TensorType::kF32);
   for (int l = 0; l < s.layers; ++l) {
     const std::string p = "blk." + std::to_string(l) + ".";
     add(p + "attn_norm.weight", {dim}, s.norm_type);
-    add(p + "attn_q.weight", {dim, s.heads * hd}, GgmlType::kF32);
-    add(p + "attn_k.weight", {dim, s.kv_heads * hd}, GgmlType::kF32);
-    add(p + "attn_v.weight", {dim, s.kv_heads * hd}, GgmlType::kF32);
-    add(p + "attn_output.weight", {s.heads * hd, dim}, GgmlType::kF32);
+    add(p + "attn_q.weight", {dim, s.heads * hd}, TensorType::kF32);
+    add(p + "attn_k.weight", {dim, s.kv_heads * hd}, TensorType::kF32);
+    add(p + "attn_v.weight", {dim, s.kv_heads * hd}, TensorType::kF32);
+    add(p + "attn_output.weight", {s.heads * hd, dim}, TensorType::kF32);
     add(p + "ffn_norm.weight", {dim}, s.norm_type);
-    add(p + "ffn_gate.weight", {dim, ffn}, GgmlType::kF32);
-    add(p + "ffn_up.weight", {dim, ffn}, GgmlType::kF32);
-    add(p + "ffn_down.weight", {ffn, dim}, GgmlType::kF32);
+    add(p + "ffn_gate.weight", {dim, ffn}, TensorType::kF32);
+    add(p + "ffn_up.weight", {dim, ffn}, TensorType::kF32);
+    add(p + "ffn_down.weight", {ffn, dim}, TensorType::kF32);
   }
   add("output_norm.weight", {dim}, s.norm_type);
-  if (!s.tied) add("output.weight", {dim, static_cast<uint64_t>(s.vocab)}, GgmlType::kF32);
+  if (!s.tied) add("output.weight", {dim, static_cast<uint64_t>(s.vocab)}, TensorType::kF32);
   return b.Build();
 }
 
@@ -290,7 +290,7 @@ TEST(LlamaModelLoadTest, RejectsUnsupportedNormType) {
   s.dim = 32;
   s.skip_tensors = {"blk.0.attn_norm.weight"};
   s.extra = [](GgufBuilder& b) {
-    b.AddTensor("blk.0.attn_norm.weight", {32}, GgmlType::kQ8_0, std::string(34, '\0'));
+    b.AddTensor("blk.0.attn_norm.weight", {32}, TensorType::kQ8_0, std::string(34, '\0'));
   };
   ASSERT_NE(Parse(s), nullptr);
   ExpectInvalid(LoadStatus(s), "blk.0.attn_norm.weight has type");
@@ -298,7 +298,7 @@ TEST(LlamaModelLoadTest, RejectsUnsupportedNormType) {
 
 TEST(LlamaModelLoadTest, NormsStoredAsHalfGiveTheSameLogits) {
   std::vector<std::vector<float>> logits;
-  for (GgmlType t : {GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16}) {
+  for (TensorType t : {TensorType::kF32, TensorType::kF16, TensorType::kBF16}) {
     Spec s;
     s.norm_type = t;
     absl::StatusOr<std::unique_ptr<LlamaModel>> m = LlamaModel::Load(Parse(s));

@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/gguf/gguf.h"
 #include "core/kvcache/paged_kv_cache.h"
 #include "core/model/model.h"
@@ -108,7 +108,7 @@ inline std::string BuildTinyLlamaGguf(const TinyModelOptions& o = {}) {
     for (size_t i = 0; i < count; ++i) {
       values[i] = dims.size() == 1 ? 0.75f + 0.125f * static_cast<float>(i % 5) : normal(rng);
     }
-    b.AddTensor(name, dims, GgmlType::kF32, GgufBytesOf(values));
+    b.AddTensor(name, dims, TensorType::kF32, GgufBytesOf(values));
   };
   const uint64_t dim = o.dim, hd = o.head_dim > 0 ? o.head_dim : o.dim / o.heads, ffn = o.ffn;
   const uint64_t q_width = o.heads * hd, kv_width = o.kv_heads * hd;

@@ -11,8 +11,8 @@
 #include <random>
 #include <vector>
 
-#include "core/base/ggml_types.h"
 #include "core/base/rope.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/ops.h"
 #include "core/kvcache/paged_kv_cache.h"
 #include "tests/core/compress/compressed_kv_cache_test_util.h"
@@ -46,7 +46,7 @@ TEST(BaselineFormatsTest, Q8_0RoundTripIsWhatTheGgufDequantizerReadsBack) {
     }
   }
   std::vector<float> loaded(64);
-  DequantizeRow(GgmlType::kQ8_0, blocks.data(), loaded.data(), 64);
+  DequantizeRow(TensorType::kQ8_0, blocks.data(), loaded.data(), 64);
   for (int i = 0; i < 64; ++i) {
     EXPECT_FLOAT_EQ(rt[i], loaded[i]) << i;
     // Half a step, plus up to 127 steps of the fp16 rounding of d (2^-11 relative).

@@ -3,7 +3,7 @@
 // and min) and its fp32 super-scales; dequantization and the dot product are then one loop
 // each for all of them. Readable reference code: the SIMD kernels in core/cpu are the fast
 // path and are tested against these.
-#include "core/base/ggml_quants.h"
+#include "core/base/quant_blocks.h"
 
 #include <algorithm>
 #include <cassert>
@@ -30,25 +30,25 @@ struct LegacyBlock {
 // Value j's 4-bit code in a nibble-packed 32-value block.
 inline int Nibble(const uint8_t* qs, int j) { return j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4; }
 
-LegacyBlock DecodeLegacy(GgmlType type, const uint8_t* p) {
+LegacyBlock DecodeLegacy(TensorType type, const uint8_t* p) {
   LegacyBlock out;
   switch (type) {
-    case GgmlType::kQ4_0: {
+    case TensorType::kQ4_0: {
       const auto b = LoadBlock<BlockQ4_0>(p);
       out.d = Fp16ToFp32(b.d);
       for (int j = 0; j < kQuantBlock; ++j) out.q[j] = static_cast<int8_t>(Nibble(b.qs, j) - 8);
       break;
     }
-    case GgmlType::kQ4_1: {
+    case TensorType::kQ4_1: {
       const auto b = LoadBlock<BlockQ4_1>(p);
       out.d = Fp16ToFp32(b.d);
       out.m = Fp16ToFp32(b.m);
       for (int j = 0; j < kQuantBlock; ++j) out.q[j] = static_cast<int8_t>(Nibble(b.qs, j));
       break;
     }
-    case GgmlType::kQ5_0:
-    case GgmlType::kQ5_1: {
-      const bool q5_1 = type == GgmlType::kQ5_1;
+    case TensorType::kQ5_0:
+    case TensorType::kQ5_1: {
+      const bool q5_1 = type == TensorType::kQ5_1;
       uint32_t qh;
       const uint8_t* qs;
       if (q5_1) {
@@ -69,13 +69,13 @@ LegacyBlock DecodeLegacy(GgmlType type, const uint8_t* p) {
       }
       break;
     }
-    case GgmlType::kQ8_0: {
+    case TensorType::kQ8_0: {
       const auto b = LoadBlock<BlockQ8_0>(p);
       out.d = Fp16ToFp32(b.scale_f16);
       std::memcpy(out.q, b.q, kQuantBlock);
       break;
     }
-    case GgmlType::kIQ4_NL: {
+    case TensorType::kIQ4_NL: {
       const auto b = LoadBlock<BlockIq4Nl>(p);
       out.d = Fp16ToFp32(b.d);
       for (int j = 0; j < kQuantBlock; ++j) out.q[j] = kIq4NlValues[Nibble(b.qs, j)];
@@ -98,10 +98,10 @@ struct KBlock {
   int8_t q[kSuperBlock];
 };
 
-KBlock DecodeK(GgmlType type, const uint8_t* p) {
+KBlock DecodeK(TensorType type, const uint8_t* p) {
   KBlock out;
   switch (type) {
-    case GgmlType::kQ2_K: {
+    case TensorType::kQ2_K: {
       const auto b = LoadBlock<BlockQ2_K>(p);
       out.d = Fp16ToFp32(b.d);
       out.dmin = Fp16ToFp32(b.dmin);
@@ -116,7 +116,7 @@ KBlock DecodeK(GgmlType type, const uint8_t* p) {
       }
       break;
     }
-    case GgmlType::kQ3_K: {
+    case TensorType::kQ3_K: {
       const auto b = LoadBlock<BlockQ3_K>(p);
       out.d = Fp16ToFp32(b.d);
       int8_t scales[16];
@@ -130,9 +130,9 @@ KBlock DecodeK(GgmlType type, const uint8_t* p) {
       }
       break;
     }
-    case GgmlType::kQ4_K:
-    case GgmlType::kQ5_K: {
-      const bool q5 = type == GgmlType::kQ5_K;
+    case TensorType::kQ4_K:
+    case TensorType::kQ5_K: {
+      const bool q5 = type == TensorType::kQ5_K;
       uint16_t d, dmin;
       std::memcpy(&d, p, 2);
       std::memcpy(&dmin, p + 2, 2);
@@ -159,7 +159,7 @@ KBlock DecodeK(GgmlType type, const uint8_t* p) {
       }
       break;
     }
-    case GgmlType::kQ6_K: {
+    case TensorType::kQ6_K: {
       const auto b = LoadBlock<BlockQ6_K>(p);
       out.d = Fp16ToFp32(b.d);
       for (int s = 0; s < 16; ++s) out.scale[s] = b.scales[s];
@@ -180,13 +180,13 @@ KBlock DecodeK(GgmlType type, const uint8_t* p) {
   return out;
 }
 
-bool IsKQuant(GgmlType type) {
+bool IsKQuant(TensorType type) {
   switch (type) {
-    case GgmlType::kQ2_K:
-    case GgmlType::kQ3_K:
-    case GgmlType::kQ4_K:
-    case GgmlType::kQ5_K:
-    case GgmlType::kQ6_K:
+    case TensorType::kQ2_K:
+    case TensorType::kQ3_K:
+    case TensorType::kQ4_K:
+    case TensorType::kQ5_K:
+    case TensorType::kQ6_K:
       return true;
     default:
       return false;
@@ -208,29 +208,29 @@ void UnpackScalesQ3K(const uint8_t* packed, int8_t* scales) {
   }
 }
 
-int BlockHalfFields(GgmlType type, uint64_t offsets[2]) {
+int BlockHalfFields(TensorType type, uint64_t offsets[2]) {
   switch (type) {
-    case GgmlType::kQ4_1:
-    case GgmlType::kQ5_1:
-    case GgmlType::kQ4_K:
-    case GgmlType::kQ5_K:
+    case TensorType::kQ4_1:
+    case TensorType::kQ5_1:
+    case TensorType::kQ4_K:
+    case TensorType::kQ5_K:
       offsets[0] = 0;
       offsets[1] = 2;
       return 2;
-    case GgmlType::kQ2_K:
+    case TensorType::kQ2_K:
       offsets[0] = offsetof(BlockQ2_K, d);
       offsets[1] = offsetof(BlockQ2_K, dmin);
       return 2;
-    case GgmlType::kQ3_K:
+    case TensorType::kQ3_K:
       offsets[0] = offsetof(BlockQ3_K, d);
       return 1;
-    case GgmlType::kQ6_K:
+    case TensorType::kQ6_K:
       offsets[0] = offsetof(BlockQ6_K, d);
       return 1;
-    case GgmlType::kQ4_0:
-    case GgmlType::kQ5_0:
-    case GgmlType::kQ8_0:
-    case GgmlType::kIQ4_NL:
+    case TensorType::kQ4_0:
+    case TensorType::kQ5_0:
+    case TensorType::kQ8_0:
+    case TensorType::kIQ4_NL:
       offsets[0] = 0;
       return 1;
     default:
@@ -238,43 +238,43 @@ int BlockHalfFields(GgmlType type, uint64_t offsets[2]) {
   }
 }
 
-bool IsQuantizedGgmlType(GgmlType type) {
+bool IsQuantizedTensorType(TensorType type) {
   switch (type) {
-    case GgmlType::kQ4_0:
-    case GgmlType::kQ4_1:
-    case GgmlType::kQ5_0:
-    case GgmlType::kQ5_1:
-    case GgmlType::kQ8_0:
-    case GgmlType::kQ2_K:
-    case GgmlType::kQ3_K:
-    case GgmlType::kQ4_K:
-    case GgmlType::kQ5_K:
-    case GgmlType::kQ6_K:
-    case GgmlType::kIQ4_NL:
+    case TensorType::kQ4_0:
+    case TensorType::kQ4_1:
+    case TensorType::kQ5_0:
+    case TensorType::kQ5_1:
+    case TensorType::kQ8_0:
+    case TensorType::kQ2_K:
+    case TensorType::kQ3_K:
+    case TensorType::kQ4_K:
+    case TensorType::kQ5_K:
+    case TensorType::kQ6_K:
+    case TensorType::kIQ4_NL:
       return true;
     default:
       return false;
   }
 }
 
-GgmlType DotActivationType(GgmlType weight_type) {
+TensorType DotActivationType(TensorType weight_type) {
   switch (weight_type) {
-    case GgmlType::kQ4_0:
-    case GgmlType::kQ5_0:
-    case GgmlType::kQ8_0:
-    case GgmlType::kIQ4_NL:
-      return GgmlType::kQ8_0;
-    case GgmlType::kQ4_1:
-    case GgmlType::kQ5_1:
-      return GgmlType::kQ8_1;
+    case TensorType::kQ4_0:
+    case TensorType::kQ5_0:
+    case TensorType::kQ8_0:
+    case TensorType::kIQ4_NL:
+      return TensorType::kQ8_0;
+    case TensorType::kQ4_1:
+    case TensorType::kQ5_1:
+      return TensorType::kQ8_1;
     default:
-      return IsKQuant(weight_type) ? GgmlType::kQ8_K : GgmlType::kF32;
+      return IsKQuant(weight_type) ? TensorType::kQ8_K : TensorType::kF32;
   }
 }
 
-void QuantizeActivationRow(GgmlType act_type, const float* x, void* dst, int64_t n) {
+void QuantizeActivationRow(TensorType act_type, const float* x, void* dst, int64_t n) {
   auto* out = static_cast<uint8_t*>(dst);
-  if (act_type == GgmlType::kQ8_K) {
+  if (act_type == TensorType::kQ8_K) {
     assert(n % kSuperBlock == 0);
     for (int64_t b = 0; b < n / kSuperBlock; ++b, x += kSuperBlock) {
       BlockQ8_K block{};
@@ -304,9 +304,9 @@ void QuantizeActivationRow(GgmlType act_type, const float* x, void* dst, int64_t
     }
     return;
   }
-  assert(act_type == GgmlType::kQ8_0 || act_type == GgmlType::kQ8_1);
+  assert(act_type == TensorType::kQ8_0 || act_type == TensorType::kQ8_1);
   assert(n % kQuantBlock == 0);
-  const bool with_sum = act_type == GgmlType::kQ8_1;
+  const bool with_sum = act_type == TensorType::kQ8_1;
   const size_t block_bytes = with_sum ? sizeof(BlockQ8_1) : sizeof(BlockQ8_0);
   for (int64_t b = 0; b < n / kQuantBlock; ++b, x += kQuantBlock) {
     float amax = 0.0f;
@@ -335,14 +335,14 @@ void QuantizeActivationRow(GgmlType act_type, const float* x, void* dst, int64_t
   }
 }
 
-void DecodeActivationRow(GgmlType act_type, const void* src, float* out, int64_t n) {
+void DecodeActivationRow(TensorType act_type, const void* src, float* out, int64_t n) {
   const auto* in = static_cast<const uint8_t*>(src);
-  const int64_t block = GgmlBlockElems(act_type);
-  const uint64_t block_bytes = GgmlBlockBytes(act_type);
+  const int64_t block = TensorBlockElems(act_type);
+  const uint64_t block_bytes = TensorBlockBytes(act_type);
   for (int64_t b = 0; b < n / block; ++b, in += block_bytes, out += block) {
     float d;
     const int8_t* q;
-    if (act_type == GgmlType::kQ8_K) {
+    if (act_type == TensorType::kQ8_K) {
       std::memcpy(&d, in, 4);
       q = reinterpret_cast<const int8_t*>(in + offsetof(BlockQ8_K, qs));
     } else {
@@ -351,16 +351,16 @@ void DecodeActivationRow(GgmlType act_type, const void* src, float* out, int64_t
       uint16_t d16;
       std::memcpy(&d16, in, 2);
       d = Fp16ToFp32(d16);
-      q = reinterpret_cast<const int8_t*>(in + (act_type == GgmlType::kQ8_1 ? 4 : 2));
+      q = reinterpret_cast<const int8_t*>(in + (act_type == TensorType::kQ8_1 ? 4 : 2));
     }
     for (int64_t i = 0; i < block; ++i) out[i] = d * static_cast<float>(q[i]);
   }
 }
 
-float DotQuantizedRowScalar(GgmlType type, const void* row, const void* act, int64_t n) {
+float DotQuantizedRowScalar(TensorType type, const void* row, const void* act, int64_t n) {
   const auto* w = static_cast<const uint8_t*>(row);
   const auto* a = static_cast<const uint8_t*>(act);
-  const uint64_t w_block = GgmlBlockBytes(type);
+  const uint64_t w_block = TensorBlockBytes(type);
   float sum = 0.0f;
   if (IsKQuant(type)) {
     for (int64_t b = 0; b < n / kSuperBlock; ++b) {
@@ -380,7 +380,7 @@ float DotQuantizedRowScalar(GgmlType type, const void* row, const void* act, int
     }
     return sum;
   }
-  const bool q8_1 = DotActivationType(type) == GgmlType::kQ8_1;
+  const bool q8_1 = DotActivationType(type) == TensorType::kQ8_1;
   for (int64_t b = 0; b < n / kQuantBlock; ++b) {
     const LegacyBlock x = DecodeLegacy(type, w + b * w_block);
     int32_t dot = 0;
@@ -397,8 +397,8 @@ float DotQuantizedRowScalar(GgmlType type, const void* row, const void* act, int
   return sum;
 }
 
-void DequantizeQuantizedRow(GgmlType type, const uint8_t* src, float* dst, int64_t n) {
-  const uint64_t block_bytes = GgmlBlockBytes(type);
+void DequantizeQuantizedRow(TensorType type, const uint8_t* src, float* dst, int64_t n) {
+  const uint64_t block_bytes = TensorBlockBytes(type);
   if (IsKQuant(type)) {
     for (int64_t b = 0; b < n / kSuperBlock; ++b) {
       const KBlock k = DecodeK(type, src + b * block_bytes);
@@ -417,7 +417,7 @@ void DequantizeQuantizedRow(GgmlType type, const uint8_t* src, float* dst, int64
   for (int64_t b = 0; b < n / kQuantBlock; ++b) {
     const LegacyBlock x = DecodeLegacy(type, src + b * block_bytes);
     float* out = dst + b * kQuantBlock;
-    const bool with_min = type == GgmlType::kQ4_1 || type == GgmlType::kQ5_1;
+    const bool with_min = type == TensorType::kQ4_1 || type == TensorType::kQ5_1;
     for (int j = 0; j < kQuantBlock; ++j) {
       out[j] = with_min ? static_cast<float>(x.q[j]) * x.d + x.m : static_cast<float>(x.q[j]) * x.d;
     }

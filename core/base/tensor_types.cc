@@ -1,7 +1,7 @@
 // Scalar conversions for the ggml element types the engine loads: exact fp16/bf16 <-> fp32
 // bit manipulation (no reliance on compiler half support) and row dequantisation. These are
 // reference-speed paths; the fast matmul kernels read the stored types directly.
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 
 #include <bit>
 #include <cassert>
@@ -9,7 +9,7 @@
 #include <iterator>
 #include <limits>
 
-#include "core/base/ggml_quants.h"
+#include "core/base/quant_blocks.h"
 
 namespace subspace {
 namespace {
@@ -19,21 +19,21 @@ float BitsFloat(uint32_t u) { return std::bit_cast<float>(u); }
 
 }  // namespace
 
-bool IsSupportedGgmlType(uint32_t raw_type) {
-  switch (static_cast<GgmlType>(raw_type)) {
-    case GgmlType::kF32:
-    case GgmlType::kF16:
-    case GgmlType::kBF16:
+bool IsSupportedTensorType(uint32_t raw_type) {
+  switch (static_cast<TensorType>(raw_type)) {
+    case TensorType::kF32:
+    case TensorType::kF16:
+    case TensorType::kBF16:
       return true;
-    case GgmlType::kQ8_1:
-    case GgmlType::kQ8_K:
+    case TensorType::kQ8_1:
+    case TensorType::kQ8_K:
       return false;  // activation formats: ggml never writes them to files
     default:
-      return IsQuantizedGgmlType(static_cast<GgmlType>(raw_type));
+      return IsQuantizedTensorType(static_cast<TensorType>(raw_type));
   }
 }
 
-const char* GgmlTypeName(GgmlType type) {
+const char* TensorTypeName(TensorType type) {
   // Names for every id ggml has assigned, so an unsupported-type error can say what the file
   // actually holds (e.g. "q4_K") rather than only a number. Null entries are retired ids.
   static constexpr const char* kNames[] = {
@@ -48,74 +48,74 @@ const char* GgmlTypeName(GgmlType type) {
   return kNames[id];
 }
 
-int64_t GgmlBlockElems(GgmlType type) {
+int64_t TensorBlockElems(TensorType type) {
   switch (type) {
-    case GgmlType::kF32:
-    case GgmlType::kF16:
-    case GgmlType::kBF16:
+    case TensorType::kF32:
+    case TensorType::kF16:
+    case TensorType::kBF16:
       return 1;
-    case GgmlType::kQ4_0:
-    case GgmlType::kQ4_1:
-    case GgmlType::kQ5_0:
-    case GgmlType::kQ5_1:
-    case GgmlType::kQ8_0:
-    case GgmlType::kQ8_1:
-    case GgmlType::kIQ4_NL:
+    case TensorType::kQ4_0:
+    case TensorType::kQ4_1:
+    case TensorType::kQ5_0:
+    case TensorType::kQ5_1:
+    case TensorType::kQ8_0:
+    case TensorType::kQ8_1:
+    case TensorType::kIQ4_NL:
       return kQuantBlock;
-    case GgmlType::kQ2_K:
-    case GgmlType::kQ3_K:
-    case GgmlType::kQ4_K:
-    case GgmlType::kQ5_K:
-    case GgmlType::kQ6_K:
-    case GgmlType::kQ8_K:
+    case TensorType::kQ2_K:
+    case TensorType::kQ3_K:
+    case TensorType::kQ4_K:
+    case TensorType::kQ5_K:
+    case TensorType::kQ6_K:
+    case TensorType::kQ8_K:
       return kSuperBlock;
   }
   return 0;
 }
 
-uint64_t GgmlBlockBytes(GgmlType type) {
+uint64_t TensorBlockBytes(TensorType type) {
   switch (type) {
-    case GgmlType::kF32:
+    case TensorType::kF32:
       return 4;
-    case GgmlType::kF16:
-    case GgmlType::kBF16:
+    case TensorType::kF16:
+    case TensorType::kBF16:
       return 2;
-    case GgmlType::kQ4_0:
+    case TensorType::kQ4_0:
       return sizeof(BlockQ4_0);
-    case GgmlType::kQ4_1:
+    case TensorType::kQ4_1:
       return sizeof(BlockQ4_1);
-    case GgmlType::kQ5_0:
+    case TensorType::kQ5_0:
       return sizeof(BlockQ5_0);
-    case GgmlType::kQ5_1:
+    case TensorType::kQ5_1:
       return sizeof(BlockQ5_1);
-    case GgmlType::kQ8_0:
+    case TensorType::kQ8_0:
       return sizeof(BlockQ8_0);
-    case GgmlType::kQ8_1:
+    case TensorType::kQ8_1:
       return sizeof(BlockQ8_1);
-    case GgmlType::kQ2_K:
+    case TensorType::kQ2_K:
       return sizeof(BlockQ2_K);
-    case GgmlType::kQ3_K:
+    case TensorType::kQ3_K:
       return sizeof(BlockQ3_K);
-    case GgmlType::kQ4_K:
+    case TensorType::kQ4_K:
       return sizeof(BlockQ4_K);
-    case GgmlType::kQ5_K:
+    case TensorType::kQ5_K:
       return sizeof(BlockQ5_K);
-    case GgmlType::kQ6_K:
+    case TensorType::kQ6_K:
       return sizeof(BlockQ6_K);
-    case GgmlType::kQ8_K:
+    case TensorType::kQ8_K:
       return sizeof(BlockQ8_K);
-    case GgmlType::kIQ4_NL:
+    case TensorType::kIQ4_NL:
       return sizeof(BlockIq4Nl);
   }
   return 0;
 }
 
-uint64_t GgmlRowBytes(GgmlType type, int64_t n) {
-  const int64_t block_elems = GgmlBlockElems(type);
+uint64_t TensorRowBytes(TensorType type, int64_t n) {
+  const int64_t block_elems = TensorBlockElems(type);
   if (block_elems == 0 || n < 0 || n % block_elems != 0) return 0;
   const uint64_t blocks = static_cast<uint64_t>(n / block_elems);
   uint64_t bytes = 0;
-  if (__builtin_mul_overflow(blocks, GgmlBlockBytes(type), &bytes)) return 0;
+  if (__builtin_mul_overflow(blocks, TensorBlockBytes(type), &bytes)) return 0;
   return bytes;
 }
 
@@ -183,29 +183,29 @@ uint16_t Fp32ToBf16(float f) {
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
-void DequantizeRow(GgmlType type, const void* src, float* dst, int64_t n) {
+void DequantizeRow(TensorType type, const void* src, float* dst, int64_t n) {
   // src: n elements of `type` (n / 32 blocks for Q8_0 ...); dst: [n] fp32.
   // Byte copies keep this correct for any source alignment (general.alignment may be 1).
   const auto* bytes = static_cast<const uint8_t*>(src);
   switch (type) {
-    case GgmlType::kF32:
+    case TensorType::kF32:
       std::memcpy(dst, bytes, static_cast<size_t>(n) * sizeof(float));
       return;
-    case GgmlType::kF16:
+    case TensorType::kF16:
       for (int64_t i = 0; i < n; ++i) {
         uint16_t h;
         std::memcpy(&h, bytes + 2 * i, sizeof(h));
         dst[i] = Fp16ToFp32(h);
       }
       return;
-    case GgmlType::kBF16:
+    case TensorType::kBF16:
       for (int64_t i = 0; i < n; ++i) {
         uint16_t h;
         std::memcpy(&h, bytes + 2 * i, sizeof(h));
         dst[i] = Bf16ToFp32(h);
       }
       return;
-    case GgmlType::kQ8_0: {
+    case TensorType::kQ8_0: {
       assert(n % kQ8BlockSize == 0);
       const int64_t blocks = n / kQ8BlockSize;
       for (int64_t b = 0; b < blocks; ++b) {
@@ -219,8 +219,8 @@ void DequantizeRow(GgmlType type, const void* src, float* dst, int64_t n) {
       return;
     }
     default:
-      if (IsQuantizedGgmlType(type)) {
-        assert(n % GgmlBlockElems(type) == 0);
+      if (IsQuantizedTensorType(type)) {
+        assert(n % TensorBlockElems(type) == 0);
         DequantizeQuantizedRow(type, bytes, dst, n);
         return;
       }

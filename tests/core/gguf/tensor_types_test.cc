@@ -1,6 +1,6 @@
 // Tests for the ggml scalar types: fp16 checked exhaustively against an independent
 // nearest-value oracle (exact in double), bf16 rounding, row sizes and dequantisation.
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 
 #include <gtest/gtest.h>
 
@@ -158,62 +158,62 @@ TEST(Bf16Test, NanStaysNanAndAllValuesRoundTrip) {
   }
 }
 
-TEST(GgmlTypesTest, SizesAndNames) {
-  EXPECT_TRUE(IsSupportedGgmlType(0));
-  EXPECT_TRUE(IsSupportedGgmlType(1));
-  EXPECT_TRUE(IsSupportedGgmlType(8));
-  EXPECT_TRUE(IsSupportedGgmlType(30));
+TEST(TensorTypesTest, SizesAndNames) {
+  EXPECT_TRUE(IsSupportedTensorType(0));
+  EXPECT_TRUE(IsSupportedTensorType(1));
+  EXPECT_TRUE(IsSupportedTensorType(8));
+  EXPECT_TRUE(IsSupportedTensorType(30));
   for (uint32_t t : {2u, 3u, 6u, 7u, 10u, 11u, 12u, 13u, 14u, 20u}) {
-    EXPECT_TRUE(IsSupportedGgmlType(t)) << t;
+    EXPECT_TRUE(IsSupportedTensorType(t)) << t;
   }
   // Retired ids, the activation-only q8_1 / q8_K, i-quants we do not read, integer types.
   for (uint32_t t : {4u, 5u, 9u, 15u, 16u, 19u, 23u, 28u, 31u, 39u, 1000u, 0xffffffffu}) {
-    EXPECT_FALSE(IsSupportedGgmlType(t)) << t;
+    EXPECT_FALSE(IsSupportedTensorType(t)) << t;
   }
-  EXPECT_STREQ(GgmlTypeName(GgmlType::kF32), "f32");
-  EXPECT_STREQ(GgmlTypeName(GgmlType::kF16), "f16");
-  EXPECT_STREQ(GgmlTypeName(GgmlType::kQ8_0), "q8_0");
-  EXPECT_STREQ(GgmlTypeName(GgmlType::kBF16), "bf16");
-  EXPECT_STREQ(GgmlTypeName(static_cast<GgmlType>(12)), "q4_K");
-  EXPECT_STREQ(GgmlTypeName(static_cast<GgmlType>(4)), "unknown");  // retired id
-  EXPECT_STREQ(GgmlTypeName(static_cast<GgmlType>(5000)), "unknown");
+  EXPECT_STREQ(TensorTypeName(TensorType::kF32), "f32");
+  EXPECT_STREQ(TensorTypeName(TensorType::kF16), "f16");
+  EXPECT_STREQ(TensorTypeName(TensorType::kQ8_0), "q8_0");
+  EXPECT_STREQ(TensorTypeName(TensorType::kBF16), "bf16");
+  EXPECT_STREQ(TensorTypeName(static_cast<TensorType>(12)), "q4_K");
+  EXPECT_STREQ(TensorTypeName(static_cast<TensorType>(4)), "unknown");  // retired id
+  EXPECT_STREQ(TensorTypeName(static_cast<TensorType>(5000)), "unknown");
 
-  EXPECT_EQ(GgmlBlockElems(GgmlType::kF32), 1);
-  EXPECT_EQ(GgmlBlockElems(GgmlType::kQ8_0), 32);
-  EXPECT_EQ(GgmlBlockBytes(GgmlType::kQ8_0), 34u);
-  EXPECT_EQ(GgmlBlockBytes(GgmlType::kBF16), 2u);
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kF32, 10), 40u);
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kF16, 10), 20u);
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kBF16, 7), 14u);
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ8_0, 64), 68u);
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ8_0, 0), 0u);
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ4_K, 512), 288u);
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ6_K, 256), 210u);
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ4_K, 288), 0u);  // not whole super-blocks
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ8_0, 33), 0u);   // not a whole number of blocks
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kF32, -4), 0u);
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kF32, std::numeric_limits<int64_t>::max()), 0u);  // overflow
-  EXPECT_EQ(GgmlRowBytes(static_cast<GgmlType>(16), 256), 0u);  // iq2_xxs: not read
+  EXPECT_EQ(TensorBlockElems(TensorType::kF32), 1);
+  EXPECT_EQ(TensorBlockElems(TensorType::kQ8_0), 32);
+  EXPECT_EQ(TensorBlockBytes(TensorType::kQ8_0), 34u);
+  EXPECT_EQ(TensorBlockBytes(TensorType::kBF16), 2u);
+  EXPECT_EQ(TensorRowBytes(TensorType::kF32, 10), 40u);
+  EXPECT_EQ(TensorRowBytes(TensorType::kF16, 10), 20u);
+  EXPECT_EQ(TensorRowBytes(TensorType::kBF16, 7), 14u);
+  EXPECT_EQ(TensorRowBytes(TensorType::kQ8_0, 64), 68u);
+  EXPECT_EQ(TensorRowBytes(TensorType::kQ8_0, 0), 0u);
+  EXPECT_EQ(TensorRowBytes(TensorType::kQ4_K, 512), 288u);
+  EXPECT_EQ(TensorRowBytes(TensorType::kQ6_K, 256), 210u);
+  EXPECT_EQ(TensorRowBytes(TensorType::kQ4_K, 288), 0u);  // not whole super-blocks
+  EXPECT_EQ(TensorRowBytes(TensorType::kQ8_0, 33), 0u);   // not a whole number of blocks
+  EXPECT_EQ(TensorRowBytes(TensorType::kF32, -4), 0u);
+  EXPECT_EQ(TensorRowBytes(TensorType::kF32, std::numeric_limits<int64_t>::max()), 0u);  // overflow
+  EXPECT_EQ(TensorRowBytes(static_cast<TensorType>(16), 256), 0u);  // iq2_xxs: not read
 }
 
 TEST(DequantizeTest, ScalarTypes) {
   const std::vector<float> want = {0.0f, -1.5f, 3.25f, 65504.0f, -0.0f};
   std::vector<float> out(want.size());
-  DequantizeRow(GgmlType::kF32, want.data(), out.data(), 5);
+  DequantizeRow(TensorType::kF32, want.data(), out.data(), 5);
   EXPECT_EQ(out, want);
 
   std::vector<uint16_t> half, bf;
   for (float x : want) half.push_back(Fp32ToFp16(x));
   for (float x : want) bf.push_back(Fp32ToBf16(x));
-  DequantizeRow(GgmlType::kF16, half.data(), out.data(), 5);
+  DequantizeRow(TensorType::kF16, half.data(), out.data(), 5);
   EXPECT_EQ(out, want);
-  DequantizeRow(GgmlType::kBF16, bf.data(), out.data(), 3);
+  DequantizeRow(TensorType::kBF16, bf.data(), out.data(), 3);
   EXPECT_EQ(out[2], 3.25f);
 
   // Rows inside a GGUF file may be only 1-byte aligned (general.alignment = 1).
   std::vector<uint8_t> unaligned(1 + 5 * sizeof(float));
   std::memcpy(unaligned.data() + 1, want.data(), 5 * sizeof(float));
-  DequantizeRow(GgmlType::kF32, unaligned.data() + 1, out.data(), 5);
+  DequantizeRow(TensorType::kF32, unaligned.data() + 1, out.data(), 5);
   EXPECT_EQ(out, want);
 }
 
@@ -230,7 +230,7 @@ TEST(DequantizeTest, Q8_0) {
   blocks[0].q[0] = -128;
   blocks[0].q[1] = 127;
   std::vector<float> out(3 * kQ8BlockSize);
-  DequantizeRow(GgmlType::kQ8_0, blocks.data(), out.data(), 3 * kQ8BlockSize);
+  DequantizeRow(TensorType::kQ8_0, blocks.data(), out.data(), 3 * kQ8BlockSize);
   for (int b = 0; b < 3; ++b) {
     for (int j = 0; j < kQ8BlockSize; ++j) {
       // Scales are exact in fp16, so the product is exact in fp32.

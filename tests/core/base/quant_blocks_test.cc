@@ -3,7 +3,7 @@
 // the type's dot partner, and ggml's CPU dot products (tools/ggml_ref/, SOURCE.md there).
 // Our dequantization must match bit for bit; our dots (scalar and AVX2, on ggml's activation
 // bytes) to float rounding; our activation quantizer to ggml's bytes.
-#include "core/base/ggml_quants.h"
+#include "core/base/quant_blocks.h"
 
 #include <gtest/gtest.h>
 
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 #include "core/cpu/matmul_internal.h"
 #include "tests/test_util.h"
 
@@ -26,8 +26,8 @@ namespace {
 using testing::SourcePath;
 
 struct Vectors {
-  GgmlType type{};
-  GgmlType act_type{};
+  TensorType type{};
+  TensorType act_type{};
   int rows = 0;
   int n = 0;
   std::vector<float> x;            // [rows, n] the values ggml quantized
@@ -54,8 +54,8 @@ Vectors Load(const std::string& name) {
   EXPECT_EQ(header[0], 0x56515353u);
   EXPECT_EQ(header[1], 1u);
   Vectors v;
-  v.type = static_cast<GgmlType>(header[2]);
-  v.act_type = static_cast<GgmlType>(header[3]);
+  v.type = static_cast<TensorType>(header[2]);
+  v.act_type = static_cast<TensorType>(header[3]);
   v.rows = static_cast<int>(header[4]);
   v.n = static_cast<int>(header[5]);
   v.x.resize(static_cast<size_t>(v.rows) * v.n);
@@ -80,21 +80,21 @@ Vectors Load(const std::string& name) {
 const char* const kTypes[] = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0",  "q2_K",
                               "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl"};
 
-class GgmlQuantsTest : public ::testing::TestWithParam<const char*> {};
+class QuantBlocksTest : public ::testing::TestWithParam<const char*> {};
 
-TEST_P(GgmlQuantsTest, HeaderMatchesOurTypeTable) {
+TEST_P(QuantBlocksTest, HeaderMatchesOurTypeTable) {
   const Vectors v = Load(GetParam());
-  EXPECT_STREQ(GgmlTypeName(v.type), GetParam());
-  EXPECT_TRUE(IsSupportedGgmlType(static_cast<uint32_t>(v.type)));
-  EXPECT_TRUE(IsQuantizedGgmlType(v.type));
+  EXPECT_STREQ(TensorTypeName(v.type), GetParam());
+  EXPECT_TRUE(IsSupportedTensorType(static_cast<uint32_t>(v.type)));
+  EXPECT_TRUE(IsQuantizedTensorType(v.type));
   EXPECT_EQ(DotActivationType(v.type), v.act_type);
-  EXPECT_EQ(GgmlRowBytes(v.type, v.n) * v.rows, v.q.size());
-  EXPECT_EQ(GgmlRowBytes(v.act_type, v.n), v.act_q.size());
+  EXPECT_EQ(TensorRowBytes(v.type, v.n) * v.rows, v.q.size());
+  EXPECT_EQ(TensorRowBytes(v.act_type, v.n), v.act_q.size());
 }
 
-TEST_P(GgmlQuantsTest, DequantizesBitForBitAsGgml) {
+TEST_P(QuantBlocksTest, DequantizesBitForBitAsGgml) {
   const Vectors v = Load(GetParam());
-  const uint64_t row_bytes = GgmlRowBytes(v.type, v.n);
+  const uint64_t row_bytes = TensorRowBytes(v.type, v.n);
   std::vector<float> out(v.n);
   for (int r = 0; r < v.rows; ++r) {
     DequantizeRow(v.type, v.q.data() + r * row_bytes, out.data(), v.n);
@@ -104,7 +104,7 @@ TEST_P(GgmlQuantsTest, DequantizesBitForBitAsGgml) {
   }
 }
 
-TEST_P(GgmlQuantsTest, GgmlQuantizationIsCloseToItsInput) {
+TEST_P(QuantBlocksTest, GgmlQuantizationIsCloseToItsInput) {
   // Sanity of the data itself: the bytes decode to something near what was quantized.
   const Vectors v = Load(GetParam());
   double err = 0.0, norm = 0.0;
@@ -122,9 +122,9 @@ double Tolerance(const Vectors& v, int r) {
   return 1e-5 * magnitude + 1e-6;
 }
 
-TEST_P(GgmlQuantsTest, ScalarDotMatchesGgmlOnItsActivationBytes) {
+TEST_P(QuantBlocksTest, ScalarDotMatchesGgmlOnItsActivationBytes) {
   const Vectors v = Load(GetParam());
-  const uint64_t row_bytes = GgmlRowBytes(v.type, v.n);
+  const uint64_t row_bytes = TensorRowBytes(v.type, v.n);
   for (int r = 0; r < v.rows; ++r) {
     const float dot =
         DotQuantizedRowScalar(v.type, v.q.data() + r * row_bytes, v.act_q.data(), v.n);
@@ -132,12 +132,12 @@ TEST_P(GgmlQuantsTest, ScalarDotMatchesGgmlOnItsActivationBytes) {
   }
 }
 
-TEST_P(GgmlQuantsTest, Avx2DotMatchesGgmlAndTheScalarTwin) {
+TEST_P(QuantBlocksTest, Avx2DotMatchesGgmlAndTheScalarTwin) {
   if (cpu::internal::DetectedIsa() < cpu::internal::Isa::kAvx2) GTEST_SKIP() << "no AVX2";
   const Vectors v = Load(GetParam());
   const cpu::internal::QuantDotFn avx2 = cpu::internal::QuantDotKernelAvx2(v.type);
   ASSERT_NE(avx2, nullptr) << GetParam();
-  const uint64_t row_bytes = GgmlRowBytes(v.type, v.n);
+  const uint64_t row_bytes = TensorRowBytes(v.type, v.n);
   for (int r = 0; r < v.rows; ++r) {
     const uint8_t* row = v.q.data() + r * row_bytes;
     const float dot = avx2(row, v.act_q.data(), v.n);
@@ -146,10 +146,10 @@ TEST_P(GgmlQuantsTest, Avx2DotMatchesGgmlAndTheScalarTwin) {
   }
 }
 
-TEST_P(GgmlQuantsTest, Avx2DequantizationMatchesGgml) {
+TEST_P(QuantBlocksTest, Avx2DequantizationMatchesGgml) {
   if (cpu::internal::DetectedIsa() < cpu::internal::Isa::kAvx2) GTEST_SKIP() << "no AVX2";
   const Vectors v = Load(GetParam());
-  const uint64_t row_bytes = GgmlRowBytes(v.type, v.n);
+  const uint64_t row_bytes = TensorRowBytes(v.type, v.n);
   std::vector<float> out(v.n);
   for (int r = 0; r < v.rows; ++r) {
     if (!cpu::internal::DequantizeRowAvx2(v.type, v.q.data() + r * row_bytes, out.data(), v.n)) {
@@ -163,7 +163,7 @@ TEST_P(GgmlQuantsTest, Avx2DequantizationMatchesGgml) {
   }
 }
 
-TEST_P(GgmlQuantsTest, ActivationQuantizerMatchesGgmlBytes) {
+TEST_P(QuantBlocksTest, ActivationQuantizerMatchesGgmlBytes) {
   const Vectors v = Load(GetParam());
   std::vector<uint8_t> ours(v.act_q.size());
   QuantizeActivationRow(v.act_type, v.act.data(), ours.data(), v.n);
@@ -171,13 +171,13 @@ TEST_P(GgmlQuantsTest, ActivationQuantizerMatchesGgmlBytes) {
   // max / 127, and round halves to even: a code may differ by one where x sits on a rounding
   // edge. Compare the decoded values instead of the bytes.
   std::vector<float> a(v.n), b(v.n);
-  const uint64_t block_bytes = GgmlBlockBytes(v.act_type);
-  const int64_t block = GgmlBlockElems(v.act_type);
+  const uint64_t block_bytes = TensorBlockBytes(v.act_type);
+  const int64_t block = TensorBlockElems(v.act_type);
   int differing = 0;
   for (int64_t blk = 0; blk < v.n / block; ++blk) {
     const uint8_t* pa = ours.data() + blk * block_bytes;
     const uint8_t* pb = v.act_q.data() + blk * block_bytes;
-    if (v.act_type == GgmlType::kQ8_K) {
+    if (v.act_type == TensorType::kQ8_K) {
       BlockQ8_K x, y;
       std::memcpy(&x, pa, sizeof(x));
       std::memcpy(&y, pb, sizeof(y));
@@ -189,7 +189,7 @@ TEST_P(GgmlQuantsTest, ActivationQuantizerMatchesGgmlBytes) {
         EXPECT_EQ(x.bsums[g], sum);
       }
     } else {
-      const int offset = v.act_type == GgmlType::kQ8_1 ? 4 : 2;
+      const int offset = v.act_type == TensorType::kQ8_1 ? 4 : 2;
       EXPECT_EQ(std::memcmp(pa, pb, 2), 0) << "scale of block " << blk;
       for (int i = 0; i < kQuantBlock; ++i) {
         const auto qa = static_cast<int8_t>(pa[offset + i]);
@@ -202,12 +202,12 @@ TEST_P(GgmlQuantsTest, ActivationQuantizerMatchesGgmlBytes) {
   EXPECT_LE(differing, v.n / 100) << GetParam();
 }
 
-INSTANTIATE_TEST_SUITE_P(AllTypes, GgmlQuantsTest, ::testing::ValuesIn(kTypes),
+INSTANTIATE_TEST_SUITE_P(AllTypes, QuantBlocksTest, ::testing::ValuesIn(kTypes),
                          [](const auto& info) { return std::string(info.param); });
 
 // The AVX2 kernels against the scalar twins on random bytes: every code, scale and min value
 // a file could hold (not only what ggml's quantizer emits), several row lengths.
-TEST(GgmlQuantsRandomTest, Avx2DotEqualsScalarOnArbitraryBytes) {
+TEST(QuantBlocksRandomTest, Avx2DotEqualsScalarOnArbitraryBytes) {
   if (cpu::internal::DetectedIsa() < cpu::internal::Isa::kAvx2) GTEST_SKIP() << "no AVX2";
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> byte(0, 255);
@@ -215,10 +215,10 @@ TEST(GgmlQuantsRandomTest, Avx2DotEqualsScalarOnArbitraryBytes) {
   for (const char* name : kTypes) {
     const Vectors v = Load(name);
     for (int64_t n : {256, 512, 2048}) {
-      std::vector<uint8_t> row(GgmlRowBytes(v.type, n));
+      std::vector<uint8_t> row(TensorRowBytes(v.type, n));
       for (auto& b : row) b = static_cast<uint8_t>(byte(rng));
       // Keep the fp16 scales finite and modest: overwrite every block's scale fields.
-      const uint64_t block_bytes = GgmlBlockBytes(v.type);
+      const uint64_t block_bytes = TensorBlockBytes(v.type);
       for (uint64_t off = 0; off < row.size(); off += block_bytes) {
         const uint16_t d = Fp32ToFp16(0.01f * normal(rng));
         const uint16_t m = Fp32ToFp16(0.01f * normal(rng));
@@ -227,7 +227,7 @@ TEST(GgmlQuantsRandomTest, Avx2DotEqualsScalarOnArbitraryBytes) {
         ASSERT_GE(num_fields, 1) << name;
         std::memcpy(&row[off + fields[0]], &d, 2);
         if (num_fields == 2) std::memcpy(&row[off + fields[1]], &m, 2);
-        if (v.type == GgmlType::kQ8_0) {
+        if (v.type == TensorType::kQ8_0) {
           // q8_0 codes are -127..127 as ggml writes them.
           for (int i = 0; i < 32; ++i) {
             if (row[off + 2 + i] == 0x80) row[off + 2 + i] = 0x81;
@@ -236,7 +236,7 @@ TEST(GgmlQuantsRandomTest, Avx2DotEqualsScalarOnArbitraryBytes) {
       }
       std::vector<float> act(n);
       for (auto& a : act) a = normal(rng);
-      std::vector<uint8_t> act_q(GgmlRowBytes(v.act_type, n));
+      std::vector<uint8_t> act_q(TensorRowBytes(v.act_type, n));
       QuantizeActivationRow(v.act_type, act.data(), act_q.data(), n);
       std::vector<float> w(n);
       DequantizeRow(v.type, row.data(), w.data(), n);
@@ -253,20 +253,20 @@ TEST(GgmlQuantsRandomTest, Avx2DotEqualsScalarOnArbitraryBytes) {
   }
 }
 
-TEST(GgmlQuantsRandomTest, EightRowKernelsEqualTheOneRowKernels) {
+TEST(QuantBlocksRandomTest, EightRowKernelsEqualTheOneRowKernels) {
   if (cpu::internal::DetectedIsa() < cpu::internal::Isa::kAvx2) GTEST_SKIP() << "no AVX2";
   std::mt19937 rng(11);
   std::uniform_int_distribution<int> byte(0, 255);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (GgmlType type :
-       {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kIQ4_NL}) {
+  for (TensorType type : {TensorType::kQ4_0, TensorType::kQ4_1, TensorType::kQ5_0,
+                          TensorType::kQ5_1, TensorType::kIQ4_NL}) {
     const cpu::internal::QuantDot8Fn dot8 = cpu::internal::QuantDot8KernelAvx2(type);
     ASSERT_NE(dot8, nullptr);
     for (int64_t n : {32, 96, 2048}) {
       // Rows a stride apart that is not their length, as inside a larger matrix.
-      const uint64_t block_bytes = GgmlBlockBytes(type);
-      const uint64_t row_bytes = GgmlRowBytes(type, n), stride = row_bytes + block_bytes * 3;
-      const bool with_min = type == GgmlType::kQ4_1 || type == GgmlType::kQ5_1;
+      const uint64_t block_bytes = TensorBlockBytes(type);
+      const uint64_t row_bytes = TensorRowBytes(type, n), stride = row_bytes + block_bytes * 3;
+      const bool with_min = type == TensorType::kQ4_1 || type == TensorType::kQ5_1;
       std::vector<uint8_t> rows(8 * stride);
       for (auto& b : rows) b = static_cast<uint8_t>(byte(rng));
       for (int r = 0; r < 8; ++r) {
@@ -281,14 +281,14 @@ TEST(GgmlQuantsRandomTest, EightRowKernelsEqualTheOneRowKernels) {
       for (int n_act = 1; n_act <= 6; ++n_act) {
         std::vector<float> act(n * n_act);
         for (auto& a : act) a = normal(rng);
-        const GgmlType act_type = DotActivationType(type);
-        const uint64_t act_bytes = GgmlRowBytes(act_type, n);
+        const TensorType act_type = DotActivationType(type);
+        const uint64_t act_bytes = TensorRowBytes(act_type, n);
         std::vector<uint8_t> act_q(act_bytes * n_act);
         for (int j = 0; j < n_act; ++j) {
           QuantizeActivationRow(act_type, act.data() + j * n, act_q.data() + j * act_bytes, n);
         }
         std::vector<int32_t> sums(n_act * (n / 32));
-        if (act_type == GgmlType::kQ8_0) {
+        if (act_type == TensorType::kQ8_0) {
           for (int j = 0; j < n_act; ++j) {
             cpu::internal::ActivationBlockSums(act_q.data() + j * act_bytes, n,
                                                sums.data() + j * (n / 32));
@@ -308,7 +308,7 @@ TEST(GgmlQuantsRandomTest, EightRowKernelsEqualTheOneRowKernels) {
             const uint8_t* a = act_q.data() + j * act_bytes;
             EXPECT_NEAR(out[j * out_stride + r], DotQuantizedRowScalar(type, row, a, n),
                         1e-5 * magnitude + 1e-6)
-                << GgmlTypeName(type) << " n=" << n << " act row " << j << " row " << r;
+                << TensorTypeName(type) << " n=" << n << " act row " << j << " row " << r;
           }
           for (int64_t c = 8; c < out_stride; ++c) {
             EXPECT_EQ(out[j * out_stride + c], -1.0f) << "wrote past the eight outputs";
@@ -319,14 +319,14 @@ TEST(GgmlQuantsRandomTest, EightRowKernelsEqualTheOneRowKernels) {
   }
 }
 
-TEST(GgmlQuantsRandomTest, ActivationTypesAreNotLoadableTensorTypes) {
-  EXPECT_FALSE(IsSupportedGgmlType(static_cast<uint32_t>(GgmlType::kQ8_1)));
-  EXPECT_FALSE(IsSupportedGgmlType(static_cast<uint32_t>(GgmlType::kQ8_K)));
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ8_K, 512), 2 * sizeof(BlockQ8_K));
-  EXPECT_EQ(GgmlRowBytes(GgmlType::kQ4_K, 300), 0u);  // not a multiple of 256
+TEST(QuantBlocksRandomTest, ActivationTypesAreNotLoadableTensorTypes) {
+  EXPECT_FALSE(IsSupportedTensorType(static_cast<uint32_t>(TensorType::kQ8_1)));
+  EXPECT_FALSE(IsSupportedTensorType(static_cast<uint32_t>(TensorType::kQ8_K)));
+  EXPECT_EQ(TensorRowBytes(TensorType::kQ8_K, 512), 2 * sizeof(BlockQ8_K));
+  EXPECT_EQ(TensorRowBytes(TensorType::kQ4_K, 300), 0u);  // not a multiple of 256
 }
 
-TEST(GgmlQuantsRandomTest, Q3KScaleUnpackingCoversAllSixBits) {
+TEST(QuantBlocksRandomTest, Q3KScaleUnpackingCoversAllSixBits) {
   // Scale i: low nibble from byte i (i < 8) or i - 8 (high nibble), top two bits from byte
   // 8 + i % 4 at bit 2 (i / 4).
   uint8_t packed[12];
@@ -353,7 +353,7 @@ TEST(GgmlQuantsRandomTest, Q3KScaleUnpackingCoversAllSixBits) {
 // magnitudes, plus rows built to hit its edges: codes exactly halfway between two integers
 // (q8_0 rounds those away from zero, q8_K to even), all-zero blocks, a largest magnitude held
 // by a positive and a negative value (q8_K takes the first), subnormals.
-TEST(GgmlQuantsRandomTest, Avx2ActivationQuantizerEqualsTheScalarOne) {
+TEST(QuantBlocksRandomTest, Avx2ActivationQuantizerEqualsTheScalarOne) {
   if (cpu::internal::DetectedIsa() < cpu::internal::Isa::kAvx2) GTEST_SKIP() << "no AVX2";
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -383,21 +383,21 @@ TEST(GgmlQuantsRandomTest, Avx2ActivationQuantizerEqualsTheScalarOne) {
     x[300] = 1e-40f;  // a subnormal in an otherwise zero block
     rows.push_back(x);
   }
-  for (GgmlType act_type : {GgmlType::kQ8_0, GgmlType::kQ8_1, GgmlType::kQ8_K}) {
-    const uint64_t bytes = GgmlRowBytes(act_type, n);
+  for (TensorType act_type : {TensorType::kQ8_0, TensorType::kQ8_1, TensorType::kQ8_K}) {
+    const uint64_t bytes = TensorRowBytes(act_type, n);
     for (size_t r = 0; r < rows.size(); ++r) {
       std::vector<uint8_t> scalar(bytes, 0xAA), avx2(bytes, 0x55);
       QuantizeActivationRow(act_type, rows[r].data(), scalar.data(), n);
       ASSERT_TRUE(
           cpu::internal::QuantizeActivationRowAvx2(act_type, rows[r].data(), avx2.data(), n));
       for (uint64_t i = 0; i < bytes; ++i) {
-        ASSERT_EQ(scalar[i], avx2[i]) << GgmlTypeName(act_type) << " row " << r << " byte " << i;
+        ASSERT_EQ(scalar[i], avx2[i]) << TensorTypeName(act_type) << " row " << r << " byte " << i;
       }
     }
   }
-  std::vector<uint8_t> unused(GgmlRowBytes(GgmlType::kQ8_0, n));
-  EXPECT_FALSE(
-      cpu::internal::QuantizeActivationRowAvx2(GgmlType::kQ4_0, rows[0].data(), unused.data(), n));
+  std::vector<uint8_t> unused(TensorRowBytes(TensorType::kQ8_0, n));
+  EXPECT_FALSE(cpu::internal::QuantizeActivationRowAvx2(TensorType::kQ4_0, rows[0].data(),
+                                                        unused.data(), n));
 }
 
 }  // namespace

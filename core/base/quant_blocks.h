@@ -7,12 +7,12 @@
 //
 // Block fields are read with memcpy everywhere: GGUF data need not be aligned, and K-quant
 // blocks (110, 210 bytes ...) sit at odd multiples of two in any case.
-#ifndef SUBSPACE_CORE_BASE_GGML_QUANTS_H_
-#define SUBSPACE_CORE_BASE_GGML_QUANTS_H_
+#ifndef SUBSPACE_CORE_BASE_QUANT_BLOCKS_H_
+#define SUBSPACE_CORE_BASE_QUANT_BLOCKS_H_
 
 #include <cstdint>
 
-#include "core/base/ggml_types.h"
+#include "core/base/tensor_types.h"
 
 namespace subspace {
 
@@ -106,34 +106,34 @@ inline constexpr int8_t kIq4NlValues[16] = {-127, -104, -83, -65, -49, -35, -22,
                                             1,    13,   25,  38,  53,  69,  89,  113};
 
 // True for the block types MatMul pairs with quantized activations (all quantized weight types).
-bool IsQuantizedGgmlType(GgmlType type);
+bool IsQuantizedTensorType(TensorType type);
 
 // The activation format a weight type's dot product takes: kQ8_0, kQ8_1 or kQ8_K; kF32 for
 // the float types.
-GgmlType DotActivationType(GgmlType weight_type);
+TensorType DotActivationType(TensorType weight_type);
 
 // Quantizes n activations (a multiple of the type's block) to `act_type` (kQ8_0, kQ8_1 or
-// kQ8_K) as ggml's reference quantizers do. dst: GgmlRowBytes(act_type, n) bytes.
-void QuantizeActivationRow(GgmlType act_type, const float* x, void* dst, int64_t n);
+// kQ8_K) as ggml's reference quantizers do. dst: TensorRowBytes(act_type, n) bytes.
+void QuantizeActivationRow(TensorType act_type, const float* x, void* dst, int64_t n);
 
 // n activations quantized to `act_type` (QuantizeActivationRow's output), decoded back: q * d.
 // With the quantizer, x as a quantized weight type's dot product sees it: the prefill path
 // feeds these to sgemm so that a matmul gives the same result whichever path computes it (not
 // for q4_1 / q5_1, whose dots use q8_1's fp16 sum: MatMul keeps those on the integer path).
-void DecodeActivationRow(GgmlType act_type, const void* src, float* out, int64_t n);
+void DecodeActivationRow(TensorType act_type, const void* src, float* out, int64_t n);
 
 // dot(weight row, activation row) for n values: `row` holds n values of `type`, `act` n values
 // of DotActivationType(type). Integer sums per block, combined in fp32 as ggml's reference
 // kernels combine them.
-float DotQuantizedRowScalar(GgmlType type, const void* row, const void* act, int64_t n);
+float DotQuantizedRowScalar(TensorType type, const void* row, const void* act, int64_t n);
 
 // Dequantizes n values of a quantized type (called by DequantizeRow).
-void DequantizeQuantizedRow(GgmlType type, const uint8_t* src, float* dst, int64_t n);
+void DequantizeQuantizedRow(TensorType type, const uint8_t* src, float* dst, int64_t n);
 
 // Byte offsets, inside one block of a quantized type, of its fp16 fields: the scale, and the min
 // (q4_1, q5_1) or the super-block scale of the mins (q2_K, q4_K, q5_K) where there is one.
 // Returns how many (1 or 2); 0 for other types. For tests and benchmarks that write blocks.
-int BlockHalfFields(GgmlType type, uint64_t offsets[2]);
+int BlockHalfFields(TensorType type, uint64_t offsets[2]);
 
 // The 6-bit scale and min of sub-block j (0..7) of a q4_K / q5_K block's 12 scale bytes.
 inline void UnpackScaleMinK4(int j, const uint8_t* scales, uint8_t* scale, uint8_t* min) {
@@ -151,4 +151,4 @@ void UnpackScalesQ3K(const uint8_t* packed, int8_t* scales);
 
 }  // namespace subspace
 
-#endif  // SUBSPACE_CORE_BASE_GGML_QUANTS_H_
+#endif  // SUBSPACE_CORE_BASE_QUANT_BLOCKS_H_

@@ -1,8 +1,8 @@
 // Element types of GGUF tensors (numbered as in ggml) and their scalar conversions:
 // fp16 and bf16 to/from fp32, the Q8_0 block layout and row sizes. The other quantized
-// block layouts are in ggml_quants.h.
-#ifndef SUBSPACE_CORE_BASE_GGML_TYPES_H_
-#define SUBSPACE_CORE_BASE_GGML_TYPES_H_
+// block layouts are in quant_blocks.h.
+#ifndef SUBSPACE_CORE_BASE_TENSOR_TYPES_H_
+#define SUBSPACE_CORE_BASE_TENSOR_TYPES_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -10,7 +10,7 @@
 
 namespace subspace {
 
-enum class GgmlType : uint32_t {
+enum class TensorType : uint32_t {
   kF32 = 0,
   kF16 = 1,
   kQ4_0 = 2,
@@ -39,19 +39,19 @@ static_assert(sizeof(BlockQ8_0) == 34, "Q8_0 block must be 34 bytes as in ggml")
 
 // True for the tensor types this engine can load: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1,
 // q8_0, q2_K .. q6_K and iq4_nl.
-bool IsSupportedGgmlType(uint32_t raw_type);
+bool IsSupportedTensorType(uint32_t raw_type);
 // ggml's name for any assigned type id, supported or not ("q4_K"); "unknown" otherwise.
-const char* GgmlTypeName(GgmlType type);
+const char* TensorTypeName(TensorType type);
 
 // Bytes taken by `n` consecutive elements (a row). For block types `n` must be a multiple of
 // the block size; returns 0 when it is not (and for negative `n`, unsupported types or a
 // byte count that overflows uint64).
-uint64_t GgmlRowBytes(GgmlType type, int64_t n);
+uint64_t TensorRowBytes(TensorType type, int64_t n);
 // Elements per block (1 for scalar types, 32 for the legacy quants, 256 for the K-quants);
 // 0 for unsupported types. Also defined for the activation types q8_1 and q8_K.
-int64_t GgmlBlockElems(GgmlType type);
+int64_t TensorBlockElems(TensorType type);
 // Bytes per block (4 for F32, 2 for F16/BF16, 34 for Q8_0 ...); 0 for unsupported types.
-uint64_t GgmlBlockBytes(GgmlType type);
+uint64_t TensorBlockBytes(TensorType type);
 
 float Fp16ToFp32(uint16_t h);
 uint16_t Fp32ToFp16(float f);  // round to nearest even
@@ -65,8 +65,8 @@ inline float Bf16ToFp32(uint16_t h) {
 uint16_t Fp32ToBf16(float f);  // round to nearest even, NaN kept NaN
 
 // Converts `n` elements of a row stored as `type` into fp32.
-void DequantizeRow(GgmlType type, const void* src, float* dst, int64_t n);
+void DequantizeRow(TensorType type, const void* src, float* dst, int64_t n);
 
 }  // namespace subspace
 
-#endif  // SUBSPACE_CORE_BASE_GGML_TYPES_H_
+#endif  // SUBSPACE_CORE_BASE_TENSOR_TYPES_H_
