@@ -58,12 +58,7 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
 
   auto impl = std::make_unique<CudaLlamaModel::Impl>();
   CudaLlamaModel::Impl& s = *impl;
-  s.config = m;
-  // The device kernels attend every cached token: a sliding-window model is served up to its
-  // window, inside which the results are exact (the CPU backend masks the window instead).
-  if (m.sliding_window > 0 && m.sliding_window < m.context_length) {
-    s.config.context_length = m.sliding_window;
-  }
+  s.config = m;  // a sliding window is masked by the attention kernels, as on the CPU
   s.options = options;
   s.device_name = absl::StrFormat("cuda:%d (%s)", dev.index, dev.name);
   // Decode split-K: 8 CTAs per multiprocessor. On an H200 (2026-11-28, bench/RESULTS.md) 8

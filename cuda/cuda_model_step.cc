@@ -71,6 +71,7 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
                                  .block_size = options.block_size,
                                  .n_kv_heads = m.n_kv_heads,
                                  .target_ctas = target_ctas,
+                                 .sliding_window = m.sliding_window,
                                  .cache = cache,
                                  .scratch_pages = scratch_pages};
   if (absl::Status st = planner.Plan(inputs, batch, &plan); !st.ok()) return st;
@@ -372,6 +373,7 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
       pp.max_q_per_seq = plan.max_q;
       pp.n_heads = m.n_heads;
       pp.sm_scale = sm_scale;
+      pp.window = m.sliding_window;
       st = Launch(kernels::LaunchPrefillAttention(pp, stream), "prefill attention");
     }
     if (st.ok()) {

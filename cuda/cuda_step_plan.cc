@@ -203,11 +203,15 @@ absl::Status StepPlanner::Plan(const StepPlanInputs& in, std::span<const Sequenc
     }
   }
 
-  // Decode plan: each decode attends to its whole sequence, its own new token included.
+  // Decode plan: each decode attends to its whole sequence, its own new token included (or,
+  // with a sliding window, to the window that ends at it).
   descs_.resize(static_cast<size_t>(n_decode));
   for (int64_t d = 0; d < n_decode; ++d) {
     const SequenceChunk& ch = batch[static_cast<size_t>(order_[static_cast<size_t>(d)])];
-    in.cache->DescribeDecode(ch.seq, ch.pos + 1, &descs_[static_cast<size_t>(d)]);
+    DecodeSeqDesc& desc = descs_[static_cast<size_t>(d)];
+    in.cache->DescribeDecode(ch.seq, ch.pos + 1, &desc);
+    desc.window_start =
+        in.sliding_window > 0 ? std::max<int64_t>(0, ch.pos + 1 - in.sliding_window) : 0;
   }
   if (n_decode > 0) {
     const DecodePlanBounds bounds = in.cache->plan_bounds();

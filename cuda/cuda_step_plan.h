@@ -77,6 +77,7 @@ struct StepPlanInputs {
   int block_size = 0;
   int n_kv_heads = 0;
   int target_ctas = 0;                   // decode split-K
+  int64_t sliding_window = 0;            // ModelConfig::sliding_window (0: none)
   const DeviceKvCache* cache = nullptr;  // the cache the step runs on
   // The scratch pages one group of prefill chunks may expand its coded history into (0 for a
   // cache without coded blocks).

@@ -24,6 +24,9 @@ absl::Status CheckSequence(const kernels::KvPoolLayout& kv, int64_t num_pages, i
     return absl::InvalidArgumentError(absl::StrFormat("decode plan, sequence %d: %s", s, what));
   };
   if (d.length < 1) return fail(absl::StrFormat("length %d, need at least 1", d.length));
+  if (d.window_start < 0 || d.window_start >= d.length) {
+    return fail(absl::StrFormat("window start %d outside [0, %d)", d.window_start, d.length));
+  }
   const int64_t nb = CeilDiv(d.length, bs);
   if (static_cast<int64_t>(d.pages.size()) != nb || static_cast<int64_t>(d.slots.size()) != nb ||
       static_cast<int64_t>(d.epochs.size()) != nb * n_kv ||
@@ -194,14 +197,23 @@ absl::StatusOr<DecodePlan> BuildDecodePlan(const kernels::KvPoolLayout& kv, int6
   for (size_t s = 0; s < seqs.size(); ++s) {
     const DecodeSeqDesc& d = seqs[s];
     if (d.length > kInt32Max) return absl::InvalidArgumentError("decode plan: sequence too long");
-    seq_len[s] = static_cast<int32_t>(d.length);
+    seq_len[s] = static_cast<int32_t>(d.length - d.window_start);
     const int32_t first = b;
+    // Rows [0, n) masked: the first n of a block (or of the outlier rows) fall before the window.
+    const auto leading = [](int64_t n) {
+      return n <= 0 ? uint64_t{0} : n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
+    };
+    int64_t outliers_before = 0;  // outlier tokens before the window: the first outlier rows
     for (size_t i = 0; i < d.pages.size(); ++i, ++b) {
       page[b] = d.pages[i];
       slot[b] = d.slots[i];
       tokens[b] =
           static_cast<int32_t>(std::min<int64_t>(bs, d.length - static_cast<int64_t>(i) * bs));
-      masked[b] = d.outlier_masks.empty() ? 0 : d.outlier_masks[i];
+      const uint64_t outlier = d.outlier_masks.empty() ? 0 : d.outlier_masks[i];
+      const uint64_t before =
+          leading(std::min<int64_t>(tokens[b], d.window_start - static_cast<int64_t>(i) * bs));
+      outliers_before += std::popcount(outlier & before);
+      masked[b] = outlier | before;
       for (int h = 0; h < n_kv; ++h) {
         const int32_t g = d.epochs[i * n_kv + h];
         epoch[static_cast<int64_t>(b) * n_kv + h] =
@@ -215,7 +227,9 @@ absl::StatusOr<DecodePlan> BuildDecodePlan(const kernels::KvPoolLayout& kv, int6
       slot[b] = kernels::kFullBlock;
       tokens[b] =
           static_cast<int32_t>(std::min<int64_t>(bs, d.n_outliers - static_cast<int64_t>(j) * bs));
-      masked[b] = 0;
+      // Outliers are in position order, B to a page.
+      masked[b] =
+          leading(std::min<int64_t>(tokens[b], outliers_before - static_cast<int64_t>(j) * bs));
       for (int h = 0; h < n_kv; ++h) epoch[static_cast<int64_t>(b) * n_kv + h] = -1;
     }
     blk_ptr[s + 1] = b;

@@ -16,9 +16,12 @@
 namespace subspace::cuda {
 
 // One sequence's blocks of one layer, as CompressedKvCache keeps them (BlockEntry,
-// block_epochs, outlier_pos / outlier_pages). The query attends to all `length` tokens.
+// block_epochs, outlier_pos / outlier_pages). The query attends tokens [window_start, length).
 struct DecodeSeqDesc {
-  int64_t length = 0;           // >= 1
+  int64_t length = 0;  // >= 1
+  // A sliding window's first position, in [0, length): the plan masks every row before it
+  // (block rows and outlier rows alike) and drops nothing, so block b still starts at b * B.
+  int64_t window_start = 0;
   std::vector<int32_t> pages;   // [ceil(length / B)] page, or slab page if compressed
   std::vector<int32_t> slots;   // [ceil(length / B)] kernels::kFullBlock, else the slab slot
   std::vector<int32_t> epochs;  // [ceil(length / B), n_kv] basis-table epoch of each
@@ -64,7 +67,8 @@ int64_t MaxDecodeWork(int64_t num_seqs, const DecodePlanOptions& options);
 
 // INVALID_ARGUMENT for a bad layout, a sequence whose arrays do not match its length, a page
 // outside [0, num_pages), a slot outside the page, an epoch outside [0, num_basis_epochs), a
-// mask on a full block or past a block's tokens, outliers that do not match the masks, more
+// mask on a full block or past a block's tokens, outliers that do not match the masks, a
+// window_start outside [0, length), more
 // than kMaxSeqEpochs epochs in a sequence, or more blocks than int32 counts.
 absl::StatusOr<DecodePlan> BuildDecodePlan(const kernels::KvPoolLayout& layout, int64_t num_pages,
                                            int num_basis_epochs,

@@ -110,6 +110,10 @@ __global__ void __launch_bounds__(kThreads)
   for (int b = plan.work_block_begin[w]; b < b_end; ++b) {
     const int nb = plan.block_tokens[b];
     const int32_t page = plan.block_page[b];
+    // Rows not attended here: outliers (read from their page) and rows before a sliding window.
+    // A block with every row masked adds nothing; the branch is uniform over the CTA.
+    const uint64_t masked = plan.block_masked[b];
+    if (masked == (nb >= 64 ? ~uint64_t{0} : (uint64_t{1} << nb) - 1)) continue;
     // A transform-coded block is decoded into the tiles and read as a full one from here on.
     const bool coded = plan.block_slot[b] != kFullBlock;
     const bool full = !coded || transform;
@@ -148,7 +152,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
 
-    // Scores prob[g, t], times 1/sqrt(d); -inf for tokens read from an outlier page.
+    // Scores prob[g, t], times 1/sqrt(d); -inf for masked rows.
     if (full) {
       const auto* kt = reinterpret_cast<const __half*>(k_tile);  // [nb, d]
       for (int t = warp; t < nb; t += kWarps) {
@@ -164,12 +168,11 @@ __global__ void __launch_bounds__(kThreads)
             part = fmaf(q_s[g * kHeadDim + c * device::kWarpSize + lane], k_reg[c], part);
           }
           part = device::WarpSum(part);
-          if (lane == 0) prob[g * bs + t] = part * p.sm_scale;
+          if (lane == 0) prob[g * bs + t] = (masked >> t) & 1u ? kNegInf : part * p.sm_scale;
         }
       }
     } else {
       const auto* kc = reinterpret_cast<const CodeT*>(k_tile);  // [nb, r_k]
-      const uint64_t masked = plan.block_masked[b];
       for (int idx = tid; idx < group * nb; idx += kThreads) {
         const int g = idx / nb, t = idx % nb;
         float score = kNegInf;

@@ -54,8 +54,11 @@ struct DecodePlanView {
   int32_t num_work = 0;
   int32_t n_kv_heads = 0;
   int32_t max_seq_epochs = 0;
-  const uint64_t* block_masked = nullptr;     // [num_blocks] bit t: token t is read from an
-                                              //   outlier page instead (compressed blocks only)
+  const uint64_t* block_masked = nullptr;     // [num_blocks] bit t: row t is not attended
+                                              //   here: a compressed block's token read from
+                                              //   an outlier page instead, or (any block,
+                                              //   outlier pages too) a token before the
+                                              //   sequence's sliding window
   const int32_t* seq_len = nullptr;           // [num_seqs] tokens the query attends (>= 1)
   const int32_t* seq_block_indptr = nullptr;  // [num_seqs + 1] first element 0, last num_blocks
   const int32_t* seq_epoch_indptr = nullptr;  // [num_seqs + 1] first element 0, last num_epochs

@@ -6,7 +6,8 @@
 // group size works, also one larger than a tile. A CTA stages its 64 rows of q (fp32, scaled by
 // sm_scale * log2 e so the softmax runs on exp2f) in shared memory, then streams the sequence's
 // keys in tiles of 64 positions, gathered row by row through the block table (any block size),
-// only up to its last row's position (causal skipping). Scores and the online softmax stay in
+// only up to its last row's position (causal skipping) and, with a sliding window, from the
+// first position its first row's window holds. Scores and the online softmax stay in
 // registers: a thread owns 4 rows x 8 keys of S and the same 4 rows x head_dim / 8 columns of
 // the output, and the 8 threads of a row group are 8 consecutive lanes of one warp, so row max
 // and sum are warp shuffles and P goes through shared memory within the warp only.
@@ -107,12 +108,19 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t kv_len = last_pos + 1;
 
     // Positions of this thread's rows; rows past n_rows take last_pos (finite, never written).
-    int32_t row_pos[kRowsPerThread];
+    // A row attends keys (row_lo, row_pos]: row_lo is -1 without a window.
+    int32_t row_pos[kRowsPerThread], row_lo[kRowsPerThread];
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
       const int r = rg * kRowsPerThread + i;
       row_pos[i] = r < n_rows ? start + static_cast<int32_t>((row0 + r) / group) : last_pos;
+      row_lo[i] = p.window > 0 ? row_pos[i] - p.window : -1;
     }
+    // The tile's first row has its smallest position: keys before its window are masked for
+    // every row, so the KV loop starts at the tile of keys that holds the window's first one.
+    const int32_t first_pos = start + static_cast<int32_t>(row0 / group);
+    const int32_t kv_lo =
+        p.window > 0 && first_pos - p.window + 1 > 0 ? first_pos - p.window + 1 : 0;
 
     __syncthreads();  // the previous row tile's last KV tile is done with q_s
     for (int idx = tid; idx < kRows * (kHeadDim / 4); idx += kThreads) {
@@ -141,7 +149,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int c = 0; c < kColChunks * 8; ++c) acc[i][c] = 0.0f;
     }
 
-    for (int32_t kv0 = 0; kv0 < kv_len; kv0 += kKeys) {
+    for (int32_t kv0 = kv_lo - kv_lo % kKeys; kv0 < kv_len; kv0 += kKeys) {
       __syncthreads();  // q_s written; the previous KV tile's K, V and P reads are done
       // K and V rows of positions kv0.., each through its block's page. Positions past kv_len
       // (never valid for any row of the tile) become zeros: they are masked, and 0 * 0 keeps
@@ -196,23 +204,25 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
 
-      // Causal mask, then the online softmax per row. The first KV tile holds position 0,
-      // which no row masks, so run_max is finite from then on and no exp2f sees -inf - -inf.
+      // Causal and window mask, then the online softmax per row. A row may have seen no key
+      // yet (its window starts in a later tile): m_new is -inf then, and its weights stay 0.
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
         float tile_max = kNegInf;
 #pragma unroll
         for (int j = 0; j < kKeysPerThread; ++j) {
-          if (kv0 + kg + kKeyLanes * j > row_pos[i]) sc[i][j] = kNegInf;
+          const int32_t pos = kv0 + kg + kKeyLanes * j;
+          if (pos > row_pos[i] || pos <= row_lo[i]) sc[i][j] = kNegInf;
           tile_max = fmaxf(tile_max, sc[i][j]);
         }
         const float m_new = fmaxf(run_max[i], GroupMax(tile_max));
-        const float corr = exp2f(run_max[i] - m_new);  // 0 on the first tile
+        const bool none = m_new == kNegInf;
+        const float corr = none ? 1.0f : exp2f(run_max[i] - m_new);  // 0 on the first real tile
         float* p_row = p_s + (rg * kRowsPerThread + i) * S::kPStride;
         float sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < kKeysPerThread; ++j) {
-          const float e = exp2f(sc[i][j] - m_new);  // masked: exp2f(-inf) = 0
+          const float e = none ? 0.0f : exp2f(sc[i][j] - m_new);  // masked: exp2f(-inf) = 0
           p_row[kg + kKeyLanes * j] = e;
           sum += e;
         }
@@ -286,7 +296,7 @@ bool ParamsOk(const PrefillAttentionParams& p) {
       l.page_bytes % 16 != 0) {
     return false;
   }
-  if (p.n_heads <= 0 || p.n_heads % l.n_kv_heads != 0) return false;
+  if (p.n_heads <= 0 || p.n_heads % l.n_kv_heads != 0 || p.window < 0) return false;
   if (p.num_seqs < 1 || p.num_seqs > 65535 || p.max_q_per_seq < 1 || p.max_blocks < 1) return false;
   if (p.pool == nullptr || p.block_table == nullptr || p.seq_q_indptr == nullptr ||
       p.seq_q_start == nullptr || p.q == nullptr || p.out == nullptr) {

@@ -39,6 +39,9 @@ struct PrefillAttentionParams {
   int32_t max_q_per_seq = 0;  // most query rows of one sequence (sizes the grid)
   int32_t n_heads = 0;
   float sm_scale = 0.0f;  // 1 / sqrt(head_dim)
+  // Sliding-window attention: > 0, the query at position p attends (p - window, p] only
+  // (AttentionRequest::window, as the CPU caches mask it); 0, every position up to p.
+  int32_t window = 0;
 };
 
 #if defined(SUBSPACE_WITH_CUDA)

@@ -304,7 +304,7 @@ absl::Status ServerApp::Init() {
       "context {}; {} KV cache, pool {} MiB in {} blocks of {} tokens; loaded in {:.2f} s",
       model_config.name, config_.model_path, device_name, model_config.n_layers, model_config.dim,
       model_config.n_heads, model_config.n_kv_heads, model_config.n_vocab,
-      engine_->model_config().context_length,  // the backend's: cuda caps a sliding window
+      engine_->model_config().context_length,  // the backend's runner's
       runtime::KvCacheKindName(cache_options.kind), cache_stats.bytes_total >> 20,
       cache_stats.blocks_total, config_.block_size,
       absl::ToDoubleSeconds(absl::Now() - load_start));

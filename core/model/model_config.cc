@@ -97,9 +97,8 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
                                 PositiveInt(file, k + "attention.head_count_kv", c.n_heads));
   SUBSPACE_ASSIGN_OR_RETURN_CFG(c.context_length, PositiveInt(file, k + "context_length"));
   // Sliding-window attention (Mistral v0.1, Phi-3): position p attends (p - window, p], in
-  // every layer; the CPU caches mask it (AttentionRequest::window), the CUDA backend caps its
-  // context at the window instead. Old Phi-3 4k files lack the key; llama.cpp's default for
-  // them is 2047.
+  // every layer; the CPU caches (AttentionRequest::window) and the CUDA kernels mask it. Old
+  // Phi-3 4k files lack the key; llama.cpp's default for them is 2047.
   SUBSPACE_ASSIGN_OR_RETURN_CFG(c.sliding_window,
                                 PositiveInt(file, k + "attention.sliding_window", 0));
   if (*arch == "phi3" && c.sliding_window == 0 && c.context_length == 4096) {

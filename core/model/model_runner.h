@@ -29,7 +29,7 @@ struct ModelConfig {
   int n_kv_heads = 0;
   int head_dim = 0;  // attention.key_length; dim / n_heads when absent (Qwen3 differs)
   int ffn_dim = 0;
-  int context_length = 0;  // the CUDA backend's runner caps it at sliding_window
+  int context_length = 0;
   int sliding_window = 0;  // attention.sliding_window (every layer), 0 for none
   int rope_dim = 0;        // dims rotated per head (rope.dimension_count, default head_dim)
   float rope_theta = 10000.0f;

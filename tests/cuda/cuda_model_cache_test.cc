@@ -15,11 +15,13 @@
 #include "core/compress/compressed_kv_cache.h"
 #include "core/compress/transform_calibration.h"
 #include "core/compress/transform_kv_cache.h"
+#include "core/gguf/gguf.h"
 #include "core/model/model.h"
 #include "cuda/cuda_model.h"
 #include "cuda/device_compressed_kv_cache.h"
 #include "cuda/device_transform_kv_cache.h"
 #include "tests/core/compress/compressed_kv_cache_test_util.h"
+#include "tests/core/model/tiny_model_util.h"
 #include "tests/cuda/cuda_model_pair.h"
 #include "tests/kernels/cuda_test_util.h"
 
@@ -30,11 +32,14 @@ namespace {
 // head_dim / 4: the comparison is of the implementations, not of the basis), sinks 4, window 32.
 // refresh: online refresh on both caches, inline (each publishes at the same steps).
 // outlier_threshold: both caches'. query_readback_bytes: the device's kqsvd query readback.
+// file: another model than the default one.
 Pair OpenCompressed(
     CoeffDtype coeff_dtype, const RefreshConfig& refresh = {}, float outlier_threshold = 1.0f,
-    int64_t query_readback_bytes = CudaCompressedCacheOptions().query_readback_bytes) {
+    int64_t query_readback_bytes = CudaCompressedCacheOptions().query_readback_bytes,
+    const std::shared_ptr<const GgufFile>& file = nullptr) {
   Pair p;
-  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu = LlamaModel::Open(ModelPath());
+  absl::StatusOr<std::unique_ptr<LlamaModel>> cpu =
+      file != nullptr ? LlamaModel::Load(file) : LlamaModel::Open(ModelPath());
   EXPECT_TRUE(cpu.ok()) << cpu.status();
   if (!cpu.ok()) return p;
   p.cpu = *std::move(cpu);
@@ -192,6 +197,62 @@ TEST_P(CudaModelCompressedTest, OutlierTokensMatchTheCpuCompressedCache) {
   EXPECT_EQ(detail.outlier_tokens, detail.blocks_compressed * 16);
   EXPECT_EQ(detail.outliers_dropped, 0);
   EXPECT_GT(p.cuda.cache->Stats().bytes_used_outlier, 0);
+}
+
+// A sliding-window model (Phi-3 layout, window 56) on the compressed cache (sinks 4, window 32):
+// the model's window starts inside the coded blocks, so decode attention masks sink rows and
+// coded rows before it, or outlier rows when every coded token is one, and a chunk over the
+// history masks the expanded blocks per row.
+void CompareWindowedSteps(CoeffDtype coeff_dtype, float outlier_threshold) {
+  ::subspace::testing::TinyModelOptions o;
+  o.architecture = "phi3";
+  o.dim = 256;
+  o.heads = 4;
+  o.kv_heads = 2;
+  o.ffn = 128;
+  o.context = 256;
+  o.weight_std = 0.15f;
+  o.sliding_window = 56;
+  absl::StatusOr<std::unique_ptr<GgufFile>> file =
+      GgufFile::FromBytes(::subspace::testing::BuildTinyLlamaGguf(o));
+  ASSERT_TRUE(file.ok()) << file.status();
+  Pair p = OpenCompressed(coeff_dtype, {}, outlier_threshold,
+                          CudaCompressedCacheOptions().query_readback_bytes,
+                          std::shared_ptr<const GgufFile>(*std::move(file)));
+  ASSERT_NE(p.cuda.model, nullptr);
+  ASSERT_EQ(p.cpu->config().sliding_window, 56);
+  const int vocab = p.cpu->config().n_vocab;
+  std::vector<SeqId> cpu_seqs, gpu_seqs;
+  for (int s = 0; s < 2; ++s) {
+    cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
+    gpu_seqs.push_back(*p.cuda.cache->CreateSequence());
+  }
+  const auto tokens = [vocab](int n, int salt) {
+    std::vector<int32_t> t;
+    for (int i = 0; i < n; ++i) t.push_back(1 + (i * 37 + salt * 101) % (vocab - 1));
+    return t;
+  };
+  StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(100, 0)}, {1, tokens(40, 1)}}, "prefill");
+  EXPECT_GT(p.cuda.cache->Stats().bytes_used_compressed, 0);
+  StepBoth(p, cpu_seqs, gpu_seqs, {{0, {42}}, {1, tokens(50, 2)}}, "history");
+  for (int step = 0; step < 30; ++step) {
+    StepBoth(p, cpu_seqs, gpu_seqs,
+             {{0, {static_cast<int32_t>(3 + step)}}, {1, {static_cast<int32_t>(50 + step)}}},
+             "decode " + std::to_string(step));
+  }
+  auto* device_cache = dynamic_cast<DeviceCompressedKvCache*>(p.cuda.cache.get());
+  ASSERT_NE(device_cache, nullptr);
+  EXPECT_EQ(device_cache->Detail().outlier_tokens > 0, outlier_threshold < 1.0f);
+}
+
+TEST_P(CudaModelCompressedTest, SlidingWindowOverCodedBlocksMatchesTheCpu) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  CompareWindowedSteps(GetParam(), /*outlier_threshold=*/1.0f);
+}
+
+TEST_P(CudaModelCompressedTest, SlidingWindowOverOutliersMatchesTheCpu) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  CompareWindowedSteps(GetParam(), /*outlier_threshold=*/1e-3f);
 }
 
 // Online refresh on both caches (pca every two blocks, no compaction: every epoch stays). The

@@ -116,17 +116,44 @@ TEST_P(CudaModelFamilyTest, LogitsMatchTheCpuBackend) {
   }
 }
 
-// A sliding-window model: the device kernels attend every cached token, so the CUDA runner
-// reports the window as its context (the engine and server admit no more), where the CPU
-// backend masks the window and keeps the trained context.
-TEST(CudaModelTest, SlidingWindowModelIsServedUpToItsWindow) {
+// A sliding-window model keeps its trained context on the GPU: prefill and decode mask the
+// window as the CPU caches do, so the logits agree past it (prompts longer than the window, a
+// chunk over a history the window has left behind, decodes far past it, several windows at
+// once).
+TEST(CudaModelTest, SlidingWindowMatchesTheCpuPastItsWindow) {
   SUBSPACE_REQUIRE_CUDA_DEVICE();
   Pair p = OpenFamilyModel("phi3", 0, /*sliding_window=*/40);
   ASSERT_NE(p.cuda.model, nullptr);
   EXPECT_EQ(p.cpu->config().sliding_window, 40);
-  EXPECT_EQ(p.cpu->config().context_length, 256);
-  EXPECT_EQ(p.cuda.model->config().context_length, 40);
+  EXPECT_EQ(p.cuda.model->config().context_length, 256);
   EXPECT_EQ(p.cuda.model->config().sliding_window, 40);
+  const int vocab = p.cpu->config().n_vocab;
+  std::vector<SeqId> cpu_seqs, gpu_seqs;
+  for (int s = 0; s < 3; ++s) {
+    cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
+    gpu_seqs.push_back(*p.cuda.cache->CreateSequence());
+  }
+  const auto tokens = [vocab](int n, int salt) {
+    std::vector<int32_t> t;
+    for (int i = 0; i < n; ++i) t.push_back(1 + (i * 37 + salt * 101) % (vocab - 1));
+    return t;
+  };
+  StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(70, 0)}, {1, tokens(30, 1)}, {2, tokens(3, 2)}},
+           "prefill");
+  for (int step = 0; step < 24; ++step) {
+    StepBoth(p, cpu_seqs, gpu_seqs,
+             {{0, {static_cast<int32_t>(3 + step)}},
+              {1, {static_cast<int32_t>(50 + step)}},
+              {2, {static_cast<int32_t>(90 + step)}}},
+             "decode " + std::to_string(step));
+  }
+  // A chunk over a history the window left behind, beside decodes.
+  StepBoth(p, cpu_seqs, gpu_seqs, {{1, {7}}, {2, {8}}, {0, tokens(45, 3)}}, "chunk after decodes");
+  for (int step = 0; step < 4; ++step) {
+    StepBoth(p, cpu_seqs, gpu_seqs,
+             {{0, {static_cast<int32_t>(11 + step)}}, {1, {static_cast<int32_t>(60 + step)}}},
+             "decode after the chunk " + std::to_string(step));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, CudaModelFamilyTest, ::testing::Values("qwen2", "qwen3", "phi3"),

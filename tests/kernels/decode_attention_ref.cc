@@ -97,7 +97,8 @@ void DecodeAttentionRef(const DecodeAttentionParams& p) {
           for (int j = 0; j < rk; ++j) qt[e * rk + j] += static_cast<double>(q[i]) * pq[i * rk + j];
         }
       }
-      // Pass 1: every token's logit, in block order (-inf: masked, read from an outlier page).
+      // Pass 1: every token's logit, in block order (-inf: masked, read from an outlier page or
+      // before a sliding window).
       logits.clear();
       int64_t tokens = 0;
       for (int b = b0; b < b1; ++b) {
@@ -106,6 +107,11 @@ void DecodeAttentionRef(const DecodeAttentionParams& p) {
         if (plan.IsFull(b)) {
           const uint8_t* k = p.pool + l.FullK(plan.block_page[b], h);
           for (int t = 0; t < nb; ++t) {
+            if ((plan.block_masked[b] >> t) & 1u) {  // before a sliding window
+              --tokens;
+              logits.push_back(-std::numeric_limits<double>::infinity());
+              continue;
+            }
             double dot = 0.0;
             for (int i = 0; i < hd; ++i) dot += q[i] * LoadHalf(k + 2 * (t * hd + i));
             logits.push_back(dot * p.sm_scale);

@@ -84,6 +84,33 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DecodeAttentionRefTest,
                                   std::to_string(std::get<3>(info.param));
                          });
 
+// A sliding window: every row before a sequence's window start (block rows, compressed rows
+// and outliers alike) is left out of the softmax, as dense attention over the window does.
+TEST_P(DecodeAttentionRefTest, SlidingWindowMatchesDenseAttentionOverTheWindow) {
+  const auto [hd, bs, dt, rank] = GetParam();
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  const KvPoolLayout layout = MakeKvPoolLayout(2, hd, bs, rank, rank, dt);
+  testing::DecodeCaseOptions options;
+  options.p_outlier = 0.2;  // outliers on both sides of the windows' starts
+  DecodeCase c = testing::RandomDecodeCase(layout, /*batch=*/7, options, rng);
+  for (cuda::DecodeSeqDesc& d : c.seqs) {
+    d.window_start = std::uniform_int_distribution<int64_t>(0, d.length - 1)(rng);
+  }
+  c.seqs[0].window_start = c.seqs[0].length - 1;  // the newest token alone
+  absl::StatusOr<cuda::DecodePlan> plan =
+      cuda::BuildDecodePlan(layout, c.num_pages, c.bases.n_epochs, c.seqs, {.blocks_per_split = 2});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<float> out(c.q.size(), std::nanf(""));
+  DecodeAttentionRef(HostParams(c, *plan, out.data()));
+  const std::vector<double> dense = DenseAttention(c);
+  for (size_t row = 0; row < out.size() / hd; ++row) {
+    EXPECT_LT(RelError(out.data() + row * hd, dense.data() + row * hd, hd), 1e-6)
+        << "sequence " << row / c.n_heads << " head " << row % c.n_heads;
+  }
+}
+
 // The twin against the CPU cache itself: the same tokens written to a CompressedKvCache
 // (sinks, window, outlier detection, a change of epoch half-way) and to a twin pool whose
 // compressed blocks hold the cache's own codes. Differences: float vs double arithmetic.

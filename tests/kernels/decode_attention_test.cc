@@ -132,6 +132,24 @@ TEST_P(DecodeAttentionGpuTest, MatchesCpuTwin) {
   CheckAgainstTwin(testing::RandomDecodeCase(l, batch, {}, rng));
 }
 
+// Sliding windows (decode_plan_builder.h): rows before each sequence's window start masked in
+// full, compressed and outlier pages, whole blocks before it skipped by the kernel.
+TEST_P(DecodeAttentionGpuTest, SlidingWindowMatchesCpuTwin) {
+  const auto [hd, bs, batch, rank, dt] = GetParam();
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  const KvPoolLayout l = MakeKvPoolLayout(2, hd, bs, rank, rank * 3 / 4, dt);
+  testing::DecodeCaseOptions options;
+  options.p_outlier = 0.2;
+  testing::DecodeCase c = testing::RandomDecodeCase(l, batch, options, rng);
+  for (cuda::DecodeSeqDesc& d : c.seqs) {
+    d.window_start = std::uniform_int_distribution<int64_t>(0, d.length - 1)(rng);
+  }
+  c.seqs[0].window_start = c.seqs[0].length - 1;
+  CheckAgainstTwin(c);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, DecodeAttentionGpuTest,
     ::testing::Combine(::testing::Values(64, 128), ::testing::Values(8, 16, 32),
@@ -146,7 +164,9 @@ INSTANTIATE_TEST_SUITE_P(
 // float and the twin in double, each rounding the rows once to fp16: a row element may land one
 // fp16 unit apart (2^-11 relative), which the softmax and the value sum average out to well
 // under 2e-3 of a row; indexing, position or table errors are O(1).
-using TransformShape = std::tuple<int, int, bool>;  // head_dim, block size, keys before RoPE
+// head_dim, block size, keys before RoPE, a sliding window (masking a whole coded block of one
+// sequence and part of one of the other's)
+using TransformShape = std::tuple<int, int, bool, bool>;
 
 class DecodeAttentionTransformGpuTest : public ::testing::TestWithParam<TransformShape> {
  protected:
@@ -154,7 +174,7 @@ class DecodeAttentionTransformGpuTest : public ::testing::TestWithParam<Transfor
 };
 
 TEST_P(DecodeAttentionTransformGpuTest, MatchesCpuTwin) {
-  const auto [hd, bs, pre_rope] = GetParam();
+  const auto [hd, bs, pre_rope, windowed] = GetParam();
   const uint64_t seed = testing::FreshSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
   std::mt19937_64 rng(seed);
@@ -183,9 +203,13 @@ TEST_P(DecodeAttentionTransformGpuTest, MatchesCpuTwin) {
     }
     return d;
   };
-  const std::vector<cuda::DecodeSeqDesc> seqs = {
+  std::vector<cuda::DecodeSeqDesc> seqs = {
       desc({0, 1, 2, 3}, {false, true, true, false}, 3 * bs + std::min(bs, 5)),
       desc({4, 5, 0}, {true, true, false}, 2 * bs + std::min(bs, 3))};
+  if (windowed) {
+    seqs[0].window_start = 2 * bs - 1;  // blocks 0 and most of coded block 1 masked
+    seqs[1].window_start = bs / 2;      // half of coded block 4
+  }
   constexpr int kHeads = 4;
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> q_host(static_cast<size_t>(2 * kHeads * hd));
@@ -249,11 +273,11 @@ TEST_P(DecodeAttentionTransformGpuTest, MatchesCpuTwin) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, DecodeAttentionTransformGpuTest,
-                         ::testing::Values(TransformShape{64, 16, false},
-                                           TransformShape{64, 16, true},
-                                           TransformShape{128, 64, true},
-                                           TransformShape{128, 7, false}));
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DecodeAttentionTransformGpuTest,
+    ::testing::Values(TransformShape{64, 16, false, false}, TransformShape{64, 16, true, false},
+                      TransformShape{128, 64, true, false}, TransformShape{128, 7, false, false},
+                      TransformShape{64, 16, true, true}, TransformShape{128, 7, false, true}));
 
 TEST(DecodeAttentionGpuLimitsTest, ManyEpochsAndLargeGroups) {
   SUBSPACE_REQUIRE_CUDA_DEVICE();

@@ -1,7 +1,9 @@
 // BuildDecodePlan: the split-K partition covers every block of a sequence exactly once, in
-// order, and the builder rejects block tables the kernels would misread.
+// order, a sliding window masks exactly the rows before it, and the builder rejects block
+// tables the kernels would misread.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <random>
 #include <vector>
@@ -172,6 +174,61 @@ TEST(DecodePlanTest, RejectsBadBlockTables) {
   bad.outlier_pages = {};
   EXPECT_FALSE(build(bad).ok());
   EXPECT_TRUE(cuda::BuildDecodePlan(kLayout, 3, 2, std::vector<cuda::DecodeSeqDesc>{}).ok());
+}
+
+// A sliding window masks every row before its start, in the blocks and in the outlier pages
+// (outliers are in position order), and drops no block; seq_len counts what is left.
+TEST(DecodePlanTest, WindowMasksEveryRowBeforeItsStart) {
+  // A compressed block (outliers at tokens 0 and 2) then a full block of 4 tokens.
+  cuda::DecodeSeqDesc d;
+  d.length = 20;
+  d.pages = {1, 0};
+  d.slots = {0, kFullBlock};
+  d.epochs = {0, 1, -1, -1};
+  d.outlier_masks = {0b101, 0};
+  d.outlier_pages = {2};
+  d.n_outliers = 2;
+  const auto leading = [](int n) { return n <= 0 ? uint64_t{0} : (uint64_t{1} << n) - 1; };
+  for (int start : {0, 1, 2, 3, 15, 16, 17, 19}) {
+    SCOPED_TRACE(::testing::Message() << "window start " << start);
+    d.window_start = start;
+    absl::StatusOr<cuda::DecodePlan> plan =
+        cuda::BuildDecodePlan(kLayout, 3, 2, std::vector<cuda::DecodeSeqDesc>{d});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ExpectPartitionCoversBlocks(*plan);
+    const DecodePlanView v = plan->HostView();
+    ASSERT_EQ(v.num_blocks, 3);
+    EXPECT_EQ(v.seq_len[0], 20 - start);
+    EXPECT_EQ(v.block_masked[0], 0b101 | leading(std::min(start, 16)));
+    EXPECT_EQ(v.block_masked[1], leading(start - 16));
+    const int outliers_before = (start > 0) + (start > 2);
+    EXPECT_EQ(v.block_masked[2], leading(outliers_before)) << "the outlier page";
+  }
+  for (int64_t start : {int64_t{-1}, int64_t{20}, int64_t{21}}) {
+    d.window_start = start;
+    EXPECT_FALSE(cuda::BuildDecodePlan(kLayout, 3, 2, std::vector<cuda::DecodeSeqDesc>{d}).ok())
+        << "window start " << start;
+  }
+}
+
+TEST(DecodePlanTest, RandomWindowsKeepThePartitionAndTheTokenCount) {
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  testing::DecodeCase c = testing::RandomDecodeCase(kLayout, 9, {}, rng);
+  for (cuda::DecodeSeqDesc& d : c.seqs) {
+    d.window_start = std::uniform_int_distribution<int64_t>(0, d.length - 1)(rng);
+  }
+  for (cuda::DecodePlanOptions o :
+       {cuda::DecodePlanOptions{}, cuda::DecodePlanOptions{.blocks_per_split = 1}}) {
+    absl::StatusOr<cuda::DecodePlan> plan =
+        cuda::BuildDecodePlan(kLayout, c.num_pages, 4, c.seqs, o);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ExpectPartitionCoversBlocks(*plan);
+    for (size_t s = 0; s < c.seqs.size(); ++s) {
+      EXPECT_EQ(plan->HostView().seq_len[s], c.seqs[s].length - c.seqs[s].window_start);
+    }
+  }
 }
 
 TEST(DecodePlanTest, RejectsMoreEpochsThanACtaHolds) {

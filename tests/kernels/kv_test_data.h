@@ -92,7 +92,8 @@ struct DecodeCase {
   // as stored; compressed ones reconstructed from the stored codes (k^ = P_q[e] c,
   // v^ = R_v[e]^T u); masked tokens only once, from their outlier page.
   std::vector<std::vector<double>> dense_k, dense_v;
-  std::vector<int64_t> dense_tokens;  // [num_seqs]
+  std::vector<int64_t> dense_tokens;            // [num_seqs]
+  std::vector<std::vector<int64_t>> dense_pos;  // [num_seqs][dense_tokens] each row's position
 };
 
 struct DecodeCaseOptions {
@@ -192,6 +193,7 @@ inline DecodeCase RandomDecodeCase(const KvPoolLayout& l, int batch, const Decod
     size_t next_epoch = 0;
     // Masked tokens' own rows, in position order: they go to the outlier pages.
     std::vector<std::vector<uint16_t>> out_k, out_v;  // [outlier][n_kv * d]
+    std::vector<int64_t> pos, out_pos;  // positions of the dense rows and of the outliers
     for (int b = 0; b < nb; ++b) {
       const int nt =
           static_cast<int>(std::min<int64_t>(bs, sh.length - static_cast<int64_t>(b) * bs));
@@ -214,6 +216,7 @@ inline DecodeCase RandomDecodeCase(const KvPoolLayout& l, int batch, const Decod
             }
           }
         }
+        for (int t = 0; t < nt; ++t) pos.push_back(static_cast<int64_t>(b) * bs + t);
         tokens += nt;
         continue;
       }
@@ -255,9 +258,11 @@ inline DecodeCase RandomDecodeCase(const KvPoolLayout& l, int batch, const Decod
       std::normal_distribution<float> normal(0.0f, 1.0f);
       for (int t = 0; t < bs; ++t) {
         if (!((mask >> t) & 1u)) {
+          pos.push_back(static_cast<int64_t>(b) * bs + t);
           ++tokens;
           continue;
         }
+        out_pos.push_back(static_cast<int64_t>(b) * bs + t);
         std::vector<uint16_t> kr(static_cast<size_t>(n_kv) * hd), vr(kr.size());
         for (uint16_t& x : kr) x = RandomHalf(normal, rng);
         for (uint16_t& x : vr) x = RandomHalf(normal, rng);
@@ -293,6 +298,8 @@ inline DecodeCase RandomDecodeCase(const KvPoolLayout& l, int batch, const Decod
     c.dense_k.push_back(std::move(dk));
     c.dense_v.push_back(std::move(dv));
     c.dense_tokens.push_back(tokens);
+    pos.insert(pos.end(), out_pos.begin(), out_pos.end());
+    c.dense_pos.push_back(std::move(pos));
     c.seqs.push_back(std::move(d));
   }
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -301,7 +308,8 @@ inline DecodeCase RandomDecodeCase(const KvPoolLayout& l, int batch, const Decod
   return c;
 }
 
-// Softmax attention over the dense rows in double: [num_seqs, n_heads, d].
+// Softmax attention over the dense rows in double: [num_seqs, n_heads, d]. Rows before a
+// sequence's DecodeSeqDesc::window_start are left out.
 inline std::vector<double> DenseAttention(const DecodeCase& c) {
   const int hd = c.layout.head_dim, n_kv = c.layout.n_kv_heads, group = c.n_heads / n_kv;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
@@ -315,6 +323,10 @@ inline std::vector<double> DenseAttention(const DecodeCase& c) {
       const double* v = c.dense_v[s].data() + h * n * hd;
       std::vector<double> logit(static_cast<size_t>(n));
       for (int64_t t = 0; t < n; ++t) {
+        if (c.dense_pos[s][static_cast<size_t>(t)] < c.seqs[s].window_start) {
+          logit[t] = -std::numeric_limits<double>::infinity();
+          continue;
+        }
         double dot = 0.0;
         for (int i = 0; i < hd; ++i) dot += q[i] * k[t * hd + i];
         logit[t] = dot * scale;
@@ -323,7 +335,8 @@ inline std::vector<double> DenseAttention(const DecodeCase& c) {
       std::vector<double> o(static_cast<size_t>(hd), 0.0);
       double sum = 0.0;
       for (int64_t t = 0; t < n; ++t) {
-        const double w = std::exp(logit[t] - max);
+        const double w = std::exp(logit[t] - max);  // 0 before the window
+        if (w == 0.0) continue;
         sum += w;
         for (int i = 0; i < hd; ++i) o[i] += w * v[t * hd + i];
       }
@@ -558,7 +571,9 @@ inline PrefillCase RandomPrefillCase(const KvPoolLayout& l, int n_heads,
 
 // Causal softmax attention in double over the drawn rows (not the pool): [n_q, n_heads, d].
 // Logits are q.k * sm_scale, sm_scale the float the kernels are given.
-inline std::vector<double> DensePrefillAttention(const PrefillCase& c, float sm_scale) {
+// window > 0: the row at position p attends (p - window, p] only.
+inline std::vector<double> DensePrefillAttention(const PrefillCase& c, float sm_scale,
+                                                 int window = 0) {
   const int hd = c.layout.head_dim, group = c.n_heads / c.layout.n_kv_heads;
   std::vector<double> out(static_cast<size_t>(c.total_q()) * c.n_heads * hd);
   std::vector<double> logit, o;
@@ -570,8 +585,9 @@ inline std::vector<double> DensePrefillAttention(const PrefillCase& c, float sm_
         const uint16_t* k = c.k[s].data() + hq / group * tokens * hd;  // [tokens, d]
         const uint16_t* v = c.v[s].data() + hq / group * tokens * hd;
         const float* q = c.q.data() + (static_cast<int64_t>(row) * c.n_heads + hq) * hd;
-        logit.assign(static_cast<size_t>(pos + 1), 0.0);
-        for (int64_t t = 0; t <= pos; ++t) {
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        logit.assign(static_cast<size_t>(pos + 1), -std::numeric_limits<double>::infinity());
+        for (int64_t t = lo; t <= pos; ++t) {
           double dot = 0.0;
           for (int i = 0; i < hd; ++i)
             dot += static_cast<double>(q[i]) * HalfToFloat(k[t * hd + i]);
@@ -580,7 +596,7 @@ inline std::vector<double> DensePrefillAttention(const PrefillCase& c, float sm_
         const double max = *std::max_element(logit.begin(), logit.end());
         o.assign(static_cast<size_t>(hd), 0.0);
         double sum = 0.0;
-        for (int64_t t = 0; t <= pos; ++t) {
+        for (int64_t t = lo; t <= pos; ++t) {
           const double w = std::exp(logit[static_cast<size_t>(t)] - max);
           sum += w;
           for (int i = 0; i < hd; ++i) o[i] += w * HalfToFloat(v[t * hd + i]);

@@ -1,13 +1,14 @@
 // Plain loops in double over the block table and the fp16 rows of the pool (or scratch) pages:
 // the reference prefill_attention.cu is tested against. Logit q.k * sm_scale for every key at
-// or before the query's position, one softmax over them, values summed in the same pass's
-// weights.
+// or before the query's position (and inside its window, when there is one), one softmax over
+// them, values summed in the same pass's weights.
 #include "tests/kernels/prefill_attention_ref.h"
 
 #include <algorithm>
 #include <cassert>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "core/base/coeff_codec.h"
@@ -50,8 +51,9 @@ void PrefillAttentionRef(const PrefillAttentionParams& p) {
       for (int hq = 0; hq < p.n_heads; ++hq) {
         const int h = hq / group;
         const float* q = p.q + (static_cast<int64_t>(row) * p.n_heads + hq) * hd;  // [d]
-        logits.assign(static_cast<size_t>(pos + 1), 0.0);
-        for (int64_t t = 0; t <= pos; ++t) {
+        const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+        logits.assign(static_cast<size_t>(pos + 1), -std::numeric_limits<double>::infinity());
+        for (int64_t t = lo; t <= pos; ++t) {
           const uint8_t* k = BlockK(p, table[t / bs], h) + (t % bs) * hd * 2;  // [d]
           double dot = 0.0;
           for (int i = 0; i < hd; ++i) dot += q[i] * LoadHalf(k + 2 * i);
@@ -60,7 +62,7 @@ void PrefillAttentionRef(const PrefillAttentionParams& p) {
         const double max = *std::max_element(logits.begin(), logits.end());
         acc.assign(static_cast<size_t>(hd), 0.0);
         double sum = 0.0;
-        for (int64_t t = 0; t <= pos; ++t) {
+        for (int64_t t = lo; t <= pos; ++t) {
           const double w = std::exp(logits[static_cast<size_t>(t)] - max);
           sum += w;
           const uint8_t* v = BlockV(p, table[t / bs], h) + (t % bs) * hd * 2;  // [d]

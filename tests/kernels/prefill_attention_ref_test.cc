@@ -89,6 +89,30 @@ TEST_P(PrefillAttentionRefTest, MatchesDenseCausalAttention) {
   }
 }
 
+// With a sliding window each row attends (p - window, p] only: windows of one token, shorter
+// than a block, across blocks, and longer than any sequence (no masking at all).
+TEST_P(PrefillAttentionRefTest, SlidingWindowMatchesDenseWindowedAttention) {
+  const auto [hd, bs, group] = GetParam();
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  const std::vector<PrefillSeqShape> shapes = {{0, 37}, {5, 1}, {130, 70}, {bs, 2 * bs + 3}};
+  const PrefillCase c =
+      testing::RandomPrefillCase(Layout(2, hd, bs), 2 * group, shapes, /*q_sigma=*/2.0f, rng);
+  for (int window : {1, 13, 64, 1000}) {
+    SCOPED_TRACE(::testing::Message() << "window " << window);
+    std::vector<float> out(c.q.size(), std::nanf(""));
+    PrefillAttentionParams p = HostParams(c, out.data());
+    p.window = window;
+    PrefillAttentionRef(p);
+    const std::vector<double> dense = testing::DensePrefillAttention(c, p.sm_scale, window);
+    for (size_t row = 0; row < out.size() / hd; ++row) {
+      ASSERT_LT(RelError(out.data() + row * hd, dense.data() + row * hd, hd), 1e-6)
+          << "query row " << row / c.n_heads << " head " << row % c.n_heads;
+    }
+  }
+}
+
 // Blocks read from scratch pages (negative table entries) give the same bits as the same
 // blocks in the pool: the pool copies are poisoned, so reading the pool for them gives NaN.
 TEST_P(PrefillAttentionRefTest, ScratchPagesMatchPoolPages) {
@@ -125,10 +149,20 @@ INSTANTIATE_TEST_SUITE_P(Shapes, PrefillAttentionRefTest,
                                             ::testing::Values(1, 2, 4)),
                          ShapeName);
 
+void CheckSingleRowsAgainstDecodeTwin(const Shape& shape, int window);
+
 // A sequence whose only query row sits at position p (start p, one row) is a decode step over
-// p + 1 full blocks' tokens: the decode twin on the same pages must agree.
+// p + 1 full blocks' tokens: the decode twin on the same pages must agree, also with a sliding
+// window (the prefill twin masks per row, the decode plan masks the rows before window_start).
 TEST_P(PrefillAttentionRefTest, SingleRowsMatchDecodeTwin) {
-  const auto [hd, bs, group] = GetParam();
+  for (int window : {0, 1, 7, 40}) {
+    SCOPED_TRACE(::testing::Message() << "window " << window);
+    CheckSingleRowsAgainstDecodeTwin(GetParam(), window);
+  }
+}
+
+void CheckSingleRowsAgainstDecodeTwin(const Shape& shape, int window) {
+  const auto [hd, bs, group] = shape;
   const uint64_t seed = testing::FreshSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
   std::mt19937_64 rng(seed);
@@ -139,13 +173,16 @@ TEST_P(PrefillAttentionRefTest, SingleRowsMatchDecodeTwin) {
   }
   const PrefillCase c = testing::RandomPrefillCase(l, 2 * group, shapes, /*q_sigma=*/2.0f, rng);
   std::vector<float> out(c.q.size(), std::nanf(""));
-  const PrefillAttentionParams p = HostParams(c, out.data());
+  PrefillAttentionParams p = HostParams(c, out.data());
+  p.window = window;
   PrefillAttentionRef(p);
 
+  // The decode plan masks the rows before the window (decode_plan_builder.h).
   std::vector<cuda::DecodeSeqDesc> seqs;
   for (int32_t s = 0; s < c.num_seqs(); ++s) {
     cuda::DecodeSeqDesc d;
     d.length = c.q_start[s] + 1;
+    d.window_start = window > 0 ? std::max<int64_t>(0, d.length - window) : 0;
     const int64_t nb = (d.length + bs - 1) / bs;
     d.pages.assign(c.block_table.begin() + static_cast<int64_t>(s) * c.max_blocks,
                    c.block_table.begin() + static_cast<int64_t>(s) * c.max_blocks + nb);

@@ -58,10 +58,11 @@ PrefillAttentionParams Params(const PrefillCase& c) {
 // compares every output element with the twin; `scratch` (when not empty) holds the pages that
 // c's negative table entries name.
 void CheckAgainstTwin(const PrefillCase& c, int32_t max_q_per_seq = 0,
-                      const std::vector<uint8_t>& scratch = {}) {
+                      const std::vector<uint8_t>& scratch = {}, int32_t window = 0) {
   const int hd = c.layout.head_dim;
   std::vector<float> want(c.q.size(), std::nanf(""));
   PrefillAttentionParams host = Params(c);
+  host.window = window;
   host.pool = c.pool.data();
   host.scratch = scratch.empty() ? nullptr : scratch.data();
   host.block_table = c.block_table.data();
@@ -81,6 +82,7 @@ void CheckAgainstTwin(const PrefillCase& c, int32_t max_q_per_seq = 0,
               out.ok());
   SUBSPACE_ASSERT_CUDA(out.Poison());
   PrefillAttentionParams p = Params(c);
+  p.window = window;
   p.pool = pool.get();
   p.scratch = scratch_d.get();  // null when empty
   p.block_table = table.get();
@@ -221,6 +223,37 @@ TEST(PrefillAttentionGpuShapesTest, ScratchPages) {
   }
 }
 
+// Sliding windows: of one token, inside a block, across a 64-key tile and longer than every
+// sequence; row tiles whose later rows' windows start past the first KV tile the CTA reads (a
+// row with no key yet must not poison its sums), GQA groups that spread one position over
+// several rows, and scratch pages.
+TEST(PrefillAttentionGpuShapesTest, SlidingWindows) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  struct Case {
+    int n_kv, hd, bs, group;
+    std::vector<PrefillSeqShape> shapes;
+  };
+  const Case cases[] = {
+      {2, 64, 16, 1, {{0, 200}, {130, 70}, {5, 1}}},
+      {1, 128, 7, 4, {{0, 90}, {300, 64}}},
+      {2, 64, 64, 2, {{0, 64}, {200, 150}, {63, 2}}},
+  };
+  for (const Case& k : cases) {
+    for (int32_t window : {1, 5, 40, 64, 65, 130, 10000}) {
+      SCOPED_TRACE(::testing::Message() << "n_kv " << k.n_kv << " d " << k.hd << " B " << k.bs
+                                        << " group " << k.group << " window " << window);
+      PrefillCase c = testing::RandomPrefillCase(Layout(k.n_kv, k.hd, k.bs), k.n_kv * k.group,
+                                                 k.shapes, kQSigma, rng);
+      std::vector<uint8_t> scratch;
+      if (window == 40) scratch = testing::MovePagesToScratch(&c, rng);
+      CheckAgainstTwin(c, /*max_q_per_seq=*/0, scratch, window);
+    }
+  }
+}
+
 // Validation happens before any CUDA call, so this runs without a device too.
 TEST(PrefillAttentionGpuLimitsTest, RejectsUnsupportedParams) {
   alignas(16) static uint8_t pool[64];
@@ -256,6 +289,7 @@ TEST(PrefillAttentionGpuLimitsTest, RejectsUnsupportedParams) {
   add("pages too small", [](auto& p) { p.layout.page_bytes -= 16; });
   add("n_heads 3 over n_kv 2", [](auto& p) { p.n_heads = 3; });
   add("n_heads 0", [](auto& p) { p.n_heads = 0; });
+  add("window -1", [](auto& p) { p.window = -1; });
   add("num_seqs 0", [](auto& p) { p.num_seqs = 0; });
   add("num_seqs 65536", [](auto& p) { p.num_seqs = 65536; });
   add("max_q_per_seq 0", [](auto& p) { p.max_q_per_seq = 0; });
