@@ -53,7 +53,7 @@ absl::StatusOr<float> PositiveFloat(const GgufFile& file, const std::string& key
   do {                                                \
     auto status_or_ = (expr);                         \
     if (!status_or_.ok()) return status_or_.status(); \
-    lhs = *std::move(status_or_);                     \
+    (lhs) = *std::move(status_or_);                   \
   } while (0)
 
 absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {

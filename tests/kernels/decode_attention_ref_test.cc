@@ -118,7 +118,9 @@ class DecodeAttentionRefVsCacheTest : public ::testing::TestWithParam<std::tuple
 };
 
 TEST_P(DecodeAttentionRefVsCacheTest, MatchesCompressedKvCacheAttend) {
-  const auto [hd, dt] = GetParam();
+  // Not a structured binding: the lambdas below capture hd, which clang refuses for bindings.
+  const int hd = std::get<0>(GetParam());
+  const CoeffDtype dt = std::get<1>(GetParam());
   const int n_kv = 2, group = 3, n_heads = n_kv * group, bs = 16, rk = 16, rv = 12;
   const uint64_t seed = testing::FreshSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
