@@ -1,13 +1,15 @@
 // The soak: `concurrency` worker threads each draw operations from a seeded mix and run them
 // back to back through SubspaceClient; the calling thread wakes once per report interval to
 // take the interval's counts and latencies, the server's RSS and its cache stats. Each worker
-// keeps at most one session alive and tracks its token count exactly (usage.generated_tokens,
-// or GetSession after a cancelled turn), so no turn is refused for running past the context.
+// keeps up to sessions_per_worker sessions alive, turning among them at random, and tracks each
+// one's token count exactly (usage.generated_tokens, or GetSession after a cancelled turn), so
+// no turn is refused for running past the context.
 #include "client/soak.h"
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
@@ -74,19 +76,19 @@ class Soak {
         config_(config),
         context_length_(context_length),
         vocab_size_(vocab_size),
-        bos_id_(bos_id),
-        sessions_(config.concurrency) {}
+        bos_id_(bos_id) {}
 
   void Worker(int index) {
     std::mt19937_64 rng(config_.seed * 1000003 + static_cast<uint64_t>(index));
-    WorkerState state;
+    std::vector<WorkerState> states(static_cast<size_t>(config_.sessions_per_worker));
     while (!stop_.load(std::memory_order_acquire)) {
       const Op op = DrawOp(rng);
       switch (op) {
         case Op::kSessionTurn:
         case Op::kSessionStreamTurn:
         case Op::kSessionStreamCancel:
-          SessionTurn(op, rng, state);
+          // One session: the mix of the single-session soak, draw for draw.
+          SessionTurn(op, rng, states.size() == 1 ? states[0] : states[rng() % states.size()]);
           break;
         case Op::kOneShotStream:
           OneShotStream(rng);
@@ -97,7 +99,9 @@ class Soak {
       }
     }
     absl::MutexLock lock(&mu_);
-    sessions_[index] = state.session;
+    for (const WorkerState& state : states) {
+      if (!state.session.empty()) sessions_.push_back(state.session);
+    }
   }
 
   void Stop() { stop_.store(true, std::memory_order_release); }
@@ -119,11 +123,15 @@ class Soak {
     absl::MutexLock lock(&mu_);
     return examples_;
   }
-  // The sessions the workers still held when they stopped (empty strings for none).
+  // The sessions the workers still held when they stopped.
   std::vector<std::string> live_sessions() {
     absl::MutexLock lock(&mu_);
     return sessions_;
   }
+  int64_t sessions_created() const { return sessions_created_.load(std::memory_order_relaxed); }
+  // Tokens of the conversations the workers' sessions hold (what the server must keep somewhere:
+  // pool, tiers, or as tokens to prefill again).
+  int64_t live_tokens() const { return live_tokens_.load(std::memory_order_relaxed); }
 
   SubspaceClient& client() { return client_; }
 
@@ -207,6 +215,12 @@ class Soak {
     }
   }
 
+  // Keeps the sum over every worker's sessions (live_tokens) with the session's count.
+  void SetTokens(WorkerState& state, int64_t tokens) {
+    live_tokens_.fetch_add(tokens - state.tokens, std::memory_order_relaxed);
+    state.tokens = tokens;
+  }
+
   // After a failed turn the session's state is unknown (the failure is counted): the next turn
   // replaces it, deleting it, so it cannot hold blocks past the end of the run.
   void Retire(WorkerState& state) { state.turns = config_.max_session_turns; }
@@ -224,8 +238,9 @@ class Soak {
       return false;
     }
     state.session = session->session_id();
-    state.tokens = 0;
+    SetTokens(state, 0);
     state.turns = 0;
+    sessions_created_.fetch_add(1, std::memory_order_relaxed);
     return true;
   }
 
@@ -240,7 +255,7 @@ class Soak {
         return false;
       }
       if (!info->busy()) {
-        state.tokens = info->tokens();
+        SetTokens(state, info->tokens());
         return true;
       }
       if (absl::Now() >= deadline) {
@@ -268,7 +283,8 @@ class Soak {
       absl::StatusOr<v1::GenerateResponse> response = client_.Generate(request);
       Record(op, response.status(), SecondsSince(start));
       if (response.ok()) {
-        state.tokens += request.tokens().ids_size() + response->usage().generated_tokens();
+        SetTokens(state, state.tokens + request.tokens().ids_size() +
+                             response->usage().generated_tokens());
       } else {
         Retire(state);
       }
@@ -282,7 +298,8 @@ class Soak {
         });
     Record(op, stream.status(), SecondsSince(start));
     if (stream.ok()) {
-      state.tokens += request.tokens().ids_size() + stream->final.usage().generated_tokens();
+      SetTokens(state, state.tokens + request.tokens().ids_size() +
+                           stream->final.usage().generated_tokens());
     } else if (stream.status().code() == absl::StatusCode::kCancelled) {
       if (!WaitSessionReleased(state)) Retire(state);
     } else {
@@ -317,13 +334,15 @@ class Soak {
   const int32_t vocab_size_;
   const int32_t bos_id_;  // -1: the model has none
   std::atomic<bool> stop_{false};
+  std::atomic<int64_t> sessions_created_{0};
+  std::atomic<int64_t> live_tokens_{0};
 
   absl::Mutex mu_;
   SoakCounts interval_ ABSL_GUARDED_BY(mu_);
   SoakCounts totals_ ABSL_GUARDED_BY(mu_);
   std::vector<double> latencies_ ABSL_GUARDED_BY(mu_);  // this interval's OK calls, seconds
   std::vector<std::string> examples_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::string> sessions_ ABSL_GUARDED_BY(mu_);  // by worker, once it stopped
+  std::vector<std::string> sessions_ ABSL_GUARDED_BY(mu_);  // of the workers that stopped
 };
 
 void FillCache(SubspaceClient& client, SoakRow* row) {
@@ -333,6 +352,27 @@ void FillCache(SubspaceClient& client, SoakRow* row) {
   row->blocks_free = stats->blocks_free();
   row->tokens_cached = stats->tokens_cached();
   row->sessions = stats->sessions();
+  row->tier_host = stats->tier_sessions_host();
+  row->tier_disk = stats->tier_sessions_disk();
+  row->tier_host_bytes = stats->tier_bytes_host();
+  row->tier_disk_bytes = stats->tier_bytes_disk();
+  row->tier_disk_capacity = stats->tier_capacity_bytes_disk();
+}
+
+// Snapshot files (<id>.session, and temporaries being written) under `dir`, its subdirectories
+// (the disk tier's) included; -1 when it cannot be listed.
+int64_t CountSessionFiles(const std::string& dir) {
+  std::error_code ec;
+  int64_t n = 0;
+  for (auto it = std::filesystem::recursive_directory_iterator(dir, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (it->is_regular_file(ec) &&
+        (absl::EndsWith(name, ".session") || absl::EndsWith(name, ".session.tmp"))) {
+      ++n;
+    }
+  }
+  return ec ? -1 : n;
 }
 
 // Polls GetCacheStats until `done` holds or `deadline` passes; the last stats read, if any.
@@ -364,10 +404,13 @@ absl::StatusOr<int64_t> ReadVmRssKb(int64_t pid) {
   return absl::InternalError(absl::StrCat("no VmRSS in /proc/", pid, "/status"));
 }
 
-absl::StatusOr<SoakReport> RunSoak(std::shared_ptr<grpc::Channel> channel,
+absl::StatusOr<SoakReport> RunSoak(const std::shared_ptr<grpc::Channel>& channel,
                                    const ClientOptions& options, const SoakConfig& config,
                                    const std::function<void(const std::string&)>& on_text) {
   if (config.concurrency < 1) return absl::InvalidArgumentError("--concurrency must be >= 1");
+  if (config.sessions_per_worker < 1) {
+    return absl::InvalidArgumentError("--sessions-per-worker must be >= 1");
+  }
   if (config.duration <= absl::ZeroDuration() || config.report_interval <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--duration-seconds and --report-seconds must be > 0");
   }
@@ -415,7 +458,15 @@ absl::StatusOr<SoakReport> RunSoak(std::shared_ptr<grpc::Channel> channel,
       if (rss.ok()) row.rss_kb = *rss;
     }
     FillCache(soak.client(), &row);
+    row.session_tokens = soak.live_tokens();
+    if (!config.session_dir.empty()) row.session_files = CountSessionFiles(config.session_dir);
+    if (row.tier_disk_capacity > 0 && row.tier_disk_bytes > row.tier_disk_capacity) {
+      report.failures.push_back(
+          absl::StrFormat("row %d: the disk tier held %d bytes, over its cap of %d", row.index,
+                          row.tier_disk_bytes, row.tier_disk_capacity));
+    }
     on_text(FormatSoakRow(row));
+    report.tier_host_peak = std::max(report.tier_host_peak, row.tier_host_bytes);
     report.rows.push_back(row);
     if (elapsed >= config.duration) break;
   }
@@ -431,8 +482,8 @@ absl::StatusOr<SoakReport> RunSoak(std::shared_ptr<grpc::Channel> channel,
       PollStats(client, idle_deadline,
                 [](const v1::CacheStats& s) { return s.running() == 0 && s.waiting() == 0; });
   report.became_idle = idle.ok() && idle->running() == 0 && idle->waiting() == 0;
+  report.sessions_created = soak.sessions_created();
   for (const std::string& session : soak.live_sessions()) {
-    if (session.empty()) continue;
     const absl::Status deleted = client.DeleteSession(session);
     if (!deleted.ok() && deleted.code() != absl::StatusCode::kNotFound) {
       soak.RecordFault("DeleteSession", deleted);
@@ -444,6 +495,16 @@ absl::StatusOr<SoakReport> RunSoak(std::shared_ptr<grpc::Channel> channel,
   if (freed.ok()) {
     report.blocks_in_use_at_end =
         static_cast<int64_t>(freed->blocks_total() - freed->blocks_free());
+    report.tier_sessions_at_end =
+        static_cast<int64_t>(freed->tier_sessions_host() + freed->tier_sessions_disk());
+  }
+  if (!config.session_dir.empty()) {
+    // A deleted session's files go at once (the disk tier's on the writer thread: poll briefly).
+    const absl::Time files_deadline = absl::Now() + absl::Seconds(5);
+    do {
+      report.session_files_at_end = CountSessionFiles(config.session_dir);
+    } while (report.session_files_at_end != 0 && absl::Now() < files_deadline &&
+             (absl::SleepFor(absl::Milliseconds(20)), true));
   }
   report.totals = soak.totals();  // the deletions above may have added a fault
   report.unexpected_examples = soak.unexpected_examples();
@@ -472,14 +533,34 @@ absl::StatusOr<SoakReport> RunSoak(std::shared_ptr<grpc::Channel> channel,
         "(--prompt-cache-entries > 0: run it with 0 for this check)",
         report.blocks_in_use_at_end, freed->blocks_total(), freed->sessions()));
   }
+  if (report.tier_sessions_at_end > 0) {
+    report.failures.push_back(absl::StrFormat(
+        "the session tiers still hold %d images after the soak's sessions were deleted",
+        report.tier_sessions_at_end));
+  }
+  if (report.session_files_at_end != 0 && !config.session_dir.empty()) {
+    report.failures.push_back(
+        report.session_files_at_end < 0
+            ? absl::StrCat("cannot list ", config.session_dir)
+            : absl::StrFormat("%d snapshot files left under %s after the soak's sessions were "
+                              "deleted",
+                              report.session_files_at_end, config.session_dir));
+  }
   if (config.server_pid > 0) {
+    // Idle sessions' images in the host tier are memory the server holds on purpose (up to the
+    // tier's cap): the most it held at a report comes on top of the bound. Freed, that memory
+    // may stay with the allocator rather than go back to the system.
+    const int64_t allowed_kb =
+        config.max_rss_growth_mb * 1024 + static_cast<int64_t>(report.tier_host_peak / 1024);
     if (report.rss_first_kb < 0 || report.rss_end_kb < 0) {
       report.failures.push_back(absl::StrCat("cannot read VmRSS of pid ", config.server_pid));
-    } else if (report.rss_end_kb - report.rss_first_kb > config.max_rss_growth_mb * 1024) {
+    } else if (report.rss_end_kb - report.rss_first_kb > allowed_kb) {
       report.failures.push_back(absl::StrFormat(
-          "server RSS grew %.1f MiB (%.1f -> %.1f MiB), more than --max-rss-growth-mb=%d",
+          "server RSS grew %.1f MiB (%.1f -> %.1f MiB), more than --max-rss-growth-mb=%d plus "
+          "the host tier's peak of %.1f MiB",
           Mib(report.rss_end_kb - report.rss_first_kb), Mib(report.rss_first_kb),
-          Mib(report.rss_end_kb), config.max_rss_growth_mb));
+          Mib(report.rss_end_kb), config.max_rss_growth_mb,
+          Mib(static_cast<int64_t>(report.tier_host_peak / 1024))));
     }
   }
   if (report.totals.unexpected > 0) {
@@ -490,9 +571,10 @@ absl::StatusOr<SoakReport> RunSoak(std::shared_ptr<grpc::Channel> channel,
 }
 
 std::string FormatSoakHeader() {
-  return absl::StrFormat("%4s %13s %7s %7s %6s %6s %6s %8s %8s %8s %15s %6s %7s %5s\n", "row",
-                         "interval_s", "calls", "ok", "cancel", "dline", "other", "p50_ms",
-                         "p99_ms", "rss_mb", "pool_used", "pool%", "tokens", "sess");
+  return absl::StrFormat(
+      "%4s %13s %7s %7s %6s %6s %6s %8s %8s %8s %15s %6s %7s %7s %5s %5s %5s %5s\n", "row",
+      "interval_s", "calls", "ok", "cancel", "dline", "other", "p50_ms", "p99_ms", "rss_mb",
+      "pool_used", "pool%", "tokens", "conv", "sess", "host", "disk", "files");
 }
 
 std::string FormatSoakRow(const SoakRow& r) {
@@ -502,11 +584,12 @@ std::string FormatSoakRow(const SoakRow& r) {
       r.blocks_total > 0 ? absl::StrCat(used, "/", r.blocks_total) : std::string("-");
   const std::string pct =
       r.blocks_total > 0 ? absl::StrFormat("%.1f", 100.0 * used / r.blocks_total) : "-";
-  return absl::StrFormat("%4d %6.0f-%-6.0f %7d %7d %6d %6d %6d %8.1f %8.1f %8s %15s %6s %7d %5d\n",
-                         r.index, r.start_s, r.end_s, r.counts.total(), r.counts.ok,
-                         r.counts.cancelled, r.counts.deadline_exceeded, r.counts.unexpected,
-                         r.latency.p50_ms, r.latency.p99_ms, rss, pool, pct, r.tokens_cached,
-                         r.sessions);
+  const std::string files = r.session_files >= 0 ? absl::StrCat(r.session_files) : "-";
+  return absl::StrFormat(
+      "%4d %6.0f-%-6.0f %7d %7d %6d %6d %6d %8.1f %8.1f %8s %15s %6s %7d %7d %5d %5d %5d %5s\n",
+      r.index, r.start_s, r.end_s, r.counts.total(), r.counts.ok, r.counts.cancelled,
+      r.counts.deadline_exceeded, r.counts.unexpected, r.latency.p50_ms, r.latency.p99_ms, rss,
+      pool, pct, r.tokens_cached, r.session_tokens, r.sessions, r.tier_host, r.tier_disk, files);
 }
 
 std::string FormatSoakSummary(const SoakReport& r, const SoakConfig& config) {
@@ -521,11 +604,22 @@ std::string FormatSoakSummary(const SoakReport& r, const SoakConfig& config) {
                         "idle: %s; pool blocks in use after deleting the soak's sessions: %s\n",
                         r.became_idle ? "yes" : "NO",
                         r.blocks_in_use_at_end >= 0 ? absl::StrCat(r.blocks_in_use_at_end) : "?");
+  int64_t most_sessions = 0;
+  for (const SoakRow& row : r.rows) most_sessions = std::max<int64_t>(most_sessions, row.sessions);
+  absl::StrAppendFormat(
+      &out,
+      "sessions: %d created, at most %d alive at a report; tier images left "
+      "after the deletions: %s; snapshot files left: %s\n",
+      r.sessions_created, most_sessions,
+      r.tier_sessions_at_end >= 0 ? absl::StrCat(r.tier_sessions_at_end) : "?",
+      r.session_files_at_end >= 0 ? absl::StrCat(r.session_files_at_end) : "not counted");
   if (config.server_pid > 0 && r.rss_first_kb >= 0 && r.rss_end_kb >= 0) {
     absl::StrAppendFormat(
-        &out, "rss: %.1f MiB at the first report, %.1f MiB at the end (%+.1f MiB, limit %d)\n",
+        &out,
+        "rss: %.1f MiB at the first report, %.1f MiB at the end (%+.1f MiB, limit %d + the host "
+        "tier's peak %.1f)\n",
         Mib(r.rss_first_kb), Mib(r.rss_end_kb), Mib(r.rss_end_kb - r.rss_first_kb),
-        config.max_rss_growth_mb);
+        config.max_rss_growth_mb, Mib(static_cast<int64_t>(r.tier_host_peak / 1024)));
   } else if (config.server_pid <= 0) {
     out += "rss: not measured (no --server-pid)\n";
   }

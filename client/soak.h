@@ -38,6 +38,14 @@ struct SoakConfig {
   // Short-deadline calls get a deadline drawn from this range, in milliseconds, and ask for
   // output_tokens.max tokens, so some finish and some run out of time.
   LengthRange short_deadline_ms{5, 200};
+  // Sessions each worker keeps, turning among them at random: with more sessions than the pool
+  // holds, idle ones go to the server's tiers and come back (docs/sessions.md, "Tiers"), and
+  // every turn must still succeed.
+  int32_t sessions_per_worker = 1;
+  // The server's --session-dir, when it has one: each row counts the snapshot files under it
+  // (checkpoints and the disk tier's), and the run fails if any stays after the soak deleted
+  // its sessions.
+  std::string session_dir;
 };
 
 // The calls of one report interval, by what they ended with.
@@ -62,6 +70,17 @@ struct SoakRow {
   uint64_t blocks_free = 0;
   uint64_t tokens_cached = 0;
   uint32_t sessions = 0;
+  // Tokens of the soak's own sessions' conversations (the server keeps them in the pool, in a
+  // tier, or as tokens it prefills again): against tokens_cached, how far past the pool they go.
+  int64_t session_tokens = 0;
+  // The session tiers (0 without them): sessions whose image each holds; the disk tier's bytes
+  // and cap.
+  uint32_t tier_host = 0;
+  uint32_t tier_disk = 0;
+  uint64_t tier_host_bytes = 0;
+  uint64_t tier_disk_bytes = 0;
+  uint64_t tier_disk_capacity = 0;
+  int64_t session_files = -1;  // snapshot files under SoakConfig::session_dir; -1: not counted
 };
 
 struct SoakReport {
@@ -72,6 +91,11 @@ struct SoakReport {
   int64_t blocks_in_use_at_end = -1;  // after the soak's sessions were deleted; 0 = no leak
   int64_t rss_first_kb = -1;          // at the first report
   int64_t rss_end_kb = -1;            // after the server went idle
+  uint64_t tier_host_peak = 0;        // the host tier's most bytes at a report: RSS may grow
+                                      //   by them on top of the bound
+  int64_t tier_sessions_at_end = -1;  // images the tiers still hold after the deletions
+  int64_t session_files_at_end = -1;  // snapshot files left under session_dir; -1: not counted
+  int64_t sessions_created = 0;       // by the workers, over the run
   std::vector<std::string> failures;  // empty: the soak passed
   bool passed() const { return failures.empty(); }
 };
@@ -80,7 +104,7 @@ struct SoakReport {
 // per call). `on_text` receives the table header and each row as soon as it is measured.
 // Errors only when the server cannot be asked for its model (the soak cannot start); everything
 // found during the run is in the report.
-absl::StatusOr<SoakReport> RunSoak(std::shared_ptr<grpc::Channel> channel,
+absl::StatusOr<SoakReport> RunSoak(const std::shared_ptr<grpc::Channel>& channel,
                                    const ClientOptions& options, const SoakConfig& config,
                                    const std::function<void(const std::string&)>& on_text);
 

@@ -35,19 +35,29 @@ ABSL_FLAG(std::string, prompt_tokens, "8:48",
           "tokens per call's prompt (a session turn's new tokens), N or MIN:MAX");
 ABSL_FLAG(std::string, output_tokens, "8:64", "tokens generated per call, N or MIN:MAX");
 ABSL_FLAG(double, wait_seconds, 30, "wait this long for the server to report SERVING first");
+ABSL_FLAG(int32_t, sessions_per_worker, 1,
+          "sessions each worker keeps, turning among them at random: more than the pool holds "
+          "sends idle ones to the server's session tiers and back, and every turn must still "
+          "succeed");
+ABSL_FLAG(std::string, session_dir, "",
+          "the server's --session-dir (on this machine): each row counts its snapshot files, and "
+          "the soak fails if any stays after its sessions are deleted");
 
 namespace {
 
 constexpr char kUsage[] = R"(subspace-soak [--server host:port] [--concurrency 8]
     [--duration-seconds 600] [--report-seconds 60] [--server-pid PID] [--max-rss-growth-mb 64]
+    [--sessions-per-worker 1] [--session-dir DIR]
 
 Runs a fixed-concurrency mix against a running server -- multi-turn session generations (unary
 and streamed), streams cancelled mid-way, one-shot streams, calls with 5-200 ms deadlines --
 and prints one row per report interval: calls by status, p50/p99 latency of the calls that
-ended OK, server RSS (with --server-pid), KV pool blocks in use, tokens cached and sessions.
+ended OK, server RSS (with --server-pid), KV pool blocks in use, tokens cached, sessions, the
+sessions whose cache the host and disk tiers hold, and snapshot files (with --session-dir).
 At the end it waits for the server to go idle, deletes its sessions and exits 1 if any pool
-block is still in use, the RSS grew past --max-rss-growth-mb, or a call ended with a status
-its kind does not allow. Use a server no other client is using, started with
+block is still in use, a tier still holds an image or a snapshot file stays, the disk tier
+went over its cap, the RSS grew past --max-rss-growth-mb plus the most the host tier held, or a call
+ended with a status its kind does not allow. Use a server no other client is using, started with
 --prompt-cache-entries 0 (it otherwise keeps finished calls' caches on purpose).)";
 
 int Fail(const std::string& message) {
@@ -69,6 +79,8 @@ int main(int argc, char** argv) {
   config.max_rss_growth_mb = absl::GetFlag(FLAGS_max_rss_growth_mb);
   config.idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_idle_timeout_seconds));
   config.seed = absl::GetFlag(FLAGS_seed);
+  config.sessions_per_worker = absl::GetFlag(FLAGS_sessions_per_worker);
+  config.session_dir = absl::GetFlag(FLAGS_session_dir);
   absl::StatusOr<LengthRange> prompt = ParseLengthRange(absl::GetFlag(FLAGS_prompt_tokens));
   if (!prompt.ok()) return Fail(std::string(prompt.status().message()));
   absl::StatusOr<LengthRange> output = ParseLengthRange(absl::GetFlag(FLAGS_output_tokens));
@@ -100,10 +112,11 @@ int main(int argc, char** argv) {
       return Fail("the server at " + options.server + " is not SERVING");
     }
   }
-  std::printf("subspace-soak: %s, concurrency %d, %.0f s, a row every %.0f s, seed %llu\n",
-              options.server.c_str(), config.concurrency, absl::ToDoubleSeconds(config.duration),
-              absl::ToDoubleSeconds(config.report_interval),
-              static_cast<unsigned long long>(config.seed));
+  std::printf(
+      "subspace-soak: %s, concurrency %d x %d sessions, %.0f s, a row every %.0f s, seed %llu\n",
+      options.server.c_str(), config.concurrency, config.sessions_per_worker,
+      absl::ToDoubleSeconds(config.duration), absl::ToDoubleSeconds(config.report_interval),
+      static_cast<unsigned long long>(config.seed));
   absl::StatusOr<SoakReport> report =
       RunSoak(channel, options, config, [](const std::string& text) {
         std::fputs(text.c_str(), stdout);

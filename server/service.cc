@@ -390,6 +390,16 @@ grpc::ServerUnaryReactor* SubspaceService::GetCacheStats(grpc::CallbackServerCon
   response->set_refresh_observations_dropped_total(
       static_cast<uint64_t>(c.refresh.observations_dropped));
   response->set_blocks_reprojected_total(static_cast<uint64_t>(c.refresh.blocks_reprojected));
+  const SessionTierStats& t = s.tiers;
+  const SessionTierOptions& caps = (*engine)->config().session_tiers;
+  response->set_tier_sessions_host(static_cast<uint32_t>(t.host_sessions));
+  response->set_tier_sessions_disk(static_cast<uint32_t>(t.disk_sessions));
+  response->set_tier_bytes_host(static_cast<uint64_t>(t.host_bytes));
+  response->set_tier_bytes_disk(static_cast<uint64_t>(t.disk_bytes));
+  response->set_tier_capacity_bytes_host(static_cast<uint64_t>(caps.host_bytes));
+  response->set_tier_capacity_bytes_disk(
+      caps.disk_dir.empty() ? 0 : static_cast<uint64_t>(caps.disk_bytes));
+  response->set_tier_dropped_total(static_cast<uint64_t>(t.dropped_total));
   return FinishUnary(context, absl::OkStatus());
 }
 

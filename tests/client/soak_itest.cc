@@ -1,5 +1,6 @@
 // subspace-soak end to end, shortened: a real subspace-server process on the default model and
-// the soak binary against it for 45 s with 10-second reports. The soak must pass -- no leaked
+// the soak binary against it for 45 s with 10-second reports, then for 20 s with ten times the
+// sessions its pool holds (the session tiers carrying the rest). The soak must pass -- no leaked
 // pool block, RSS within its bound, no call ending with a status its kind does not allow -- and
 // the server must still be SERVING afterwards and drain to exit 0.
 #include <fcntl.h>
@@ -8,8 +9,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -116,7 +120,7 @@ TEST(SoakTest, FortyFiveSecondsOnTheDefaultModelPass) {
   int rows = 0;
   for (absl::string_view line : absl::StrSplit(output, '\n')) {
     std::vector<absl::string_view> cells = absl::StrSplit(line, ' ', absl::SkipEmpty());
-    if (cells.size() == 14 && absl::StrContains(cells[1], "-") && cells[0] != "row") {
+    if (cells.size() == 18 && absl::StrContains(cells[1], "-") && cells[0] != "row") {
       ++rows;
       EXPECT_NE(cells[8], "-") << "no RSS in: " << line;
       EXPECT_NE(cells[9], "-") << "no pool use in: " << line;
@@ -129,6 +133,93 @@ TEST(SoakTest, FortyFiveSecondsOnTheDefaultModelPass) {
   absl::StatusOr<int> exit_status = server.WaitExit(absl::Seconds(120));
   ASSERT_TRUE(exit_status.ok()) << exit_status.status();
   EXPECT_TRUE(WIFEXITED(*exit_status) && WEXITSTATUS(*exit_status) == 0) << *exit_status;
+}
+
+// Ten sessions per worker against a pool that holds a few: idle sessions' caches go to the host
+// tier, then to the disk tier under --session-dir, then are dropped (their sessions re-prefill),
+// and every call must still end with a status its kind allows. At the end no pool block, tier
+// image or snapshot file of the deleted sessions may stay, the disk tier must have kept to its
+// cap at every report, and the RSS to its bound plus the host tier's cap.
+TEST(SoakTest, TiersCarryTenTimesTheSessionsThePoolHolds) {
+  BoundAsanQuarantine();
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/soak_sessions_", getpid());
+  // 2 MB of pool: about three of the soak's longer conversations on the default model.
+  absl::StatusOr<std::unique_ptr<ServerProcess>> started =
+      ServerProcess::Start({SUBSPACE_SERVER_BIN,
+                            "--model",
+                            kDefaultModel,
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            "0",
+                            "--metrics-port",
+                            "-1",
+                            "--http-port",
+                            "-1",
+                            "--log-level",
+                            "warn",
+                            "--prompt-cache-entries",
+                            "0",
+                            "--kv-cache-bytes",
+                            "2000000",
+                            "--session-dir",
+                            dir,
+                            "--session-host-mb",
+                            "4",
+                            "--session-disk-mb",
+                            "8",
+                            "--session-checkpoint-seconds",
+                            "5"},
+                           absl::Seconds(120));
+  ASSERT_TRUE(started.ok()) << started.status();
+  ServerProcess& server = **started;
+
+  const auto [status, output] = RunToCompletion(
+      {SUBSPACE_SOAK_BIN, "--server", absl::StrCat("127.0.0.1:", server.port()), "--server-pid",
+       absl::StrCat(server.pid()), "--concurrency", "4", "--sessions-per-worker", "10",
+       "--duration-seconds", "20", "--report-seconds", "5", "--idle-timeout-seconds", "120",
+       "--seed", "11", "--session-dir", dir},
+      absl::Seconds(600));
+  std::printf("%s", output.c_str());
+  ASSERT_TRUE(status >= 0 && WIFEXITED(status)) << "the soak did not finish\n" << output;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << output;
+  EXPECT_TRUE(absl::StrContains(output, "\nPASS\n")) << output;
+  EXPECT_TRUE(absl::StrContains(output, ", other 0)")) << output;
+  EXPECT_TRUE(absl::StrContains(output,
+                                "tier images left after the deletions: 0; snapshot files "
+                                "left: 0"))
+      << output;
+  // The tiers were used: some row has sessions in both, and 40 sessions were alive at once.
+  int most_sessions = 0;
+  double most_ratio = 0.0;  // conversations' tokens over the pool's cached tokens
+  bool host = false, disk = false;
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    std::vector<absl::string_view> cells = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (cells.size() != 18 || !absl::StrContains(cells[1], "-") || cells[0] == "row") continue;
+    int64_t pool_tokens = 0, conversation_tokens = 0;
+    int sessions = 0, in_host = 0, in_disk = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(cells[12], &pool_tokens) &&
+                absl::SimpleAtoi(cells[13], &conversation_tokens) &&
+                absl::SimpleAtoi(cells[14], &sessions) && absl::SimpleAtoi(cells[15], &in_host) &&
+                absl::SimpleAtoi(cells[16], &in_disk))
+        << line;
+    most_sessions = std::max(most_sessions, sessions);
+    most_ratio = std::max(most_ratio, static_cast<double>(conversation_tokens) /
+                                          static_cast<double>(std::max<int64_t>(pool_tokens, 1)));
+    host |= in_host > 0;
+    disk |= in_disk > 0;
+  }
+  EXPECT_EQ(most_sessions, 40) << output;
+  EXPECT_GE(most_ratio, 5.0) << output;
+  EXPECT_TRUE(host && disk) << output;
+
+  EXPECT_EQ(HealthCheck(ChannelTo(server.port())).value_or(-1), 1);
+  ASSERT_TRUE(server.Signal(SIGTERM));
+  absl::StatusOr<int> exit_status = server.WaitExit(absl::Seconds(120));
+  ASSERT_TRUE(exit_status.ok()) << exit_status.status();
+  EXPECT_TRUE(WIFEXITED(*exit_status) && WEXITSTATUS(*exit_status) == 0) << *exit_status;
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
 }
 
 }  // namespace
