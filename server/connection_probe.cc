@@ -32,9 +32,30 @@ bool HostPort(const sockaddr_storage& addr, socklen_t len, std::string* host, in
   return true;
 }
 
+// Whether `fd` is a socket bound to local_port whose peer is remote_addr:remote_port.
+bool IsConnection(int fd, int local_port, std::string_view remote_addr, int remote_port) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  int port = -1;
+  // Not a socket, or not bound to the HTTP port (getsockname fails on other files).
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
+      !HostPort(addr, len, nullptr, &port) || port != local_port) {
+    return false;
+  }
+  len = sizeof(addr);
+  std::string host;
+  // The listening socket has no peer; another client's connection has another.
+  return getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0 &&
+         HostPort(addr, len, &host, &port) && port == remote_port && host == remote_addr;
+}
+
 }  // namespace
 
 int FindConnectionSocket(int local_port, std::string_view remote_addr, int remote_port) {
+  // A keep-alive connection brings its next requests to the same thread (cpp-httplib serves a
+  // connection on one thread until it closes): the last answer, checked again, is the first try.
+  thread_local int last = -1;
+  if (last >= 0 && IsConnection(last, local_port, remote_addr, remote_port)) return last;
   DIR* dir = opendir("/proc/self/fd");
   if (dir == nullptr) return -1;
   int found = -1;
@@ -42,24 +63,13 @@ int FindConnectionSocket(int local_port, std::string_view remote_addr, int remot
     char* end = nullptr;
     const long fd = std::strtol(entry->d_name, &end, 10);
     if (end == entry->d_name || *end != '\0' || fd == dirfd(dir)) continue;
-    sockaddr_storage addr{};
-    socklen_t len = sizeof(addr);
-    int port = -1;
-    // Not a socket, or not bound to the HTTP port: skip (getsockname fails on other files).
-    if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
-        !HostPort(addr, len, nullptr, &port) || port != local_port) {
-      continue;
+    if (IsConnection(static_cast<int>(fd), local_port, remote_addr, remote_port)) {
+      found = static_cast<int>(fd);
+      break;
     }
-    len = sizeof(addr);
-    std::string host;
-    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
-        !HostPort(addr, len, &host, &port) || port != remote_port || host != remote_addr) {
-      continue;  // the listening socket, or another client's connection
-    }
-    found = static_cast<int>(fd);
-    break;
   }
   closedir(dir);
+  last = found;
   return found;
 }
 

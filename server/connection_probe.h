@@ -12,8 +12,9 @@ namespace subspace::server {
 // The file descriptor of this process's connected TCP socket whose local port is `local_port`
 // and whose peer is remote_addr:remote_port (numeric, as cpp-httplib's Request::remote_addr
 // writes it), or -1 when there is none. A connection is one socket while it is open, so the
-// answer is exact for as long as the caller's request holds the connection; it costs a pass
-// over /proc/self/fd, once per request.
+// answer is exact for as long as the caller's request holds the connection. It costs a pass
+// over /proc/self/fd, once per connection: the thread's last answer is checked first (two
+// syscalls), which a keep-alive connection's next request on the same thread finds again.
 int FindConnectionSocket(int local_port, std::string_view remote_addr, int remote_port);
 
 // True once the peer of connected socket `fd` has closed its side (FIN: a client that hung up

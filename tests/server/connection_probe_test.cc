@@ -58,6 +58,26 @@ TEST(ConnectionProbeTest, FindsTheServersEndOfAConnection) {
   EXPECT_EQ(FindConnectionSocket(a.port, "127.0.0.1", b.client_port), -1);
   EXPECT_EQ(FindConnectionSocket(a.port, "127.0.0.2", a.client_port), -1);
   EXPECT_EQ(FindConnectionSocket(b.port, "127.0.0.1", a.client_port), -1);
+  // Asked again (the thread's last answer is tried first): still each its own.
+  EXPECT_EQ(FindConnectionSocket(a.port, "127.0.0.1", a.client_port), a.server);
+  EXPECT_EQ(FindConnectionSocket(a.port, "127.0.0.1", a.client_port), a.server);
+  EXPECT_EQ(FindConnectionSocket(b.port, "127.0.0.1", b.client_port), b.server);
+}
+
+TEST(ConnectionProbeTest, AClosedConnectionIsNotFoundAgain) {
+  int server_fd = -1, client_port = 0, port = 0;
+  {
+    Loopback l;
+    Connect(&l);
+    ASSERT_EQ(FindConnectionSocket(l.port, "127.0.0.1", l.client_port), l.server);
+    server_fd = l.server;
+    client_port = l.client_port;
+    port = l.port;
+  }  // every socket of it closed
+  Loopback other;
+  Connect(&other);  // may reuse the closed descriptors' numbers
+  EXPECT_EQ(FindConnectionSocket(port, "127.0.0.1", client_port), -1) << "was fd " << server_fd;
+  EXPECT_EQ(FindConnectionSocket(other.port, "127.0.0.1", other.client_port), other.server);
 }
 
 TEST(ConnectionProbeTest, SeesAHangUpButNotPendingBytes) {
