@@ -408,6 +408,7 @@ absl::StatusOr<SoakReport> RunSoak(const std::shared_ptr<grpc::Channel>& channel
                                    const ClientOptions& options, const SoakConfig& config,
                                    const std::function<void(const std::string&)>& on_text) {
   if (config.concurrency < 1) return absl::InvalidArgumentError("--concurrency must be >= 1");
+  if (config.min_calls < 0) return absl::InvalidArgumentError("--min-calls must be >= 0");
   if (config.sessions_per_worker < 1) {
     return absl::InvalidArgumentError("--sessions-per-worker must be >= 1");
   }
@@ -442,9 +443,13 @@ absl::StatusOr<SoakReport> RunSoak(const std::shared_ptr<grpc::Channel>& channel
   workers.reserve(config.concurrency);
   for (int i = 0; i < config.concurrency; ++i) workers.emplace_back([&soak, i] { soak.Worker(i); });
 
+  // The load runs for `duration`, then on, a report interval at a time, until min_calls calls
+  // have ended (a loaded machine serves a time-bounded soak too few calls to reach the state it
+  // is meant to hold), up to ten times the duration.
+  absl::Duration end = config.duration;
   for (int32_t index = 1;; ++index) {
     const absl::Duration elapsed = config.report_interval * index;
-    const absl::Time at = start + std::min(elapsed, config.duration);
+    const absl::Time at = start + std::min(elapsed, end);
     absl::SleepFor(at - absl::Now());
     SoakRow row;
     row.index = index;
@@ -468,7 +473,10 @@ absl::StatusOr<SoakReport> RunSoak(const std::shared_ptr<grpc::Channel>& channel
     on_text(FormatSoakRow(row));
     report.tier_host_peak = std::max(report.tier_host_peak, row.tier_host_bytes);
     report.rows.push_back(row);
-    if (elapsed >= config.duration) break;
+    if (elapsed >= end) {
+      if (soak.totals().total() >= config.min_calls || elapsed >= 10 * config.duration) break;
+      end = elapsed + config.report_interval;
+    }
   }
   soak.Stop();
   for (std::thread& t : workers) t.join();  // each finishes its call: bounded by kCallTimeout
@@ -562,6 +570,11 @@ absl::StatusOr<SoakReport> RunSoak(const std::shared_ptr<grpc::Channel>& channel
           Mib(report.rss_end_kb), config.max_rss_growth_mb,
           Mib(static_cast<int64_t>(report.tier_host_peak / 1024))));
     }
+  }
+  if (report.totals.total() < config.min_calls) {
+    report.failures.push_back(absl::StrFormat(
+        "only %d calls ended in %s, fewer than --min-calls=%d", report.totals.total(),
+        absl::FormatDuration(10 * config.duration), config.min_calls));
   }
   if (report.totals.unexpected > 0) {
     report.failures.push_back(absl::StrCat(report.totals.unexpected,

@@ -42,6 +42,9 @@ struct SoakConfig {
   // holds, idle ones go to the server's tiers and come back (docs/sessions.md, "Tiers"), and
   // every turn must still succeed.
   int32_t sessions_per_worker = 1;
+  // The load goes on past `duration`, a report interval at a time (up to ten times the
+  // duration), until this many calls have ended; fewer by then fails the soak.
+  int64_t min_calls = 0;
   // The server's --session-dir, when it has one: each row counts the snapshot files under it
   // (checkpoints and the disk tier's), and the run fails if any stays after the soak deleted
   // its sessions.

@@ -39,6 +39,10 @@ ABSL_FLAG(int32_t, sessions_per_worker, 1,
           "sessions each worker keeps, turning among them at random: more than the pool holds "
           "sends idle ones to the server's session tiers and back, and every turn must still "
           "succeed");
+ABSL_FLAG(int64_t, min_calls, 0,
+          "keep the load on past --duration-seconds, a report interval at a time (up to ten times "
+          "the duration), until this many calls have ended; fewer fails the soak (a loaded "
+          "machine otherwise serves too few calls for the state a soak is meant to reach)");
 ABSL_FLAG(std::string, session_dir, "",
           "the server's --session-dir (on this machine): each row counts its snapshot files, and "
           "the soak fails if any stays after its sessions are deleted");
@@ -47,7 +51,7 @@ namespace {
 
 constexpr char kUsage[] = R"(subspace-soak [--server host:port] [--concurrency 8]
     [--duration-seconds 600] [--report-seconds 60] [--server-pid PID] [--max-rss-growth-mb 64]
-    [--sessions-per-worker 1] [--session-dir DIR]
+    [--sessions-per-worker 1] [--session-dir DIR] [--min-calls 0]
 
 Runs a fixed-concurrency mix against a running server -- multi-turn session generations (unary
 and streamed), streams cancelled mid-way, one-shot streams, calls with 5-200 ms deadlines --
@@ -81,6 +85,7 @@ int main(int argc, char** argv) {
   config.seed = absl::GetFlag(FLAGS_seed);
   config.sessions_per_worker = absl::GetFlag(FLAGS_sessions_per_worker);
   config.session_dir = absl::GetFlag(FLAGS_session_dir);
+  config.min_calls = absl::GetFlag(FLAGS_min_calls);
   absl::StatusOr<LengthRange> prompt = ParseLengthRange(absl::GetFlag(FLAGS_prompt_tokens));
   if (!prompt.ok()) return Fail(std::string(prompt.status().message()));
   absl::StatusOr<LengthRange> output = ParseLengthRange(absl::GetFlag(FLAGS_output_tokens));
