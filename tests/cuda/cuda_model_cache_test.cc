@@ -223,15 +223,8 @@ void CompareWindowedSteps(CoeffDtype coeff_dtype, float outlier_threshold) {
   ASSERT_EQ(p.cpu->config().sliding_window, 56);
   const int vocab = p.cpu->config().n_vocab;
   std::vector<SeqId> cpu_seqs, gpu_seqs;
-  for (int s = 0; s < 2; ++s) {
-    cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
-    gpu_seqs.push_back(*p.cuda.cache->CreateSequence());
-  }
-  const auto tokens = [vocab](int n, int salt) {
-    std::vector<int32_t> t;
-    for (int i = 0; i < n; ++i) t.push_back(1 + (i * 37 + salt * 101) % (vocab - 1));
-    return t;
-  };
+  CreateSequences(p, 2, &cpu_seqs, &gpu_seqs);
+  const auto tokens = [vocab](int n, int salt) { return PatternTokens(n, salt, vocab); };
   StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(100, 0)}, {1, tokens(40, 1)}}, "prefill");
   EXPECT_GT(p.cuda.cache->Stats().bytes_used_compressed, 0);
   StepBoth(p, cpu_seqs, gpu_seqs, {{0, {42}}, {1, tokens(50, 2)}}, "history");

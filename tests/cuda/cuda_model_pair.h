@@ -64,6 +64,22 @@ inline Pair Open(int max_batch_tokens = 256, int max_sequences = 8,
   return p;
 }
 
+// n token ids in 1 .. vocab - 1, a fixed pattern varied by `salt`.
+inline std::vector<int32_t> PatternTokens(int n, int salt, int vocab) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i) t.push_back(1 + (i * 37 + salt * 101) % (vocab - 1));
+  return t;
+}
+
+// n new sequences on each backend, appended to cpu_seqs and gpu_seqs.
+inline void CreateSequences(Pair& p, int n, std::vector<SeqId>* cpu_seqs,
+                            std::vector<SeqId>* gpu_seqs) {
+  for (int s = 0; s < n; ++s) {
+    cpu_seqs->push_back(*p.cpu_cache->CreateSequence());
+    gpu_seqs->push_back(*p.cuda.cache->CreateSequence());
+  }
+}
+
 // Runs `chunks` (seq index, token count) as one step on both backends and compares logits
 // (within `tolerance` of each row's range; negative: only that they are finite).
 inline void StepBoth(Pair& p, std::vector<SeqId>& cpu_seqs, std::vector<SeqId>& gpu_seqs,

@@ -99,15 +99,8 @@ TEST_P(CudaModelFamilyTest, LogitsMatchTheCpuBackend) {
   ASSERT_EQ(p.cpu->config().rope_layout, RopeLayout::kHalves);
   const int vocab = p.cpu->config().n_vocab;
   std::vector<SeqId> cpu_seqs, gpu_seqs;
-  for (int s = 0; s < 2; ++s) {
-    cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
-    gpu_seqs.push_back(*p.cuda.cache->CreateSequence());
-  }
-  const auto tokens = [vocab](int n, int salt) {
-    std::vector<int32_t> t;
-    for (int i = 0; i < n; ++i) t.push_back(1 + (i * 37 + salt * 101) % (vocab - 1));
-    return t;
-  };
+  CreateSequences(p, 2, &cpu_seqs, &gpu_seqs);
+  const auto tokens = [vocab](int n, int salt) { return PatternTokens(n, salt, vocab); };
   StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(37, 0)}, {1, tokens(5, 1)}}, "prefill");
   for (int step = 0; step < 20; ++step) {
     StepBoth(p, cpu_seqs, gpu_seqs,
@@ -129,15 +122,8 @@ TEST(CudaModelTest, SlidingWindowMatchesTheCpuPastItsWindow) {
   EXPECT_EQ(p.cuda.model->config().sliding_window, 40);
   const int vocab = p.cpu->config().n_vocab;
   std::vector<SeqId> cpu_seqs, gpu_seqs;
-  for (int s = 0; s < 3; ++s) {
-    cpu_seqs.push_back(*p.cpu_cache->CreateSequence());
-    gpu_seqs.push_back(*p.cuda.cache->CreateSequence());
-  }
-  const auto tokens = [vocab](int n, int salt) {
-    std::vector<int32_t> t;
-    for (int i = 0; i < n; ++i) t.push_back(1 + (i * 37 + salt * 101) % (vocab - 1));
-    return t;
-  };
+  CreateSequences(p, 3, &cpu_seqs, &gpu_seqs);
+  const auto tokens = [vocab](int n, int salt) { return PatternTokens(n, salt, vocab); };
   StepBoth(p, cpu_seqs, gpu_seqs, {{0, tokens(70, 0)}, {1, tokens(30, 1)}, {2, tokens(3, 2)}},
            "prefill");
   for (int step = 0; step < 24; ++step) {
