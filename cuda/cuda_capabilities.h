@@ -14,6 +14,8 @@ struct CudaCacheCapabilities {
   bool quantized_paged = false;
   // The transform codec's mixed-width codes (DeviceTransformKvCache, held to the CPU cache).
   bool transform_coded = true;
+  // Online refresh of those codes (the CPU cache's --refresh-method pca): not on the device yet.
+  bool transform_refresh = false;
   // The compressed cache's full-rank blocks (sinks, window, outliers): fp16 pages only.
   constexpr bool HoldsFullDtype(CoeffDtype dtype) const { return dtype == CoeffDtype::kFp16; }
   // Its coefficient codes: fp16 or int8 (no fp32 or int4 kernels).

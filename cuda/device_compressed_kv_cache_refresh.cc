@@ -71,7 +71,7 @@ void DeviceCompressedKvCache::InstallPublishedEpochs() {
     if (seq < 0) continue;  // the sequence went away or restarted its refresh
     // Its shapes are the cache's own; the one failure is a full basis table. The refresher
     // publishes again after its next T tokens.
-    absl::StatusOr<EpochId> id = epochs_.Register(std::move(p.basis));
+    absl::StatusOr<EpochId> id = epochs_.Register(std::move(p.epoch.basis));
     if (!id.ok()) {
       ++refreshes_unplaced_;
       continue;

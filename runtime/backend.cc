@@ -102,6 +102,11 @@ std::string CpuOnlyCompressedFeature(const KvCacheOptions& o) {
   const cuda::CudaCacheCapabilities& caps = cuda::kCudaCacheCapabilities;
   if (o.kind == KvCacheKind::kQuantized && !caps.quantized_paged) return "--kv-cache quantized";
   if (o.kind == KvCacheKind::kTransform && !caps.transform_coded) return "--kv-cache transform";
+  if (o.kind == KvCacheKind::kTransform && o.refresh.method != RefreshMethod::kNone &&
+      !caps.transform_refresh) {
+    return absl::StrCat("--refresh-method ", RefreshMethodName(o.refresh.method),
+                        " with --kv-cache transform");
+  }
   if (o.kind != KvCacheKind::kCompressed) return "";
   if (!caps.HoldsFullDtype(o.full_dtype)) {
     return absl::StrCat("--kv-full-dtype ", CoeffDtypeName(o.full_dtype));

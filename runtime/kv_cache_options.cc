@@ -134,22 +134,9 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
         absl::StrCat(o.sink_tokens < 0 ? "--kv-sink-tokens" : "--kv-window-tokens",
                      " must be >= 0, got ", o.sink_tokens < 0 ? o.sink_tokens : o.window_tokens));
   }
-  if (o.kind != KvCacheKind::kCompressed) {
-    if (!o.bases_path.empty()) {
-      return absl::InvalidArgumentError("--bases needs --kv-cache=compressed");
-    }
-    if (o.refresh.method != RefreshMethod::kNone) {
-      return absl::InvalidArgumentError("--refresh-method needs --kv-cache=compressed");
-    }
-    if (o.kind == KvCacheKind::kQuantized && o.kv_dtype != KvDtype::kQ8_0 &&
-        o.kv_dtype != KvDtype::kQ4_0) {
-      return absl::InvalidArgumentError("--kv-dtype must be q8_0 or q4_0");
-    }
-    return absl::OkStatus();
-  }
-  if (absl::Status s = ValidateRefreshConfig(o.refresh); !s.ok()) {
-    // The core names fields; the flags are --refresh-<field with dashes>.
-    std::string message(s.message());
+  // The refresh's fields by their flags' names (the core names them "refresh <field>").
+  const auto refresh_error = [](const absl::Status& st) {
+    std::string message(st.message());
     for (const char* field : {"every_tokens", "residual_threshold", "half_life_tokens",
                               "oja_learning_rate", "max_epochs"}) {
       const std::string from = absl::StrCat("refresh ", field);
@@ -160,7 +147,27 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& o, int block_size) {
       }
     }
     return absl::InvalidArgumentError(message);
+  };
+  if (o.kind == KvCacheKind::kTransform && o.refresh.method != RefreshMethod::kNone) {
+    if (absl::Status st = CheckTransformRefreshConfig(o.refresh); !st.ok()) {
+      return refresh_error(st);
+    }
   }
+  if (o.kind != KvCacheKind::kCompressed) {
+    if (!o.bases_path.empty()) {
+      return absl::InvalidArgumentError("--bases needs --kv-cache=compressed");
+    }
+    if (o.kind != KvCacheKind::kTransform && o.refresh.method != RefreshMethod::kNone) {
+      return absl::InvalidArgumentError(
+          "--refresh-method needs --kv-cache=compressed or --kv-cache=transform");
+    }
+    if (o.kind == KvCacheKind::kQuantized && o.kv_dtype != KvDtype::kQ8_0 &&
+        o.kv_dtype != KvDtype::kQ4_0) {
+      return absl::InvalidArgumentError("--kv-dtype must be q8_0 or q4_0");
+    }
+    return absl::OkStatus();
+  }
+  if (absl::Status s = ValidateRefreshConfig(o.refresh); !s.ok()) return refresh_error(s);
   if (block_size > kMaxCompressedBlockSize) {
     return absl::InvalidArgumentError(
         absl::StrCat("--block-size must be at most ", kMaxCompressedBlockSize,
@@ -319,6 +326,8 @@ absl::StatusOr<std::unique_ptr<TransformKvCache>> CreateTransformKvCache(
   c.value_codes = std::make_shared<const std::vector<TransformCode>>(codec.values);
   if (codec.info.pre_rope_keys) c.key_rope = key_rope;
   c.capacity_bytes = capacity_bytes;
+  c.refresh = o.refresh;
+  c.refresh_inline = o.refresh_inline;
   return TransformKvCache::Create(c);
 }
 

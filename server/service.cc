@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "core/compress/transform_kv_cache.h"
 #include "core/kvcache/refresh_config.h"
 #include "server/generate_calls.h"
 #include "server/prepare_request.h"
@@ -55,11 +56,16 @@ absl::StatusOr<RefreshConfig> SessionRefresh(const v1::CreateSessionRequest& req
     }
     if (r.every_tokens() > 0) c.every_tokens = r.every_tokens();
   }
-  if (c.method != RefreshMethod::kNone && options.kind != runtime::KvCacheKind::kCompressed) {
+  const bool transform = options.kind == runtime::KvCacheKind::kTransform;
+  if (c.method != RefreshMethod::kNone && options.kind != runtime::KvCacheKind::kCompressed &&
+      !transform) {
     return absl::FailedPreconditionError(
-        "refresh.method needs the compressed KV cache; this server runs --kv-cache=full");
+        absl::StrCat("refresh.method needs the compressed or the transform-coded KV cache; this "
+                     "server runs --kv-cache=",
+                     runtime::KvCacheKindName(options.kind)));
   }
-  if (absl::Status s = ValidateRefreshConfig(c); !s.ok()) {
+  if (absl::Status s = transform ? CheckTransformRefreshConfig(c) : ValidateRefreshConfig(c);
+      !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("refresh: ", s.message()));
   }
   return c;
@@ -353,12 +359,14 @@ grpc::ServerUnaryReactor* SubspaceService::GetModelInfo(grpc::CallbackServerCont
   cache->set_blocks_total((*engine)->Stats().cache.blocks_total);
   if (o.kind == runtime::KvCacheKind::kQuantized) cache->set_kv_dtype(KvDtypeName(o.kv_dtype));
   if (o.kind == runtime::KvCacheKind::kCompressed) {
-    cache->set_sink_tokens(o.sink_tokens);
-    cache->set_window_tokens(o.window_tokens);
     cache->set_rank_k(o.rank_k);
     cache->set_rank_v(o.rank_v);
     cache->set_coeff_dtype(CoeffDtypeName(o.coeff_dtype));
     cache->set_outlier_threshold(o.outlier_threshold);
+  }
+  if (o.kind == runtime::KvCacheKind::kCompressed || o.kind == runtime::KvCacheKind::kTransform) {
+    cache->set_sink_tokens(o.sink_tokens);
+    cache->set_window_tokens(o.window_tokens);
     cache->set_refresh_method(RefreshMethodName(o.refresh.method));
     cache->set_refresh_every_tokens(static_cast<uint32_t>(o.refresh.every_tokens));
     cache->set_refresh_max_epochs(static_cast<uint32_t>(o.refresh.max_epochs));

@@ -51,8 +51,9 @@ ABSL_FLAG(std::string, caches, "evict,q8_0,q4_0,kivi4,kqsvd:16:fp16,kqsvd:16:int
           "joint, PCA basis unless id, errors weighted by attention (aw: queries on keys, W_O on "
           "values), widths {0,2,3,4,8} or with fine {0,1,2,3,4,5,6,8}, konly / vonly: the other "
           "side exact), tcfile:PATH (a codec "
-          "file from subspace-calibrate --kv-budget), tccache:PATH (the server's --kv-cache "
-          "transform on that file: whole blocks coded, bytes measured in its pool), "
+          "file from subspace-calibrate --kv-budget), tccache:PATH[:pca] (the server's --kv-cache "
+          "transform on that file: whole blocks coded, bytes measured in its pool; :pca refits "
+          "the codes online every --refresh-every-tokens), "
           "METHOD:RANK:DTYPE (METHOD ksvd|eigen|kqsvd calibrated on --calib; DTYPE fp16|int8|int4) "
           "or self:RANK:DTYPE (self-calibrated, as the server without --bases) or "
           "file:PATH:DTYPE (a subspace-calibrate basis file, as the server's --bases); a fourth "
@@ -118,12 +119,15 @@ absl::StatusOr<CacheSpec> ParseSpec(const std::string& s, int head_dim) {
     c.exact_sinks_window = true;
     return c;
   }
-  if (parts[0] == "tccache") {  // tccache:PATH: TransformKvCache on a codec file
-    if (parts.size() != 2 || parts[1].empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("bad cache spec ", s, " (tccache:PATH)"));
+  if (parts[0] == "tccache") {  // tccache:PATH[:pca]: TransformKvCache on a codec file
+    if (parts.size() < 2 || parts.size() > 3 || parts[1].empty() ||
+        (parts.size() == 3 && parts[2] != "pca")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad cache spec ", s, " (tccache:PATH or tccache:PATH:pca)"));
     }
     c.transform_cache = true;
     c.basis_path = parts[1];
+    if (parts.size() == 3) c.refresh = RefreshMethod::kPca;
     return c;
   }
   if (parts[0] == "tcfile") {  // tcfile:PATH, a codec file from subspace-calibrate
@@ -368,6 +372,10 @@ absl::Status Run() {
       options.kind = runtime::KvCacheKind::kTransform;
       options.sink_tokens = S;
       options.window_tokens = W;
+      // Online refresh as the server runs it, but inline: deterministic, same steps every run.
+      options.refresh.method = spec.refresh;
+      options.refresh.every_tokens = absl::GetFlag(FLAGS_refresh_every_tokens);
+      options.refresh_inline = true;
       absl::StatusOr<std::unique_ptr<TransformKvCache>> c = runtime::CreateTransformKvCache(
           options, geom, 16, TransformKvCache::PageBytes(geom, 16) * geom.n_layers * pages_per_item,
           *file, *rope);

@@ -88,7 +88,7 @@ void CompressedKvCache::InstallPublishedEpochs() {
   for (Refresher::Published& p : epochs_.refresher()->TakePublished()) {
     const SeqId seq = epochs_.StreamSequence(p.stream);
     if (seq < 0) continue;  // the sequence went away or restarted its refresh
-    absl::StatusOr<EpochId> id = InstallBasis(std::move(p.basis));
+    absl::StatusOr<EpochId> id = InstallBasis(std::move(p.epoch.basis));
     if (!id.ok()) continue;  // shapes are the cache's own; cannot fail
     (void)SetSequenceEpoch(seq, *id);
     epochs_.Release(*id);  // the sequence holds it now

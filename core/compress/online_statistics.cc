@@ -267,6 +267,12 @@ void OnlineStatistics::OjaStep(std::vector<double>& u, int r,
   Orthonormalize(u, d, r);
 }
 
+absl::StatusOr<RefreshedEpoch> OnlineStatistics::RefreshEpoch() {
+  absl::StatusOr<Basis> basis = Refresh();
+  if (!basis.ok()) return basis.status();
+  return RefreshedEpoch{.basis = std::make_shared<const Basis>(*std::move(basis))};
+}
+
 absl::StatusOr<Basis> OnlineStatistics::Refresh() {
   const int d = g_.head_dim;
   for (const HeadState& s : heads_) {

@@ -15,11 +15,12 @@
 
 #include "absl/status/statusor.h"
 #include "core/compress/basis.h"
+#include "core/compress/refresh_statistics.h"
 #include "core/kvcache/refresh_config.h"
 
 namespace subspace {
 
-class OnlineStatistics {
+class OnlineStatistics final : public RefreshStatistics {
  public:
   // `initial`: the epoch the sequence compresses with now; Oja starts from it, and heads
   // without data keep its bases. Ranks are the cache's (every epoch has the same shapes).
@@ -28,20 +29,24 @@ class OnlineStatistics {
 
   // One compressed block of `layer`: n tokens per KV head, as the cache stores a block.
   // keys, values: [n_kv, n, d]
-  void ObserveBlock(int layer, const float* keys, const float* values, int n);
+  void ObserveBlock(int layer, const float* keys, const float* values, int n) override;
   // Queries of `layer` (KQ-SVD only; ignored otherwise). q: [n, n_heads, d]. Each row counts
   // `weight` times: a backend that keeps every other query of a long chunk passes 2.
-  void ObserveQueries(int layer, const float* q, int64_t n, double weight = 1.0);
+  void ObserveQueries(int layer, const float* q, int64_t n, double weight = 1.0) override;
   int n_heads() const { return n_heads_; }
   int head_dim() const { return g_.head_dim; }
   bool wants_queries() const { return config_.method == RefreshMethod::kKqsvd; }
+  int64_t query_width() const override {
+    return wants_queries() ? static_cast<int64_t>(n_heads_) * g_.head_dim : 0;
+  }
 
   // A new epoch from everything observed so far; Oja consumes its covariance. INTERNAL when
   // the statistics hold non-finite numbers (the old epoch stays in use).
   absl::StatusOr<Basis> Refresh();
+  absl::StatusOr<RefreshedEpoch> RefreshEpoch() override;
 
-  const RefreshConfig& config() const { return config_; }
-  int n_layers() const { return g_.n_layers; }
+  const RefreshConfig& config() const override { return config_; }
+  int n_layers() const override { return g_.n_layers; }
 
  private:
   struct HeadState {

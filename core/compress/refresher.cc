@@ -62,12 +62,12 @@ Refresher::~Refresher() {
   if (thread_.joinable()) thread_.join();
 }
 
-Refresher::StreamId Refresher::Open(std::unique_ptr<OnlineStatistics> stats) {
-  auto shared = std::make_shared<std::unique_ptr<OnlineStatistics>>(std::move(stats));
+Refresher::StreamId Refresher::Open(std::unique_ptr<RefreshStatistics> stats) {
+  auto shared = std::make_shared<std::unique_ptr<RefreshStatistics>>(std::move(stats));
   return Open([shared] { return std::move(*shared); });
 }
 
-Refresher::StreamId Refresher::Open(std::function<std::unique_ptr<OnlineStatistics>()> make) {
+Refresher::StreamId Refresher::Open(std::function<std::unique_ptr<RefreshStatistics>()> make) {
   Message m{.kind = Message::Kind::kOpen};
   m.make = std::move(make);
   {
@@ -224,7 +224,7 @@ void Refresher::Process(Message& m) {
     case Message::Kind::kQueries: {
       auto it = streams_.find(m.stream);
       if (it == streams_.end()) return;
-      it->second.stats->ObserveQueries(m.queries.layer, m.queries.q.data(), m.queries.n);
+      it->second.stats->ObserveQueries(m.queries.layer, m.queries.q.data(), m.queries.n, 1.0);
       return;
     }
     case Message::Kind::kBlock:
@@ -242,8 +242,8 @@ void Refresher::Process(Message& m) {
 void Refresher::ProcessHalfQueries(StreamId id, const HalfQueryObservation& o) {
   auto it = streams_.find(id);
   if (it == streams_.end()) return;  // closed since it was read back
-  OnlineStatistics& stats = *it->second.stats;
-  if (o.width != static_cast<int64_t>(stats.n_heads()) * stats.head_dim()) return;
+  RefreshStatistics& stats = *it->second.stats;
+  if (stats.query_width() == 0 || o.width != stats.query_width()) return;
   const size_t layer_values = static_cast<size_t>(o.n) * static_cast<size_t>(o.width);
   std::vector<float> q(layer_values);
   for (int l = 0; l < std::min(o.n_layers, stats.n_layers()); ++l) {
@@ -304,23 +304,24 @@ void Refresher::RefreshStream(StreamId id, Stream& s) {
   }
   if (hook) hook();
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<Basis> basis = s.stats->Refresh();
+  absl::StatusOr<RefreshedEpoch> epoch = s.stats->RefreshEpoch();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   s.tokens_since = 0;
   s.residual_since = s.energy_since = 0.0;
   std::lock_guard<std::mutex> lock(mu_);
-  if (!basis.ok()) {
+  if (!epoch.ok()) {
     ++stats_.failures;
     return;
   }
+  if (epoch->basis == nullptr && epoch->codes.keys == nullptr) return;  // nothing new yet
   ++stats_.refreshes;
   stats_.latency_seconds_sum += seconds;
   const auto& bounds = BasisRefreshStats::kLatencyBounds;
   const size_t bucket =
       static_cast<size_t>(std::lower_bound(bounds.begin(), bounds.end(), seconds) - bounds.begin());
   ++stats_.latency_counts[bucket];
-  published_.push_back({id, std::make_shared<const Basis>(*std::move(basis))});
+  published_.push_back({id, *std::move(epoch)});
   has_published_.store(true, std::memory_order_release);
 }
 

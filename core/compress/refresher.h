@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "core/compress/basis.h"
 #include "core/compress/online_statistics.h"
+#include "core/compress/refresh_statistics.h"
 #include "core/kvcache/kv_cache.h"
 
 namespace subspace {
@@ -80,7 +81,7 @@ class Refresher {
   };
   struct Published {
     StreamId stream = 0;
-    std::shared_ptr<const Basis> basis;
+    RefreshedEpoch epoch;  // a basis or codes, as the stream's statistics make them
   };
 
   explicit Refresher(const Options& options);
@@ -92,8 +93,8 @@ class Refresher {
   // A sequence starts being tracked; `stats` carries its method and triggers. The factory form
   // runs `make` on the refresher thread, so a large model's statistics (tens of MiB zeroed, a
   // copy of the initial basis) are never allocated on the caller's (the engine's) thread.
-  StreamId Open(std::unique_ptr<OnlineStatistics> stats);
-  StreamId Open(std::function<std::unique_ptr<OnlineStatistics>()> make);
+  StreamId Open(std::unique_ptr<RefreshStatistics> stats);
+  StreamId Open(std::function<std::unique_ptr<RefreshStatistics>()> make);
   // The sequence is gone: its statistics are dropped and nothing more is published for it.
   void Close(StreamId stream);
   // False when dropped because the queue is full.
@@ -121,16 +122,16 @@ class Refresher {
   struct Message {
     enum class Kind { kOpen, kClose, kBlock, kQueries, kHalfBlocks, kHalfQueries } kind;
     StreamId stream = 0;
-    std::function<std::unique_ptr<OnlineStatistics>()> make;  // kOpen: run on this thread
-    BlockObservation block;                                   // kBlock
-    QueryObservation queries;                                 // kQueries
-    HalfBlockBatch half_blocks;                               // kHalfBlocks
-    HalfQueryObservation half_queries;                        // kHalfQueries
+    std::function<std::unique_ptr<RefreshStatistics>()> make;  // kOpen: run on this thread
+    BlockObservation block;                                    // kBlock
+    QueryObservation queries;                                  // kQueries
+    HalfBlockBatch half_blocks;                                // kHalfBlocks
+    HalfQueryObservation half_queries;                         // kHalfQueries
     int64_t bytes = 0;
     int64_t observations = 1;  // block-layers it carries (counted when dropped)
   };
   struct Stream {
-    std::unique_ptr<OnlineStatistics> stats;
+    std::unique_ptr<RefreshStatistics> stats;
     int64_t tokens_since = 0;  // layer-0 tokens observed since the last refresh
     double residual_since = 0.0, energy_since = 0.0;
   };

@@ -50,9 +50,6 @@ struct TransformFitOptions {
   bool attention_weighted = false;
   TransformCodeOptions code;  // widths, PCA or identity basis
 };
-struct TransformCodes {
-  std::shared_ptr<const std::vector<TransformCode>> keys, values;  // [n_layers * n_kv]
-};
 // The streams of every layer-head's keys, then values, analysed as the options say (everything
 // but the budget and joint): the expensive half, shared by fits that differ only in budget.
 absl::StatusOr<std::vector<TransformStream>> AnalyzeKvRows(const KvRows& rows,

@@ -180,27 +180,36 @@ FittedQuantizer FitComponentQuantizer(std::span<const float> samples, int bits) 
 
 absl::StatusOr<std::vector<int>> AllocateWidths(std::span<const std::vector<double>> distortion,
                                                 std::span<const int> widths, int budget_bits) {
-  if (widths.empty()) return absl::InvalidArgumentError("no widths to allocate");
-  int narrowest = widths[0];
   for (int w : widths) {
     if (w < 0 || w > ComponentQuantizer::kMaxBits) {
       return absl::InvalidArgumentError(absl::StrFormat("width %d not in [0, 8]", w));
+    }
+  }
+  return AllocateByCost(distortion, widths, budget_bits);
+}
+
+absl::StatusOr<std::vector<int>> AllocateByCost(std::span<const std::vector<double>> distortion,
+                                                std::span<const int> costs, int budget) {
+  if (costs.empty()) return absl::InvalidArgumentError("no options to allocate");
+  int narrowest = costs[0];
+  for (int w : costs) {
+    if (w < 0 || w > 255) {
+      return absl::InvalidArgumentError(absl::StrFormat("cost %d not in [0, 255]", w));
     }
     narrowest = std::min(narrowest, w);
   }
   const int64_t n = static_cast<int64_t>(distortion.size());
   for (const std::vector<double>& d : distortion) {
-    if (d.size() != widths.size()) {
-      return absl::InvalidArgumentError("a distortion row does not have one entry per width");
+    if (d.size() != costs.size()) {
+      return absl::InvalidArgumentError("a distortion row does not have one entry per option");
     }
   }
-  if (budget_bits < 0 || narrowest * n > budget_bits) {
+  if (budget < 0 || narrowest * n > budget) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "budget of %d bits is below the %d the narrowest widths take", budget_bits, narrowest * n));
+        "budget of %d is below the %d the cheapest options take", budget, narrowest * n));
   }
-  const int budget = budget_bits;
   constexpr double kInf = std::numeric_limits<double>::infinity();
-  // dp[b]: least distortion of the components so far with at most b bits.
+  // dp[b]: least distortion of the components so far at a cost of at most b.
   std::vector<double> dp(static_cast<size_t>(budget) + 1, 0.0), next(dp.size());
   std::vector<uint8_t> choice(static_cast<size_t>(n) * dp.size());
   for (int64_t i = 0; i < n; ++i) {
@@ -209,9 +218,9 @@ absl::StatusOr<std::vector<int>> AllocateWidths(std::span<const std::vector<doub
     for (int b = 0; b <= budget; ++b) {
       double best = kInf;
       int arg = 0;
-      for (size_t o = 0; o < widths.size(); ++o) {
-        if (widths[o] > b) continue;
-        const double v = dp[static_cast<size_t>(b - widths[o])] + d[o];
+      for (size_t o = 0; o < costs.size(); ++o) {
+        if (costs[o] > b) continue;
+        const double v = dp[static_cast<size_t>(b - costs[o])] + d[o];
         if (v < best) {
           best = v;
           arg = static_cast<int>(o);
@@ -227,14 +236,15 @@ absl::StatusOr<std::vector<int>> AllocateWidths(std::span<const std::vector<doub
   for (int64_t i = n - 1; i >= 0; --i) {
     const int o = choice[static_cast<size_t>(i * static_cast<int64_t>(dp.size()) + b)];
     out[static_cast<size_t>(i)] = o;
-    b -= widths[static_cast<size_t>(o)];
+    b -= costs[static_cast<size_t>(o)];
   }
   return out;
 }
 
-absl::StatusOr<TransformStream> AnalyzeStream(const float* rows, int64_t n, int dim,
-                                              const TransformCodeOptions& o,
-                                              std::span<const float> metric) {
+namespace {
+
+absl::Status CheckStreamArgs(int64_t n, int dim, const TransformCodeOptions& o,
+                             std::span<const float> metric) {
   if (n < 2 || dim < 1) {
     return absl::InvalidArgumentError(
         absl::StrFormat("need >= 2 rows of >= 1 dims, got %d x %d", n, dim));
@@ -248,34 +258,25 @@ absl::StatusOr<TransformStream> AnalyzeStream(const float* rows, int64_t n, int 
     return absl::InvalidArgumentError(
         absl::StrFormat("metric of %d weights for %d dims", metric.size(), dim));
   }
-  TransformStream s;
-  s.dim = dim;
   for (float m : metric) {
     if (!(m > 0.0f) || !std::isfinite(m)) {
       return absl::InvalidArgumentError("metric weights must be positive and finite");
     }
-    s.scale.push_back(std::sqrt(m));
   }
+  return absl::OkStatus();
+}
+
+// The rest of a stream once its mean and scale are set: the basis from `gram` (the weighted,
+// centred second moments, [dim, dim], any positive multiple; ignored without PCA), then each
+// component's quantizers fitted on evenly spaced rows of `samples` ([n, dim]).
+void FinishStream(TransformStream& s, const double* gram, const float* samples, int64_t n,
+                  const TransformCodeOptions& o) {
+  const int dim = s.dim;
   auto weight = [&](int i) { return s.scale.empty() ? 1.0 : static_cast<double>(s.scale[i]); };
-  std::vector<double> mean(static_cast<size_t>(dim), 0.0);
-  for (int64_t r = 0; r < n; ++r) {
-    for (int i = 0; i < dim; ++i) mean[static_cast<size_t>(i)] += rows[r * dim + i];
-  }
-  for (double& m : mean) m /= static_cast<double>(n);
-  s.mean.assign(mean.begin(), mean.end());
   s.basis.assign(static_cast<size_t>(dim) * dim, 0.0f);
   if (o.pca) {
-    std::vector<double> centred(static_cast<size_t>(n) * dim);
-    for (int64_t r = 0; r < n; ++r) {
-      for (int i = 0; i < dim; ++i) {
-        centred[static_cast<size_t>(r * dim + i)] =
-            (rows[r * dim + i] - mean[static_cast<size_t>(i)]) * weight(i);
-      }
-    }
-    std::vector<double> gram(static_cast<size_t>(dim) * dim);
-    GramOfRows(centred.data(), n, dim, gram.data());
     std::vector<double> values(static_cast<size_t>(dim)), vecs(static_cast<size_t>(dim) * dim);
-    TopEigenpairs(dim, gram.data(), dim, EigenSolver::kLapack, values.data(), vecs.data());
+    TopEigenpairs(dim, gram, dim, EigenSolver::kLapack, values.data(), vecs.data());
     for (int j = 0; j < dim; ++j) {  // component j = column j of vecs
       for (int i = 0; i < dim; ++i) {
         s.basis[static_cast<size_t>(j) * dim + i] =
@@ -293,7 +294,7 @@ absl::StatusOr<TransformStream> AnalyzeStream(const float* rows, int64_t n, int 
   for (int j = 0; j < dim; ++j) {
     const float* b = s.basis.data() + static_cast<int64_t>(j) * dim;
     for (int64_t k = 0; k < m; ++k) {
-      const float* x = rows + (k * n / m) * dim;
+      const float* x = samples + (k * n / m) * dim;
       double c = 0.0;
       for (int i = 0; i < dim; ++i) {
         c += static_cast<double>(b[i]) * (x[i] - s.mean[static_cast<size_t>(i)]) * weight(i);
@@ -311,6 +312,68 @@ absl::StatusOr<TransformStream> AnalyzeStream(const float* rows, int64_t n, int 
     for (float c : coeff) v += (c - mu) * (c - mu);
     s.variance += v / static_cast<double>(m);
   }
+}
+
+}  // namespace
+
+absl::StatusOr<TransformStream> AnalyzeStream(const float* rows, int64_t n, int dim,
+                                              const TransformCodeOptions& o,
+                                              std::span<const float> metric) {
+  if (absl::Status st = CheckStreamArgs(n, dim, o, metric); !st.ok()) return st;
+  TransformStream s;
+  s.dim = dim;
+  for (float m : metric) s.scale.push_back(std::sqrt(m));
+  auto weight = [&](int i) { return s.scale.empty() ? 1.0 : static_cast<double>(s.scale[i]); };
+  std::vector<double> mean(static_cast<size_t>(dim), 0.0);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int i = 0; i < dim; ++i) mean[static_cast<size_t>(i)] += rows[r * dim + i];
+  }
+  for (double& m : mean) m /= static_cast<double>(n);
+  s.mean.assign(mean.begin(), mean.end());
+  std::vector<double> gram;
+  if (o.pca) {
+    std::vector<double> centred(static_cast<size_t>(n) * dim);
+    for (int64_t r = 0; r < n; ++r) {
+      for (int i = 0; i < dim; ++i) {
+        centred[static_cast<size_t>(r * dim + i)] =
+            (rows[r * dim + i] - mean[static_cast<size_t>(i)]) * weight(i);
+      }
+    }
+    gram.resize(static_cast<size_t>(dim) * dim);
+    GramOfRows(centred.data(), n, dim, gram.data());
+  }
+  FinishStream(s, gram.data(), rows, n, o);
+  return s;
+}
+
+absl::StatusOr<TransformStream> AnalyzeMoments(std::span<const double> mean,
+                                               std::span<const double> covariance,
+                                               const float* samples, int64_t n, int dim,
+                                               const TransformCodeOptions& o,
+                                               std::span<const float> metric) {
+  if (absl::Status st = CheckStreamArgs(n, dim, o, metric); !st.ok()) return st;
+  const size_t d = static_cast<size_t>(dim);
+  if (mean.size() != d || covariance.size() != d * d) {
+    return absl::InvalidArgumentError(absl::StrFormat("moments of %d and %d numbers for %d dims",
+                                                      mean.size(), covariance.size(), dim));
+  }
+  for (double x : covariance) {
+    if (!std::isfinite(x)) return absl::InvalidArgumentError("a covariance that is not finite");
+  }
+  TransformStream s;
+  s.dim = dim;
+  for (float m : metric) s.scale.push_back(std::sqrt(m));
+  for (double m : mean) {
+    if (!std::isfinite(m)) return absl::InvalidArgumentError("a mean that is not finite");
+    s.mean.push_back(static_cast<float>(m));
+  }
+  std::vector<double> gram(covariance.begin(), covariance.end());
+  if (!s.scale.empty()) {
+    for (size_t i = 0; i < d; ++i) {
+      for (size_t j = 0; j < d; ++j) gram[i * d + j] *= double{s.scale[i]} * s.scale[j];
+    }
+  }
+  FinishStream(s, gram.data(), samples, n, o);
   return s;
 }
 

@@ -10,6 +10,7 @@
 #define SUBSPACE_CORE_COMPRESS_TRANSFORM_CODEC_H_
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -49,6 +50,12 @@ struct TransformCode {
   void RoundTrip(float* x) const;
 };
 
+// The key and value codes of every layer and KV head of a model, [n_layers * n_kv_heads] each,
+// layer-major: what a codec file holds, a calibration fits and an online refresh renews.
+struct TransformCodes {
+  std::shared_ptr<const std::vector<TransformCode>> keys, values;
+};
+
 // How a block of B rows coded with one TransformCode is stored by the transform-coded caches
 // (TransformKvCache on the CPU, the CUDA backend's kernels): component-major, the components
 // with bits widest first (stable in component order), each holding its B codes packed least
@@ -80,6 +87,11 @@ FittedQuantizer FitComponentQuantizer(std::span<const float> samples, int bits);
 absl::StatusOr<std::vector<int>> AllocateWidths(std::span<const std::vector<double>> distortion,
                                                 std::span<const int> widths, int budget_bits);
 
+// The same allocation with any cost per option (0..255), not its width: e.g. the bytes a
+// component of each width takes in a block's run of B codes, ceil(B w / 8).
+absl::StatusOr<std::vector<int>> AllocateByCost(std::span<const std::vector<double>> distortion,
+                                                std::span<const int> costs, int budget);
+
 struct TransformCodeOptions {
   std::vector<int> widths = {0, 2, 3, 4, 8};  // the widths a component may take
   bool pca = true;                            // false: identity basis (scalar quantization)
@@ -104,6 +116,15 @@ struct TransformStream {
 absl::StatusOr<TransformStream> AnalyzeStream(const float* rows, int64_t n, int dim,
                                               const TransformCodeOptions& options,
                                               std::span<const float> metric = {});
+// The same from moments instead of rows (online refresh: statistics that forget): `mean`
+// [dim] and `covariance` [dim, dim] (row-major, centred, unweighted, any positive multiple) give
+// the basis; the quantizers are fitted on `samples` ([n, dim], n >= 2). INVALID_ARGUMENT as
+// AnalyzeStream's, and for moments of the wrong size or not finite.
+absl::StatusOr<TransformStream> AnalyzeMoments(std::span<const double> mean,
+                                               std::span<const double> covariance,
+                                               const float* samples, int64_t n, int dim,
+                                               const TransformCodeOptions& options,
+                                               std::span<const float> metric = {});
 // The code of a stream with option index choice[j] for component j.
 TransformCode MakeTransformCode(const TransformStream& stream, std::span<const int> choice);
 

@@ -3,11 +3,13 @@
 
 #include <algorithm>
 #include <cassert>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_format.h"
 #include "core/base/coeff_codec.h"
 #include "core/base/int_math.h"
+#include "core/compress/transform_refresh.h"
 #include "core/cpu/attention_kernels.h"
 #include "core/cpu/ops.h"
 #include "core/kvcache/paged_attention.h"
@@ -39,6 +41,25 @@ absl::Status CheckTransformCacheCodes(
             "transform KV cache: %s code %d has a %d-bit component", side, i, q.bits));
       }
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTransformRefreshConfig(const RefreshConfig& c) {
+  if (absl::Status st = ValidateRefreshConfig(c); !st.ok()) return st;
+  if (c.method != RefreshMethod::kNone && c.method != RefreshMethod::kPca) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("the transform-coded KV cache refreshes its codes by pca, not %s",
+                        RefreshMethodName(c.method)));
+  }
+  if (c.method == RefreshMethod::kPca && c.residual_threshold > 0.0) {
+    return absl::InvalidArgumentError(
+        "the transform-coded KV cache refreshes by token count (refresh every_tokens); refresh "
+        "residual_threshold must be 0");
+  }
+  if (c.method == RefreshMethod::kPca && c.every_tokens <= 0) {
+    return absl::InvalidArgumentError(
+        "refresh every_tokens must be positive for the transform-coded KV cache");
   }
   return absl::OkStatus();
 }
@@ -116,6 +137,7 @@ absl::StatusOr<std::unique_ptr<TransformKvCache>> TransformKvCache::Create(
         "head's %d, with a frequency per pair; got %d dims and %d frequencies",
         g.head_dim, config.key_rope->dim, config.key_rope->inv_freq.size()));
   }
+  if (absl::Status st = CheckTransformRefreshConfig(config.refresh); !st.ok()) return st;
   const int64_t page_bytes = PageBytes(g, config.block_size);
   absl::StatusOr<int64_t> num_pages =
       BlocksForCapacity(config.capacity_bytes, page_bytes, g.n_layers);
@@ -148,19 +170,13 @@ TransformKvCache::TransformKvCache(const TransformKvCacheConfig& config,
     key_unrope_->mscale = 1.0 / key_unrope_->mscale;
   }
   const KvCacheGeometry& g = config_.geometry;
+  epochs_.push_back(std::make_unique<CodeEpoch>(
+      MakeEpoch({.keys = config_.key_codes, .values = config_.value_codes})));
+  epochs_[0]->refs = 1;  // the cache's own: epoch 0 is never retired
+  coded_bytes_ = epochs_[0]->bytes;
   std::vector<std::pair<int64_t, int>> classes;  // slot bytes -> class
   for (int l = 0; l < g.n_layers; ++l) {
-    int64_t at = 0;
-    for (int side = 0; side < 2; ++side) {
-      for (int h = 0; h < g.n_kv_heads; ++h) {
-        coded_offsets_.push_back(at);
-        const TransformCode& c = side == 0 ? KeyCode(l, h) : ValueCode(l, h);
-        decode_.push_back(DecodeTable::Of(c, config_.block_size));
-        at += decode_.back().run_bytes;
-        max_active_ = std::max(max_active_, decode_.back().active());
-      }
-    }
-    coded_bytes_.push_back(at);
+    const int64_t at = coded_bytes_[static_cast<size_t>(l)];
     int cls = -1;
     for (const auto& [bytes, c] : classes) {
       if (bytes == at) cls = c;
@@ -175,17 +191,111 @@ TransformKvCache::TransformKvCache(const TransformKvCacheConfig& config,
   }
 }
 
+TransformKvCache::CodeEpoch TransformKvCache::MakeEpoch(const TransformCodes& codes) const {
+  const KvCacheGeometry& g = config_.geometry;
+  CodeEpoch e;
+  e.codes = codes;
+  for (int l = 0; l < g.n_layers; ++l) {
+    int64_t at = 0;
+    for (int side = 0; side < 2; ++side) {
+      for (int h = 0; h < g.n_kv_heads; ++h) {
+        e.offsets.push_back(at);
+        const TransformCode& c =
+            (side == 0 ? *codes.keys : *codes.values)[static_cast<size_t>(l * g.n_kv_heads + h)];
+        e.decode.push_back(DecodeTable::Of(c, config_.block_size));
+        at += e.decode.back().run_bytes;
+      }
+    }
+    e.bytes.push_back(at);
+  }
+  return e;
+}
+
+void TransformKvCache::ReleaseEpoch(int32_t id) {
+  std::unique_ptr<CodeEpoch>& e = epochs_[static_cast<size_t>(id)];
+  assert(e != nullptr && e->refs > 0);
+  if (--e->refs == 0) {
+    assert(id != 0);
+    e.reset();
+  }
+}
+
+void TransformKvCache::AddBlockUse(SequenceState& s, int layer, int32_t id) {
+  AcquireEpoch(id);
+  std::vector<EpochUse>& live = s.epoch_uses[static_cast<size_t>(layer)];
+  for (EpochUse& u : live) {
+    if (u.epoch == id) {
+      ++u.blocks;
+      return;
+    }
+  }
+  live.push_back({id, 1});
+}
+
+void TransformKvCache::DropBlockUse(SequenceState& s, int layer, int32_t id) {
+  std::vector<EpochUse>& live = s.epoch_uses[static_cast<size_t>(layer)];
+  for (size_t i = 0; i < live.size(); ++i) {
+    if (live[i].epoch != id) continue;
+    if (--live[i].blocks == 0) live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+    break;
+  }
+  ReleaseEpoch(id);
+}
+
 absl::StatusOr<SeqId> TransformKvCache::CreateSequence() {
   absl::StatusOr<SeqId> id = seqs_.Create();
-  if (id.ok()) seqs_[*id].next_compress = 0;
+  if (!id.ok()) return id;
+  SequenceState& s = seqs_[*id];
+  s.next_compress = 0;
+  s.epoch_uses.assign(static_cast<size_t>(config_.geometry.n_layers), {});
+  s.epoch = 0;
+  AcquireEpoch(0);
+  StartSequence(s, *id, config_.refresh);
   return id;
 }
 
-void TransformKvCache::FreeBlock(Block& e) {
+void TransformKvCache::StartSequence(SequenceState& s, SeqId seq, const RefreshConfig& refresh) {
+  s.refresh = refresh;
+  s.stream = 0;
+  if (refresh.method == RefreshMethod::kNone) return;
+  if (refresher_ == nullptr) {
+    refresher_ = std::make_unique<Refresher>(Refresher::Options{
+        .inline_mode = config_.refresh_inline, .max_queued_bytes = config_.refresh_queue_bytes});
+  }
+  // The statistics (tens of KiB a stream) are made on the refresher's thread. Budgets and
+  // metrics come from the codec file's codes, whichever epoch the sequence is in.
+  const KvCacheGeometry g = config_.geometry;
+  const int block_size = config_.block_size;
+  const TransformCodes initial{.keys = config_.key_codes, .values = config_.value_codes};
+  s.stream =
+      refresher_->Open([g, block_size, refresh, initial]() -> std::unique_ptr<RefreshStatistics> {
+        return std::make_unique<TransformStatistics>(g, block_size, refresh, initial);
+      });
+  streams_[s.stream] = seq;
+}
+
+void TransformKvCache::CloseStream(SequenceState& s) {
+  if (s.stream == 0) return;
+  refresher_->Close(s.stream);
+  streams_.erase(s.stream);
+  s.stream = 0;
+}
+
+absl::Status TransformKvCache::SetSequenceRefresh(SeqId seq, const RefreshConfig& config) {
+  if (absl::Status st = CheckTransformRefreshConfig(config); !st.ok()) return st;
+  Sequence* s = seqs_.Find(seq);
+  if (s == nullptr) return Sequences::Unknown(seq);
+  CloseStream(*s);
+  StartSequence(*s, seq, config);
+  return absl::OkStatus();
+}
+
+void TransformKvCache::FreeBlock(SequenceState& s, int layer, Block& e) {
   if (e.slot < 0) {
     pool_->Free(e.page);
   } else {
     slabs_.Free({e.page, e.slot});
+    DropBlockUse(s, layer, e.epoch);
   }
   e = Block{};
 }
@@ -193,7 +303,10 @@ void TransformKvCache::FreeBlock(Block& e) {
 absl::Status TransformKvCache::FreeSequence(SeqId seq) {
   Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return Sequences::Unknown(seq);
-  seqs_.ReleaseBlocksPast(*s, 0, [&](int, int64_t, Block& e) { FreeBlock(e); });
+  seqs_.ReleaseBlocksPast(*s, 0, [&](int l, int64_t, Block& e) { FreeBlock(*s, l, e); });
+  CloseStream(*s);
+  ReleaseEpoch(s->epoch);
+  s->epoch = 0;
   seqs_.Remove(seq);
   return absl::OkStatus();
 }
@@ -236,20 +349,20 @@ void TransformKvCache::Unpack(const DecodeTable& table, const uint8_t* run, int 
   }
 }
 
-void TransformKvCache::DecodeRows(int layer, const uint8_t* codes, int64_t block, bool values,
-                                  int valid, float* out) const {
+void TransformKvCache::DecodeRows(int32_t epoch, int layer, const uint8_t* codes, int64_t block,
+                                  bool values, int valid, float* out, bool as_coded) const {
   const int hd = config_.geometry.head_dim;
   const int bs = config_.block_size;
   const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
   thread_local std::vector<float> unpacked, coeffs;  // [active][valid], then [valid][active]
   for (int h = 0; h < config_.geometry.n_kv_heads; ++h) {
-    const DecodeTable& table = Table(layer, values, h);
+    const DecodeTable& table = Table(epoch, layer, values, h);
     const int active = table.active();
     float* dst = out + static_cast<int64_t>(h) * bs * hd;
     // The components of every row, then all rows at once: [valid, active] x [active, d].
     unpacked.resize(static_cast<size_t>(valid) * static_cast<size_t>(active));
     coeffs.resize(unpacked.size());
-    Unpack(table, codes + CodedOffset(layer, h, values), valid, unpacked.data());
+    Unpack(table, codes + CodedOffset(epoch, layer, h, values), valid, unpacked.data());
     for (int a = 0; a < active; ++a) {
       for (int t = 0; t < valid; ++t) {
         coeffs[static_cast<size_t>(t * active + a)] = unpacked[static_cast<size_t>(a * valid + t)];
@@ -268,7 +381,7 @@ void TransformKvCache::DecodeRows(int layer, const uint8_t* codes, int64_t block
         for (int i = 0; i < hd; ++i) x[i] *= table.inv_scale[static_cast<size_t>(i)];
       }
     }
-    if (!values && key_unrope_.has_value()) RotateKeys(dst, valid, block * bs);
+    if (!values && !as_coded && key_unrope_.has_value()) RotateKeys(dst, valid, block * bs);
   }
 }
 
@@ -329,36 +442,46 @@ void TransformKvCache::RotateKeys(float* rows, int valid, int64_t first) const {
 }
 
 // A layer's blocks for AttendPagedBlocks: full pages read in place at fp16; coded blocks read in
-// code space, except keys coded before RoPE, which are
-// decoded beforehand, once per call (a row costs O(d x active), and a prefill chunk's every
-// query reads every block).
+// code space, except keys coded before RoPE, which are decoded beforehand, once per call (a row
+// costs O(d x active), and a prefill chunk's every query reads every block).
+//
+// Code space holds one slot per epoch a sequence's coded blocks of this layer use: a query
+// projected per slot, a value accumulator per slot, each read with its epoch's tables. Per KV
+// head kvh, a query head's floats are the slots' one after the other; CodedStateFloats is the
+// most any sequence of the call needs.
 class TransformKvCache::RowSource final : public BlockRowSource {
  public:
-  // The coded blocks of one sequence whose keys this call decodes: block b's K rows at
-  // decoded[offset + (b - first) * v_half].
-  struct Decoded {
-    SeqId seq = -1;
-    int64_t first = 0, end = 0;
-    size_t offset = 0;
-  };
-
   RowSource(const TransformKvCache& cache, int layer, std::span<const AttentionRequest> requests)
-      : cache_(cache), layer_(layer), pre_rope_(cache.key_unrope_.has_value()) {
-    if (!pre_rope_) return;
+      : cache_(cache),
+        layer_(layer),
+        n_kv_(cache.config_.geometry.n_kv_heads),
+        pre_rope_(cache.key_unrope_.has_value()),
+        floats_(static_cast<size_t>(n_kv_)) {
     const int bs = cache_.config_.block_size;
-    size_t floats = 0;
     for (const AttentionRequest& r : requests) {
       if (r.n <= 0) continue;
       const int64_t first = r.FirstAttended(r.pos) / bs;
       const int64_t end = CeilDiv(r.pos + r.n, int64_t{bs});
-      Decoded* d = Find(r.seq);
+      Seq* d = Find(r.seq);
       if (d == nullptr) {
-        seqs_.push_back({r.seq, first, end, 0});
+        seqs_.push_back(MakeSeq(r.seq));
+        d = &seqs_.back();
+        d->first = first;
+        d->end = end;
       } else {
         d->first = std::min(d->first, first);
         d->end = std::max(d->end, end);
       }
     }
+    for (const Seq& d : seqs_) {
+      for (int kvh = 0; kvh < n_kv_; ++kvh) {
+        CodedFloats& f = floats_[static_cast<size_t>(kvh)];
+        f.query = std::max(f.query, d.q_total[static_cast<size_t>(kvh)]);
+        f.value = std::max(f.value, d.v_total[static_cast<size_t>(kvh)]);
+      }
+    }
+    if (!pre_rope_) return;
+    size_t floats = 0;
     std::vector<std::pair<size_t, int64_t>> work;  // (sequence, block) to decode
     for (size_t i = 0; i < seqs_.size(); ++i) {
       seqs_[i].offset = floats;
@@ -378,8 +501,8 @@ class TransformKvCache::RowSource final : public BlockRowSource {
     for (int64_t w = 0; w < n; ++w) {
       const auto [i, b] = work[static_cast<size_t>(w)];
       const Block& e = Table(seqs_[i].seq)[static_cast<size_t>(b)];
-      cache_.DecodeRows(layer_, cache_.slabs_.data({e.page, e.slot}), b, /*values=*/false, bs,
-                        KeyRows(seqs_[i], b));
+      cache_.DecodeRows(e.epoch, layer_, cache_.slabs_.data({e.page, e.slot}), b,
+                        /*values=*/false, bs, KeyRows(seqs_[i], b));
     }
   }
 
@@ -406,18 +529,112 @@ class TransformKvCache::RowSource final : public BlockRowSource {
     }
   }
 
-  // Keys coded after RoPE, per query head: w_a = scale step_a u_a . q s^-1 [active], then
-  // after the group's, its constant scale (e . q s^-1 + sum_a offset_a u_a . q s^-1): a score
-  // is w . code + constant. Values, per query head: eight partial sums of p_t code_a(t) per
-  // component [active][8], then sum_t p_t.
-  CodedFloats CodedStateFloats(int kvh) const override {
-    return {.query = pre_rope_ ? 0 : cache_.Table(layer_, false, kvh).active() + 1,
-            .value = 8 * cache_.Table(layer_, true, kvh).active() + 1};
+  // Keys coded after RoPE, per slot and query head: w_a = scale step_a u_a . q s^-1 [active],
+  // then after the group's, its constant scale (e . q s^-1 + sum_a offset_a u_a . q s^-1): a
+  // score is w . code + constant. Values, per query head and slot: eight partial sums of
+  // p_t code_a(t) per component [active][8], then sum_t p_t.
+  CodedFloats CodedStateFloats(int kvh) const override { return floats_[static_cast<size_t>(kvh)]; }
+
+  void PrepareQueries(SeqId seq, int kvh, const float* q, int group, float scale,
+                      float* query) const override {
+    const Seq& d = *Find(seq);
+    for (size_t slot = 0; slot < d.epochs.size(); ++slot) {
+      PrepareSlot(
+          cache_.Table(d.epochs[slot], layer_, false, kvh), q, group, scale,
+          query + static_cast<int64_t>(group) * d.q_at[slot * n_kv_ + static_cast<size_t>(kvh)]);
+    }
   }
 
-  void PrepareQueries(int kvh, const float* q, int group, float scale,
-                      float* query) const override {
-    const DecodeTable& t = cache_.Table(layer_, false, kvh);
+  void CodedScores(SeqId seq, int64_t block, int kvh, int group, int nb, const float* query,
+                   float* scores) const override {
+    const Seq& d = *Find(seq);
+    const Block& e = Table(seq)[static_cast<size_t>(block)];
+    const size_t slot = d.Slot(e.epoch);
+    const DecodeTable& t = cache_.Table(e.epoch, layer_, false, kvh);
+    const float* qs =
+        query + static_cast<int64_t>(group) * d.q_at[slot * n_kv_ + static_cast<size_t>(kvh)];
+    const int active = t.active();
+    for (int g = 0; g < group; ++g) {
+      std::fill_n(scores + static_cast<int64_t>(g) * nb, nb,
+                  qs[static_cast<int64_t>(group) * active + g]);
+    }
+    if (active == 0) return;
+    cpu::ActiveAttentionKernels().code_scores(Run(e, kvh, false), t.bits.data(), t.byte_at.data(),
+                                              active, nb, qs, group, scores);
+  }
+
+  void CodedAccumulate(SeqId seq, int64_t block, int kvh, int group, int nb, const float* p,
+                       float* value) const override {
+    const Seq& d = *Find(seq);
+    const Block& e = Table(seq)[static_cast<size_t>(block)];
+    const size_t slot = d.Slot(e.epoch);
+    const DecodeTable& t = cache_.Table(e.epoch, layer_, true, kvh);
+    const int active = t.active();
+    const int64_t stride = floats_[static_cast<size_t>(kvh)].value;  // one query head's floats
+    float* v = value + d.v_at[slot * n_kv_ + static_cast<size_t>(kvh)];
+    if (active > 0) {
+      cpu::ActiveAttentionKernels().code_sums(Run(e, kvh, true), t.bits.data(), t.byte_at.data(),
+                                              active, nb, p, group, v, stride);
+    }
+    for (int g = 0; g < group; ++g) {
+      const float* pg = p + static_cast<int64_t>(g) * nb;
+      for (int i = 0; i < nb; ++i) v[g * stride + 8 * active] += pg[i];
+    }
+  }
+
+  void ExpandValues(SeqId seq, int kvh, int group, const float* value, float* acc) const override {
+    const Seq& d = *Find(seq);
+    const int64_t stride = floats_[static_cast<size_t>(kvh)].value;
+    for (size_t slot = 0; slot < d.epochs.size(); ++slot) {
+      ExpandSlot(cache_.Table(d.epochs[slot], layer_, true, kvh), group, stride,
+                 value + d.v_at[slot * n_kv_ + static_cast<size_t>(kvh)], acc);
+    }
+  }
+
+ private:
+  // A sequence of the call: the epochs of its coded blocks in this layer (its slots) with their
+  // floats' offsets, and where its decoded keys (pre-RoPE) sit.
+  struct Seq {
+    SeqId seq = -1;
+    int64_t first = 0, end = 0;  // blocks attended
+    size_t offset = 0;           // block `first`'s decoded keys in decoded_
+    std::vector<int32_t> epochs;
+    // [slot][n_kv] floats per query head before the slot's: its queries sit at group * q_at
+    // in the KV head's projected queries, its value sums at v_at in each query head's.
+    std::vector<int> q_at, v_at;
+    std::vector<int> q_total, v_total;  // [n_kv]
+    size_t Slot(int32_t epoch) const {
+      for (size_t i = 0; i < epochs.size(); ++i) {
+        if (epochs[i] == epoch) return i;
+      }
+      assert(false && "a coded block's epoch is not among its sequence's");
+      return 0;
+    }
+  };
+
+  Seq MakeSeq(SeqId seq) const {
+    Seq d;
+    d.seq = seq;
+    d.q_total.assign(static_cast<size_t>(n_kv_), 0);
+    d.v_total.assign(static_cast<size_t>(n_kv_), 0);
+    const SequenceState& s = cache_.seqs_[seq];
+    for (const EpochUse& u : s.epoch_uses[static_cast<size_t>(layer_)]) {
+      d.epochs.push_back(u.epoch);
+      for (int kvh = 0; kvh < n_kv_; ++kvh) {
+        const int qa = cache_.Table(u.epoch, layer_, false, kvh).active();
+        const int va = cache_.Table(u.epoch, layer_, true, kvh).active();
+        d.q_at.push_back(d.q_total[static_cast<size_t>(kvh)]);
+        d.v_at.push_back(d.v_total[static_cast<size_t>(kvh)]);
+        d.q_total[static_cast<size_t>(kvh)] += pre_rope_ ? 0 : qa + 1;
+        d.v_total[static_cast<size_t>(kvh)] += 8 * va + 1;
+      }
+    }
+    return d;
+  }
+
+  // One slot's projected queries: [group][active], then [group] constants.
+  void PrepareSlot(const DecodeTable& t, const float* q, int group, float scale,
+                   float* query) const {
     const int hd = cache_.config_.geometry.head_dim;
     const int active = t.active();
     thread_local std::vector<float> weighted;  // [group, hd] q s^-1
@@ -446,45 +663,17 @@ class TransformKvCache::RowSource final : public BlockRowSource {
     }
   }
 
-  void CodedScores(SeqId seq, int64_t block, int kvh, int group, int nb, const float* query,
-                   float* scores) const override {
-    const DecodeTable& t = cache_.Table(layer_, false, kvh);
-    const int active = t.active();
-    for (int g = 0; g < group; ++g) {
-      std::fill_n(scores + static_cast<int64_t>(g) * nb, nb,
-                  query[static_cast<int64_t>(group) * active + g]);
-    }
-    if (active == 0) return;
-    cpu::ActiveAttentionKernels().code_scores(Run(seq, block, kvh, false), t.bits.data(),
-                                              t.byte_at.data(), active, nb, query, group, scores);
-  }
-
-  void CodedAccumulate(SeqId seq, int64_t block, int kvh, int group, int nb, const float* p,
-                       float* value) const override {
-    const DecodeTable& t = cache_.Table(layer_, true, kvh);
-    const int active = t.active();
-    const int64_t stride = 8 * active + 1;  // one query head's floats
-    if (active > 0) {
-      cpu::ActiveAttentionKernels().code_sums(Run(seq, block, kvh, true), t.bits.data(),
-                                              t.byte_at.data(), active, nb, p, group, value,
-                                              stride);
-    }
-    for (int g = 0; g < group; ++g) {
-      const float* pg = p + static_cast<int64_t>(g) * nb;
-      for (int i = 0; i < nb; ++i) value[g * stride + 8 * active] += pg[i];
-    }
-  }
-
-  void ExpandValues(int kvh, int group, const float* value, float* acc) const override {
-    const DecodeTable& t = cache_.Table(layer_, true, kvh);
+  // acc[g] += one slot's value accumulator (at value + g * stride) expanded to head_dim.
+  void ExpandSlot(const DecodeTable& t, int group, int64_t stride, const float* value,
+                  float* acc) const {
     const int hd = cache_.config_.geometry.head_dim;
     const int active = t.active();
     thread_local std::vector<float> row, u;  // [hd], [active]
     row.resize(static_cast<size_t>(hd));
     u.resize(static_cast<size_t>(active));
     for (int g = 0; g < group; ++g) {
-      const float* v = value + static_cast<int64_t>(g) * (8 * active + 1);
-      const float weight = v[8 * active];  // the coded tokens' share of the softmax
+      const float* v = value + static_cast<int64_t>(g) * stride;
+      const float weight = v[8 * active];  // the slot's tokens' share of the softmax
       if (weight == 0.0f) continue;        // none read
       // u_a = sum_t p_t c_a(t) = step_a sum_t p_t code_a(t) + offset_a sum_t p_t.
       for (int a = 0; a < active; ++a) {
@@ -511,36 +700,36 @@ class TransformKvCache::RowSource final : public BlockRowSource {
     }
   }
 
- private:
   const std::vector<Block>& Table(SeqId seq) const {
     return cache_.seqs_[seq].tables[static_cast<size_t>(layer_)];
   }
-  Decoded* Find(SeqId seq) {
-    for (Decoded& d : seqs_) {
+  Seq* Find(SeqId seq) {
+    for (Seq& d : seqs_) {
       if (d.seq == seq) return &d;
     }
     return nullptr;
   }
-  const Decoded* Find(SeqId seq) const {
-    for (const Decoded& d : seqs_) {
+  const Seq* Find(SeqId seq) const {
+    for (const Seq& d : seqs_) {
       if (d.seq == seq) return &d;
     }
     return nullptr;
   }
-  float* KeyRows(const Decoded& d, int64_t b) const {
+  float* KeyRows(const Seq& d, int64_t b) const {
     return decoded_ + d.offset + static_cast<size_t>((b - d.first) * cache_.v_half_);
   }
   // Head kvh's run of key or value codes in a coded block.
-  const uint8_t* Run(SeqId seq, int64_t block, int kvh, bool values) const {
-    const Block& e = Table(seq)[static_cast<size_t>(block)];
-    return cache_.slabs_.data({e.page, e.slot}) + cache_.CodedOffset(layer_, kvh, values);
+  const uint8_t* Run(const Block& e, int kvh, bool values) const {
+    return cache_.slabs_.data({e.page, e.slot}) + cache_.CodedOffset(e.epoch, layer_, kvh, values);
   }
 
   const TransformKvCache& cache_;
   int layer_;
+  int n_kv_;
   bool pre_rope_;
-  std::vector<Decoded> seqs_;
-  float* decoded_ = nullptr;  // the constructing thread's buffer, valid for this call
+  std::vector<Seq> seqs_;
+  std::vector<CodedFloats> floats_;  // [n_kv] the most any sequence's slots take
+  float* decoded_ = nullptr;         // the constructing thread's buffer, valid for this call
 };
 
 void TransformKvCache::Attend(int layer, std::span<const AttentionRequest> requests, int n_heads) {
@@ -549,7 +738,8 @@ void TransformKvCache::Attend(int layer, std::span<const AttentionRequest> reque
   AttendPagedBlocks(config_.geometry, config_.block_size, requests, n_heads, rows);
 }
 
-void TransformKvCache::CodeBlock(const Block& e, int layer, int64_t b, uint8_t* out) const {
+void TransformKvCache::CodeBlock(const Block& e, int32_t epoch, int layer, int64_t b, uint8_t* out,
+                                 float* coded) const {
   const int hd = config_.geometry.head_dim;
   const int n_kv = config_.geometry.n_kv_heads;
   const int bs = config_.block_size;
@@ -566,19 +756,62 @@ void TransformKvCache::CodeBlock(const Block& e, int layer, int64_t b, uint8_t* 
       cpu::Rope(full.data() + KOffset(h, 0), bs, 1, hd, *key_unrope_, negated.data());
     }
   }
+  if (coded != nullptr) std::copy(full.begin(), full.end(), coded);  // before centring
   for (int h = 0; h < n_kv; ++h) {
-    EncodeRows(Table(layer, false, h), full.data() + KOffset(h, 0),
-               out + CodedOffset(layer, h, false));
-    EncodeRows(Table(layer, true, h), full.data() + VOffset(h, 0),
-               out + CodedOffset(layer, h, true));
+    EncodeRows(Table(epoch, layer, false, h), full.data() + KOffset(h, 0),
+               out + CodedOffset(epoch, layer, h, false));
+    EncodeRows(Table(epoch, layer, true, h), full.data() + VOffset(h, 0),
+               out + CodedOffset(epoch, layer, h, true));
+  }
+}
+
+void TransformKvCache::InstallPublished() {
+  const KvCacheGeometry& g = config_.geometry;
+  for (Refresher::Published& p : refresher_->TakePublished()) {
+    const auto it = streams_.find(p.stream);
+    if (it == streams_.end() || p.epoch.codes.keys == nullptr) continue;  // closed since
+    // The refresher keeps each stream's bits, so its blocks fit epoch 0's slots; block sizes
+    // whose rounding to bytes differs could not: such codes are refused, and counted.
+    if (!CheckTransformCacheCodes(p.epoch.codes.keys, g, "key").ok() ||
+        !CheckTransformCacheCodes(p.epoch.codes.values, g, "value").ok()) {
+      ++refreshes_unplaced_;
+      continue;
+    }
+    auto epoch = std::make_unique<CodeEpoch>(MakeEpoch(p.epoch.codes));
+    bool fits = true;
+    for (int l = 0; l < g.n_layers; ++l) {
+      fits = fits && epoch->bytes[static_cast<size_t>(l)] <= coded_bytes_[static_cast<size_t>(l)];
+    }
+    if (!fits) {
+      ++refreshes_unplaced_;
+      continue;
+    }
+    int32_t id = -1;
+    for (size_t i = 1; i < epochs_.size() && id < 0; ++i) {
+      if (epochs_[i] == nullptr) id = static_cast<int32_t>(i);
+    }
+    if (id < 0) {
+      id = static_cast<int32_t>(epochs_.size());
+      epochs_.emplace_back();
+    }
+    epochs_[static_cast<size_t>(id)] = std::move(epoch);
+    Sequence& s = seqs_[it->second];
+    AcquireEpoch(id);
+    ReleaseEpoch(s.epoch);
+    s.epoch = id;
+    ++refreshes_installed_;
   }
 }
 
 absl::Status TransformKvCache::Commit(SeqId seq, int64_t length) {
   if (absl::Status st = seqs_.Commit(seq, length); !st.ok()) return st;
+  if (refresher_ != nullptr && refresher_->has_published()) InstallPublished();
   Sequence& s = *seqs_.Find(seq);
   const BlockRange range = policy_.CompressibleBlocks(s.next_compress, length, config_.block_size);
-  if (range.empty()) return absl::OkStatus();
+  if (range.empty()) {
+    Compact(s, kCompactBlocksPerCommit);
+    return absl::OkStatus();
+  }
   if (key_unrope_.has_value()) EnsureRopeTable(range.end * config_.block_size);
   // Code every (layer, block) on worker threads into a staging buffer (reading the pages only),
   // then swap pages for slots on this thread: each page is freed before its slot is taken.
@@ -599,23 +832,90 @@ absl::Status TransformKvCache::Commit(SeqId seq, int64_t length) {
   thread_local std::vector<uint8_t> staging;  // this thread's: workers see it through `out`
   staging.resize(bytes);
   uint8_t* out = staging.data();
+  // With a refresh stream, the rows as coded go to the refresher too: [job][2][n_kv][B][d].
+  thread_local std::vector<float> observed;
+  float* coded = nullptr;
+  if (s.stream != 0) {
+    observed.resize(jobs.size() * static_cast<size_t>(2 * v_half_));
+    coded = observed.data();
+  }
+  const int32_t epoch = s.epoch;
   const int64_t n = static_cast<int64_t>(jobs.size());
 #pragma omp parallel for schedule(dynamic, 1) if (n > 1)
   for (int64_t j = 0; j < n; ++j) {
     const Job& job = jobs[static_cast<size_t>(j)];
-    CodeBlock(s.tables[static_cast<size_t>(job.layer)][static_cast<size_t>(job.block)], job.layer,
-              job.block, out + job.at);
+    CodeBlock(s.tables[static_cast<size_t>(job.layer)][static_cast<size_t>(job.block)], epoch,
+              job.layer, job.block, out + job.at,
+              coded == nullptr ? nullptr : coded + j * 2 * v_half_);
   }
-  for (const Job& job : jobs) {
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const Job& job = jobs[j];
     Block& e = s.tables[static_cast<size_t>(job.layer)][static_cast<size_t>(job.block)];
     pool_->Free(e.page);  // before the slot: coding never needs a free page
     const SlabAllocator::Slot slot = slabs_.Allocate(slab_class_[static_cast<size_t>(job.layer)]);
     assert(slot.page >= 0);
     std::copy_n(out + job.at, CodedBlockBytes(job.layer), slabs_.data(slot));
-    e = {slot.page, slot.index};
+    e = {slot.page, slot.index, epoch};
+    AddBlockUse(s, job.layer, epoch);
+    if (coded != nullptr) {
+      // In block order, layers in order within a block: the refresher counts tokens at layer
+      // 0 and checks its trigger once the last layer is in.
+      const float* rows = coded + static_cast<int64_t>(j) * 2 * v_half_;
+      BlockObservation o;
+      o.layer = job.layer;
+      o.tokens = config_.block_size;
+      o.keys.assign(rows, rows + v_half_);
+      o.values.assign(rows + v_half_, rows + 2 * v_half_);
+      refresher_->Observe(s.stream, std::move(o));  // dropped (and counted) when it is behind
+    }
   }
   s.next_compress = range.end;
+  // After coding, so blocks just coded with a newly installed epoch count.
+  Compact(s, kCompactBlocksPerCommit);
   return absl::OkStatus();
+}
+
+int64_t TransformKvCache::Compact(Sequence& s, int64_t budget) {
+  const size_t max_live = static_cast<size_t>(std::max(s.refresh.max_epochs, 1));
+  int64_t moved = 0;
+  thread_local std::vector<float> rows;  // [2][n_kv][B][d] as coded
+  rows.resize(static_cast<size_t>(2 * v_half_));
+  for (int l = 0; l < config_.geometry.n_layers && moved < budget; ++l) {
+    std::vector<EpochUse>& live = s.epoch_uses[static_cast<size_t>(l)];
+    while (live.size() > max_live && moved < budget) {
+      // Ids are reused; `live` lists epochs in the order the sequence first used them.
+      int32_t oldest = -1;
+      for (const EpochUse& u : live) {
+        if (u.epoch != s.epoch) {
+          oldest = u.epoch;
+          break;
+        }
+      }
+      if (oldest < 0) break;
+      std::vector<Block>& table = s.tables[static_cast<size_t>(l)];
+      for (int64_t b = 0; b < static_cast<int64_t>(table.size()) && moved < budget; ++b) {
+        Block& e = table[static_cast<size_t>(b)];
+        if (e.slot < 0 || e.epoch != oldest) continue;
+        uint8_t* codes = slabs_.data({e.page, e.slot});
+        for (int side = 0; side < 2; ++side) {
+          DecodeRows(oldest, l, codes, b, side == 1, config_.block_size,
+                     rows.data() + side * v_half_, /*as_coded=*/true);
+        }
+        for (int h = 0; h < config_.geometry.n_kv_heads; ++h) {
+          EncodeRows(Table(s.epoch, l, false, h), rows.data() + KOffset(h, 0),
+                     codes + CodedOffset(s.epoch, l, h, false));
+          EncodeRows(Table(s.epoch, l, true, h), rows.data() + VOffset(h, 0),
+                     codes + CodedOffset(s.epoch, l, h, true));
+        }
+        e.epoch = s.epoch;
+        AddBlockUse(s, l, s.epoch);
+        DropBlockUse(s, l, oldest);  // last: it may retire the old epoch
+        ++moved;
+      }
+    }
+  }
+  blocks_recoded_ += moved;
+  return moved;
 }
 
 absl::Status TransformKvCache::ExpandBlock(Sequence& s, int layer, int64_t b) {
@@ -631,20 +931,23 @@ absl::Status TransformKvCache::ExpandBlock(Sequence& s, int layer, int64_t b) {
   const cpu::AttentionKernels& kernels = cpu::ActiveAttentionKernels();
   const uint8_t* codes = slabs_.data({e.page, e.slot});
   for (int side = 0; side < 2; ++side) {
-    DecodeRows(layer, codes, b, side == 1, config_.block_size, rows.data());
+    DecodeRows(e.epoch, layer, codes, b, side == 1, config_.block_size, rows.data());
     kernels.to_fp16(rows.data(), static_cast<int>(v_half_), FullAt(page, side == 0 ? 0 : v_half_));
   }
-  FreeBlock(e);
+  FreeBlock(s, layer, e);
   e = {page, -1};
   return absl::OkStatus();
 }
 
 absl::Status TransformKvCache::Truncate(SeqId seq, int64_t length) {
-  if (absl::Status st = seqs_.Truncate(seq, length, [&](int, int64_t, Block& e) { FreeBlock(e); });
+  Sequence* found = seqs_.Find(seq);
+  if (found == nullptr) return Sequences::Unknown(seq);
+  if (absl::Status st =
+          seqs_.Truncate(seq, length, [&](int l, int64_t, Block& e) { FreeBlock(*found, l, e); });
       !st.ok()) {
     return st;
   }
-  Sequence& s = *seqs_.Find(seq);
+  Sequence& s = *found;
   const int bs = config_.block_size;
   const int64_t keep = CeilDiv(length, int64_t{bs});
   if (length % bs != 0 && keep > 0) {
@@ -659,11 +962,41 @@ absl::Status TransformKvCache::Truncate(SeqId seq, int64_t length) {
   return absl::OkStatus();
 }
 
+KvCacheStats TransformKvCache::Stats() const {
+  KvCacheStats st = seqs_.Stats(config_.geometry);
+  for (const std::unique_ptr<CodeEpoch>& e : epochs_) st.epochs_live += e != nullptr ? 1 : 0;
+  if (refresher_ != nullptr) st.refresh = refresher_->Stats();
+  st.refresh.installed = refreshes_installed_;
+  st.refresh.blocks_reprojected = blocks_recoded_;
+  return st;
+}
+
+int32_t TransformKvCache::BlockEpoch(SeqId seq, int layer, int64_t block) const {
+  const std::vector<Block>* table = seqs_.Table(seq, layer);
+  if (table == nullptr || block < 0 || block >= static_cast<int64_t>(table->size())) return -1;
+  const Block& e = (*table)[static_cast<size_t>(block)];
+  return e.slot >= 0 ? e.epoch : -1;
+}
+
+const TransformCodes* TransformKvCache::EpochCodes(int32_t epoch) const {
+  if (epoch < 0 || static_cast<size_t>(epoch) >= epochs_.size() ||
+      epochs_[static_cast<size_t>(epoch)] == nullptr) {
+    return nullptr;
+  }
+  return &epochs_[static_cast<size_t>(epoch)]->codes;
+}
+
+void TransformKvCache::FlushRefresher() {
+  if (refresher_ != nullptr) refresher_->Flush();
+}
+
 TransformKvCacheDetail TransformKvCache::Detail() const {
   TransformKvCacheDetail d;
   d.pages_full = pool_->num_used(BlockKind::kFull);
   d.pages_coded = pool_->num_used(BlockKind::kCompressed);
   d.coded_slot_bytes = slabs_.slot_bytes_used();
+  for (const std::unique_ptr<CodeEpoch>& e : epochs_) d.epochs_live += e != nullptr ? 1 : 0;
+  d.refreshes_unplaced = refreshes_unplaced_;
   for (const Sequence& s : seqs_.all()) {
     if (!s.live) continue;
     for (const std::vector<Block>& table : s.tables) {

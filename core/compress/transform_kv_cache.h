@@ -18,6 +18,14 @@
 // overlapping the first S tokens stay full; a block is coded once it ends at or before
 // length - W; its page is freed before its slot is taken, so coding never needs a free page.
 //
+// Online refresh (--refresh-method pca; transform_refresh.h): the blocks a sequence codes go to
+// the background Refresher, which fits new codes -- basis, quantizers and widths, under the bits
+// each stream had -- every T tokens; they become an epoch the sequence codes its next blocks
+// with. A block keeps the epoch that coded it and is read with that epoch's tables, so pages
+// stay exact across epochs. A sequence keeps at most max_epochs epochs live in a layer: the
+// compactor re-codes blocks of its oldest epoch with its current one (decoded and coded again,
+// a second rounding), a bounded number per Commit. Epoch 0 is the codec file's.
+//
 // Attention (the paged attention every paged cache shares, core/kvcache/paged_attention.h)
 // reads coded blocks in code space: a value row is linear in its components,
 // v = (sum_a c_a u_a + e) * s^-1, so the softmax weights accumulate the components
@@ -35,10 +43,12 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/base/rope.h"
 #include "core/compress/compression_policy.h"
+#include "core/compress/refresher.h"
 #include "core/compress/transform_codec.h"
 #include "core/kvcache/block_pool.h"
 #include "core/kvcache/kv_cache.h"
@@ -57,6 +67,11 @@ struct TransformKvCacheConfig {
   // Set: keys are coded before RoPE with this schedule (CodecFileInfo::pre_rope_keys).
   std::optional<RopeSchedule> key_rope;
   int64_t capacity_bytes = 0;  // pool budget; pages = capacity_bytes / PageBytes
+  // Online refresh every new sequence starts with (SetSequenceRefresh changes one sequence's):
+  // method kNone or kPca.
+  RefreshConfig refresh;
+  bool refresh_inline = false;  // refresh on the caller's thread: deterministic (tools, tests)
+  int64_t refresh_queue_bytes = int64_t{64} << 20;  // observations beyond are dropped
 };
 
 // INVALID_ARGUMENT naming `side` ("key", "value") unless `codes` holds n_layers x n_kv_heads
@@ -65,6 +80,11 @@ struct TransformKvCacheConfig {
 absl::Status CheckTransformCacheCodes(
     const std::shared_ptr<const std::vector<TransformCode>>& codes, const KvCacheGeometry& geometry,
     const char* side);
+
+// INVALID_ARGUMENT naming the field ("refresh <field>") unless `refresh` is one a
+// transform-coded cache runs: none, or pca by token count (every_tokens > 0, no residual
+// threshold), with valid fields.
+absl::Status CheckTransformRefreshConfig(const RefreshConfig& refresh);
 
 // --- Images of the transform-coded caches (TransformKvCache here, the CUDA backend's
 // DeviceTransformKvCache), one format for both, so a session moves between them: after the
@@ -105,9 +125,11 @@ absl::StatusOr<TransformImage> ReadTransformImage(std::string_view image, std::s
 // Beyond KvCacheStats (tests, benchmarks).
 struct TransformKvCacheDetail {
   int64_t pages_full = 0;
-  int64_t pages_coded = 0;       // slab pages holding coded blocks
-  int64_t blocks_coded = 0;      // summed over layers
-  int64_t coded_slot_bytes = 0;  // payload of the coded blocks (slab pages minus waste)
+  int64_t pages_coded = 0;         // slab pages holding coded blocks
+  int64_t blocks_coded = 0;        // summed over layers
+  int64_t coded_slot_bytes = 0;    // payload of the coded blocks (slab pages minus waste)
+  int64_t epochs_live = 0;         // code epochs held (the codec file's included)
+  int64_t refreshes_unplaced = 0;  // published codes refused: a layer's blocks outgrew its slot
 };
 
 class TransformKvCache final : public KvCache {
@@ -119,8 +141,9 @@ class TransformKvCache final : public KvCache {
 
   // Bytes of one page = one full fp16 block: [2][n_kv_heads][B][head_dim] x 2.
   static int64_t PageBytes(const KvCacheGeometry& geometry, int block_size);
-  // Bytes of one coded block of `layer`: sum over KV heads and components of the key and value
-  // codes of ceil(B x width / 8) bytes (before the slab's 16-byte rounding).
+  // Bytes of one coded block of `layer` with the codec file's codes: sum over KV heads and
+  // components of the key and value codes of ceil(B x width / 8) bytes (before the slab's
+  // 16-byte rounding). A slot's size; refreshed epochs fit in it.
   int64_t CodedBlockBytes(int layer) const;
 
   const KvCacheGeometry& geometry() const override { return config_.geometry; }
@@ -143,13 +166,19 @@ class TransformKvCache final : public KvCache {
   // RESOURCE_EXHAUSTED when no page is free for that.
   absl::Status Truncate(SeqId seq, int64_t length) override;
 
-  KvCacheStats Stats() const override { return seqs_.Stats(config_.geometry); }
+  // Online refresh: INVALID_ARGUMENT for a method other than none and pca or a residual
+  // threshold (the transform cache refreshes by count), NOT_FOUND for an unknown sequence.
+  absl::Status SetSequenceRefresh(SeqId seq, const RefreshConfig& config) override;
+
+  KvCacheStats Stats() const override;
 
   // Images (session snapshots, tiers; transform_kv_cache_image.cc): the geometry, the policy and
   // a checksum of the codes in the layout line, then per layer and block either the committed
   // fp16 rows of a full block or a coded block's codes as stored, so a restored sequence
   // continues bitwise. Import takes a full page for every block first (coded ones give theirs
-  // back for a slot, as Commit does): RESOURCE_EXHAUSTED when the pool lacks them.
+  // back for a slot, as Commit does): RESOURCE_EXHAUSTED when the pool lacks them. A sequence
+  // with online refresh, or with blocks of a refreshed epoch, has no image yet
+  // (FAILED_PRECONDITION).
   std::string ImageLayout() const override;
   absl::StatusOr<std::string> ExportSequence(SeqId seq) const override;
   absl::StatusOr<SeqId> ImportSequence(std::string_view image) override;
@@ -157,15 +186,30 @@ class TransformKvCache final : public KvCache {
 
   // Whether block `block` of `seq` in `layer` is coded (tests).
   bool IsCoded(SeqId seq, int layer, int64_t block) const;
+  // The epoch that coded block `block` of `seq` in `layer`; -1 for a full or unknown block.
+  int32_t BlockEpoch(SeqId seq, int layer, int64_t block) const;
+  // The codes of a live epoch (tests: a block's reconstruction); null for a retired id.
+  const TransformCodes* EpochCodes(int32_t epoch) const;
+  // Waits until the refresher has processed everything handed to it (tests, tools).
+  void FlushRefresher();
   const BlockPool& pool() const { return *pool_; }
 
  private:
   struct Block {
     int32_t page = -1;  // full block: its page; coded: the slab page
     int32_t slot = -1;  // -1: full block; else the slot index in the slab page
+    int32_t epoch = 0;  // coded: the epoch whose codes it holds
+  };
+  struct EpochUse {
+    int32_t epoch = 0;
+    int64_t blocks = 0;  // coded blocks of one layer
   };
   struct SequenceState {
     int64_t next_compress = 0;  // first block not yet considered for coding
+    int32_t epoch = 0;          // the epoch new blocks are coded with (holds a reference)
+    RefreshConfig refresh;
+    Refresher::StreamId stream = 0;                 // 0: not observed
+    std::vector<std::vector<EpochUse>> epoch_uses;  // [n_layers] epochs of its coded blocks
   };
   using Sequences = SequenceManager<Block, SequenceState>;
   using Sequence = Sequences::Sequence;
@@ -188,14 +232,36 @@ class TransformKvCache final : public KvCache {
     static DecodeTable Of(const TransformCode& code, int block_size);
   };
 
+  // One set of codes and what reading and writing them takes. Epoch 0 is the codec file's and
+  // is never retired; a refreshed one lives while a sequence codes with it or a block holds it.
+  struct CodeEpoch {
+    TransformCodes codes;
+    std::vector<int64_t> offsets;     // [n_layers][2][n_kv] byte offsets in a coded block
+    std::vector<int64_t> bytes;       // [n_layers] bytes of a coded block
+    std::vector<DecodeTable> decode;  // [n_layers][2][n_kv], as offsets
+    int64_t refs = 0;
+  };
+
   TransformKvCache(const TransformKvCacheConfig& config, std::unique_ptr<BlockPool> pool);
 
-  const TransformCode& KeyCode(int layer, int h) const {
-    return (*config_.key_codes)[static_cast<size_t>(layer * config_.geometry.n_kv_heads + h)];
-  }
-  const TransformCode& ValueCode(int layer, int h) const {
-    return (*config_.value_codes)[static_cast<size_t>(layer * config_.geometry.n_kv_heads + h)];
-  }
+  // The tables of `codes` (already checked against the geometry).
+  CodeEpoch MakeEpoch(const TransformCodes& codes) const;
+  const CodeEpoch& Epoch(int32_t id) const { return *epochs_[static_cast<size_t>(id)]; }
+  void AcquireEpoch(int32_t id) { ++epochs_[static_cast<size_t>(id)]->refs; }
+  void ReleaseEpoch(int32_t id);
+  // Counts a coded block of `layer` in epoch `id` for `s` (one reference), or drops one.
+  void AddBlockUse(SequenceState& s, int layer, int32_t id);
+  void DropBlockUse(SequenceState& s, int layer, int32_t id);
+  // A sequence starts with epoch 0 and the refresh `refresh` (its stream opened if it has one).
+  void StartSequence(SequenceState& s, SeqId seq, const RefreshConfig& refresh);
+  void CloseStream(SequenceState& s);
+  // Installs the codes the refresher published as the epochs of their sequences.
+  void InstallPublished();
+  // Re-codes at most `budget` block-layers of `s` so each layer keeps at most max_epochs epochs.
+  int64_t Compact(Sequence& s, int64_t budget);
+  // The compactor's work per Commit: a decode and an encode of one block-layer each (~0.1 ms at
+  // B = 16, d = 64, 2 KV heads), so catching up after a refresh is spread over steps.
+  static constexpr int64_t kCompactBlocksPerCommit = 32;
   // Element offsets of row t of head h in a full page: keys, then values after all keys.
   int64_t KOffset(int h, int64_t t) const {
     return (static_cast<int64_t>(h) * config_.block_size + t) * config_.geometry.head_dim;
@@ -208,20 +274,21 @@ class TransformKvCache final : public KvCache {
     return reinterpret_cast<const uint16_t*>(pool_->data(page)) + offset;
   }
   // The bytes of head h's key (values = false) or value rows in a coded block of `layer`.
-  int64_t CodedOffset(int layer, int h, bool values) const {
-    return coded_offsets_[static_cast<size_t>(
+  int64_t CodedOffset(int32_t epoch, int layer, int h, bool values) const {
+    return Epoch(epoch).offsets[static_cast<size_t>(
         (layer * 2 + (values ? 1 : 0)) * config_.geometry.n_kv_heads + h)];
   }
-  const DecodeTable& Table(int layer, bool values, int h) const {
-    return decode_[static_cast<size_t>(
+  const DecodeTable& Table(int32_t epoch, int layer, bool values, int h) const {
+    return Epoch(epoch).decode[static_cast<size_t>(
         (layer * 2 + (values ? 1 : 0)) * config_.geometry.n_kv_heads + h)];
   }
   // The components of rows [0, n) of one head's run of codes, widened: [active][n].
   static void Unpack(const DecodeTable& table, const uint8_t* run, int n, float* out);
-  // Decodes rows [0, valid) of every head of one side of a coded block into `out`
-  // ([n_kv][B][head_dim] fp32): keys rotated back to their positions when coded pre-RoPE.
-  void DecodeRows(int layer, const uint8_t* codes, int64_t block, bool values, int valid,
-                  float* out) const;
+  // Decodes rows [0, valid) of every head of one side of a coded block of `epoch` into `out`
+  // ([n_kv][B][head_dim] fp32): keys rotated back to their positions when coded pre-RoPE,
+  // unless `as_coded` (the rows as they were coded: the compactor's).
+  void DecodeRows(int32_t epoch, int layer, const uint8_t* codes, int64_t block, bool values,
+                  int valid, float* out, bool as_coded = false) const;
   // Codes the B rows of one head (rows: [B, head_dim] fp32, keys already rotated back) into
   // its run of codes.
   void EncodeRows(const DecodeTable& table, float* rows, uint8_t* run) const;
@@ -230,12 +297,16 @@ class TransformKvCache final : public KvCache {
   void RotateKeys(float* rows, int valid, int64_t first) const;
   // Grows rope_cos_sin_ to cover positions [0, end) (engine thread, at coding).
   void EnsureRopeTable(int64_t end);
-  // Codes full block b of `layer` (every token committed) into out[CodedBlockBytes(layer)];
-  // reads the cache only (Commit runs it on worker threads).
-  void CodeBlock(const Block& e, int layer, int64_t b, uint8_t* out) const;
+  // Codes full block b of `layer` (every token committed) with `epoch` into
+  // out[CodedBlockBytes(layer)]; reads the cache only (Commit runs it on worker threads).
+  // `coded`, when set, receives the rows as they were coded ([2][n_kv][B][head_dim]: keys
+  // before RoPE when the codes say so) for the refresher.
+  void CodeBlock(const Block& e, int32_t epoch, int layer, int64_t b, uint8_t* out,
+                 float* coded) const;
   // Decodes coded block b of `layer` back into a full page (Truncate).
   absl::Status ExpandBlock(Sequence& s, int layer, int64_t b);
-  void FreeBlock(Block& e);
+  // Frees a block of `layer` of `s` (a coded one drops its epoch use).
+  void FreeBlock(SequenceState& s, int layer, Block& e);
 
   TransformKvCacheConfig config_;
   CompressionPolicy policy_;                // sinks and window: which blocks a Commit codes
@@ -244,11 +315,14 @@ class TransformKvCache final : public KvCache {
   // [positions][pairs][2]. Decoding rotates every coded key row each step, and a sincos per
   // pair and row cost more than the decoding itself.
   std::vector<float> rope_cos_sin_;
-  int64_t v_half_;  // elements of the K half of a full page: n_kv * B * head_dim
-  std::vector<int64_t> coded_offsets_;  // [n_layers][2][n_kv] byte offsets in a coded block
-  std::vector<int64_t> coded_bytes_;    // [n_layers] CodedBlockBytes
-  std::vector<DecodeTable> decode_;     // [n_layers][2][n_kv], as coded_offsets_
-  int max_active_ = 0;                  // the most components with bits of any code
+  int64_t v_half_;                    // elements of the K half of a full page: n_kv * B * head_dim
+  std::vector<int64_t> coded_bytes_;  // [n_layers] CodedBlockBytes: epoch 0's, the slot sizes
+  // By id; null once retired. Attend reads them; only Commit, Truncate and FreeSequence (the
+  // engine thread, never during an Attend) add or retire them.
+  std::vector<std::unique_ptr<CodeEpoch>> epochs_;
+  std::unique_ptr<Refresher> refresher_;  // created with the first stream
+  absl::flat_hash_map<Refresher::StreamId, SeqId> streams_;
+  int64_t refreshes_installed_ = 0, refreshes_unplaced_ = 0, blocks_recoded_ = 0;
   std::unique_ptr<BlockPool> pool_;
   SlabAllocator slabs_;
   std::vector<int> slab_class_;  // [n_layers]

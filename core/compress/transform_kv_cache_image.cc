@@ -129,6 +129,15 @@ std::string TransformKvCache::ImageLayout() const { return image_layout_; }
 absl::StatusOr<std::string> TransformKvCache::ExportSequence(SeqId seq) const {
   const Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return Sequences::Unknown(seq);
+  bool refreshed = s->refresh.method != RefreshMethod::kNone;
+  for (const std::vector<EpochUse>& live : s->epoch_uses) {
+    for (const EpochUse& u : live) refreshed = refreshed || u.epoch != 0;
+  }
+  if (refreshed) {
+    return absl::FailedPreconditionError(
+        "a sequence with online refresh of its codes has no image yet: its refresher's "
+        "statistics and refreshed epochs are not in the format");
+  }
   const int bs = config_.block_size;
   const int64_t hd = config_.geometry.head_dim;
   ImageWriter w;
@@ -190,7 +199,8 @@ absl::StatusOr<SeqId> TransformKvCache::ImportSequence(std::string_view image) {
           return absl::ResourceExhaustedError("KV cache full: no slot for a coded block");
         }
         std::memcpy(slabs_.data(slot), part.bytes.data(), part.bytes.size());
-        e = {slot.page, slot.index};
+        e = {slot.page, slot.index, 0};
+        AddBlockUse(s, l, 0);
         continue;
       }
       const int64_t row_bytes = std::min<int64_t>(bs, *length - b * bs) * hd * 2;

@@ -126,8 +126,8 @@ void AttendPagedBlocks(const KvCacheGeometry& geometry, int block_size,
     };
     for (int kvh = 0; kvh < n_kv; ++kvh) {
       if (dims[static_cast<size_t>(kvh)].query == 0) continue;
-      source.PrepareQueries(kvh, q_tok + static_cast<int64_t>(kvh) * group * hd, group, scale,
-                            coded_q + q_off[static_cast<size_t>(kvh)]);
+      source.PrepareQueries(req.seq, kvh, q_tok + static_cast<int64_t>(kvh) * group * hd, group,
+                            scale, coded_q + q_off[static_cast<size_t>(kvh)]);
     }
     for (int64_t b = item.block_begin; b < item.block_end; ++b) {
       const int nb = static_cast<int>(std::min<int64_t>(bs, n_ctx - b * bs));
@@ -184,7 +184,7 @@ void AttendPagedBlocks(const KvCacheGeometry& geometry, int block_size,
     // What code space accumulated joins acc, before acc is merged or written out.
     for (int kvh = 0; kvh < n_kv; ++kvh) {
       if (dims[static_cast<size_t>(kvh)].value == 0) continue;
-      source.ExpandValues(kvh, group, coded_v + v_off[static_cast<size_t>(kvh)],
+      source.ExpandValues(req.seq, kvh, group, coded_v + v_off[static_cast<size_t>(kvh)],
                           acc + static_cast<int64_t>(kvh) * group * hd);
     }
     if (item.partial >= 0) continue;

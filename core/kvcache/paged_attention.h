@@ -54,11 +54,12 @@ class BlockRowSource {
     (void)kvh;
     return {};
   }
-  // Once per work item and KV head: the group's queries q ([group] rows at stride head_dim)
-  // projected into `query` ([group][CodedStateFloats(kvh).query]); scores come out times
-  // `scale`.
-  virtual void PrepareQueries(int kvh, const float* q, int group, float scale, float* query) const {
-    (void)kvh, (void)q, (void)group, (void)scale, (void)query;
+  // Once per work item and KV head: the group's queries q ([group] rows at stride head_dim) of
+  // a query of `seq` projected into `query` ([group * CodedStateFloats(kvh).query], laid out as
+  // the source likes); scores come out times `scale`.
+  virtual void PrepareQueries(SeqId seq, int kvh, const float* q, int group, float scale,
+                              float* query) const {
+    (void)seq, (void)kvh, (void)q, (void)group, (void)scale, (void)query;
   }
   // scores[g * nb + t] = scale * q_g . k_t over the first nb keys of head kvh in the block.
   virtual void CodedScores(SeqId seq, int64_t block, int kvh, int group, int nb, const float* query,
@@ -66,15 +67,17 @@ class BlockRowSource {
     (void)seq, (void)block, (void)kvh, (void)group, (void)nb, (void)query, (void)scores;
   }
   // value[g] += sum_t p[g * nb + t] v_t over the first nb values of head kvh in the block,
-  // kept in code space: value is [group][CodedStateFloats(kvh).value] and linear in p, so the
-  // online softmax rescales it as it rescales the output.
+  // kept in code space: value is [group][CodedStateFloats(kvh).value] (query head g's floats
+  // at g * CodedStateFloats(kvh).value) and linear in p, so the online softmax rescales it as
+  // it rescales the output.
   virtual void CodedAccumulate(SeqId seq, int64_t block, int kvh, int group, int nb, const float* p,
                                float* value) const {
     (void)seq, (void)block, (void)kvh, (void)group, (void)nb, (void)p, (void)value;
   }
-  // acc[g] ([group] rows at stride head_dim) += value[g] expanded to head_dim.
-  virtual void ExpandValues(int kvh, int group, const float* value, float* acc) const {
-    (void)kvh, (void)group, (void)value, (void)acc;
+  // acc[g] ([group] rows at stride head_dim) += value[g] expanded to head_dim, for a query of
+  // `seq`.
+  virtual void ExpandValues(SeqId seq, int kvh, int group, const float* value, float* acc) const {
+    (void)seq, (void)kvh, (void)group, (void)value, (void)acc;
   }
 };
 

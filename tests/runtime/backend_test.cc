@@ -126,6 +126,14 @@ TEST(BackendTest, CpuOnlyCachesAreRefusedForCudaBeforeAnyWork) {
     EXPECT_TRUE(CheckCacheRunsOn(d, transform).ok());
   }
   EXPECT_TRUE(CheckCacheRunsOn(Device::kCuda, KvCacheOptions{}).ok());  // compressed
+  // Refreshing its codes online is the CPU cache's alone so far.
+  transform.refresh.method = RefreshMethod::kPca;
+  const absl::Status refresh = CheckCacheRunsOn(Device::kCuda, transform);
+  EXPECT_EQ(refresh.code(), absl::StatusCode::kInvalidArgument) << refresh;
+  EXPECT_NE(refresh.message().find("--refresh-method pca with --kv-cache transform"),
+            std::string::npos)
+      << refresh;
+  EXPECT_TRUE(CheckCacheRunsOn(Device::kCpu, transform).ok());
 }
 
 TEST(BackendTest, WithoutAGpuCudaIsUnavailableAndAutoFallsBackToCpu) {

@@ -64,6 +64,27 @@ TEST(CodecCalibrationTest, BudgetOptionsAreCheckedNamingTheFlag) {
   EXPECT_NE(Message(compressed).find("--codec-post-rope needs"), std::string::npos);
 }
 
+// The transform cache refreshes by pca every N tokens: other methods and the residual trigger
+// are refused naming the flag, as is refresh on a cache without codes or bases.
+TEST(CodecCalibrationTest, TransformRefreshIsCheckedNamingTheFlag) {
+  KvCacheOptions o = Transform();
+  o.refresh.method = RefreshMethod::kPca;
+  EXPECT_TRUE(ValidateKvCacheOptions(o, 16).ok());
+  o.refresh.method = RefreshMethod::kOja;
+  EXPECT_NE(Message(o).find("by pca, not oja"), std::string::npos);
+  o.refresh.method = RefreshMethod::kPca;
+  o.refresh.residual_threshold = 0.2;
+  EXPECT_NE(Message(o).find("--refresh-residual-threshold must be 0"), std::string::npos);
+  o.refresh.residual_threshold = 0.0;
+  o.refresh.every_tokens = 0;
+  EXPECT_NE(Message(o).find("--refresh-every-tokens"), std::string::npos);
+  KvCacheOptions quantized;
+  quantized.kind = KvCacheKind::kQuantized;
+  quantized.refresh.method = RefreshMethod::kPca;
+  EXPECT_NE(Message(quantized).find("needs --kv-cache=compressed or --kv-cache=transform"),
+            std::string::npos);
+}
+
 TEST(CodecCalibrationTest, ReadsAFileOrADirectoryInNameOrderUpToTheLimit) {
   absl::StatusOr<testing::TinyModel> tiny = testing::LoadTinyModel();
   ASSERT_TRUE(tiny.ok()) << tiny.status();

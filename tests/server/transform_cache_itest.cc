@@ -1,10 +1,13 @@
 // The server over the transform-coded KV cache (--kv-cache transform): a codec file fitted on
 // the tiny model serves sessions and foreign or missing files are refused naming --codec; with
-// --kv-budget the server fits the codec itself at start-up, on a text or on the model's own.
+// --kv-budget the server fits the codec itself at start-up, on a text or on the model's own;
+// sessions that ask for online refresh get codes fitted to their own rows.
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -135,6 +138,55 @@ TEST(TransformCacheServerTest, BudgetFitsTheCodecAtStartUp) {
   EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
   EXPECT_TRUE(absl::StrContains(missing.message(), "--calib-text")) << missing;
   std::remove(text.c_str());
+}
+
+// A session that asks for pca refresh gets codes refitted to its own rows as it generates
+// (GetCacheStats counts the refreshes and the epochs); other methods are refused by name, and
+// the server's default stays static.
+TEST(TransformCacheServerTest, SessionsRefreshTheirCodesOnline) {
+  server::ServerAppConfig config = TestServerConfig();
+  config.kv_cache.kind = runtime::KvCacheKind::kTransform;
+  config.kv_cache.kv_budget = 3.0;
+  config.kv_cache.kv_budget_v = 2.0;
+  config.kv_cache.calib_tokens = 300;
+  config.kv_cache.window_tokens = 16;
+  Server s(config);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s.ModelInfo().cache().refresh_method(), "none");
+  auto stub = v1::Subspace::NewStub(testing::ChannelTo(s.app().port()));
+  const auto create = [&](const std::string& method, uint32_t every, v1::Session* out) {
+    grpc::ClientContext context;
+    v1::CreateSessionRequest request;
+    request.mutable_refresh()->set_method(method);
+    request.mutable_refresh()->set_every_tokens(every);
+    return stub->CreateSession(&context, request, out);
+  };
+  v1::Session session;
+  const grpc::Status kqsvd = create("kqsvd", 16, &session);
+  EXPECT_EQ(kqsvd.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(kqsvd.error_message(), "by pca")) << kqsvd.error_message();
+  ASSERT_TRUE(create("pca", 16, &session).ok());
+  EXPECT_EQ(session.refresh_method(), "pca");
+  const std::string plain = s.CreateSession();
+  s.Generate(TokensRequest({1, 300, 301, 302, 290}, 40), plain);
+  EXPECT_EQ(s.CacheStats().refreshes_total(), 0u);
+  s.Generate(TokensRequest({1, 300, 301, 302, 290}, 120), session.session_id());
+  // Published on the refresher's thread, installed at the session's next commit (see
+  // SessionsChooseTheirOnlineRefresh for why a few short turns leave it room).
+  v1::CacheStats stats = s.CacheStats();
+  for (int turn = 0; turn < 10 && stats.refreshes_total() == 0; ++turn) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    s.Generate(TokensRequest({305}, 8), session.session_id());
+    stats = s.CacheStats();
+  }
+  EXPECT_GT(stats.refreshes_total(), 0u);
+  EXPECT_EQ(stats.refresh_failures_total(), 0u);
+  EXPECT_GT(stats.epochs_live(), 1u);
+  const v1::GenerateResponse more = s.Generate(TokensRequest({302, 303}, 20), session.session_id());
+  EXPECT_EQ(more.token_ids_size(), 20);
+  s.DeleteSession(session.session_id());
+  s.DeleteSession(plain);
+  EXPECT_EQ(s.CacheStats().epochs_live(), 1u);  // the refreshed epochs went with the session
 }
 
 }  // namespace

@@ -80,8 +80,8 @@ void ExpectSameBases(const std::vector<Refresher::Published>& got,
   ASSERT_EQ(got.size(), want.size());
   for (size_t e = 0; e < want.size(); ++e) {
     for (int l = 0; l < kGeom.n_layers; ++l) {
-      const LayerBasis& w = want[e].basis->layers[static_cast<size_t>(l)];
-      const LayerBasis& g = got[e].basis->layers[static_cast<size_t>(l)];
+      const LayerBasis& w = want[e].epoch.basis->layers[static_cast<size_t>(l)];
+      const LayerBasis& g = got[e].epoch.basis->layers[static_cast<size_t>(l)];
       EXPECT_EQ(g.p_k, w.p_k) << "epoch " << e << " layer " << l;
       EXPECT_EQ(g.p_q, w.p_q) << "epoch " << e << " layer " << l;
       EXPECT_EQ(g.p_v, w.p_v) << "epoch " << e << " layer " << l;
@@ -152,8 +152,8 @@ TEST(RefresherTest, HalfBlockBatchesPublishWhatFp32ObservationsPublish) {
   for (size_t e = 0; e < want.size(); ++e) {
     EXPECT_EQ(got[e].stream, b);
     for (int l = 0; l < kGeom.n_layers; ++l) {
-      const LayerBasis& w = want[e].basis->layers[static_cast<size_t>(l)];
-      const LayerBasis& g = got[e].basis->layers[static_cast<size_t>(l)];
+      const LayerBasis& w = want[e].epoch.basis->layers[static_cast<size_t>(l)];
+      const LayerBasis& g = got[e].epoch.basis->layers[static_cast<size_t>(l)];
       EXPECT_EQ(g.p_k, w.p_k) << "epoch " << e << " layer " << l;
       EXPECT_EQ(g.p_v, w.p_v) << "epoch " << e << " layer " << l;
     }
@@ -271,7 +271,7 @@ TEST(RefresherTest, HalfQueryObservationsPublishWhatFp32QueriesPublish) {
   }
   const std::vector<Refresher::Published> without = blind.TakePublished();
   ASSERT_EQ(without.size(), 2u);
-  EXPECT_NE(without[1].basis->layers[0].p_k, want[1].basis->layers[0].p_k);
+  EXPECT_NE(without[1].epoch.basis->layers[0].p_k, want[1].epoch.basis->layers[0].p_k);
 }
 
 // A kept half of the rows, each weighted 2, is every row of a chunk that repeats each kept one.
