@@ -60,6 +60,10 @@ ABSL_FLAG(std::string, caches, "evict,q8_0,q4_0,kivi4,kqsvd:16:fp16,kqsvd:16:int
           "part :REFRESH (pca|kqsvd|oja|fd) adds online refresh from that start");
 ABSL_FLAG(int64_t, refresh_every_tokens, 256,
           "online refresh: new epoch every T compressed tokens");
+ABSL_FLAG(int32_t, refresh_max_epochs, 2,
+          "online refresh: epochs a sequence keeps live per layer (older blocks re-coded)");
+ABSL_FLAG(double, refresh_half_life_tokens, 1024.0,
+          "online refresh: tokens over which the statistics lose half their weight");
 ABSL_FLAG(std::string, calib, "models/data/test.txt", "text the low-rank bases are calibrated on");
 ABSL_FLAG(int64_t, calib_tokens, 20000, "calibration tokens (0: all)");
 ABSL_FLAG(int32_t, sink_tokens, subspace::CompressionPolicy::kDefaultSinkTokens,
@@ -375,6 +379,8 @@ absl::Status Run() {
       // Online refresh as the server runs it, but inline: deterministic, same steps every run.
       options.refresh.method = spec.refresh;
       options.refresh.every_tokens = absl::GetFlag(FLAGS_refresh_every_tokens);
+      options.refresh.max_epochs = absl::GetFlag(FLAGS_refresh_max_epochs);
+      options.refresh.half_life_tokens = absl::GetFlag(FLAGS_refresh_half_life_tokens);
       options.refresh_inline = true;
       absl::StatusOr<std::unique_ptr<TransformKvCache>> c = runtime::CreateTransformKvCache(
           options, geom, 16, TransformKvCache::PageBytes(geom, 16) * geom.n_layers * pages_per_item,
@@ -450,6 +456,8 @@ absl::Status Run() {
       // Online refresh as the server runs it, but inline: deterministic, same steps every run.
       options.refresh.method = spec.refresh;
       options.refresh.every_tokens = absl::GetFlag(FLAGS_refresh_every_tokens);
+      options.refresh.max_epochs = absl::GetFlag(FLAGS_refresh_max_epochs);
+      options.refresh.half_life_tokens = absl::GetFlag(FLAGS_refresh_half_life_tokens);
       options.refresh_inline = true;
       absl::StatusOr<std::unique_ptr<CompressedKvCache>> c = runtime::CreateCompressedKvCache(
           options, geom, 16,

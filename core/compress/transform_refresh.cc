@@ -43,6 +43,8 @@ TransformStatistics::TransformStatistics(const KvCacheGeometry& g, int block_siz
         s.sum.assign(d, 0.0);
         s.outer.assign(d * d, 0.0);
         s.samples.assign(static_cast<size_t>(kSampleRows) * d, 0.0f);
+        s.extremes.assign(static_cast<size_t>(kExtremeRows) * d, 0.0f);
+        s.extreme_score.assign(kExtremeRows, 0.0);
       }
     }
   }
@@ -50,11 +52,12 @@ TransformStatistics::TransformStatistics(const KvCacheGeometry& g, int block_siz
 
 int64_t TransformStatistics::BytesFor(const KvCacheGeometry& g) {
   const int64_t d = g.head_dim;
-  const int64_t per_stream = (d + d * d) * 8 + int64_t{kSampleRows} * d * 4;
+  const int64_t per_stream = (d + d * d) * 8 + int64_t{kSampleRows + kExtremeRows} * d * 4;
   return per_stream * 2 * g.n_layers * g.n_kv_heads;
 }
 
-void TransformStatistics::Observe(Stream& s, const float* rows, int n) {
+void TransformStatistics::Observe(Stream& s, const std::vector<float>& metric, const float* rows,
+                                  int n) {
   const int d = g_.head_dim;
   if (config_.half_life_tokens > 0.0) {
     const double keep = std::exp2(-static_cast<double>(n) / config_.half_life_tokens);
@@ -73,6 +76,22 @@ void TransformStatistics::Observe(Stream& s, const float* rows, int n) {
     }
     std::copy_n(x, d, s.samples.data() + (s.rows % kSampleRows) * d);
     ++s.rows;
+    // Its distance from the running mean; kept if among the farthest seen.
+    double score = 0.0;
+    for (int i = 0; i < d; ++i) {
+      const double c = x[i] - s.sum[static_cast<size_t>(i)] / s.weight;
+      score += c * c * (metric.empty() ? 1.0 : metric[static_cast<size_t>(i)]);
+    }
+    int slot = s.n_extremes;
+    if (slot == kExtremeRows) {
+      slot = static_cast<int>(std::min_element(s.extreme_score.begin(), s.extreme_score.end()) -
+                              s.extreme_score.begin());
+      if (s.extreme_score[static_cast<size_t>(slot)] >= score) continue;
+    } else {
+      ++s.n_extremes;
+    }
+    s.extreme_score[static_cast<size_t>(slot)] = score;
+    std::copy_n(x, d, s.extremes.data() + static_cast<int64_t>(slot) * d);
   }
 }
 
@@ -80,8 +99,10 @@ void TransformStatistics::ObserveBlock(int layer, const float* keys, const float
   if (layer < 0 || layer >= g_.n_layers || n < 1) return;
   const int64_t head = static_cast<int64_t>(n) * g_.head_dim;
   for (int h = 0; h < g_.n_kv_heads; ++h) {
-    Observe(stream(layer, 0, h), keys + h * head, n);
-    Observe(stream(layer, 1, h), values + h * head, n);
+    const size_t k = static_cast<size_t>((layer * 2) * g_.n_kv_heads + h);
+    const size_t v = static_cast<size_t>((layer * 2 + 1) * g_.n_kv_heads + h);
+    Observe(stream(layer, 0, h), metrics_[k], keys + h * head, n);
+    Observe(stream(layer, 1, h), metrics_[v], values + h * head, n);
   }
 }
 
@@ -97,10 +118,14 @@ absl::StatusOr<TransformCode> TransformStatistics::Refit(const Stream& s,
       cov[i * d + j] = cov[j * d + i] = c;
     }
   }
+  // The quantizers are fitted on the recent rows and the farthest ones.
   const int64_t kept = std::min<int64_t>(s.rows, kSampleRows);
+  std::vector<float> samples(s.samples.begin(), s.samples.begin() + kept * g_.head_dim);
+  samples.insert(samples.end(), s.extremes.begin(),
+                 s.extremes.begin() + static_cast<int64_t>(s.n_extremes) * g_.head_dim);
   const TransformCodeOptions options;  // the widths and the PCA basis a calibration uses
   absl::StatusOr<TransformStream> stream =
-      AnalyzeMoments(mean, cov, s.samples.data(), kept, g_.head_dim, options, metric);
+      AnalyzeMoments(mean, cov, samples.data(), kept + s.n_extremes, g_.head_dim, options, metric);
   if (!stream.ok()) return absl::InternalError(stream.status().message());
   // Costs in bytes, so the refit's run is never longer than the slot's.
   absl::StatusOr<std::vector<int>> choice =

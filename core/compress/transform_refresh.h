@@ -23,6 +23,9 @@ class TransformStatistics final : public RefreshStatistics {
  public:
   // Rows kept per stream to fit the quantizers on (the most recent ones).
   static constexpr int kSampleRows = 256;
+  // And the rows farthest from the running mean the session has shown (metric-weighted), so
+  // the quantizers' ranges still reach what a rare token wrote.
+  static constexpr int kExtremeRows = 64;
   // Fewer rows than this in a stream: its code stays as it was.
   static constexpr int kMinRows = 32;
 
@@ -46,17 +49,20 @@ class TransformStatistics final : public RefreshStatistics {
 
  private:
   struct Stream {
-    double weight = 0.0;         // decayed row count
-    std::vector<double> sum;     // [d] decayed
-    std::vector<double> outer;   // [d, d] decayed sum of x x^T
-    std::vector<float> samples;  // [kSampleRows, d] ring
-    int64_t rows = 0;            // rows seen (the ring holds min(rows, kSampleRows))
+    double weight = 0.0;          // decayed row count
+    std::vector<double> sum;      // [d] decayed
+    std::vector<double> outer;    // [d, d] decayed sum of x x^T
+    std::vector<float> samples;   // [kSampleRows, d] ring
+    int64_t rows = 0;             // rows seen (the ring holds min(rows, kSampleRows))
+    std::vector<float> extremes;  // [kExtremeRows, d], the first `n_extremes` in use
+    std::vector<double> extreme_score;
+    int n_extremes = 0;
   };
   // side 0: keys, 1: values
   Stream& stream(int layer, int side, int h) {
     return streams_[static_cast<size_t>((layer * 2 + side) * g_.n_kv_heads + h)];
   }
-  void Observe(Stream& s, const float* rows, int n);
+  void Observe(Stream& s, const std::vector<float>& metric, const float* rows, int n);
   absl::StatusOr<TransformCode> Refit(const Stream& s, const std::vector<float>& metric,
                                       int budget_bytes) const;
 

@@ -148,6 +148,25 @@ TEST(TransformStatisticsTest, TheDecayForgetsWhatTheSessionLeftBehind) {
   EXPECT_NEAR(means[1], 4.0, 0.2);  // 512 rows are 16 half-lives: the first half is gone
 }
 
+// A pass key in filler: a few rows far from the rest, early in the session and long out of the
+// recent rows. The refit's ranges still reach them (the farthest rows are kept for fitting), so
+// their round trip keeps most of what sets them apart.
+TEST(TransformStatisticsTest, RareRowsLongPastStillFitInTheRanges) {
+  const TransformCode calibrated = Fit(Rows(800, 0, 0.0f, 2), 3 * kDim);
+  TransformStatistics stats(kGeom, kBlock, Pca(4096.0), Codes(calibrated, calibrated));
+  std::vector<float> rare = Rows(16, 12, 0.0f, 9);
+  for (size_t i = 0; i < rare.size(); ++i) rare[i] = 8.0f * rare[i] + (i % kDim == 13 ? 20 : 0);
+  Observe(stats, rare);
+  Observe(stats, Rows(1024, 0, 0.0f, 10));  // filler, four times the recent rows kept
+  absl::StatusOr<RefreshedEpoch> epoch = stats.RefreshEpoch();
+  ASSERT_TRUE(epoch.ok() && epoch->codes.keys != nullptr);
+  const TransformCode& key = (*epoch->codes.keys)[0];
+  double energy = 0.0;  // of the rare rows about the filler's mean (0)
+  for (float x : rare) energy += double{x} * x;
+  energy /= static_cast<double>(rare.size());
+  EXPECT_LT(Mse(key, rare), 0.1 * energy) << Mse(key, rare) << " of " << energy;
+}
+
 TEST(TransformStatisticsTest, TooFewRowsPublishNothingAndNonFiniteRowsFail) {
   const TransformCode calibrated = Fit(Rows(800, 0, 0.0f, 2), 3 * kDim);
   TransformStatistics few(kGeom, kBlock, Pca(64.0), Codes(calibrated, calibrated));
