@@ -739,7 +739,7 @@ void TransformKvCache::Attend(int layer, std::span<const AttentionRequest> reque
 }
 
 void TransformKvCache::CodeBlock(const Block& e, int32_t epoch, int layer, int64_t b, uint8_t* out,
-                                 float* coded) const {
+                                 BlockObservation* coded) const {
   const int hd = config_.geometry.head_dim;
   const int n_kv = config_.geometry.n_kv_heads;
   const int bs = config_.block_size;
@@ -756,7 +756,10 @@ void TransformKvCache::CodeBlock(const Block& e, int32_t epoch, int layer, int64
       cpu::Rope(full.data() + KOffset(h, 0), bs, 1, hd, *key_unrope_, negated.data());
     }
   }
-  if (coded != nullptr) std::copy(full.begin(), full.end(), coded);  // before centring
+  if (coded != nullptr) {  // before centring
+    coded->keys.assign(full.begin(), full.begin() + v_half_);
+    coded->values.assign(full.begin() + v_half_, full.end());
+  }
   for (int h = 0; h < n_kv; ++h) {
     EncodeRows(Table(epoch, layer, false, h), full.data() + KOffset(h, 0),
                out + CodedOffset(epoch, layer, h, false));
@@ -832,21 +835,17 @@ absl::Status TransformKvCache::Commit(SeqId seq, int64_t length) {
   thread_local std::vector<uint8_t> staging;  // this thread's: workers see it through `out`
   staging.resize(bytes);
   uint8_t* out = staging.data();
-  // With a refresh stream, the rows as coded go to the refresher too: [job][2][n_kv][B][d].
-  thread_local std::vector<float> observed;
-  float* coded = nullptr;
-  if (s.stream != 0) {
-    observed.resize(jobs.size() * static_cast<size_t>(2 * v_half_));
-    coded = observed.data();
-  }
+  // With a refresh stream, the rows as coded go to the refresher too, one observation a job
+  // (moved into its queue, which drops what exceeds its bound).
+  std::vector<BlockObservation> observed(s.stream != 0 ? jobs.size() : 0);
+  BlockObservation* coded = observed.empty() ? nullptr : observed.data();
   const int32_t epoch = s.epoch;
   const int64_t n = static_cast<int64_t>(jobs.size());
 #pragma omp parallel for schedule(dynamic, 1) if (n > 1)
   for (int64_t j = 0; j < n; ++j) {
     const Job& job = jobs[static_cast<size_t>(j)];
     CodeBlock(s.tables[static_cast<size_t>(job.layer)][static_cast<size_t>(job.block)], epoch,
-              job.layer, job.block, out + job.at,
-              coded == nullptr ? nullptr : coded + j * 2 * v_half_);
+              job.layer, job.block, out + job.at, coded == nullptr ? nullptr : coded + j);
   }
   for (size_t j = 0; j < jobs.size(); ++j) {
     const Job& job = jobs[j];
@@ -860,12 +859,9 @@ absl::Status TransformKvCache::Commit(SeqId seq, int64_t length) {
     if (coded != nullptr) {
       // In block order, layers in order within a block: the refresher counts tokens at layer
       // 0 and checks its trigger once the last layer is in.
-      const float* rows = coded + static_cast<int64_t>(j) * 2 * v_half_;
-      BlockObservation o;
+      BlockObservation& o = observed[j];
       o.layer = job.layer;
       o.tokens = config_.block_size;
-      o.keys.assign(rows, rows + v_half_);
-      o.values.assign(rows + v_half_, rows + 2 * v_half_);
       refresher_->Observe(s.stream, std::move(o));  // dropped (and counted) when it is behind
     }
   }

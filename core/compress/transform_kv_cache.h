@@ -299,10 +299,10 @@ class TransformKvCache final : public KvCache {
   void EnsureRopeTable(int64_t end);
   // Codes full block b of `layer` (every token committed) with `epoch` into
   // out[CodedBlockBytes(layer)]; reads the cache only (Commit runs it on worker threads).
-  // `coded`, when set, receives the rows as they were coded ([2][n_kv][B][head_dim]: keys
-  // before RoPE when the codes say so) for the refresher.
+  // `coded`, when set, receives the rows as they were coded (keys before RoPE when the codes
+  // say so; [n_kv][B][head_dim] each) for the refresher.
   void CodeBlock(const Block& e, int32_t epoch, int layer, int64_t b, uint8_t* out,
-                 float* coded) const;
+                 BlockObservation* coded) const;
   // Decodes coded block b of `layer` back into a full page (Truncate).
   absl::Status ExpandBlock(Sequence& s, int layer, int64_t b);
   // Frees a block of `layer` of `s` (a coded one drops its epoch use).
