@@ -547,12 +547,10 @@ class TransformKvCache::RowSource final : public BlockRowSource {
 
   void CodedScores(SeqId seq, int64_t block, int kvh, int group, int nb, const float* query,
                    float* scores) const override {
-    const Seq& d = *Find(seq);
-    const Block& e = Table(seq)[static_cast<size_t>(block)];
-    const size_t slot = d.Slot(e.epoch);
+    const Located c = Locate(seq, block, kvh);
+    const Block& e = c.block;
     const DecodeTable& t = cache_.Table(e.epoch, layer_, false, kvh);
-    const float* qs =
-        query + static_cast<int64_t>(group) * d.q_at[slot * n_kv_ + static_cast<size_t>(kvh)];
+    const float* qs = query + static_cast<int64_t>(group) * c.seq.q_at[c.at];
     const int active = t.active();
     for (int g = 0; g < group; ++g) {
       std::fill_n(scores + static_cast<int64_t>(g) * nb, nb,
@@ -565,13 +563,12 @@ class TransformKvCache::RowSource final : public BlockRowSource {
 
   void CodedAccumulate(SeqId seq, int64_t block, int kvh, int group, int nb, const float* p,
                        float* value) const override {
-    const Seq& d = *Find(seq);
-    const Block& e = Table(seq)[static_cast<size_t>(block)];
-    const size_t slot = d.Slot(e.epoch);
+    const Located c = Locate(seq, block, kvh);
+    const Block& e = c.block;
     const DecodeTable& t = cache_.Table(e.epoch, layer_, true, kvh);
     const int active = t.active();
     const int64_t stride = floats_[static_cast<size_t>(kvh)].value;  // one query head's floats
-    float* v = value + d.v_at[slot * n_kv_ + static_cast<size_t>(kvh)];
+    float* v = value + c.seq.v_at[c.at];
     if (active > 0) {
       cpu::ActiveAttentionKernels().code_sums(Run(e, kvh, true), t.bits.data(), t.byte_at.data(),
                                               active, nb, p, group, v, stride);
@@ -611,6 +608,19 @@ class TransformKvCache::RowSource final : public BlockRowSource {
       return 0;
     }
   };
+
+  // A coded block of `seq` read for KV head kvh: its entry, and where its epoch's slot sits
+  // in the sequence's q_at / v_at.
+  struct Located {
+    const Seq& seq;
+    const Block& block;
+    size_t at;
+  };
+  Located Locate(SeqId seq, int64_t block, int kvh) const {
+    const Seq& d = *Find(seq);
+    const Block& e = Table(seq)[static_cast<size_t>(block)];
+    return {d, e, d.Slot(e.epoch) * n_kv_ + static_cast<size_t>(kvh)};
+  }
 
   Seq MakeSeq(SeqId seq) const {
     Seq d;

@@ -35,6 +35,7 @@ namespace subspace {
 namespace {
 
 using ::subspace::testing::ChannelTo;
+using ::subspace::testing::CreateRefreshingSession;
 using ::subspace::testing::ExpectedCompressionRatio;
 using ::subspace::testing::HttpGet;
 using ::subspace::testing::MetricValue;
@@ -317,11 +318,7 @@ TEST(CompressedCacheServerTest, SessionsChooseTheirOnlineRefresh) {
   EXPECT_EQ(s.ModelInfo().cache().refresh_method(), "none");
   auto stub = v1::Subspace::NewStub(ChannelTo(s.app().port()));
   const auto create = [&](const std::string& method, uint32_t every, v1::Session* out) {
-    grpc::ClientContext context;
-    v1::CreateSessionRequest request;
-    request.mutable_refresh()->set_method(method);
-    request.mutable_refresh()->set_every_tokens(every);
-    return stub->CreateSession(&context, request, out);
+    return CreateRefreshingSession(*stub, method, every, out);
   };
   v1::Session session;
   ASSERT_TRUE(create("oja", 8, &session).ok());

@@ -72,6 +72,16 @@ inline std::shared_ptr<grpc::Channel> ChannelTo(int port) {
   return grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
 }
 
+// CreateSession asking for online refresh `method` every `every_tokens` (0: the server's T).
+inline grpc::Status CreateRefreshingSession(v1::Subspace::Stub& stub, const std::string& method,
+                                            uint32_t every_tokens, v1::Session* out) {
+  grpc::ClientContext context;
+  v1::CreateSessionRequest request;
+  request.mutable_refresh()->set_method(method);
+  request.mutable_refresh()->set_every_tokens(every_tokens);
+  return stub.CreateSession(&context, request, out);
+}
+
 inline std::string ByteBufferToString(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
   std::string out;

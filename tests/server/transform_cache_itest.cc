@@ -155,11 +155,7 @@ TEST(TransformCacheServerTest, SessionsRefreshTheirCodesOnline) {
   EXPECT_EQ(s.ModelInfo().cache().refresh_method(), "none");
   auto stub = v1::Subspace::NewStub(testing::ChannelTo(s.app().port()));
   const auto create = [&](const std::string& method, uint32_t every, v1::Session* out) {
-    grpc::ClientContext context;
-    v1::CreateSessionRequest request;
-    request.mutable_refresh()->set_method(method);
-    request.mutable_refresh()->set_every_tokens(every);
-    return stub->CreateSession(&context, request, out);
+    return testing::CreateRefreshingSession(*stub, method, every, out);
   };
   v1::Session session;
   const grpc::Status kqsvd = create("kqsvd", 16, &session);
