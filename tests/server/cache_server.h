@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -104,6 +105,20 @@ inline void ExpectSessionCompresses(InProcessServer& s, const v1::ModelInfo& inf
   EXPECT_EQ(held.tokens_cached(), 3u + 60u - 1u);
   EXPECT_GT(held.bytes_used_compressed(), 0u);
   EXPECT_DOUBLE_EQ(held.compression_ratio(), ExpectedCompressionRatio(held, info));
+}
+
+// The refresher publishes from its own thread and a new epoch is installed at the session's
+// next commit: a hundred tokens take a few ms, which a loaded machine may not give that thread.
+// Short turns in `session`, time apart, until GetCacheStats counts a refresh (at most ten; the
+// context holds them all). Returns the last stats.
+inline v1::CacheStats TurnUntilARefresh(InProcessServer& s, const std::string& session) {
+  v1::CacheStats stats = s.CacheStats();
+  for (int turn = 0; turn < 10 && stats.refreshes_total() == 0; ++turn) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    s.Generate(TokensRequest({305}, 8), session);
+    stats = s.CacheStats();
+  }
+  return stats;
 }
 
 }  // namespace subspace::testing

@@ -330,15 +330,7 @@ TEST(CompressedCacheServerTest, SessionsChooseTheirOnlineRefresh) {
   const v1::GenerateResponse again =
       s.Generate(TokensRequest({303, 304, 291}, 40), session.session_id());
   EXPECT_EQ(again.usage().reused_tokens(), 5u + 60u - 1u);  // its sequence kept its epochs
-  // The refresher publishes from its own thread and a new epoch is installed at the session's
-  // next commit: the 100 tokens above take ~2 ms, which a loaded machine may not give that
-  // thread. A few more short turns, time apart, leave it room (the context holds them all).
-  v1::CacheStats stats = s.CacheStats();
-  for (int turn = 0; turn < 10 && stats.refreshes_total() == 0; ++turn) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    s.Generate(TokensRequest({305}, 8), session.session_id());
-    stats = s.CacheStats();
-  }
+  const v1::CacheStats stats = testing::TurnUntilARefresh(s, session.session_id());
   EXPECT_GT(stats.refreshes_total(), 0u);
   EXPECT_EQ(stats.refresh_failures_total(), 0u);
   EXPECT_GT(stats.epochs_live(), 1u);

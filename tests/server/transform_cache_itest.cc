@@ -167,14 +167,7 @@ TEST(TransformCacheServerTest, SessionsRefreshTheirCodesOnline) {
   s.Generate(TokensRequest({1, 300, 301, 302, 290}, 40), plain);
   EXPECT_EQ(s.CacheStats().refreshes_total(), 0u);
   s.Generate(TokensRequest({1, 300, 301, 302, 290}, 120), session.session_id());
-  // Published on the refresher's thread, installed at the session's next commit (see
-  // SessionsChooseTheirOnlineRefresh for why a few short turns leave it room).
-  v1::CacheStats stats = s.CacheStats();
-  for (int turn = 0; turn < 10 && stats.refreshes_total() == 0; ++turn) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    s.Generate(TokensRequest({305}, 8), session.session_id());
-    stats = s.CacheStats();
-  }
+  const v1::CacheStats stats = testing::TurnUntilARefresh(s, session.session_id());
   EXPECT_GT(stats.refreshes_total(), 0u);
   EXPECT_EQ(stats.refresh_failures_total(), 0u);
   // What was published is installed at the session's next commit: this turn's.
