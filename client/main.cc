@@ -377,13 +377,14 @@ std::string FormatUnixMs(int64_t ms) {
 }
 
 void PrintSessionTable(const std::vector<v1::Session>& sessions) {
-  std::printf("%-36s %8s %8s %6s %6s %-20s %-20s\n", "SESSION", "TOKENS", "CACHED", "TTL", "BUSY",
-              "CREATED", "LAST USED");
+  std::printf("%-36s %8s %8s %6s %6s %-20s %-20s %s\n", "SESSION", "TOKENS", "CACHED", "TTL",
+              "BUSY", "CREATED", "LAST USED", "OWNER");
   for (const v1::Session& s : sessions) {
-    std::printf("%-36s %8u %8u %6u %6s %-20s %-20s\n", s.session_id().c_str(), s.tokens(),
+    std::printf("%-36s %8u %8u %6u %6s %-20s %-20s %s\n", s.session_id().c_str(), s.tokens(),
                 s.cached_tokens(), s.idle_ttl_seconds(), s.busy() ? "yes" : "no",
                 FormatUnixMs(s.created_unix_ms()).c_str(),
-                FormatUnixMs(s.last_used_unix_ms()).c_str());
+                FormatUnixMs(s.last_used_unix_ms()).c_str(),
+                s.owner().empty() ? "-" : s.owner().c_str());
   }
 }
 

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Moves sessions from one subspace server to another over the HTTP API, before the first is
 # drained (docs/sessions.md, "Moving a session between replicas"): for each session the token
-# owns on FROM (GET /v1/sessions), its snapshot (GET /v1/sessions/ID/snapshot) is put on TO
-# (PUT, with the same token, and the id as x-session-id so a session-affine proxy in front of
-# the replicas routes it where its calls will go), then deleted on FROM once TO holds it.
+# owns on FROM (GET /v1/sessions; an operator token lists every principal's), its snapshot
+# (GET /v1/sessions/ID/snapshot) is put on TO (PUT, with the same token, and the id as
+# x-session-id so a session-affine proxy in front of the replicas routes it where its calls will
+# go), then deleted on FROM once TO holds it.
 # A session that fails to move stays on FROM and is reported; the exit status is then 1.
 #   scripts/migrate_sessions.sh FROM_URL TO_URL [--token TOKEN] [--keep]
 #   FROM_URL, TO_URL: the HTTP API's base, e.g. http://10.0.0.5:8080
-#   --token: the owner's bearer token (sessions are per owner: run once per token)
+#   --token: the owner's bearer token (sessions are per owner: run once per token), or an
+#            operator token (the servers' --operator-tokens) to move every principal's sessions,
+#            each staying its owner's
 #   --keep: leave the sessions on FROM too
 set -euo pipefail
-[[ $# -ge 2 ]] || { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[[ $# -ge 2 ]] || { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 from=${1%/} to=${2%/}
 shift 2
 token="" keep=0

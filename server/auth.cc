@@ -54,46 +54,77 @@ absl::Status CheckToken(absl::string_view token, absl::string_view where) {
   return absl::OkStatus();
 }
 
-}  // namespace
+// The tokens of one file (`flag` names it in messages) and their line numbers.
+struct TokenLine {
+  const char* flag;
+  int line;
+  std::string where;  // "FLAG: PATH line N"
+};
 
-absl::StatusOr<Authenticator> Authenticator::FromFile(const std::string& path) {
+absl::Status ReadTokens(const std::string& path, const char* flag, std::vector<std::string>* tokens,
+                        std::vector<TokenLine>* where) {
   std::ifstream in(path);
-  if (!in.is_open()) {
-    return absl::InvalidArgumentError(absl::StrCat("--auth-tokens: cannot read ", path));
-  }
-  std::vector<std::string> tokens;
-  std::vector<int> lines;  // of each token, for the messages
+  if (!in.is_open()) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
   int line_number = 0;
+  bool any = false;
   for (std::string line; std::getline(in, line);) {
     ++line_number;
     const absl::string_view token = absl::StripAsciiWhitespace(line);
     if (token.empty() || absl::StartsWith(token, "#")) continue;
-    tokens.emplace_back(token);
-    lines.push_back(line_number);
+    tokens->emplace_back(token);
+    where->push_back({flag, line_number, absl::StrCat(flag, ": ", path, " line ", line_number)});
+    any = true;
   }
-  if (in.bad()) {
-    return absl::InvalidArgumentError(absl::StrCat("--auth-tokens: cannot read ", path));
+  if (in.bad()) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
+  if (!any) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, ": ", path, " holds no token (one per line; blank and '#' lines are skipped)"));
   }
-  if (tokens.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--auth-tokens: ", path,
-                     " holds no token (one per line; blank and '#' lines are skipped)"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Authenticator> Authenticator::FromFile(const std::string& path) {
+  return FromFiles(path, /*operator_path=*/"");
+}
+
+absl::StatusOr<Authenticator> Authenticator::FromFiles(const std::string& path,
+                                                       const std::string& operator_path) {
+  std::vector<std::string> tokens;
+  std::vector<TokenLine> where;  // of each token, for the messages
+  if (absl::Status s = ReadTokens(path, "--auth-tokens", &tokens, &where); !s.ok()) return s;
+  const size_t first_operator = tokens.size();
+  if (!operator_path.empty()) {
+    if (absl::Status s = ReadTokens(operator_path, "--operator-tokens", &tokens, &where); !s.ok()) {
+      return s;
+    }
   }
   std::vector<Digest> digests;
-  absl::flat_hash_map<std::string, int> seen;  // digest bytes -> line
+  std::vector<std::string> operators;
+  absl::flat_hash_map<std::string, size_t> seen;  // digest bytes -> index
   for (size_t i = 0; i < tokens.size(); ++i) {
-    const std::string where = absl::StrCat("--auth-tokens: ", path, " line ", lines[i]);
-    if (absl::Status s = CheckToken(tokens[i], where); !s.ok()) return s;
+    if (absl::Status s = CheckToken(tokens[i], where[i].where); !s.ok()) return s;
     const Digest digest = Sha256(tokens[i]);
-    const auto [it, inserted] =
-        seen.try_emplace(std::string(digest.begin(), digest.end()), lines[i]);
+    const auto [it, inserted] = seen.try_emplace(std::string(digest.begin(), digest.end()), i);
     if (!inserted) {
+      const TokenLine& earlier = where[it->second];
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": the token repeats the one on line ", it->second));
+          absl::StrCat(where[i].where, ": the token repeats the one on ",
+                       earlier.flag == where[i].flag ? "" : absl::StrCat(earlier.flag, "'s "),
+                       "line ", earlier.line));
     }
     digests.push_back(digest);
+    if (i >= first_operator) operators.push_back(PrincipalOf(digest));
   }
-  return Authenticator(std::move(digests));
+  return Authenticator(std::move(digests), std::move(operators));
+}
+
+bool Authenticator::IsOperator(std::string_view principal) const {
+  for (const std::string& p : operators_) {
+    if (p == principal) return true;
+  }
+  return false;
 }
 
 absl::StatusOr<std::string> Authenticator::Authenticate(

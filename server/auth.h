@@ -32,8 +32,16 @@ class Authenticator {
   // cannot be read or holds no token, and for a token that is shorter than kMinAuthTokenBytes,
   // holds a byte outside printable ASCII or a space, or repeats an earlier one (by line).
   static absl::StatusOr<Authenticator> FromFile(const std::string& path);
+  // As FromFile, plus the operator tokens of `operator_path` (same format, --operator-tokens):
+  // bearer tokens like the others whose principal may also list, read, export, import and
+  // delete every principal's sessions (session_access.h), to move sessions off a replica. A
+  // token in both files is refused (it would be two principals).
+  static absl::StatusOr<Authenticator> FromFiles(const std::string& path,
+                                                 const std::string& operator_path);
 
   bool enabled() const { return !digests_.empty(); }
+  // Whether `principal` (as Authenticate returns it) is an operator token's.
+  bool IsOperator(std::string_view principal) const;
 
   // The principal of a call carrying `authorization` (nullopt: no such header). With
   // authentication off, "" for every call. Otherwise UNAUTHENTICATED for a missing header, one
@@ -46,9 +54,11 @@ class Authenticator {
 
  private:
   using Digest = std::array<uint8_t, 32>;  // SHA-256
-  explicit Authenticator(std::vector<Digest> digests) : digests_(std::move(digests)) {}
+  Authenticator(std::vector<Digest> digests, std::vector<std::string> operators)
+      : digests_(std::move(digests)), operators_(std::move(operators)) {}
 
-  std::vector<Digest> digests_;  // one per configured token, in file order
+  std::vector<Digest> digests_;         // one per configured token, in file order
+  std::vector<std::string> operators_;  // the operator tokens' principals
 };
 
 }  // namespace subspace::server

@@ -28,6 +28,7 @@
 #include "server/generate_calls.h"
 #include "server/openai_api.h"
 #include "server/prepare_request.h"
+#include "server/session_access.h"
 #include "server/status_util.h"
 #include "spdlog/spdlog.h"
 
@@ -266,7 +267,7 @@ class HttpServer::Impl {
       std::string caller;
       absl::StatusOr<Engine*> engine = Admit(req, &caller);
       if (!engine.ok()) return ReplyError(res, engine.status());
-      Reply(res, 200, openai::SessionListJson((*engine)->ListSessions(caller)));
+      Reply(res, 200, openai::SessionListJson(Access(caller).List(**engine)));
     });
     // Before the routes below, whose "(.+)" would take "ID/snapshot" for an id.
     server_->Get(
@@ -278,8 +279,8 @@ class HttpServer::Impl {
     server_->Get("/v1/sessions/(.+)", [this](const httplib::Request& req, httplib::Response& res) {
       OnSession(req, res,
                 [](Engine& engine, const std::string& id,
-                   const std::string& caller) -> absl::StatusOr<std::string> {
-                  absl::StatusOr<SessionInfo> session = engine.GetSession(id, caller);
+                   const std::string& owner) -> absl::StatusOr<std::string> {
+                  absl::StatusOr<SessionInfo> session = engine.GetSession(id, owner);
                   if (!session.ok()) return session.status();
                   return openai::SessionJson(*session);
                 });
@@ -288,8 +289,8 @@ class HttpServer::Impl {
                     [this](const httplib::Request& req, httplib::Response& res) {
                       OnSession(req, res,
                                 [](Engine& engine, const std::string& id,
-                                   const std::string& caller) -> absl::StatusOr<std::string> {
-                                  if (absl::Status s = engine.DeleteSession(id, caller); !s.ok()) {
+                                   const std::string& owner) -> absl::StatusOr<std::string> {
+                                  if (absl::Status s = engine.DeleteSession(id, owner); !s.ok()) {
                                     return s;
                                   }
                                   return absl::StrCat("{\"id\":\"", id,
@@ -311,7 +312,13 @@ class HttpServer::Impl {
     return engine;
   }
 
-  // /v1/sessions/{id}: admitted, the id checked, then `action` answers with a body or an error.
+  SessionAccess Access(std::string caller) const {
+    const bool is_operator = auth_.IsOperator(caller);
+    return SessionAccess(std::move(caller), is_operator);
+  }
+
+  // /v1/sessions/{id}: admitted, the id checked, then `action` answers with a body or an error
+  // (acting as the session's owner: the caller, or any owner for an operator).
   template <typename Action>
   void OnSession(const httplib::Request& req, httplib::Response& res, Action action) {
     std::string caller;
@@ -321,7 +328,7 @@ class HttpServer::Impl {
     if (absl::Status s = ValidateId(id, "session id", limits_); !s.ok()) {
       return ReplyError(res, s);
     }
-    absl::StatusOr<std::string> body = action(**engine, id, caller);
+    absl::StatusOr<std::string> body = action(**engine, id, Access(caller).OwnerOf(**engine, id));
     if (!body.ok()) return ReplyError(res, body.status());
     Reply(res, 200, *body);
   }
@@ -333,7 +340,8 @@ class HttpServer::Impl {
     if (!engine.ok()) return ReplyError(res, engine.status());
     const std::string id = req.matches[1];
     if (absl::Status s = ValidateId(id, "session id", limits_); !s.ok()) return ReplyError(res, s);
-    absl::StatusOr<Engine::ExportedSession> exported = (*engine)->ExportSession(id, caller);
+    absl::StatusOr<Engine::ExportedSession> exported =
+        (*engine)->ExportSession(id, Access(caller).OwnerOf(**engine, id));
     if (!exported.ok()) return ReplyError(res, exported.status());
     res.status = 200;
     res.set_content(EncodeSessionSnapshot(exported->image, snapshot_), "application/octet-stream");
@@ -362,11 +370,7 @@ class HttpServer::Impl {
       return ReplyError(res, absl::InvalidArgumentError(absl::StrCat("the snapshot holds session ",
                                                                      image->id, ", not ", id)));
     }
-    if (image->owner != caller) {
-      return ReplyError(res, absl::PermissionDeniedError(
-                                 "the snapshot's session belongs to another principal: import it "
-                                 "with the credentials that created it"));
-    }
+    if (absl::Status s = Access(caller).CheckImport(*image); !s.ok()) return ReplyError(res, s);
     absl::StatusOr<Engine::ImportedSession> imported = (*engine)->ImportSession(*image);
     if (!imported.ok()) return ReplyError(res, imported.status());
     if (metrics_ != nullptr) metrics_->RecordSessionMoved("import");

@@ -143,6 +143,10 @@ ABSL_FLAG(std::string, chat_template, "",
 ABSL_FLAG(std::string, auth_tokens, "",
           "file of bearer tokens, one per line ('#' comments); set = every Subspace RPC needs "
           "'authorization: Bearer <token>' (health does not)");
+ABSL_FLAG(std::string, operator_tokens, "",
+          "file of bearer tokens (as --auth-tokens, which it needs) that may also list, export, "
+          "import and delete every principal's sessions: to move sessions off a replica before "
+          "draining it (docs/sessions.md)");
 ABSL_FLAG(std::string, log_level, "info",
           "trace, debug, info, warn, error, critical or off (request lines are info)");
 
@@ -261,6 +265,7 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.tls.key_path = absl::GetFlag(FLAGS_tls_key);
   c.tls.client_ca_path = absl::GetFlag(FLAGS_tls_client_ca);
   c.auth_tokens_path = absl::GetFlag(FLAGS_auth_tokens);
+  c.operator_tokens_path = absl::GetFlag(FLAGS_operator_tokens);
   c.chat_template_path = absl::GetFlag(FLAGS_chat_template);
   return c;
 }

@@ -305,6 +305,7 @@ namespace {
 Json SessionObject(const SessionInfo& session) {
   return Json{{"id", session.id},
               {"object", "session"},
+              {"owner", session.owner},
               {"tokens", session.tokens},
               {"cached_tokens", session.cached_tokens},
               {"cache_location", CacheLocationName(session.cache_location)},

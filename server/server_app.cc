@@ -113,8 +113,14 @@ absl::Status ServerApp::Init() {
       BuildServerCredentials(config_.tls);
   if (!credentials.ok()) return credentials.status();
   Authenticator auth;
+  if (!config_.operator_tokens_path.empty() && config_.auth_tokens_path.empty()) {
+    return absl::InvalidArgumentError(
+        "--operator-tokens needs --auth-tokens: without authentication every call is the same "
+        "anonymous principal, which already sees every session");
+  }
   if (!config_.auth_tokens_path.empty()) {
-    absl::StatusOr<Authenticator> loaded = Authenticator::FromFile(config_.auth_tokens_path);
+    absl::StatusOr<Authenticator> loaded =
+        Authenticator::FromFiles(config_.auth_tokens_path, config_.operator_tokens_path);
     if (!loaded.ok()) return loaded.status();
     auth = *std::move(loaded);
   }

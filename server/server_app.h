@@ -49,9 +49,10 @@ struct ServerAppConfig {
   absl::Duration drain_timeout = absl::Seconds(30);
   int max_message_bytes = 4 << 20;  // largest request accepted
   RequestLimits limits;
-  TlsConfig tls;                   // plaintext unless a certificate is set
-  std::string auth_tokens_path;    // bearer tokens, one per line (server/auth.h); empty: no auth
-  std::string chat_template_path;  // --chat-template: overrides the GGUF's chat template
+  TlsConfig tls;                     // plaintext unless a certificate is set
+  std::string auth_tokens_path;      // bearer tokens, one per line (server/auth.h); empty: no auth
+  std::string operator_tokens_path;  // operator tokens (auth.h); needs auth_tokens_path
+  std::string chat_template_path;    // --chat-template: overrides the GGUF's chat template
   // --session-dir: Shutdown writes every live session there and Start restores (and removes)
   // the snapshots it finds (docs/sessions.md); empty: sessions end with the process.
   std::string session_dir;

@@ -15,6 +15,7 @@
 #include "core/kvcache/refresh_config.h"
 #include "server/generate_calls.h"
 #include "server/prepare_request.h"
+#include "server/session_access.h"
 #include "server/session_transfer.h"
 #include "server/status_util.h"
 #include "spdlog/spdlog.h"
@@ -39,6 +40,7 @@ void ToProto(const SessionInfo& info, v1::Session* out) {
   out->set_busy(info.busy);
   out->set_refresh_method(RefreshMethodName(info.refresh_method));
   out->set_cache_location(CacheLocationName(info.cache_location));
+  out->set_owner(info.owner);
 }
 
 // A session's online refresh: the server's --refresh-* flags with the request's overrides.
@@ -239,7 +241,9 @@ grpc::ServerUnaryReactor* SubspaceService::GetSession(grpc::CallbackServerContex
   if (absl::Status s = ValidateId(request->session_id(), "session_id", limits_); !s.ok()) {
     return FinishUnary(context, s);
   }
-  absl::StatusOr<SessionInfo> session = (*engine)->GetSession(request->session_id(), caller);
+  const SessionAccess access(caller, auth_.IsOperator(caller));
+  absl::StatusOr<SessionInfo> session =
+      (*engine)->GetSession(request->session_id(), access.OwnerOf(**engine, request->session_id()));
   if (session.ok()) ToProto(*session, response);
   return FinishUnary(context, session.status());
 }
@@ -250,7 +254,8 @@ grpc::ServerUnaryReactor* SubspaceService::ListSessions(grpc::CallbackServerCont
   std::string caller;
   absl::StatusOr<Engine*> engine = Admit(*context, &caller);
   if (!engine.ok()) return FinishUnary(context, engine.status());
-  for (const SessionInfo& info : (*engine)->ListSessions(caller)) {
+  const SessionAccess access(caller, auth_.IsOperator(caller));
+  for (const SessionInfo& info : access.List(**engine)) {
     ToProto(info, response->add_sessions());
   }
   return FinishUnary(context, absl::OkStatus());
@@ -265,7 +270,10 @@ grpc::ServerUnaryReactor* SubspaceService::DeleteSession(grpc::CallbackServerCon
   if (absl::Status s = ValidateId(request->session_id(), "session_id", limits_); !s.ok()) {
     return FinishUnary(context, s);
   }
-  return FinishUnary(context, (*engine)->DeleteSession(request->session_id(), caller));
+  const SessionAccess access(caller, auth_.IsOperator(caller));
+  return FinishUnary(context,
+                     (*engine)->DeleteSession(request->session_id(),
+                                              access.OwnerOf(**engine, request->session_id())));
 }
 
 grpc::ServerWriteReactor<v1::SessionSnapshotChunk>* SubspaceService::ExportSession(
@@ -276,8 +284,9 @@ grpc::ServerWriteReactor<v1::SessionSnapshotChunk>* SubspaceService::ExportSessi
   if (absl::Status s = ValidateId(request->session_id(), "session_id", limits_); !s.ok()) {
     return RejectSnapshotExport(s);
   }
-  absl::StatusOr<Engine::ExportedSession> exported =
-      (*engine)->ExportSession(request->session_id(), caller);
+  const SessionAccess access(caller, auth_.IsOperator(caller));
+  absl::StatusOr<Engine::ExportedSession> exported = (*engine)->ExportSession(
+      request->session_id(), access.OwnerOf(**engine, request->session_id()));
   if (!exported.ok()) return RejectSnapshotExport(exported.status());
   std::string snapshot = EncodeSessionSnapshot(exported->image, snapshot_);
   spdlog::info("session {} exported: {} tokens, {} cached, {} bytes{}", exported->image.id,
@@ -298,15 +307,12 @@ grpc::ServerReadReactor<v1::SessionSnapshotChunk>* SubspaceService::ImportSessio
       2 * static_cast<uint64_t>(std::max<int64_t>(cache_.pool_bytes, 0)) + (uint64_t{256} << 20);
   if (!engine.ok()) return StartSnapshotImport(max_bytes, {}, engine.status());
   Engine* e = *engine;
+  const SessionAccess access(caller, auth_.IsOperator(caller));
   return StartSnapshotImport(
-      max_bytes, [this, e, caller, max_bytes, response](const std::string& bytes) -> absl::Status {
+      max_bytes, [this, e, access, max_bytes, response](const std::string& bytes) -> absl::Status {
         absl::StatusOr<SessionImage> image = DecodeSessionSnapshot(bytes, snapshot_, max_bytes);
         if (!image.ok()) return image.status();
-        if (image->owner != caller) {
-          return absl::PermissionDeniedError(
-              "the snapshot's session belongs to another principal: import it with the credentials "
-              "that created it");
-        }
+        if (absl::Status s = access.CheckImport(*image); !s.ok()) return s;
         if (absl::Status s = ValidateId(image->id, "snapshot session id", limits_); !s.ok())
           return s;
         absl::StatusOr<Engine::ImportedSession> imported = e->ImportSession(*image);

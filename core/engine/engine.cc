@@ -670,6 +670,10 @@ absl::StatusOr<SessionInfo> Engine::GetSession(std::string_view id, std::string_
 std::vector<SessionInfo> Engine::ListSessions(std::string_view owner) const {
   return impl_->ListSessions(owner);
 }
+std::vector<SessionInfo> Engine::ListEverySession() const { return impl_->ListEverySession(); }
+absl::StatusOr<std::string> Engine::SessionOwner(std::string_view id) const {
+  return impl_->SessionOwner(id);
+}
 absl::Status Engine::DeleteSession(std::string_view id, std::string_view owner) {
   return impl_->DeleteSession(id, owner);
 }

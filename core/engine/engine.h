@@ -119,6 +119,7 @@ class GenerateObserver {
 
 struct SessionInfo {
   std::string id;
+  std::string owner;  // the principal it belongs to (CreateSession's `owner`)
   int64_t tokens = 0;
   int64_t cached_tokens = 0;
   absl::Duration idle_ttl;
@@ -199,6 +200,10 @@ class Engine {
                                             std::optional<RefreshConfig> refresh = std::nullopt);
   absl::StatusOr<SessionInfo> GetSession(std::string_view id, std::string_view owner = {}) const;
   std::vector<SessionInfo> ListSessions(std::string_view owner = {}) const;
+  // Every principal's live sessions, by id, and the owner of one (NOT_FOUND when unknown): for
+  // an operator moving sessions off a replica, never for a principal's own calls.
+  std::vector<SessionInfo> ListEverySession() const;
+  absl::StatusOr<std::string> SessionOwner(std::string_view id) const;
   // NOT_FOUND when unknown; a running request on it is cancelled first.
   absl::Status DeleteSession(std::string_view id, std::string_view owner = {});
 

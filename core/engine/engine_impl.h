@@ -52,6 +52,8 @@ class Engine::Impl {
                                             std::optional<RefreshConfig> refresh);
   absl::StatusOr<SessionInfo> GetSession(std::string_view id, std::string_view owner) const;
   std::vector<SessionInfo> ListSessions(std::string_view owner) const;
+  std::vector<SessionInfo> ListEverySession() const;
+  absl::StatusOr<std::string> SessionOwner(std::string_view id) const;
   absl::Status DeleteSession(std::string_view id, std::string_view owner);
   absl::StatusOr<std::vector<ExportedSession>> ExportSessions(absl::Time changed_since) const;
   absl::StatusOr<ExportedSession> ExportSession(std::string_view id, std::string_view owner) const;

@@ -63,6 +63,25 @@ std::vector<SessionInfo> Engine::Impl::ListSessions(std::string_view owner) cons
   return sessions_.List(owner, now);
 }
 
+std::vector<SessionInfo> Engine::Impl::ListEverySession() const {
+  const absl::Time now = absl::Now();
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<SessionInfo> out;
+  for (const Session* s : sessions_.All(now)) out.push_back(s->Info(tiers_.get()));
+  return out;
+}
+
+absl::StatusOr<std::string> Engine::Impl::SessionOwner(std::string_view id) const {
+  const absl::Time now = absl::Now();
+  std::lock_guard<std::mutex> lock(mu_);
+  const Session* session = sessions_.Find(id, now);
+  if (session == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", absl::string_view(id.data(), id.size()), " not found"));
+  }
+  return session->owner;
+}
+
 absl::Status Engine::Impl::DeleteSession(std::string_view id, std::string_view owner) {
   const absl::Time now = absl::Now();
   std::lock_guard<std::mutex> lock(mu_);

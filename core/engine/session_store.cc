@@ -17,6 +17,7 @@ namespace subspace {
 SessionInfo Session::Info(const SessionTiers* tiers) const {
   SessionInfo info;
   info.id = id;
+  info.owner = owner;
   info.tokens = static_cast<int64_t>(tokens.size());
   info.cached_tokens = cached;
   if (tiered) {
@@ -66,24 +67,24 @@ absl::StatusOr<Session*> SessionStore::Create(absl::Duration idle_ttl, absl::Tim
   return out;
 }
 
-Session* SessionStore::Find(std::string_view id, absl::Time now) {
+const Session* SessionStore::Find(std::string_view id, absl::Time now) const {
   auto it = sessions_.find(absl::string_view(id.data(), id.size()));
   if (it == sessions_.end() || it->second->Expired(now)) return nullptr;
   return it->second.get();
 }
 
-Session* SessionStore::FindOwned(std::string_view id, std::string_view owner, absl::Time now) {
-  Session* session = Find(id, now);
-  return session != nullptr && session->owner == owner ? session : nullptr;
+Session* SessionStore::Find(std::string_view id, absl::Time now) {
+  return const_cast<Session*>(std::as_const(*this).Find(id, now));
 }
 
 const Session* SessionStore::FindOwned(std::string_view id, std::string_view owner,
                                        absl::Time now) const {
-  auto it = sessions_.find(absl::string_view(id.data(), id.size()));
-  if (it == sessions_.end() || it->second->Expired(now) || it->second->owner != owner) {
-    return nullptr;
-  }
-  return it->second.get();
+  const Session* session = Find(id, now);
+  return session != nullptr && session->owner == owner ? session : nullptr;
+}
+
+Session* SessionStore::FindOwned(std::string_view id, std::string_view owner, absl::Time now) {
+  return const_cast<Session*>(std::as_const(*this).FindOwned(id, owner, now));
 }
 
 bool SessionStore::Erase(std::string_view id, std::vector<SeqId>* seqs_to_free,

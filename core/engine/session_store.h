@@ -70,6 +70,7 @@ class SessionStore {
   // Null when unknown or expired (an expired session is as good as gone, even before the
   // engine evicts it), whoever owns it: for the engine's own bookkeeping.
   Session* Find(std::string_view id, absl::Time now);
+  const Session* Find(std::string_view id, absl::Time now) const;
   // As Find, and null too when `owner` does not own it: to a caller, another principal's
   // session is indistinguishable from one that does not exist.
   Session* FindOwned(std::string_view id, std::string_view owner, absl::Time now);

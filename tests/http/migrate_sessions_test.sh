@@ -3,7 +3,8 @@
 # server A, one of them continued there; the script moves both to server B (and off A); the
 # other one's second turn on B reuses its moved cache and gives, token for token, what the
 # second turn gave on A. A session the target refuses (a live id) stays on the source and the
-# script exits 1.
+# script exits 1. With bearer tokens, an operator token moves two principals' sessions in one run,
+# and each stays its owner's.
 #   tests/http/migrate_sessions_test.sh SERVER_BIN MODEL SCRIPT
 set -euo pipefail
 server_bin=$1 model=$2 script=$3
@@ -20,11 +21,12 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "migrate_sessions_test: $*" >&2; exit 1; }
 
-# Starts a server, prints its HTTP port.
+# Starts a server (more flags after its number), prints its HTTP port.
 start() {
   local out=$work/server$1.out
+  shift
   "$server_bin" --model "$model" --host 127.0.0.1 --port 0 --http-port 0 --metrics-port -1 \
-    --log-level warn >"$out" 2>&1 &
+    --log-level warn "$@" >"$out" 2>&1 &
   pids+=($!)
   for _ in $(seq 300); do
     if [[ $(cat "$out") =~ http\ port\ ([0-9]+) ]]; then echo "${BASH_REMATCH[1]}"; return; fi
@@ -69,4 +71,26 @@ curl -sf "$b/v1/sessions/$moved" >/dev/null
 if bash "$script" "$b" "$b" >"$work/again.out" 2>&1; then fail "a live id was imported"; fi
 grep -q 'HTTP 409' "$work/again.out" || fail "no 409: $(cat "$work/again.out")"
 curl -sf "$b/v1/sessions/$moved" >/dev/null || fail "the refused session left its source"
+
+# Two principals' sessions, moved by an operator token; each stays its owner's on the target.
+tok_a=token-a-3e8d1f0b7c2a9654 tok_b=token-b-5a0c9e2f4d1b8376 tok_ops=token-ops-7f3b2d9e0c4a1865
+printf '%s\n%s\n' "$tok_a" "$tok_b" >"$work/tokens"
+echo "$tok_ops" >"$work/operators"
+auth=(--auth-tokens "$work/tokens" --operator-tokens "$work/operators")
+c="http://127.0.0.1:$(start 3 "${auth[@]}")"
+d="http://127.0.0.1:$(start 4 "${auth[@]}")"
+as() { local t=$1; shift; curl -sf -H "Authorization: Bearer $t" "$@"; }
+owned_a=$(as "$tok_a" "$c/v1/sessions" -d '{}' | sed -n 's/.*"id":"\([^"]*\)".*/\1/p')
+owned_b=$(as "$tok_b" "$c/v1/sessions" -d '{}' | sed -n 's/.*"id":"\([^"]*\)".*/\1/p')
+[[ -n $owned_a && -n $owned_b ]] || fail "no sessions with tokens"
+if bash "$script" "$c" "$d" --token "$tok_a" >"$work/owner.out" 2>&1; then :; else
+  fail "an owner's migration: $(cat "$work/owner.out")"
+fi
+grep -q '1 moved, 0 failed' "$work/owner.out" || fail "an owner moved others': $(cat "$work/owner.out")"
+bash "$script" "$c" "$d" --token "$tok_ops" >"$work/ops.out" 2>&1 || fail "$(cat "$work/ops.out")"
+grep -q '1 moved, 0 failed' "$work/ops.out" || fail "operator migration: $(cat "$work/ops.out")"
+[[ $(as "$tok_ops" "$c/v1/sessions") != *'"id":"'* ]] || fail "sessions left on C"
+[[ $(as "$tok_a" "$d/v1/sessions") == *"\"id\":\"$owned_a\""* ]] || fail "A's session not A's on D"
+[[ $(as "$tok_b" "$d/v1/sessions") == *"\"id\":\"$owned_b\""* ]] || fail "B's session not B's on D"
+[[ $(as "$tok_b" "$d/v1/sessions") != *"$owned_a"* ]] || fail "B sees A's session on D"
 echo "migrate_sessions_test: ok"

@@ -79,6 +79,37 @@ TEST_F(AuthTest, HeaderForms) {
   }
 }
 
+TEST_F(AuthTest, OperatorTokensAreTokensWhosePrincipalsAreOperators) {
+  constexpr char kOperator[] = "ops-team-0123456789abcdef";
+  const std::string operators =
+      absl::StrCat(::testing::TempDir(), "/subspace_auth_test_", getpid(), ".operators");
+  std::ofstream(operators) << "# the on-call rotation\n" << kOperator << "\n";
+  absl::StatusOr<Authenticator> auth = Authenticator::FromFiles(Write(kTokenA), operators);
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  absl::StatusOr<std::string> user = auth->Authenticate(absl::StrCat("Bearer ", kTokenA));
+  absl::StatusOr<std::string> op = auth->Authenticate(absl::StrCat("Bearer ", kOperator));
+  ASSERT_TRUE(user.ok()) << user.status();
+  ASSERT_TRUE(op.ok()) << op.status();
+  EXPECT_FALSE(auth->IsOperator(*user));
+  EXPECT_TRUE(auth->IsOperator(*op));
+  EXPECT_FALSE(auth->IsOperator(""));
+  EXPECT_FALSE(Authenticator::FromFile(Write(kTokenA))->IsOperator(*op));
+
+  // The same token in both files would be two principals: refused, naming both places.
+  std::ofstream(operators) << kTokenB << "\n" << kTokenA << "\n";
+  absl::StatusOr<Authenticator> twice = Authenticator::FromFiles(Write(kTokenA), operators);
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(twice.status().message(),
+                                "--operator-tokens: " + operators +
+                                    " line 2: the token repeats the one on --auth-tokens's line 1"))
+      << twice.status();
+  std::ofstream(operators) << "# nobody\n";
+  EXPECT_TRUE(
+      absl::StrContains(Authenticator::FromFiles(Write(kTokenA), operators).status().message(),
+                        "--operator-tokens: " + operators + " holds no token"));
+  std::remove(operators.c_str());
+}
+
 TEST_F(AuthTest, OffLetsEveryoneInAnonymously) {
   const Authenticator off;
   EXPECT_FALSE(off.enabled());

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -46,6 +47,7 @@ using ::subspace::testing::TestServerConfig;
 constexpr int kServing = 1;
 constexpr char kTokenA[] = "token-a-6b1f0c9e2d7a4f38";
 constexpr char kTokenB[] = "token-b-93e5a0d4c1b87f26";
+constexpr char kOperatorToken[] = "token-ops-0d9c4b71e2a5f863";
 constexpr auto kCallTimeout = std::chrono::seconds(20);
 
 struct ProgramResult {
@@ -313,13 +315,17 @@ class SecurityTest : public ::testing::Test {
   }
 
   void StartServer(server::TlsConfig tls, bool auth) {
+    absl::StatusOr<std::unique_ptr<server::ServerApp>> app =
+        server::ServerApp::Start(Config(std::move(tls), auth));
+    ASSERT_TRUE(app.ok()) << app.status();
+    app_ = *std::move(app);
+  }
+  static server::ServerAppConfig Config(server::TlsConfig tls, bool auth) {
     server::ServerAppConfig config = TestServerConfig();
     config.http_port = 0;  // the HTTP API takes the same TLS files and tokens
     config.tls = std::move(tls);
     if (auth) config.auth_tokens_path = Path("tokens");
-    absl::StatusOr<std::unique_ptr<server::ServerApp>> app = server::ServerApp::Start(config);
-    ASSERT_TRUE(app.ok()) << app.status();
-    app_ = *std::move(app);
+    return config;
   }
 
   // A channel of its own (no subchannel shared with another test's failed handshake).
@@ -512,6 +518,78 @@ TEST_F(SecurityTest, SessionsBelongToTheTokenThatCreatedThem) {
   EXPECT_EQ(a.Import(snapshot).error_code(), grpc::StatusCode::ALREADY_EXISTS);
   EXPECT_TRUE(a.DeleteSession(*session).ok());
   EXPECT_TRUE(b.DeleteSession(*b_session).ok());
+}
+
+// An operator token (--operator-tokens) moves every principal's sessions from one replica to
+// another; each stays its owner's, and the operator cannot generate in them.
+TEST_F(SecurityTest, OperatorTokensMoveEveryPrincipalsSessions) {
+  std::ofstream(Path("operators")) << kOperatorToken << "\n";
+  server::ServerAppConfig config = Config(server::TlsConfig(), /*auth=*/true);
+  config.operator_tokens_path = Path("operators");
+  absl::StatusOr<std::unique_ptr<server::ServerApp>> source = server::ServerApp::Start(config);
+  absl::StatusOr<std::unique_ptr<server::ServerApp>> target = server::ServerApp::Start(config);
+  ASSERT_TRUE(source.ok() && target.ok());
+  const auto channel_to = [](const std::unique_ptr<server::ServerApp>& app) {
+    return grpc::CreateChannel(absl::StrCat("127.0.0.1:", app->port()),
+                               grpc::InsecureChannelCredentials());
+  };
+  Caller a(channel_to(*source), kTokenA);
+  Caller b(channel_to(*source), kTokenB);
+  Caller ops(channel_to(*source), kOperatorToken);
+  absl::StatusOr<std::string> a_session = a.CreateSession();
+  absl::StatusOr<std::string> b_session = b.CreateSession();
+  ASSERT_TRUE(a_session.ok() && b_session.ok());
+  v1::GenerateRequest on_a = TextRequest("the first turn of a", 3);
+  on_a.set_session_id(*a_session);
+  v1::GenerateResponse response;
+  ASSERT_TRUE(a.Generate(on_a, &response).ok());
+
+  // The operator sees both; a principal still sees only its own.
+  std::vector<std::string> listed = ops.ListSessions();
+  std::sort(listed.begin(), listed.end());
+  std::vector<std::string> both = {*a_session, *b_session};
+  std::sort(both.begin(), both.end());
+  EXPECT_EQ(listed, both);
+  EXPECT_EQ(a.ListSessions(), std::vector<std::string>{*a_session});
+  EXPECT_TRUE(ops.GetSession(*a_session).ok());
+  // It manages them, but does not generate in them: to it, A's session is still not there.
+  EXPECT_EQ(ops.Generate(on_a, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // Moved: exported from the source, imported into the target, deleted on the source.
+  Caller ops_target(channel_to(*target), kOperatorToken);
+  for (const std::string& id : both) {
+    std::string snapshot;
+    ASSERT_TRUE(ops.Export(id, &snapshot).ok()) << id;
+    const grpc::Status imported = ops_target.Import(snapshot);
+    ASSERT_TRUE(imported.ok()) << imported.error_message();
+    EXPECT_TRUE(ops.DeleteSession(id).ok()) << id;
+  }
+  EXPECT_TRUE(ops.ListSessions().empty());
+  EXPECT_EQ(a.GetSession(*a_session).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // On the target each is its owner's: A continues on its cached history, B cannot see it.
+  Caller a_target(channel_to(*target), kTokenA);
+  Caller b_target(channel_to(*target), kTokenB);
+  EXPECT_EQ(a_target.ListSessions(), std::vector<std::string>{*a_session});
+  EXPECT_EQ(b_target.ListSessions(), std::vector<std::string>{*b_session});
+  EXPECT_EQ(b_target.GetSession(*a_session).error_code(), grpc::StatusCode::NOT_FOUND);
+  on_a.set_text(" the second turn of a");
+  const grpc::Status again = a_target.Generate(on_a, &response);
+  ASSERT_TRUE(again.ok()) << again.error_message();
+  EXPECT_GT(response.usage().reused_tokens(), 0u);
+  (*source)->Shutdown();
+  (*target)->Shutdown();
+}
+
+// An operator token is refused without --auth-tokens (every call would be anonymous).
+TEST_F(SecurityTest, OperatorTokensNeedAuthTokens) {
+  std::ofstream(Path("operators")) << kOperatorToken << "\n";
+  server::ServerAppConfig config = Config(server::TlsConfig(), /*auth=*/false);
+  config.operator_tokens_path = Path("operators");
+  absl::StatusOr<std::unique_ptr<server::ServerApp>> app = server::ServerApp::Start(config);
+  EXPECT_EQ(app.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(app.status().message(), "--operator-tokens needs --auth-tokens"))
+      << app.status();
 }
 
 TEST_F(SecurityTest, ClientLibraryOverMutualTlsWithAToken) {

@@ -235,7 +235,22 @@ TEST(EngineTest, SessionsBelongToTheirOwner) {
   EXPECT_EQ(info->tokens, 5);
   ASSERT_EQ(engine->ListSessions("alice").size(), 1u);
   EXPECT_EQ(engine->ListSessions("alice")[0].id, mine->id);
+  EXPECT_EQ(engine->ListSessions("alice")[0].owner, "alice");
+
+  // What an operator sees (server/session_access.h): every owner's sessions, and whose each is.
+  absl::StatusOr<SessionInfo> bobs = engine->CreateSession(absl::ZeroDuration(), {}, "bob");
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  const std::vector<SessionInfo> every = engine->ListEverySession();
+  ASSERT_EQ(every.size(), 2u);
+  EXPECT_LT(every[0].id, every[1].id);  // by id
+  for (const SessionInfo& s : every) {
+    EXPECT_EQ(s.owner, s.id == mine->id ? "alice" : "bob") << s.id;
+    EXPECT_EQ(engine->SessionOwner(s.id).value_or("?"), s.owner);
+  }
+  EXPECT_EQ(engine->SessionOwner(unknown).status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(engine->DeleteSession(mine->id, "alice").ok());
+  EXPECT_EQ(engine->SessionOwner(mine->id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(engine->DeleteSession(bobs->id, "bob").ok());
 }
 
 TEST(EngineTest, SessionErrors) {
