@@ -87,7 +87,9 @@ DeviceTransformKvCache::DeviceTransformKvCache(const DeviceTransformKvCacheConfi
              .shared_table = true,
              .headroom = kCodingHeadroom,
              .block_bytes = pool_->block_bytes() * config.geometry.n_layers},
-            pool_.get()) {
+            pool_.get()),
+      image_format_(config.geometry, config.block_size, config.sink_tokens, config.window_tokens,
+                    config.pre_rope_keys, *config.key_codes, *config.value_codes) {
   policy_.sink_tokens = config.sink_tokens;
   policy_.window_tokens = config.window_tokens;
   for (size_t l = 0; l < layouts_.size(); ++l) {
@@ -97,14 +99,6 @@ DeviceTransformKvCache::DeviceTransformKvCache(const DeviceTransformKvCacheConfi
   }
   slab_class_ = slabs_.AddClass(layouts_[static_cast<size_t>(widest_layer_)].slot_bytes);
   assert(slab_class_ >= 0);
-  const KvCacheGeometry& g = config_.geometry;
-  for (int l = 0; l < g.n_layers; ++l) {
-    coded_bytes_.push_back(TransformCodedBlockBytes(*config_.key_codes, *config_.value_codes, l,
-                                                    g.n_kv_heads, config_.block_size));
-  }
-  image_layout_ =
-      TransformImageLayout(g, config_.block_size, config_.sink_tokens, config_.window_tokens,
-                           config_.pre_rope_keys, *config_.key_codes, *config_.value_codes);
 }
 
 // --- Sequences -----------------------------------------------------------------------------
@@ -283,38 +277,40 @@ absl::StatusOr<std::string> DeviceTransformKvCache::ExportSequence(SeqId seq) co
   const KvCacheGeometry& g = config_.geometry;
   const int bs = config_.block_size;
   const int64_t hd = g.head_dim;
-  ImageWriter w;
-  w.Bytes(image_layout_);
-  w.I64(s->length);
-  w.I64(s->next_compress);
-  const int64_t blocks = CeilDiv(s->length, int64_t{bs});
+  TransformImage image;
+  image.length = s->length;
+  image.next_compress = s->next_compress;
+  image.blocks = CeilDiv(s->length, int64_t{bs});
   std::vector<uint8_t> page(static_cast<size_t>(layouts_[0].page_bytes));
   for (int l = 0; l < g.n_layers; ++l) {
     const kernels::KvPoolLayout& lay = layouts_[static_cast<size_t>(l)];
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = 0; b < image.blocks; ++b) {
       const Block& e = s->tables[0][static_cast<size_t>(b)];
+      std::string bytes;
       if (e.slot != kernels::kFullBlock) {
-        const auto n = static_cast<size_t>(coded_bytes_[static_cast<size_t>(l)]);
-        if (absl::Status st = store_->Read(l, lay.Slot(e.page, e.slot), {page.data(), n});
+        bytes.resize(static_cast<size_t>(image_format_.coded_bytes(l)));
+        if (absl::Status st =
+                store_->Read(l, lay.Slot(e.page, e.slot),
+                             {reinterpret_cast<uint8_t*>(bytes.data()), bytes.size()});
             !st.ok()) {
           return st;
         }
-        w.U8(static_cast<uint8_t>(TransformImageBlock::kCoded));
-        w.Raw(page.data(), n);
+        image.parts.push_back({true, image.Own(std::move(bytes))});
         continue;
       }
       if (absl::Status st = store_->Read(l, lay.Page(e.page), page); !st.ok()) return st;
-      w.U8(static_cast<uint8_t>(TransformImageBlock::kFull));
       const int64_t valid = std::min<int64_t>(bs, s->length - b * bs);
       for (int side = 0; side < 2; ++side) {
         for (int h = 0; h < g.n_kv_heads; ++h) {
-          w.Raw(page.data() + (side == 0 ? lay.FullK(0, h) : lay.FullV(0, h)),
-                static_cast<size_t>(valid * hd * 2));
+          bytes.append(reinterpret_cast<const char*>(page.data()) +
+                           (side == 0 ? lay.FullK(0, h) : lay.FullV(0, h)),
+                       static_cast<size_t>(valid * hd * 2));
         }
       }
+      image.parts.push_back({false, image.Own(std::move(bytes))});
     }
   }
-  return w.Take();
+  return image_format_.Write(image, /*entropy_coded=*/false);
 }
 
 absl::StatusOr<SeqId> DeviceTransformKvCache::ImportSequence(std::string_view image) {
@@ -322,8 +318,13 @@ absl::StatusOr<SeqId> DeviceTransformKvCache::ImportSequence(std::string_view im
   const int bs = config_.block_size;
   const int64_t hd = g.head_dim;
   // Every block read and checked before a page is taken: a corrupt image changes nothing.
-  absl::StatusOr<TransformImage> read =
-      ReadTransformImage(image, image_layout_, g, bs, coded_bytes_);
+  // At most every page's slots, in every layer: what the pool could hold.
+  const int64_t max_blocks =
+      pool_->num_blocks() *
+      std::max<int64_t>(
+          layouts_[0].page_bytes / layouts_[static_cast<size_t>(widest_layer_)].slot_bytes, 1) *
+      g.n_layers;
+  absl::StatusOr<TransformImage> read = image_format_.Read(image, max_blocks);
   if (!read.ok()) return read.status();
   const int64_t blocks = read->blocks;
   const auto part = [&](int l, int64_t b) -> const TransformImage::Part& {

@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "core/compress/compression_policy.h"
 #include "core/compress/transform_codec.h"
+#include "core/compress/transform_image.h"
 #include "core/kvcache/block_pool.h"
 #include "core/kvcache/kv_cache.h"
 #include "core/kvcache/sequence_manager.h"
@@ -92,7 +93,10 @@ class DeviceTransformKvCache final : public DeviceKvCache {
   // model, codec and policy agree. Export issues queued codings first and reads through the
   // store. Import refuses (FAILED_PRECONDITION) an image whose block is coded in some layers
   // only: one table serves every layer here.
-  std::string ImageLayout() const override { return image_layout_; }
+  std::string ImageLayout() const override { return image_format_.layout(); }
+  absl::StatusOr<std::string> CompactImage(std::string_view image) const override {
+    return image_format_.Compact(image);
+  }
   absl::StatusOr<std::string> ExportSequence(SeqId seq) const override;
   absl::StatusOr<SeqId> ImportSequence(std::string_view image) override;
 
@@ -141,8 +145,7 @@ class DeviceTransformKvCache final : public DeviceKvCache {
   Sequences seqs_;
   int64_t blocks_coded_ = 0;
   int64_t codings_deferred_ = 0;
-  std::vector<int64_t> coded_bytes_;  // [n_layers] payload of a coded block
-  std::string image_layout_;
+  TransformImageFormat image_format_;  // of this cache's images
   // Queued codings; their full pages are freed once the batch is issued.
   std::vector<int32_t> pending_src_, pending_dst_page_, pending_dst_slot_, pending_first_;
 };

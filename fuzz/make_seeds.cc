@@ -163,6 +163,9 @@ void SnapshotSeeds(const std::filesystem::path& dir) {
   FillSequence(*transform, t, 22);  // sinks, coded blocks, the window, a partial block
   const std::string transform_image = *transform->ExportSequence(t);
   Write(dir / "transform.image", std::string(1, '\3') + transform_image);
+  // The storage form (range-coded codes) too: the decoder's input.
+  Write(dir / "transform_compact.image",
+        std::string(1, '\3') + *transform->CompactImage(transform_image));
   s.cache = transform_image;
   s.cache_layout = transform->ImageLayout();
   Write(dir / "transform.session",

@@ -157,12 +157,11 @@ TransformKvCache::TransformKvCache(const TransformKvCacheConfig& config,
       seqs_({.n_layers = config.geometry.n_layers,
              .block_size = config.block_size,
              .block_bytes = pool_->block_bytes()},
-            pool_.get()) {
+            pool_.get()),
+      image_format_(config.geometry, config.block_size, config.sink_tokens, config.window_tokens,
+                    config.key_rope.has_value(), *config.key_codes, *config.value_codes) {
   policy_.sink_tokens = config.sink_tokens;
   policy_.window_tokens = config.window_tokens;
-  image_layout_ = TransformImageLayout(config_.geometry, config_.block_size, config_.sink_tokens,
-                                       config_.window_tokens, config_.key_rope.has_value(),
-                                       *config_.key_codes, *config_.value_codes);
   if (config_.key_rope.has_value()) {
     // Rotating by -p with the scale divided out undoes the rotation by p.
     key_unrope_ = *config_.key_rope;

@@ -50,6 +50,7 @@
 #include "core/compress/compression_policy.h"
 #include "core/compress/refresher.h"
 #include "core/compress/transform_codec.h"
+#include "core/compress/transform_image.h"
 #include "core/kvcache/block_pool.h"
 #include "core/kvcache/kv_cache.h"
 #include "core/kvcache/sequence_manager.h"
@@ -86,42 +87,6 @@ absl::Status CheckTransformCacheCodes(
 // threshold), with valid fields.
 absl::Status CheckTransformRefreshConfig(const RefreshConfig& refresh);
 
-// --- Images of the transform-coded caches (TransformKvCache here, the CUDA backend's
-// DeviceTransformKvCache), one format for both, so a session moves between them: after the
-// layout line and the committed length, `next_compress` (where the next Commit's coding
-// starts), then per layer and per block a kind byte: 0, a full block, its committed rows (per
-// KV head keys, then per KV head values, fp16, [valid, head_dim] each); 1, a coded block, its
-// codes as stored (CodedRunLayout runs, every head's keys then every head's values).
-
-// The layout line: geometry, block size, sinks and window, where keys are coded, and a
-// checksum of every code's numbers.
-std::string TransformImageLayout(const KvCacheGeometry& geometry, int block_size, int sink_tokens,
-                                 int window_tokens, bool pre_rope_keys,
-                                 const std::vector<TransformCode>& key_codes,
-                                 const std::vector<TransformCode>& value_codes);
-// Bytes of one coded block of `layer` (before any slab rounding).
-int64_t TransformCodedBlockBytes(const std::vector<TransformCode>& key_codes,
-                                 const std::vector<TransformCode>& value_codes, int layer,
-                                 int n_kv_heads, int block_size);
-
-enum class TransformImageBlock : uint8_t { kFull = 0, kCoded = 1 };
-// An image read and checked: every block's kind and bytes, [layer * blocks + b].
-struct TransformImage {
-  int64_t length = 0;
-  int64_t next_compress = 0;
-  int64_t blocks = 0;  // per layer
-  struct Part {
-    bool coded = false;
-    std::string_view bytes;  // into the image: full rows [2][n_kv][valid, head_dim], or codes
-  };
-  std::vector<Part> parts;
-};
-// DATA_LOSS for a corrupt image, FAILED_PRECONDITION for another layout line. coded_bytes:
-// [n_layers] the caches' TransformCodedBlockBytes.
-absl::StatusOr<TransformImage> ReadTransformImage(std::string_view image, std::string_view layout,
-                                                  const KvCacheGeometry& geometry, int block_size,
-                                                  std::span<const int64_t> coded_bytes);
-
 // Beyond KvCacheStats (tests, benchmarks).
 struct TransformKvCacheDetail {
   int64_t pages_full = 0;
@@ -145,6 +110,9 @@ class TransformKvCache final : public KvCache {
   // components of the key and value codes of ceil(B x width / 8) bytes (before the slab's
   // 16-byte rounding). A slot's size; refreshed epochs fit in it.
   int64_t CodedBlockBytes(int layer) const;
+  // Block-layers the pool could hold at most (its pages, each of the most slots a layer fits):
+  // the bound an image's decoded codes are read under.
+  int64_t MaxImageBlocks() const;
 
   const KvCacheGeometry& geometry() const override { return config_.geometry; }
   int block_size() const override { return config_.block_size; }
@@ -180,6 +148,9 @@ class TransformKvCache final : public KvCache {
   // with online refresh, or with blocks of a refreshed epoch, has no image yet
   // (FAILED_PRECONDITION).
   std::string ImageLayout() const override;
+  absl::StatusOr<std::string> CompactImage(std::string_view image) const override {
+    return image_format_.Compact(image);
+  }
   absl::StatusOr<std::string> ExportSequence(SeqId seq) const override;
   absl::StatusOr<SeqId> ImportSequence(std::string_view image) override;
   TransformKvCacheDetail Detail() const;
@@ -326,8 +297,8 @@ class TransformKvCache final : public KvCache {
   std::unique_ptr<BlockPool> pool_;
   SlabAllocator slabs_;
   std::vector<int> slab_class_;  // [n_layers]
-  std::string image_layout_;     // TransformImageLayout of this cache
   Sequences seqs_;
+  TransformImageFormat image_format_;  // of this cache's images
 };
 
 }  // namespace subspace

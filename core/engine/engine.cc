@@ -640,6 +640,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineConfig config,
   if (config.session_tiers.enabled()) {
     // A tier's file holds at most a session's share of the pool (plus its bases).
     config.session_tiers.max_image_bytes = 2 * cache->Stats().bytes_total + (int64_t{256} << 20);
+    // Disk entries in the cache's storage form, made by the tiers' writer (CompactImage is
+    // thread-safe; the tiers are destroyed, their writer joined, before the cache).
+    config.session_tiers.compact_image = [c = cache.get()](std::string_view image) {
+      return c->CompactImage(image);
+    };
     absl::StatusOr<std::unique_ptr<SessionTiers>> made = SessionTiers::Create(config.session_tiers);
     if (!made.ok()) return made.status();
     tiers = *std::move(made);

@@ -57,6 +57,8 @@ class Engine::Impl {
   absl::Status DeleteSession(std::string_view id, std::string_view owner);
   absl::StatusOr<std::vector<ExportedSession>> ExportSessions(absl::Time changed_since) const;
   absl::StatusOr<ExportedSession> ExportSession(std::string_view id, std::string_view owner) const;
+  // An exported image in the cache's storage form (KvCacheBase::CompactImage).
+  void CompactExported(ExportedSession& e) const;
   absl::StatusOr<ImportedSession> ImportSession(const SessionImage& image);
   bool Drain(absl::Duration timeout);
   bool draining() const;

@@ -226,6 +226,19 @@ absl::StatusOr<SessionImage> SessionTiers::Get(std::string_view id) const {
   return ReadFile(id);
 }
 
+std::string SessionTiers::Encode(const SessionImage& image) const {
+  if (options_.compact_image != nullptr && !image.cache.empty()) {
+    absl::StatusOr<std::string> compact = options_.compact_image(image.cache);
+    if (compact.ok()) {
+      SessionImage copy = image;
+      copy.cache = *std::move(compact);
+      return EncodeSessionSnapshot(copy, options_.identity);
+    }
+    // Not the cache's own image (it cannot be): written as it is, which imports the same.
+  }
+  return EncodeSessionSnapshot(image, options_.identity);
+}
+
 absl::StatusOr<SessionImage> SessionTiers::ReadFile(std::string_view id) const {
   absl::StatusOr<std::string> bytes =
       dir_->Read(dir_->PathOf(id), static_cast<uint64_t>(options_.max_image_bytes));
@@ -296,7 +309,7 @@ void SessionTiers::Writer() {
       if (it != entries_.end() && it->second.generation == task.generation && it->second.spilling) {
         writing_ = true;
         lock.unlock();
-        const std::string bytes = EncodeSessionSnapshot(*task.image, options_.identity);
+        const std::string bytes = Encode(*task.image);
         const absl::Status written = dir_->Write(task.id, bytes);
         task.image.reset();
         lock.lock();

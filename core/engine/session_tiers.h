@@ -19,6 +19,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -41,6 +42,9 @@ struct SessionTierOptions {
   // The largest file, and section in it, a disk entry may have: anything larger is damaged and
   // must not become an allocation (the engine sets it from its pool's size).
   int64_t max_image_bytes = int64_t{1} << 32;
+  // A cache image in its storage form (KvCacheBase::CompactImage), made on the writer thread
+  // before a disk entry is written; null: as the host tier holds it.
+  std::function<absl::StatusOr<std::string>(std::string_view)> compact_image;
   bool enabled() const { return host_bytes > 0 || (!disk_dir.empty() && disk_bytes > 0); }
 };
 
@@ -126,6 +130,8 @@ class SessionTiers {
   // Whether the entry of `id` is on disk (then the file is its own).
   bool OnDiskLocked(std::string_view id) const;
   absl::StatusOr<SessionImage> ReadFile(std::string_view id) const;
+  // A disk entry's bytes: the snapshot of `image`, its cache image compacted when it can be.
+  std::string Encode(const SessionImage& image) const;
   void Writer();
 
   const SessionTierOptions options_;

@@ -132,6 +132,13 @@ class KvCacheBase {
     (void)seq;
     return absl::UnimplementedError("this KV cache cannot export a sequence");
   }
+  // `image` (an ExportSequence of a cache with this ImageLayout) in its storage form: smaller,
+  // slower to make, for disk and the network (the transform-coded caches range-code their
+  // codes); ImportSequence takes both forms. Thread-safe: it may run beside any other call.
+  // Default: the image as it is.
+  virtual absl::StatusOr<std::string> CompactImage(std::string_view image) const {
+    return std::string(image);
+  }
   // A new sequence from an image of a cache with this ImageLayout. DATA_LOSS for a corrupt
   // image, FAILED_PRECONDITION for another layout, RESOURCE_EXHAUSTED when the pool is short;
   // nothing changes on failure.

@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "core/compress/transform_kv_cache.h"
-#include "core/kvcache/sequence_image.h"
 #include "cuda/device_transform_kv_cache.h"
 #include "cuda/rope_table.h"
 #include "cuda/transform_tables.h"
@@ -229,9 +228,19 @@ TEST_P(DeviceTransformKvCacheHostTest, ImagesMoveBetweenTheCpuAndTheDeviceCache)
   absl::StatusOr<std::string> back = (*cpu)->ExportSequence(*on_cpu);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, *image);
+  // The storage form (range-coded codes) is one format too: either cache makes the same bytes,
+  // and each imports it as the stored form.
+  absl::StatusOr<std::string> compact = cache.CompactImage(*image);
+  ASSERT_TRUE(compact.ok()) << compact.status();
+  EXPECT_EQ(*(*cpu)->CompactImage(*image), *compact);
+  EXPECT_NE(*compact, *image);
+  absl::StatusOr<SeqId> from_compact = (*cpu)->ImportSequence(*compact);
+  ASSERT_TRUE(from_compact.ok()) << from_compact.status();
+  EXPECT_EQ(*(*cpu)->ExportSequence(*from_compact), *image);
+  ASSERT_TRUE((*cpu)->FreeSequence(*from_compact).ok());
 
   const DeviceTransformKvCacheDetail before = cache.Detail();
-  absl::StatusOr<SeqId> again = cache.ImportSequence(*back);
+  absl::StatusOr<SeqId> again = cache.ImportSequence(*compact);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(cache.Length(*again), 100);
   EXPECT_EQ(cache.Detail().blocks_coded, 6);
@@ -253,22 +262,21 @@ TEST_P(DeviceTransformKvCacheHostTest, ImagesMoveBetweenTheCpuAndTheDeviceCache)
   EXPECT_EQ(cache.ImportSequence(*(*other)->ExportSequence(o)).status().code(),
             absl::StatusCode::kFailedPrecondition);
   // A block coded in one layer only: the CPU cache's format allows it, one table does not.
-  ImageWriter w;
-  w.Bytes(cache.ImageLayout());
-  w.I64(32);
-  w.I64(2);
+  const DeviceTransformKvCacheConfig& dc = s.config;
+  const TransformImageFormat format(dc.geometry, dc.block_size, dc.sink_tokens, dc.window_tokens,
+                                    dc.pre_rope_keys, *dc.key_codes, *dc.value_codes);
+  ASSERT_EQ(format.layout(), cache.ImageLayout());
+  TransformImage mixed;
+  mixed.length = 32;
+  mixed.next_compress = 2;
+  mixed.blocks = 2;
   const std::string full_rows(static_cast<size_t>(2 * 2 * kBlock * 64 * 2), '\0');
-  const int64_t coded0 =
-      TransformCodedBlockBytes(*s.config.key_codes, *s.config.value_codes, 0, 2, kBlock);
-  w.U8(0);
-  w.Raw(full_rows.data(), full_rows.size());
-  w.U8(1);
-  w.Raw(std::string(static_cast<size_t>(coded0), '\0').data(), static_cast<size_t>(coded0));
-  for (int b = 0; b < 2; ++b) {
-    w.U8(0);
-    w.Raw(full_rows.data(), full_rows.size());
+  const std::string codes(static_cast<size_t>(format.coded_bytes(0)), '\0');
+  mixed.parts = {{false, full_rows}, {true, codes}, {false, full_rows}, {false, full_rows}};
+  for (bool entropy_coded : {false, true}) {
+    EXPECT_EQ(cache.ImportSequence(format.Write(mixed, entropy_coded)).status().code(),
+              absl::StatusCode::kFailedPrecondition);
   }
-  EXPECT_EQ(cache.ImportSequence(w.Take()).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(cache.Detail().pages_full, before.pages_full);
   EXPECT_EQ(cache.Stats().sequences, 1);
 }

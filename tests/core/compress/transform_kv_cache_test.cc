@@ -295,6 +295,16 @@ TEST_P(TransformKvCacheVariantTest, ImageRestoresTheSequenceBitwise) {
   }
   EXPECT_EQ(g.cache->Stats().bytes_used_compressed, f.cache->Stats().bytes_used_compressed);
   ExpectSameAttention(f, seq, g, *copy, 36, 1, 21);
+  // The storage form (codes range-coded) restores the same sequence: its image is the stored
+  // form's, byte for byte.
+  absl::StatusOr<std::string> compact = f.cache->CompactImage(*image);
+  ASSERT_TRUE(compact.ok()) << compact.status();
+  EXPECT_NE(*compact, *image);
+  EXPECT_EQ(*g.cache->CompactImage(*compact), *compact);  // already compact: as it is
+  absl::StatusOr<SeqId> from_compact = g.cache->ImportSequence(*compact);
+  ASSERT_TRUE(from_compact.ok()) << from_compact.status();
+  EXPECT_EQ(*g.cache->ExportSequence(*from_compact), *image);
+  ASSERT_TRUE(g.cache->FreeSequence(*from_compact).ok());
 
   // The same tokens on both: coding continues where it was.
   std::mt19937 rng_f(9), rng_g(9);
@@ -326,6 +336,15 @@ TEST(TransformKvCacheTest, ImportRefusesDamagedOrForeignImagesAndLeaksNothing) {
         << cut;
   }
   EXPECT_EQ(g.cache->ImportSequence(image + "x").status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(g.cache->CompactImage(image.substr(0, image.size() / 2)).status().code(),
+            absl::StatusCode::kDataLoss);
+  const std::string compact = *f.cache->CompactImage(image);
+  for (size_t cut : {size_t{50}, compact.size() / 2, compact.size() - 1}) {
+    EXPECT_EQ(g.cache->ImportSequence(compact.substr(0, cut)).status().code(),
+              absl::StatusCode::kDataLoss)
+        << cut;
+  }
+  EXPECT_EQ(g.cache->ImportSequence(compact + "x").status().code(), absl::StatusCode::kDataLoss);
   // Another codec (fitted on other rows): its codes mean other numbers here.
   Fixture other = Make(40, 12);
   EXPECT_EQ(other.cache->ImportSequence(image).status().code(),
@@ -334,6 +353,8 @@ TEST(TransformKvCacheTest, ImportRefusesDamagedOrForeignImagesAndLeaksNothing) {
   // A pool too small for the sequence's pages.
   Fixture small = Make(40, 11, {}, /*pages=*/kLayers * 3);
   EXPECT_EQ(small.cache->ImportSequence(image).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(small.cache->ImportSequence(compact).status().code(),
             absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(small.cache->pool().num_free(), small.cache->pool().num_blocks());
   EXPECT_EQ(g.cache->pool().num_free(), free_before);
