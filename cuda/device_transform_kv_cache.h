@@ -88,8 +88,8 @@ class DeviceTransformKvCache final : public DeviceKvCache {
   KvCacheStats Stats() const override { return seqs_.Stats(config_.geometry); }
   DeviceTransformKvCacheDetail Detail() const;
 
-  // Images (session snapshots, tiers) in TransformKvCache's format and layout line
-  // (core/compress/transform_kv_cache.h): a session moves between this cache and the CPU's when
+  // Images (session snapshots, tiers) in the transform caches' one format and layout line
+  // (core/compress/transform_image.h): a session moves between this cache and the CPU's when
   // model, codec and policy agree. Export issues queued codings first and reads through the
   // store. Import refuses (FAILED_PRECONDITION) an image whose block is coded in some layers
   // only: one table serves every layer here.
