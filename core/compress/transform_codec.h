@@ -68,6 +68,20 @@ struct CodedRunLayout {
   int active() const { return static_cast<int>(components.size()); }
 };
 CodedRunLayout LayOutCodedRun(const TransformCode& code, int block_size);
+// One component's codes in a run: B codes of `bits` bits packed LSB-first from `codes` (the
+// run plus the component's byte_at). ORs code t in (the run starts zeroed), or reads it.
+inline void PutRunCode(uint8_t* codes, int bits, int t, uint32_t code) {
+  const int at = t * bits;
+  const uint32_t shifted = code << (at & 7);  // at most 15 bits: two bytes
+  codes[at >> 3] |= static_cast<uint8_t>(shifted);
+  if ((at & 7) + bits > 8) codes[(at >> 3) + 1] |= static_cast<uint8_t>(shifted >> 8);
+}
+inline uint32_t RunCode(const uint8_t* codes, int bits, int t) {
+  const int at = t * bits;
+  uint32_t v = codes[at >> 3] >> (at & 7);
+  if ((at & 7) + bits > 8) v |= static_cast<uint32_t>(codes[(at >> 3) + 1]) << (8 - (at & 7));
+  return v & ((1u << bits) - 1u);
+}
 
 struct FittedQuantizer {
   ComponentQuantizer quantizer;

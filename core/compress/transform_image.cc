@@ -56,23 +56,6 @@ class CodeModel {
   std::vector<AdaptiveBit> tree_;  // [8 contexts][2^bits nodes]
 };
 
-// Code t of a run's component at `byte_at` with `bits` bits (LSB-first, B codes packed).
-uint32_t CodeAt(const uint8_t* run, int64_t byte_at, int bits, int t) {
-  const uint8_t* p = run + byte_at;
-  const int at = t * bits;
-  uint32_t v = p[at >> 3] >> (at & 7);
-  if ((at & 7) + bits > 8) v |= static_cast<uint32_t>(p[(at >> 3) + 1]) << (8 - (at & 7));
-  return v & ((1u << bits) - 1u);
-}
-
-void PutCode(uint8_t* run, int64_t byte_at, int bits, int t, uint32_t code) {
-  uint8_t* p = run + byte_at;
-  const int at = t * bits;
-  const uint32_t shifted = code << (at & 7);
-  p[at >> 3] |= static_cast<uint8_t>(shifted);
-  if ((at & 7) + bits > 8) p[(at >> 3) + 1] |= static_cast<uint8_t>(shifted >> 8);
-}
-
 }  // namespace
 
 int64_t TransformCodedBlockBytes(const std::vector<TransformCode>& key_codes,
@@ -176,7 +159,7 @@ std::string TransformImageFormat::Write(const TransformImage& image, bool entrop
           if (!part(l, b).coded) continue;
           const auto* block = reinterpret_cast<const uint8_t*>(part(l, b).bytes.data()) + run.at;
           for (int t = 0; t < block_size_; ++t) {
-            const uint32_t code = CodeAt(block, run.byte_at[a], run.bits[a], t);
+            const uint32_t code = RunCode(block + run.byte_at[a], run.bits[a], t);
             enc.EncodeSymbol(model.Tree(), run.bits[a], code);
             model.Saw(code);
           }
@@ -313,7 +296,7 @@ absl::StatusOr<TransformImage> TransformImageFormat::Read(std::string_view image
           uint8_t* block = blocks + c * layer.bytes + run.at;
           for (int t = 0; t < bs; ++t) {
             const uint32_t code = dec.DecodeSymbol(model.Tree(), run.bits[a]);
-            PutCode(block, run.byte_at[a], run.bits[a], t, code);
+            PutRunCode(block + run.byte_at[a], run.bits[a], t, code);
             model.Saw(code);
           }
         }

@@ -408,11 +408,7 @@ void TransformKvCache::EncodeRows(const DecodeTable& table, float* rows, uint8_t
         .bits = table.bits[i], .offset = table.offset[i], .step = table.step[i]};
     uint8_t* dst = run + table.byte_at[i];
     for (int t = 0; t < bs; ++t) {
-      const uint32_t code = q.Encode(coeffs[static_cast<size_t>(t * active + a)]);
-      const int at = t * q.bits;
-      const uint32_t shifted = code << (at & 7);  // at most 15 bits: two bytes
-      dst[at >> 3] |= static_cast<uint8_t>(shifted);
-      if ((at & 7) + q.bits > 8) dst[(at >> 3) + 1] |= static_cast<uint8_t>(shifted >> 8);
+      PutRunCode(dst, q.bits, t, q.Encode(coeffs[static_cast<size_t>(t * active + a)]));
     }
   }
 }

@@ -10,7 +10,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -33,6 +32,7 @@
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
 #include "tests/server/server_test_util.h"
+#include "tests/server/token_caller.h"
 
 extern char** environ;
 
@@ -43,11 +43,12 @@ using ::subspace::testing::HealthCheck;
 using ::subspace::testing::ReflectionListServices;
 using ::subspace::testing::StringToByteBuffer;
 using ::subspace::testing::TestServerConfig;
+using ::subspace::testing::TextRequest;
+using Caller = ::subspace::testing::TokenCaller;
 
 constexpr int kServing = 1;
 constexpr char kTokenA[] = "token-a-6b1f0c9e2d7a4f38";
 constexpr char kTokenB[] = "token-b-93e5a0d4c1b87f26";
-constexpr char kOperatorToken[] = "token-ops-0d9c4b71e2a5f863";
 constexpr auto kCallTimeout = std::chrono::seconds(20);
 
 struct ProgramResult {
@@ -187,105 +188,6 @@ grpc::Status CallWithEmptyRequest(const std::shared_ptr<grpc::Channel>& channel,
   Reactor reactor(channel, method, token);
   return reactor.Wait();
 }
-
-v1::GenerateRequest TextRequest(const std::string& text, uint32_t max_new) {
-  v1::GenerateRequest r;
-  r.set_text(text);
-  r.mutable_sampling()->set_max_new_tokens(max_new);
-  r.mutable_sampling()->set_ignore_eos(true);
-  return r;
-}
-
-// The Subspace stub on one channel, calling as one token (none when empty).
-class Caller {
- public:
-  Caller(std::shared_ptr<grpc::Channel> channel, std::string token)
-      : stub_(v1::Subspace::NewStub(std::move(channel))), token_(std::move(token)) {}
-
-  grpc::Status ModelInfo() {
-    grpc::ClientContext context;
-    Prepare(context);
-    v1::ModelInfo info;
-    return stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &info);
-  }
-  grpc::Status Generate(const v1::GenerateRequest& request, v1::GenerateResponse* response) {
-    grpc::ClientContext context;
-    Prepare(context);
-    return stub_->Generate(&context, request, response);
-  }
-  grpc::Status Stream(const v1::GenerateRequest& request) {
-    grpc::ClientContext context;
-    Prepare(context);
-    auto reader = stub_->GenerateStream(&context, request);
-    for (v1::GenerateStreamResponse m; reader->Read(&m);) {
-    }
-    return reader->Finish();
-  }
-  absl::StatusOr<std::string> CreateSession() {
-    grpc::ClientContext context;
-    Prepare(context);
-    v1::Session session;
-    const grpc::Status s = stub_->CreateSession(&context, v1::CreateSessionRequest(), &session);
-    if (!s.ok()) return client::FromGrpcStatus(s);
-    return session.session_id();
-  }
-  grpc::Status GetSession(const std::string& id) {
-    grpc::ClientContext context;
-    Prepare(context);
-    v1::GetSessionRequest request;
-    request.set_session_id(id);
-    v1::Session session;
-    return stub_->GetSession(&context, request, &session);
-  }
-  // ExportSession's bytes, or its status.
-  grpc::Status Export(const std::string& id, std::string* snapshot) {
-    grpc::ClientContext context;
-    Prepare(context);
-    v1::ExportSessionRequest request;
-    request.set_session_id(id);
-    auto reader = stub_->ExportSession(&context, request);
-    for (v1::SessionSnapshotChunk chunk; reader->Read(&chunk);) *snapshot += chunk.data();
-    return reader->Finish();
-  }
-  grpc::Status Import(const std::string& snapshot) {
-    grpc::ClientContext context;
-    Prepare(context);
-    v1::Session session;
-    auto writer = stub_->ImportSession(&context, &session);
-    v1::SessionSnapshotChunk chunk;
-    chunk.set_data(snapshot);
-    writer->Write(chunk);
-    writer->WritesDone();
-    return writer->Finish();
-  }
-  grpc::Status DeleteSession(const std::string& id) {
-    grpc::ClientContext context;
-    Prepare(context);
-    v1::DeleteSessionRequest request;
-    request.set_session_id(id);
-    v1::DeleteSessionResponse response;
-    return stub_->DeleteSession(&context, request, &response);
-  }
-  std::vector<std::string> ListSessions() {
-    grpc::ClientContext context;
-    Prepare(context);
-    v1::ListSessionsResponse response;
-    const grpc::Status s = stub_->ListSessions(&context, v1::ListSessionsRequest(), &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    std::vector<std::string> ids;
-    for (const v1::Session& session : response.sessions()) ids.push_back(session.session_id());
-    return ids;
-  }
-
- private:
-  void Prepare(grpc::ClientContext& context) const {
-    context.set_deadline(std::chrono::system_clock::now() + kCallTimeout);
-    if (!token_.empty()) context.AddMetadata("authorization", absl::StrCat("Bearer ", token_));
-  }
-
-  std::unique_ptr<v1::Subspace::Stub> stub_;
-  std::string token_;
-};
 
 class SecurityTest : public ::testing::Test {
  protected:
@@ -518,78 +420,6 @@ TEST_F(SecurityTest, SessionsBelongToTheTokenThatCreatedThem) {
   EXPECT_EQ(a.Import(snapshot).error_code(), grpc::StatusCode::ALREADY_EXISTS);
   EXPECT_TRUE(a.DeleteSession(*session).ok());
   EXPECT_TRUE(b.DeleteSession(*b_session).ok());
-}
-
-// An operator token (--operator-tokens) moves every principal's sessions from one replica to
-// another; each stays its owner's, and the operator cannot generate in them.
-TEST_F(SecurityTest, OperatorTokensMoveEveryPrincipalsSessions) {
-  std::ofstream(Path("operators")) << kOperatorToken << "\n";
-  server::ServerAppConfig config = Config(server::TlsConfig(), /*auth=*/true);
-  config.operator_tokens_path = Path("operators");
-  absl::StatusOr<std::unique_ptr<server::ServerApp>> source = server::ServerApp::Start(config);
-  absl::StatusOr<std::unique_ptr<server::ServerApp>> target = server::ServerApp::Start(config);
-  ASSERT_TRUE(source.ok() && target.ok());
-  const auto channel_to = [](const std::unique_ptr<server::ServerApp>& app) {
-    return grpc::CreateChannel(absl::StrCat("127.0.0.1:", app->port()),
-                               grpc::InsecureChannelCredentials());
-  };
-  Caller a(channel_to(*source), kTokenA);
-  Caller b(channel_to(*source), kTokenB);
-  Caller ops(channel_to(*source), kOperatorToken);
-  absl::StatusOr<std::string> a_session = a.CreateSession();
-  absl::StatusOr<std::string> b_session = b.CreateSession();
-  ASSERT_TRUE(a_session.ok() && b_session.ok());
-  v1::GenerateRequest on_a = TextRequest("the first turn of a", 3);
-  on_a.set_session_id(*a_session);
-  v1::GenerateResponse response;
-  ASSERT_TRUE(a.Generate(on_a, &response).ok());
-
-  // The operator sees both; a principal still sees only its own.
-  std::vector<std::string> listed = ops.ListSessions();
-  std::sort(listed.begin(), listed.end());
-  std::vector<std::string> both = {*a_session, *b_session};
-  std::sort(both.begin(), both.end());
-  EXPECT_EQ(listed, both);
-  EXPECT_EQ(a.ListSessions(), std::vector<std::string>{*a_session});
-  EXPECT_TRUE(ops.GetSession(*a_session).ok());
-  // It manages them, but does not generate in them: to it, A's session is still not there.
-  EXPECT_EQ(ops.Generate(on_a, &response).error_code(), grpc::StatusCode::NOT_FOUND);
-
-  // Moved: exported from the source, imported into the target, deleted on the source.
-  Caller ops_target(channel_to(*target), kOperatorToken);
-  for (const std::string& id : both) {
-    std::string snapshot;
-    ASSERT_TRUE(ops.Export(id, &snapshot).ok()) << id;
-    const grpc::Status imported = ops_target.Import(snapshot);
-    ASSERT_TRUE(imported.ok()) << imported.error_message();
-    EXPECT_TRUE(ops.DeleteSession(id).ok()) << id;
-  }
-  EXPECT_TRUE(ops.ListSessions().empty());
-  EXPECT_EQ(a.GetSession(*a_session).error_code(), grpc::StatusCode::NOT_FOUND);
-
-  // On the target each is its owner's: A continues on its cached history, B cannot see it.
-  Caller a_target(channel_to(*target), kTokenA);
-  Caller b_target(channel_to(*target), kTokenB);
-  EXPECT_EQ(a_target.ListSessions(), std::vector<std::string>{*a_session});
-  EXPECT_EQ(b_target.ListSessions(), std::vector<std::string>{*b_session});
-  EXPECT_EQ(b_target.GetSession(*a_session).error_code(), grpc::StatusCode::NOT_FOUND);
-  on_a.set_text(" the second turn of a");
-  const grpc::Status again = a_target.Generate(on_a, &response);
-  ASSERT_TRUE(again.ok()) << again.error_message();
-  EXPECT_GT(response.usage().reused_tokens(), 0u);
-  (*source)->Shutdown();
-  (*target)->Shutdown();
-}
-
-// An operator token is refused without --auth-tokens (every call would be anonymous).
-TEST_F(SecurityTest, OperatorTokensNeedAuthTokens) {
-  std::ofstream(Path("operators")) << kOperatorToken << "\n";
-  server::ServerAppConfig config = Config(server::TlsConfig(), /*auth=*/false);
-  config.operator_tokens_path = Path("operators");
-  absl::StatusOr<std::unique_ptr<server::ServerApp>> app = server::ServerApp::Start(config);
-  EXPECT_EQ(app.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StrContains(app.status().message(), "--operator-tokens needs --auth-tokens"))
-      << app.status();
 }
 
 TEST_F(SecurityTest, ClientLibraryOverMutualTlsWithAToken) {
