@@ -266,7 +266,8 @@ absl::StatusOr<SessionImage> DecodeSessionSnapshot(std::string_view bytes,
       sess.Raw("tokens", static_cast<uint64_t>(*n_tokens) * sizeof(int32_t));
   if (!tokens.ok()) return tokens.status();
   image.tokens.resize(static_cast<size_t>(*n_tokens));
-  std::memcpy(image.tokens.data(), tokens->data(), tokens->size());
+  // An empty vector's data() may be null, which memcpy may not be given even for 0 bytes.
+  if (!tokens->empty()) std::memcpy(image.tokens.data(), tokens->data(), tokens->size());
   if (absl::Status st = sess.ExpectEnd(); !st.ok()) return st;
 
   absl::StatusOr<std::string> cache_bytes = ReadSection(file, kCache, max_section_bytes);
