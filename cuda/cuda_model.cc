@@ -58,7 +58,20 @@ absl::StatusOr<CudaBackend> CreateCudaBackend(const LlamaModel& model,
 
   auto impl = std::make_unique<CudaLlamaModel::Impl>();
   CudaLlamaModel::Impl& s = *impl;
-  s.config = m;  // a sliding window is masked by the attention kernels, as on the CPU
+  s.config = m;
+  s.program = model.program();
+  // A sliding window is masked by the attention kernels, as on the CPU; the step's plan is made
+  // once for every layer, so the layers must share it.
+  s.sliding_window = -1;
+  for (const DecoderOp& op : s.program.ops) {
+    if (op.kind != OpKind::kAttention) continue;
+    if (s.sliding_window >= 0 && op.window != s.sliding_window) {
+      return absl::UnimplementedError(
+          "CUDA backend: layers with different sliding windows (the step is planned once)");
+    }
+    s.sliding_window = op.window;
+  }
+  s.sliding_window = std::max(s.sliding_window, 0);
   s.options = options;
   s.device_name = absl::StrFormat("cuda:%d (%s)", dev.index, dev.name);
   // Decode split-K: 8 CTAs per multiprocessor. On an H200 (2026-11-28, bench/RESULTS.md) 8

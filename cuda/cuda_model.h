@@ -112,6 +112,9 @@ class CudaLlamaModel final : public ModelRunner {
   // returns when the logits are on the host.
   absl::Status Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache,
                        std::vector<float>* logits) override;
+  // Forward, eagerly, each op's outputs copied back into `trace`.
+  absl::Status ForwardTraced(std::span<const SequenceChunk> batch, KvCacheBase& cache,
+                             std::vector<float>* logits, OpTrace* trace) override;
   // The logits rows sampled on the device (kernels/sampling.h): only tokens and log-probabilities
   // come back to the host.
   bool samples_rows() const override { return true; }

@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "core/base/int_math.h"
 #include "core/base/tensor_types.h"
+#include "core/model/decoder_ops.h"
 #include "cuda/cuda_kv_store.h"
 #include "cuda/cuda_model.h"
 #include "cuda/cuda_status.h"
@@ -60,6 +61,8 @@ struct CudaLlamaModel::Impl {
   };
 
   ModelConfig config;
+  DecoderProgram program;  // the ops a step runs, as on the CPU
+  int sliding_window = 0;  // every attention op's window: a step is planned once for all layers
   CudaModelOptions options;
   std::string device_name;
   int target_ctas = 0;  // decode split-K: 8 CTAs per multiprocessor
@@ -123,7 +126,8 @@ struct CudaLlamaModel::Impl {
   std::vector<SeqId> seq_scratch;
   StepPlanner planner;
   StepPlan plan;
-  StepGraphs graphs;  // decode steps' executable graphs, by batch size
+  StepGraphs graphs;         // decode steps' executable graphs, by batch size
+  OpTrace* trace = nullptr;  // set for one ForwardTraced step
 
   ~Impl() {
     gemm.reset();
@@ -356,9 +360,7 @@ struct CudaLlamaModel::Impl {
       if (st.ok()) st = UploadMatrices({{&src.w_down, "ffn_down"}}, dst.w_down, at);
       if (!st.ok()) return st;
     }
-    absl::StatusOr<RopeSchedule> rope = config.rope();
-    if (!rope.ok()) return rope.status();
-    const std::vector<float> table = RopeCosSinTable(config.context_length, *rope);
+    const std::vector<float> table = RopeCosSinTable(config.context_length, program.rope);
     return Upload(rope_table, table.data(), static_cast<int64_t>(table.size() * 4), "rope table");
   }
 
@@ -377,6 +379,14 @@ struct CudaLlamaModel::Impl {
   // Everything a planned step runs on the stream, from the plan copy to the logits: what a
   // decode step's graph captures.
   absl::Status EnqueueForward(int64_t t_rows, int64_t n_logit_rows);
+  // The attention op: the step's K/V appended to layer op.layer's pages, then the decode and
+  // prefill attention kernels.
+  absl::Status EnqueueAttention(const DecoderOp& op, int32_t t);
+  // ForwardTraced: op `index`'s outputs copied back (after a synchronisation) into `trace`; with
+  // trace->inputs, its inputs loaded from there first.
+  absl::Status TraceOutputs(int index, int64_t t_rows, int64_t n_logit_rows);
+  absl::Status LoadInputs(int index, int64_t t_rows, int64_t n_logit_rows);
+  void* ActivationBuffer(std::string_view name, bool* half);
   // The expansions [first, first + n) of the plan into the scratch pages, for layer `layer`.
   absl::Status ExpandLowRank(int layer, int64_t first, int64_t n);
   absl::Status ExpandTransform(int layer, int64_t first, int64_t n);

@@ -2,9 +2,10 @@
 // device, then per layer RMSNorm → QKV GEMM → RoPE/split → KV append → attention (decode and
 // prefill kernels) → output GEMM → residual → RMSNorm → gate/up GEMM → SwiGLU → down GEMM →
 // residual; final norm of the logit rows, vocabulary GEMM, and one copy back of the logits or,
-// sampled on the device, of the tokens. Decode-only steps replay as CUDA graphs (step_graphs.h).
-// Sequences refreshing by kqsvd also get their query rows back (gathered after RoPE, copied once
-// at the end of the step) for their refresher.
+// sampled on the device, of the tokens. The ops and their parameters are the model's
+// DecoderProgram (core/model/decoder_ops.h), the list the CPU backend runs too. Decode-only steps
+// replay as CUDA graphs (step_graphs.h). Sequences refreshing by kqsvd also get their query rows
+// back (gathered after RoPE, copied once at the end of the step) for their refresher.
 #include "cuda/cuda_model_impl.h"
 
 namespace subspace::cuda {
@@ -12,6 +13,15 @@ namespace subspace::cuda {
 absl::Status CudaLlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache,
                                      std::vector<float>* logits) {
   return impl_->Run(batch, cache, logits, {}, nullptr);
+}
+
+absl::Status CudaLlamaModel::ForwardTraced(std::span<const SequenceChunk> batch, KvCacheBase& cache,
+                                           std::vector<float>* logits, OpTrace* trace) {
+  if (trace == nullptr) return absl::InvalidArgumentError("null trace");
+  impl_->trace = trace;
+  absl::Status st = impl_->Run(batch, cache, logits, {}, nullptr);
+  impl_->trace = nullptr;
+  return st;
 }
 
 absl::Status CudaLlamaModel::ForwardAndSample(std::span<const SequenceChunk> batch,
@@ -71,14 +81,14 @@ absl::Status CudaLlamaModel::Impl::Step(std::span<const SequenceChunk> batch, in
                                  .block_size = options.block_size,
                                  .n_kv_heads = m.n_kv_heads,
                                  .target_ctas = target_ctas,
-                                 .sliding_window = m.sliding_window,
+                                 .sliding_window = sliding_window,
                                  .cache = cache,
                                  .scratch_pages = scratch_pages};
   if (absl::Status st = planner.Plan(inputs, batch, &plan); !st.ok()) return st;
 
   // ---- The forward pass: replayed as a graph for decode-only steps (step_graphs.h). --------
   absl::Status st =
-      options.cuda_graphs && plan.n_prefill == 0
+      options.cuda_graphs && plan.n_prefill == 0 && trace == nullptr
           ? graphs.Run(stream, plan.n_decode, [&] { return EnqueueForward(t_rows, n_logit_rows); })
           : EnqueueForward(t_rows, n_logit_rows);
 
@@ -234,9 +244,142 @@ absl::Status CudaLlamaModel::Impl::EnqueueSampling(std::span<const RowSampling> 
       "sampled tokens copy");
 }
 
-absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logit_rows) {
+absl::Status CudaLlamaModel::Impl::EnqueueAttention(const DecoderOp& op, int32_t t) {
   const ModelConfig& m = config;
   const int64_t n_decode = plan.n_decode, n_prefill = plan.n_prefill;
+  const float sm_scale = 1.0f / std::sqrt(static_cast<float>(m.head_dim));
+  const KvLayer& kv = kv_layers[static_cast<size_t>(op.layer)];
+  absl::Status st =
+      Launch(kernels::LaunchAppendKv({.layout = kv.layout,
+                                      .pool = kv.pool,
+                                      .k = k,
+                                      .v = v,
+                                      .slot_mapping = MetaDevice<int64_t>(meta.slot_mapping),
+                                      .n = t},
+                                     stream),
+             "kv append");
+  // Decodes: the window is in the plan (its rows before the window masked), made for
+  // StepPlanInputs::sliding_window, which is every attention op's.
+  if (st.ok() && n_decode > 0) {
+    kernels::DecodeAttentionParams p;
+    p.layout = kv.layout;
+    p.plan = plan.decode.DeviceView(meta_device + meta.plan);
+    p.pool = kv.pool;
+    p.basis_pq = kv.basis_pq;
+    p.basis_rv = kv.basis_rv;
+    p.transform = kv.transform;
+    p.key_rope = kv.key_rope;
+    p.q = q;
+    p.out = attn;
+    p.workspace = decode_workspace;
+    p.n_heads = m.n_heads;
+    p.sm_scale = sm_scale;
+    st = Launch(kernels::LaunchDecodeAttention(p, stream), "decode attention");
+  }
+  // Prefill chunks, group by group: the group's coded history decoded into the scratch pages
+  // (by the cache kind's kernels), then attention over pool and scratch pages.
+  for (size_t g = 0; st.ok() && n_prefill > 0 && g < plan.group_end.size(); ++g) {
+    const int first = g == 0 ? 0 : plan.group_end[g - 1];
+    const int64_t e0 = plan.group_exp[g], n_expand = plan.group_exp[g + 1] - e0;
+    if (n_expand > 0) {
+      st = (this->*expand_history)(op.layer, e0, n_expand);
+      if (!st.ok()) break;
+    }
+    // q_indptr holds rows from the first prefill row, so a group only moves the pointers.
+    const int64_t off = n_decode * QWidth();
+    kernels::PrefillAttentionParams pp;
+    pp.layout = kv.layout;
+    pp.pool = kv.pool;
+    pp.scratch = scratch;
+    pp.block_table = MetaDevice<int32_t>(meta.block_table) + int64_t{first} * plan.table_stride;
+    pp.seq_q_indptr = MetaDevice<int32_t>(meta.q_indptr) + first;
+    pp.seq_q_start = MetaDevice<int32_t>(meta.q_start) + first;
+    pp.q = q + off;
+    pp.out = attn + off;
+    pp.num_seqs = plan.group_end[g] - first;
+    pp.max_blocks = plan.table_stride;
+    pp.max_q_per_seq = plan.max_q;
+    pp.n_heads = m.n_heads;
+    pp.sm_scale = sm_scale;
+    pp.window = op.window;
+    st = Launch(kernels::LaunchPrefillAttention(pp, stream), "prefill attention");
+  }
+  return st;
+}
+
+// The device buffer holding activation `name` (fp16 for xn and hidden, else fp32).
+void* CudaLlamaModel::Impl::ActivationBuffer(std::string_view name, bool* half) {
+  *half = name == "xn" || name == "hidden";
+  if (name == "xn") return xn;
+  if (name == "hidden") return hidden;
+  if (name == "x") return x;
+  if (name == "q") return q;
+  if (name == "k") return k;
+  if (name == "v") return v;
+  if (name == "attn") return attn;
+  if (name == "proj") return proj;
+  return logits;
+}
+
+absl::Status CudaLlamaModel::Impl::LoadInputs(int index, int64_t t_rows, int64_t n_logit_rows) {
+  const DecoderOp& op = program.ops[static_cast<size_t>(index)];
+  if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream), "trace"); !st.ok()) return st;
+  const bool logit_rows = op.kind == OpKind::kLogits;  // the output norm's rows
+  const int64_t rows = logit_rows ? n_logit_rows : t_rows;
+  std::vector<uint16_t> half_values;
+  for (const char* input : OpInputs(op)) {
+    const OpTrace::Entry* e = trace->inputs->LatestBefore(index, input);
+    if (e == nullptr || e->rows != rows) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("op trace inputs: no %d rows of %s before %s", rows, input, OpName(op)));
+    }
+    bool half = false;
+    void* dst = ActivationBuffer(input, &half);
+    const size_t n = e->values.size();
+    absl::Status st;
+    if (half) {
+      half_values.resize(n);
+      for (size_t j = 0; j < n; ++j) half_values[j] = Fp32ToFp16(e->values[j]);
+      st = CudaStatus(cudaMemcpy(dst, half_values.data(), n * 2, cudaMemcpyHostToDevice),
+                      "trace input copy");
+    } else {
+      st = CudaStatus(cudaMemcpy(dst, e->values.data(), n * 4, cudaMemcpyHostToDevice),
+                      "trace input copy");
+    }
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaLlamaModel::Impl::TraceOutputs(int index, int64_t t_rows, int64_t n_logit_rows) {
+  const DecoderOp& op = program.ops[static_cast<size_t>(index)];
+  if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream), "trace"); !st.ok()) return st;
+  const bool logit_rows = op.kind == OpKind::kOutputNorm || op.kind == OpKind::kLogits;
+  const int64_t rows = logit_rows ? n_logit_rows : t_rows;
+  std::vector<float> host;
+  std::vector<uint16_t> half_values;
+  for (const OpOutput& out : OpOutputs(op, config)) {
+    const size_t n = static_cast<size_t>(rows * out.width);
+    host.resize(n);
+    bool half = false;
+    const void* src = ActivationBuffer(out.name, &half);
+    absl::Status st;
+    if (half) {
+      half_values.resize(n);
+      st = CudaStatus(cudaMemcpy(half_values.data(), src, n * 2, cudaMemcpyDeviceToHost),
+                      "trace copy");
+      for (size_t j = 0; j < n; ++j) host[j] = Fp16ToFp32(half_values[j]);
+    } else {
+      st = CudaStatus(cudaMemcpy(host.data(), src, n * 4, cudaMemcpyDeviceToHost), "trace copy");
+    }
+    if (!st.ok()) return st;
+    trace->Record(index, op, out, rows, host.data());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logit_rows) {
+  const ModelConfig& m = config;
 
   // ---- One copy of the plan to the device. -------------------------------------------------
   if (absl::Status st = CudaStatus(
@@ -267,151 +410,110 @@ absl::Status CudaLlamaModel::Impl::EnqueueForward(int64_t t_rows, int64_t n_logi
     }
   }
 
-  // ---- The layers. --------------------------------------------------------------------------
+  // ---- The program's ops (core/model/decoder_ops.h), in order. ----------------------------
   const int32_t t = static_cast<int32_t>(t_rows);
+  const int32_t rows = static_cast<int32_t>(n_logit_rows);
   const int64_t dim = m.dim;
-  const float sm_scale = 1.0f / std::sqrt(static_cast<float>(m.head_dim));
-  absl::Status st = Launch(kernels::LaunchEmbedding({.table = embd,
-                                                     .tokens = MetaDevice<int32_t>(meta.tokens),
-                                                     .out = x,
-                                                     .n = t,
-                                                     .dim = m.dim,
-                                                     .n_vocab = m.n_vocab},
-                                                    stream),
-                           "embedding");
-  // xn = RMSNorm(x += add) for every row; add (a sub-layer's output) is fused into the norm:
-  // one launch and one pass over x fewer than a separate residual add.
-  const auto norm = [&](const float* weight, const float* add, const char* what) {
-    return Launch(kernels::LaunchRmsNorm({.x = x,
-                                          .weight = weight,
-                                          .out = xn,
-                                          .n = t,
-                                          .dim = m.dim,
-                                          .eps = m.rms_eps,
-                                          .add = add},
-                                         stream),
-                  what);
-  };
-  for (int l = 0; l < m.n_layers && st.ok(); ++l) {
-    const DeviceLayer& w = layers[static_cast<size_t>(l)];
-    const KvLayer& kv = kv_layers[static_cast<size_t>(l)];
-    uint8_t* pool = kv.pool;
-    const kernels::KvPoolLayout& layout = kv.layout;
-    // Past the first layer, the previous layer's FFN output (proj) joins x here.
-    st = norm(w.attn_norm, l > 0 ? proj : nullptr, "attention norm");
-    if (st.ok()) st = gemm->Linear(w.wqkv, QkvWidth(), dim, xn, t, qkv);
-    if (st.ok()) {
-      st = Launch(kernels::LaunchRopeSplitQkv({.qkv = qkv,
-                                               .positions = MetaDevice<int32_t>(meta.positions),
-                                               .cos_sin = rope_table,
-                                               .q = q,
-                                               .k = k,
-                                               .v = v,
-                                               .n = t,
-                                               .n_heads = m.n_heads,
-                                               .n_kv_heads = m.n_kv_heads,
-                                               .head_dim = m.head_dim,
-                                               .rope_dim = m.rope_dim,
-                                               .max_position = m.context_length,
-                                               .bias = w.qkv_bias,
-                                               .halves = m.rope_layout == RopeLayout::kHalves,
-                                               .q_norm = w.q_norm,
-                                               .k_norm = w.k_norm,
-                                               .norm_eps = m.rms_eps},
-                                              stream),
-                  "rope");
+  absl::Status st;
+  for (size_t i = 0; i < program.ops.size() && st.ok(); ++i) {
+    const DecoderOp& op = program.ops[i];
+    const DeviceLayer* w = op.layer >= 0 ? &layers[static_cast<size_t>(op.layer)] : nullptr;
+    if (trace != nullptr && trace->inputs != nullptr) {
+      st = LoadInputs(static_cast<int>(i), t_rows, n_logit_rows);
+      if (!st.ok()) break;
     }
-    if (st.ok() && plan.n_query_rows > 0) st = EnqueueQueryGather(l);
-    if (st.ok()) {
-      st = Launch(kernels::LaunchAppendKv({.layout = layout,
-                                           .pool = pool,
+    switch (op.kind) {
+      case OpKind::kEmbed:
+        st = Launch(kernels::LaunchEmbedding({.table = embd,
+                                              .tokens = MetaDevice<int32_t>(meta.tokens),
+                                              .out = x,
+                                              .n = t,
+                                              .dim = m.dim,
+                                              .n_vocab = m.n_vocab},
+                                             stream),
+                    "embedding");
+        break;
+      case OpKind::kNorm:
+        // xn = RMSNorm(x += proj): the residual add fused into the norm, one launch and one
+        // pass over x fewer than a separate add.
+        st = Launch(kernels::LaunchRmsNorm(
+                        {.x = x,
+                         .weight = op.norm == NormWeight::kAttention ? w->attn_norm : w->ffn_norm,
+                         .out = xn,
+                         .n = t,
+                         .dim = m.dim,
+                         .eps = program.rms_eps,
+                         .add = op.add_residual ? proj : nullptr},
+                        stream),
+                    "norm");
+        break;
+      case OpKind::kQkv:
+        st = gemm->Linear(w->wqkv, QkvWidth(), dim, xn, t, qkv);
+        if (st.ok()) {
+          st = Launch(
+              kernels::LaunchRopeSplitQkv({.qkv = qkv,
+                                           .positions = MetaDevice<int32_t>(meta.positions),
+                                           .cos_sin = rope_table,
+                                           .q = q,
                                            .k = k,
                                            .v = v,
-                                           .slot_mapping = MetaDevice<int64_t>(meta.slot_mapping),
-                                           .n = t},
+                                           .n = t,
+                                           .n_heads = m.n_heads,
+                                           .n_kv_heads = m.n_kv_heads,
+                                           .head_dim = m.head_dim,
+                                           .rope_dim = program.rope.dim,
+                                           .max_position = m.context_length,
+                                           .bias = op.bias ? w->qkv_bias : nullptr,
+                                           .halves = program.rope.layout == RopeLayout::kHalves,
+                                           .q_norm = op.qk_norm ? w->q_norm : nullptr,
+                                           .k_norm = op.qk_norm ? w->k_norm : nullptr,
+                                           .norm_eps = program.rms_eps},
                                           stream),
-                  "kv append");
+              "rope");
+        }
+        if (st.ok() && plan.n_query_rows > 0) st = EnqueueQueryGather(op.layer);
+        break;
+      case OpKind::kAttention:
+        st = EnqueueAttention(op, t);
+        break;
+      case OpKind::kAttnOut:
+        st = Launch(
+            kernels::LaunchCastToHalf({.in = attn, .out = attn16, .n = t_rows * QWidth()}, stream),
+            "attention cast");
+        if (st.ok()) st = gemm->Linear(w->wo, dim, QWidth(), attn16, t, proj);
+        break;
+      case OpKind::kFfnUp:
+        st = gemm->Linear(w->w_gate_up, 2 * int64_t{m.ffn_dim}, dim, xn, t, gate_up);
+        if (st.ok()) {
+          st = Launch(kernels::LaunchSwiGlu(
+                          {.gate_up = gate_up, .out = hidden, .n = t, .ffn = m.ffn_dim}, stream),
+                      "swiglu");
+        }
+        break;
+      case OpKind::kFfnDown:
+        st = gemm->Linear(w->w_down, dim, m.ffn_dim, hidden, t, proj);
+        break;
+      case OpKind::kResidual:
+        st = Launch(kernels::LaunchResidualAdd({.x = x, .y = proj, .n = t_rows * dim}, stream),
+                    "residual");
+        break;
+      case OpKind::kOutputNorm:  // only the rows that get logits
+        st = Launch(kernels::LaunchRmsNorm({.x = x,
+                                            .weight = output_norm,
+                                            .rows = MetaDevice<int32_t>(meta.logit_rows),
+                                            .out = xn,
+                                            .n = rows,
+                                            .dim = m.dim,
+                                            .eps = program.rms_eps},
+                                           stream),
+                    "output norm");
+        break;
+      case OpKind::kLogits:
+        st = gemm->Linear(output, m.n_vocab, dim, xn, rows, logits);
+        break;
     }
-    if (st.ok() && n_decode > 0) {
-      kernels::DecodeAttentionParams p;
-      p.layout = layout;
-      p.plan = plan.decode.DeviceView(meta_device + meta.plan);
-      p.pool = pool;
-      p.basis_pq = kv.basis_pq;
-      p.basis_rv = kv.basis_rv;
-      p.transform = kv.transform;
-      p.key_rope = kv.key_rope;
-      p.q = q;
-      p.out = attn;
-      p.workspace = decode_workspace;
-      p.n_heads = m.n_heads;
-      p.sm_scale = sm_scale;
-      st = Launch(kernels::LaunchDecodeAttention(p, stream), "decode attention");
-    }
-    // Prefill chunks, group by group: the group's coded history decoded into the scratch pages
-    // (by the cache kind's kernels), then attention over pool and scratch pages.
-    for (size_t g = 0; st.ok() && n_prefill > 0 && g < plan.group_end.size(); ++g) {
-      const int first = g == 0 ? 0 : plan.group_end[g - 1];
-      const int64_t e0 = plan.group_exp[g], n_expand = plan.group_exp[g + 1] - e0;
-      if (n_expand > 0) {
-        st = (this->*expand_history)(l, e0, n_expand);
-        if (!st.ok()) break;
-      }
-      // q_indptr holds rows from the first prefill row, so a group only moves the pointers.
-      const int64_t off = n_decode * QWidth();
-      kernels::PrefillAttentionParams pp;
-      pp.layout = layout;
-      pp.pool = pool;
-      pp.scratch = scratch;
-      pp.block_table = MetaDevice<int32_t>(meta.block_table) + int64_t{first} * plan.table_stride;
-      pp.seq_q_indptr = MetaDevice<int32_t>(meta.q_indptr) + first;
-      pp.seq_q_start = MetaDevice<int32_t>(meta.q_start) + first;
-      pp.q = q + off;
-      pp.out = attn + off;
-      pp.num_seqs = plan.group_end[g] - first;
-      pp.max_blocks = plan.table_stride;
-      pp.max_q_per_seq = plan.max_q;
-      pp.n_heads = m.n_heads;
-      pp.sm_scale = sm_scale;
-      pp.window = m.sliding_window;
-      st = Launch(kernels::LaunchPrefillAttention(pp, stream), "prefill attention");
-    }
-    if (st.ok()) {
-      st = Launch(
-          kernels::LaunchCastToHalf({.in = attn, .out = attn16, .n = t_rows * QWidth()}, stream),
-          "attention cast");
-    }
-    if (st.ok()) st = gemm->Linear(w.wo, dim, QWidth(), attn16, t, proj);
-    if (st.ok()) st = norm(w.ffn_norm, proj, "ffn norm");  // x += the attention output
-    if (st.ok()) st = gemm->Linear(w.w_gate_up, 2 * int64_t{m.ffn_dim}, dim, xn, t, gate_up);
-    if (st.ok()) {
-      st = Launch(kernels::LaunchSwiGlu(
-                      {.gate_up = gate_up, .out = hidden, .n = t, .ffn = m.ffn_dim}, stream),
-                  "swiglu");
-    }
-    if (st.ok()) st = gemm->Linear(w.w_down, dim, m.ffn_dim, hidden, t, proj);
-    // The next layer's attention norm adds proj into x; after the last layer every row gets it
-    // here (the output norm reads only the logit rows).
-    if (st.ok() && l == m.n_layers - 1) {
-      st = Launch(kernels::LaunchResidualAdd({.x = x, .y = proj, .n = t_rows * dim}, stream),
-                  "residual");
-    }
+    if (st.ok() && trace != nullptr) st = TraceOutputs(static_cast<int>(i), t_rows, n_logit_rows);
   }
-
-  // ---- Logits of the rows asked for. -----------------------------------------------------------
-  const int32_t rows = static_cast<int32_t>(n_logit_rows);
-  if (st.ok()) {
-    st = Launch(kernels::LaunchRmsNorm({.x = x,
-                                        .weight = output_norm,
-                                        .rows = MetaDevice<int32_t>(meta.logit_rows),
-                                        .out = xn,
-                                        .n = rows,
-                                        .dim = m.dim,
-                                        .eps = m.rms_eps},
-                                       stream),
-                "output norm");
-  }
-  if (st.ok()) st = gemm->Linear(output, m.n_vocab, dim, xn, rows, logits);
   // ---- kqsvd: every layer's gathered query rows back to the host, in one copy. ---------------
   if (st.ok() && plan.n_query_rows > 0) {
     st = CudaStatus(

@@ -13,7 +13,7 @@ bundle=gpu-bundle
 
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSUBSPACE_CUDA=ON >/dev/null
 tests=(compress_blocks_test decode_attention_test layer_ops_test prefill_attention_test
-       cuda_model_test cuda_model_cache_test device_info_test expand_blocks_test
+       cuda_model_test cuda_model_cache_test cuda_model_ops_test device_info_test expand_blocks_test
        outlier_tokens_test recode_blocks_test transform_blocks_test)
 [[ -f tests/kernels/sampling_test.cc ]] && tests+=(sampling_test)
 benches=(subspace-bench-decode-attention subspace-bench-cpu)

@@ -1,6 +1,7 @@
 // LlamaModel: maps a GGUF file's tensors into WeightMatrix views (checking every shape and
-// type up front) and runs the batched forward pass, all T tokens of a step through each
-// matmul at once, attention per sequence through the KvCache.
+// type up front) and runs the batched forward pass, the model's DecoderProgram
+// (decoder_ops.h) op by op: all T tokens of a step through each matmul at once, attention per
+// sequence through the KvCache.
 #include "core/model/model.h"
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -223,14 +225,30 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(std::shared_ptr<con
     take_matrix("output.weight", c.n_vocab, c.dim, &m->output_);
   }
   if (!status.ok()) return status;
-  absl::StatusOr<RopeSchedule> rope = c.rope();
-  if (!rope.ok()) return rope.status();
-  m->rope_ = *std::move(rope);
+  absl::StatusOr<DecoderProgram> program = DescribeDecoder(c);
+  if (!program.ok()) return program.status();
+  m->program_ = *std::move(program);
   return m;
 }
 
 absl::Status LlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache_base,
                                  std::vector<float>* logits) {
+  return Run(batch, cache_base, logits, nullptr);
+}
+
+absl::Status LlamaModel::ForwardTraced(std::span<const SequenceChunk> batch,
+                                       KvCacheBase& cache_base, std::vector<float>* logits,
+                                       OpTrace* trace) {
+  if (trace == nullptr) return absl::InvalidArgumentError("null trace");
+  if (trace->inputs != nullptr) {
+    return absl::InvalidArgumentError(
+        "the CPU backend is the reference: it computes every op's inputs itself");
+  }
+  return Run(batch, cache_base, logits, trace);
+}
+
+absl::Status LlamaModel::Run(std::span<const SequenceChunk> batch, KvCacheBase& cache_base,
+                             std::vector<float>* logits, OpTrace* trace) {
   const ModelConfig& c = config_;
   Workspace& ws = *ws_;
   // ---- Validation: nothing is written before every chunk has been checked. ----------------
@@ -273,65 +291,109 @@ absl::Status LlamaModel::Forward(std::span<const SequenceChunk> batch, KvCacheBa
   const int64_t kv_width = c.kv_width();
   for (size_t ci = 0; ci < batch.size(); ++ci) {
     const int64_t first = ws.chunk_first[ci];
-    ws.requests.push_back(
-        {batch[ci].seq, batch[ci].pos, static_cast<int64_t>(batch[ci].tokens.size()),
-         ws.q.data() + first * q_width, ws.attn.data() + first * q_width, c.sliding_window});
+    ws.requests.push_back({batch[ci].seq, batch[ci].pos,
+                           static_cast<int64_t>(batch[ci].tokens.size()),
+                           ws.q.data() + first * q_width, ws.attn.data() + first * q_width});
   }
 
   float* x = ws.x.data();
   float* xn = ws.xn.data();
   float* proj = ws.proj.data();
-  cpu::Embed(token_embd_, ws.tokens.data(), t_rows, x);
-
-  // ---- Decoder layers. -----------------------------------------------------------------------
-  for (int l = 0; l < c.n_layers; ++l) {
-    const Layer& layer = layers_[static_cast<size_t>(l)];
-    cpu::RmsNorm(x, layer.attn_norm, t_rows, dim, c.rms_eps, xn);
-    cpu::MatMuls({{&layer.wq, ws.q.data()}, {&layer.wk, ws.k.data()}, {&layer.wv, ws.v.data()}}, xn,
-                 t_rows);
-    if (layer.bq != nullptr) {
-      cpu::AddBias(ws.q.data(), layer.bq, t_rows, q_width);
-      cpu::AddBias(ws.k.data(), layer.bk, t_rows, kv_width);
-      cpu::AddBias(ws.v.data(), layer.bv, t_rows, kv_width);
+  const float eps = program_.rms_eps;
+  // ---- The program's ops (core/model/decoder_ops.h), in order. ----------------------------
+  for (size_t i = 0; i < program_.ops.size(); ++i) {
+    const DecoderOp& op = program_.ops[i];
+    const Layer* layer = op.layer >= 0 ? &layers_[static_cast<size_t>(op.layer)] : nullptr;
+    int64_t rows = t_rows;  // of the op's outputs
+    switch (op.kind) {
+      case OpKind::kEmbed:
+        cpu::Embed(token_embd_, ws.tokens.data(), t_rows, x);
+        break;
+      case OpKind::kNorm:
+        if (op.add_residual) cpu::AddInPlace(x, proj, t_rows * dim);
+        cpu::RmsNorm(x, op.norm == NormWeight::kAttention ? layer->attn_norm : layer->ffn_norm,
+                     t_rows, dim, eps, xn);
+        break;
+      case OpKind::kQkv:
+        cpu::MatMuls(
+            {{&layer->wq, ws.q.data()}, {&layer->wk, ws.k.data()}, {&layer->wv, ws.v.data()}}, xn,
+            t_rows);
+        if (op.bias) {
+          cpu::AddBias(ws.q.data(), layer->bq, t_rows, q_width);
+          cpu::AddBias(ws.k.data(), layer->bk, t_rows, kv_width);
+          cpu::AddBias(ws.v.data(), layer->bv, t_rows, kv_width);
+        }
+        if (op.qk_norm) {  // per head, in place
+          cpu::RmsNorm(ws.q.data(), layer->q_norm, t_rows * c.n_heads, c.head_dim, eps,
+                       ws.q.data());
+          cpu::RmsNorm(ws.k.data(), layer->k_norm, t_rows * c.n_kv_heads, c.head_dim, eps,
+                       ws.k.data());
+        }
+        // GGUF "llama" files store Q/K rows permuted for adjacent-pair RoPE, the other families
+        // rotate halves: the schedule knows which.
+        cpu::Rope(ws.q.data(), t_rows, c.n_heads, c.head_dim, program_.rope, ws.positions.data());
+        cpu::Rope(ws.k.data(), t_rows, c.n_kv_heads, c.head_dim, program_.rope,
+                  ws.positions.data());
+        break;
+      case OpKind::kAttention:
+        for (size_t ci = 0; ci < batch.size(); ++ci) {
+          const int64_t first = ws.chunk_first[ci];
+          cache.Write(op.layer, batch[ci].seq, batch[ci].pos,
+                      static_cast<int64_t>(batch[ci].tokens.size()), ws.k.data() + first * kv_width,
+                      ws.v.data() + first * kv_width);
+          ws.requests[ci].window = op.window;
+        }
+        cache.Attend(op.layer, ws.requests, c.n_heads);
+        break;
+      case OpKind::kAttnOut:
+        cpu::MatMul(layer->wo, ws.attn.data(), t_rows, proj);
+        break;
+      case OpKind::kFfnUp:
+        cpu::MatMuls({{&layer->w_gate, ws.gate.data()}, {&layer->w_up, ws.up.data()}}, xn, t_rows);
+        cpu::SwiGlu(ws.gate.data(), ws.up.data(), t_rows * c.ffn_dim, ws.hidden.data());
+        break;
+      case OpKind::kFfnDown:
+        cpu::MatMul(layer->w_down, ws.hidden.data(), t_rows, proj);
+        break;
+      case OpKind::kResidual:
+        cpu::AddInPlace(x, proj, t_rows * dim);
+        break;
+      case OpKind::kOutputNorm: {
+        // Only the rows that get logits (usually one per sequence).
+        const float* in = x;
+        if (logit_rows != t_rows) {
+          for (int64_t r = 0; r < logit_rows; ++r) {
+            std::memcpy(proj + r * dim, x + ws.logit_rows[static_cast<size_t>(r)] * dim,
+                        static_cast<size_t>(dim) * sizeof(float));
+          }
+          in = proj;
+        }
+        cpu::RmsNorm(in, output_norm_, logit_rows, dim, eps, xn);
+        rows = logit_rows;
+        break;
+      }
+      case OpKind::kLogits:
+        logits->resize(static_cast<size_t>(logit_rows * c.n_vocab));
+        cpu::MatMul(output_, xn, logit_rows, logits->data());
+        rows = logit_rows;
+        break;
     }
-    if (layer.q_norm != nullptr) {  // per head, in place
-      cpu::RmsNorm(ws.q.data(), layer.q_norm, t_rows * c.n_heads, c.head_dim, c.rms_eps,
-                   ws.q.data());
-      cpu::RmsNorm(ws.k.data(), layer.k_norm, t_rows * c.n_kv_heads, c.head_dim, c.rms_eps,
-                   ws.k.data());
+    if (trace != nullptr) {
+      for (const OpOutput& out : OpOutputs(op, c)) {
+        const std::string_view name = out.name;
+        const float* data = name == "x"        ? x
+                            : name == "xn"     ? xn
+                            : name == "q"      ? ws.q.data()
+                            : name == "k"      ? ws.k.data()
+                            : name == "v"      ? ws.v.data()
+                            : name == "attn"   ? ws.attn.data()
+                            : name == "proj"   ? proj
+                            : name == "hidden" ? ws.hidden.data()
+                                               : logits->data();
+        trace->Record(static_cast<int>(i), op, out, rows, data);
+      }
     }
-    // GGUF "llama" files store Q/K rows permuted for adjacent-pair RoPE, the other families
-    // rotate halves: the schedule knows which.
-    cpu::Rope(ws.q.data(), t_rows, c.n_heads, c.head_dim, rope_, ws.positions.data());
-    cpu::Rope(ws.k.data(), t_rows, c.n_kv_heads, c.head_dim, rope_, ws.positions.data());
-    for (size_t ci = 0; ci < batch.size(); ++ci) {
-      const int64_t first = ws.chunk_first[ci];
-      cache.Write(l, batch[ci].seq, batch[ci].pos, static_cast<int64_t>(batch[ci].tokens.size()),
-                  ws.k.data() + first * kv_width, ws.v.data() + first * kv_width);
-    }
-    cache.Attend(l, ws.requests, c.n_heads);
-    cpu::MatMul(layer.wo, ws.attn.data(), t_rows, proj);
-    cpu::AddInPlace(x, proj, t_rows * dim);
-
-    cpu::RmsNorm(x, layer.ffn_norm, t_rows, dim, c.rms_eps, xn);
-    cpu::MatMuls({{&layer.w_gate, ws.gate.data()}, {&layer.w_up, ws.up.data()}}, xn, t_rows);
-    cpu::SwiGlu(ws.gate.data(), ws.up.data(), t_rows * c.ffn_dim, ws.hidden.data());
-    cpu::MatMul(layer.w_down, ws.hidden.data(), t_rows, proj);
-    cpu::AddInPlace(x, proj, t_rows * dim);
   }
-
-  // ---- Logits only for the rows asked for (usually one per sequence). ----------------------
-  const float* final_in = x;
-  if (logit_rows != t_rows) {
-    for (int64_t r = 0; r < logit_rows; ++r) {
-      std::memcpy(proj + r * dim, x + ws.logit_rows[static_cast<size_t>(r)] * dim,
-                  static_cast<size_t>(dim) * sizeof(float));
-    }
-    final_in = proj;
-  }
-  cpu::RmsNorm(final_in, output_norm_, logit_rows, dim, c.rms_eps, xn);
-  logits->resize(static_cast<size_t>(logit_rows * c.n_vocab));
-  cpu::MatMul(output_, xn, logit_rows, logits->data());
 
   for (const SequenceChunk& ch : batch) {
     absl::Status st = cache.Commit(ch.seq, ch.pos + static_cast<int64_t>(ch.tokens.size()));

@@ -18,6 +18,7 @@
 #include "core/base/weight.h"
 #include "core/gguf/gguf.h"
 #include "core/kvcache/kv_cache.h"
+#include "core/model/decoder_ops.h"
 #include "core/model/model_runner.h"
 
 namespace subspace {
@@ -52,6 +53,10 @@ class LlamaModel final : public ModelRunner {
   // ModelRunner::Forward on the CPU. INVALID_ARGUMENT for a cache that is not a host KvCache.
   absl::Status Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache_base,
                        std::vector<float>* logits) override;
+  absl::Status ForwardTraced(std::span<const SequenceChunk> batch, KvCacheBase& cache_base,
+                             std::vector<float>* logits, OpTrace* trace) override;
+  // The ops Forward runs (the CUDA backend runs the same list).
+  const DecoderProgram& program() const { return program_; }
 
   ~LlamaModel() override;
 
@@ -59,6 +64,8 @@ class LlamaModel final : public ModelRunner {
   struct Workspace;
 
   LlamaModel() = default;
+  absl::Status Run(std::span<const SequenceChunk> batch, KvCacheBase& cache_base,
+                   std::vector<float>* logits, OpTrace* trace);
 
   std::shared_ptr<const GgufFile> file_;
   ModelConfig config_;
@@ -66,7 +73,7 @@ class LlamaModel final : public ModelRunner {
   const float* output_norm_ = nullptr;
   WeightMatrix output_;
   std::vector<Layer> layers_;
-  RopeSchedule rope_;
+  DecoderProgram program_;
   std::vector<std::vector<float>> f32_copies_;  // norm weights stored as F16/BF16 in the file
   std::unique_ptr<Workspace> ws_;
 };

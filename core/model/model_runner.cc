@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 namespace subspace {
@@ -79,6 +80,12 @@ absl::Status ModelRunner::ForwardAndSample(std::span<const SequenceChunk> /*batc
                                            std::span<const RowSampling> /*rows*/,
                                            std::vector<TokenLogprob>* /*sampled*/) {
   return absl::UnimplementedError("this backend returns logits; sample them on the host");
+}
+
+absl::Status ModelRunner::ForwardTraced(std::span<const SequenceChunk> /*batch*/,
+                                        KvCacheBase& /*cache*/, std::vector<float>* /*logits*/,
+                                        OpTrace* /*trace*/) {
+  return absl::UnimplementedError(absl::StrCat(device_name(), ": no op trace on this backend"));
 }
 
 }  // namespace subspace

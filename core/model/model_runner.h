@@ -18,6 +18,8 @@
 
 namespace subspace {
 
+struct OpTrace;  // core/model/decoder_ops.h
+
 struct ModelConfig {
   // general.architecture: "llama" (also Mistral, Llama 3), "qwen2", "qwen3" or "phi3".
   std::string architecture;
@@ -75,6 +77,11 @@ class ModelRunner {
   virtual std::string device_name() const = 0;
   virtual absl::Status Forward(std::span<const SequenceChunk> batch, KvCacheBase& cache,
                                std::vector<float>* logits) = 0;
+  // Forward, recording every op's outputs (core/model/decoder_ops.h) into `trace`: for tests
+  // that compare backends op by op; slow (each output copied out, a device's graphs not used).
+  // UNIMPLEMENTED where the backend cannot.
+  virtual absl::Status ForwardTraced(std::span<const SequenceChunk> batch, KvCacheBase& cache,
+                                     std::vector<float>* logits, OpTrace* trace);
 
   // Runners that sample on their own device (the CUDA backend) instead of returning logits:
   // Forward, then chunk i's logits row sampled with rows[i]; only the chosen tokens and their

@@ -36,7 +36,7 @@ gtest_discover_tests(cuda_emu_test DISCOVERY_TIMEOUT 60 PROPERTIES LABELS emu)
 
 foreach(src ${SUBSPACE_GPU_TESTS})
   get_filename_component(name ${src} NAME_WE)
-  if(name MATCHES "^cuda_model(_cache)?_test$")
+  if(name MATCHES "^cuda_model(_cache|_ops)?_test$")
     continue()  # below: they also need the emulated backend and cuBLAS
   endif()
   add_executable(${name}_emu ${src})
@@ -48,7 +48,8 @@ foreach(src ${SUBSPACE_GPU_TESTS})
                        PROPERTIES LABELS emu)
 endforeach()
 
-# The CUDA backend end to end (cuda_model_test, cuda_model_cache_test) on the emulated device:
+# The CUDA backend end to end (cuda_model_test, cuda_model_cache_test, cuda_model_ops_test) on the
+# emulated device:
 # its host code as is, the kernels emulated, cuBLAS replaced by tests/cuda_emu/cublas_emu.cc,
 # built as libcublas.so.<major> in a directory the test puts first on the loader's path, so
 # cuda/gemm.cc loads it as it loads cuBLAS.
@@ -64,7 +65,7 @@ set_target_properties(cublas_emu PROPERTIES
   SUFFIX ".so.${CUDAToolkit_VERSION_MAJOR}"
   LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests/cuda_emu_lib)
 
-foreach(name cuda_model_test cuda_model_cache_test)
+foreach(name cuda_model_test cuda_model_cache_test cuda_model_ops_test)
   add_executable(${name}_emu ${CMAKE_CURRENT_SOURCE_DIR}/cuda/${name}.cc)
   add_dependencies(${name}_emu cublas_emu)
   target_link_libraries(${name}_emu PRIVATE subspace_cuda_backend_emu subspace_kernel_twins
