@@ -96,16 +96,10 @@ Pair OpenShape(const Shape& s) {
 // One step on both backends, traced, the device's ops each run on the CPU's inputs; returns the
 // worst relative difference seen, and fails at the first output past the tolerance.
 float CompareStep(Pair& p, std::vector<SeqId>& cpu_seqs, std::vector<SeqId>& gpu_seqs,
-                  const std::vector<std::pair<int, std::vector<int32_t>>>& chunks,
-                  const std::string& what) {
+                  const StepChunks& chunks, const std::string& what) {
   std::vector<SequenceChunk> cpu_batch, gpu_batch;
-  for (const auto& [s, tokens] : chunks) {
-    const int64_t n = static_cast<int64_t>(tokens.size());
-    EXPECT_TRUE(p.cpu_cache->Reserve(cpu_seqs[s], n).ok());
-    EXPECT_TRUE(p.cuda.cache->Reserve(gpu_seqs[s], n).ok());
-    cpu_batch.push_back({cpu_seqs[s], p.cpu_cache->Length(cpu_seqs[s]), tokens});
-    gpu_batch.push_back({gpu_seqs[s], p.cuda.cache->Length(gpu_seqs[s]), tokens});
-  }
+  ReserveBoth(p, cpu_seqs, gpu_seqs, chunks, &cpu_batch, &gpu_batch);
+  if (::testing::Test::HasFatalFailure()) return 0.0f;
   OpTrace cpu_trace, gpu_trace;
   std::vector<float> cpu_logits, gpu_logits;
   absl::Status st = p.cpu->ForwardTraced(cpu_batch, *p.cpu_cache, &cpu_logits, &cpu_trace);

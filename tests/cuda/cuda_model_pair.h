@@ -80,19 +80,28 @@ inline void CreateSequences(Pair& p, int n, std::vector<SeqId>* cpu_seqs,
   }
 }
 
-// Runs `chunks` (seq index, token count) as one step on both backends and compares logits
-// (within `tolerance` of each row's range; negative: only that they are finite).
-inline void StepBoth(Pair& p, std::vector<SeqId>& cpu_seqs, std::vector<SeqId>& gpu_seqs,
-                     const std::vector<std::pair<int, std::vector<int32_t>>>& chunks,
-                     const std::string& what, float tolerance = 0.02f) {
-  std::vector<SequenceChunk> cpu_batch, gpu_batch;
+using StepChunks = std::vector<std::pair<int, std::vector<int32_t>>>;
+
+// `chunks` (seq index, tokens) as one step's batch on each backend, their ranges reserved.
+inline void ReserveBoth(Pair& p, std::vector<SeqId>& cpu_seqs, std::vector<SeqId>& gpu_seqs,
+                        const StepChunks& chunks, std::vector<SequenceChunk>* cpu_batch,
+                        std::vector<SequenceChunk>* gpu_batch) {
   for (const auto& [s, tokens] : chunks) {
     const int64_t n = static_cast<int64_t>(tokens.size());
     ASSERT_TRUE(p.cpu_cache->Reserve(cpu_seqs[s], n).ok());
     ASSERT_TRUE(p.cuda.cache->Reserve(gpu_seqs[s], n).ok());
-    cpu_batch.push_back({cpu_seqs[s], p.cpu_cache->Length(cpu_seqs[s]), tokens});
-    gpu_batch.push_back({gpu_seqs[s], p.cuda.cache->Length(gpu_seqs[s]), tokens});
+    cpu_batch->push_back({cpu_seqs[s], p.cpu_cache->Length(cpu_seqs[s]), tokens});
+    gpu_batch->push_back({gpu_seqs[s], p.cuda.cache->Length(gpu_seqs[s]), tokens});
   }
+}
+
+// Runs `chunks` (seq index, tokens) as one step on both backends and compares logits
+// (within `tolerance` of each row's range; negative: only that they are finite).
+inline void StepBoth(Pair& p, std::vector<SeqId>& cpu_seqs, std::vector<SeqId>& gpu_seqs,
+                     const StepChunks& chunks, const std::string& what, float tolerance = 0.02f) {
+  std::vector<SequenceChunk> cpu_batch, gpu_batch;
+  ReserveBoth(p, cpu_seqs, gpu_seqs, chunks, &cpu_batch, &gpu_batch);
+  if (::testing::Test::HasFatalFailure()) return;
   std::vector<float> cpu_logits, gpu_logits;
   ASSERT_TRUE(p.cpu->Forward(cpu_batch, *p.cpu_cache, &cpu_logits).ok());
   const absl::Status st = p.cuda.model->Forward(gpu_batch, *p.cuda.cache, &gpu_logits);
