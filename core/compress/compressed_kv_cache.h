@@ -115,8 +115,9 @@ class CompressedKvCache final : public KvCache {
   // Images (compressed_kv_cache_image.cc): full blocks' committed rows, compressed blocks' codes
   // as stored with their outlier masks and epochs, outlier rows, and every basis the sequence
   // uses. Importing one reuses this cache's default epoch where a basis is bitwise that one and
-  // installs the others. A sequence with online refresh is refused (FAILED_PRECONDITION): its
-  // refresher's statistics are not in the image.
+  // installs the others. A refreshing sequence's image carries its refreshed bases as epochs,
+  // not its refresher's statistics: on import, SetSequenceRefresh starts them empty, so its
+  // next refresh is fitted on the blocks coded after the move.
   std::string ImageLayout() const override;
   absl::StatusOr<std::string> ExportSequence(SeqId seq) const override;
   absl::StatusOr<SeqId> ImportSequence(std::string_view image) override;

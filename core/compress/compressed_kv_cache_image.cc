@@ -7,7 +7,9 @@
 //   each KV head and its slot bytes as stored; then the layer's outlier count, positions and
 //   rows (K then V of every head per outlier).
 // Import parses and checks everything before it takes a page, so a corrupt image changes
-// nothing; the checks keep every index the attention and Truncate follow in range.
+// nothing; the checks keep every index the attention and Truncate follow in range. A refreshing
+// sequence's image is the same: the refreshed bases are epochs like any other; its refresher's
+// statistics stay behind (the importer's SetSequenceRefresh starts them empty).
 #include <algorithm>
 #include <bit>
 #include <cstring>
@@ -71,11 +73,6 @@ std::string CompressedKvCache::ImageLayout() const {
 absl::StatusOr<std::string> CompressedKvCache::ExportSequence(SeqId seq) const {
   const Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return Sequences::Unknown(seq);
-  if (s->refresh.method != RefreshMethod::kNone) {
-    return absl::FailedPreconditionError(
-        "a sequence with online basis refresh has no image yet: its refresher's statistics "
-        "would be lost");
-  }
   const KvCacheGeometry& g = config_.geometry;
   const int hd = g.head_dim, n_kv = g.n_kv_heads, bs = config_.block_size;
   // The epochs the sequence uses, each once, as image indices.

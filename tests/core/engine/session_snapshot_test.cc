@@ -195,8 +195,10 @@ std::unique_ptr<KvCacheBase> Paged(const ModelConfig& mc, KvDtype dtype) {
 }
 
 // Small sinks and window so that a short conversation compresses blocks; outliers on.
-std::unique_ptr<KvCacheBase> Compressed(const ModelConfig& mc, bool with_default_basis) {
+std::unique_ptr<KvCacheBase> Compressed(const ModelConfig& mc, bool with_default_basis,
+                                        bool refresh_inline = false) {
   CompressedKvCacheConfig c;
+  c.refresh_inline = refresh_inline;
   c.geometry = mc.cache_geometry();
   c.block_size = kBlockSize;
   c.policy.sink_tokens = 4;
@@ -458,33 +460,58 @@ TEST(SessionMoveTest, ExportAndImportWhileRequestsRun) {
   EXPECT_EQ(got.result.usage.reused_tokens, 49);
 }
 
-TEST(SessionMoveTest, RefreshingSessionsGoOutAsTokensAndBadImagesAreRefused) {
-  auto a = EngineWith([](const ModelConfig& mc) { return Compressed(mc, true); });
+// A refreshing session moves with its codes and every epoch its blocks use, the refreshed
+// bases among them: the target reuses its whole cached prefix (no re-prefill), holds the same
+// state (its export is the source's, byte for byte), and goes on refreshing with statistics
+// that start over. Bad token lists are refused.
+TEST(SessionMoveTest, RefreshingSessionsMoveWithTheirRefreshedBases) {
+  const auto make = [](const ModelConfig& mc) {
+    return Compressed(mc, /*with_default_basis=*/true, /*refresh_inline=*/true);
+  };
+  auto a = EngineWith(make);
   ASSERT_NE(a, nullptr);
-  absl::StatusOr<SessionInfo> session =
-      a->CreateSession({}, {}, {}, RefreshConfig{.method = RefreshMethod::kPca});
+  const RefreshConfig refresh{.method = RefreshMethod::kPca, .every_tokens = 16};
+  absl::StatusOr<SessionInfo> session = a->CreateSession({}, {}, {}, refresh);
   ASSERT_TRUE(session.ok()) << session.status();
-  Output turn1 =
-      Generate(*a, Greedy(RandomPrompt(9, 40, a->model_config().n_vocab), 4, session->id));
+  const int vocab = a->model_config().n_vocab;
+  Output turn1 = Generate(*a, Greedy(RandomPrompt(9, 60, vocab), 4, session->id));
   ASSERT_TRUE(turn1.result.status.ok());
+  // The session has moved to a basis of its own before it is exported.
+  ASSERT_GE(a->Stats().cache.refresh.installed, 1);
   absl::StatusOr<std::vector<Engine::ExportedSession>> exported = a->ExportSessions();
   ASSERT_TRUE(exported.ok());
   ASSERT_EQ(exported->size(), 1u);
-  EXPECT_EQ((*exported)[0].cache.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ((*exported)[0].image.cached, 0);
-  EXPECT_EQ((*exported)[0].image.tokens.size(), 44u);
-  ASSERT_TRUE((*exported)[0].image.refresh.has_value());
+  const SessionImage& image = (*exported)[0].image;
+  ASSERT_TRUE((*exported)[0].cache.ok()) << (*exported)[0].cache;
+  EXPECT_EQ(image.tokens.size(), 64u);
+  EXPECT_GT(image.cached, 0);
+  EXPECT_FALSE(image.cache.empty());
+  ASSERT_TRUE(image.refresh.has_value());
 
-  auto b = EngineWith([](const ModelConfig& mc) { return Compressed(mc, true); });
-  SessionImage bad = (*exported)[0].image;
-  bad.tokens.push_back(a->model_config().n_vocab);
+  auto b = EngineWith(make);
+  ASSERT_NE(b, nullptr);
+  SessionImage bad = image;
+  bad.tokens.push_back(vocab);
   EXPECT_EQ(b->ImportSession(bad).status().code(), absl::StatusCode::kInvalidArgument);
-  bad = (*exported)[0].image;
+  bad = image;
   bad.tokens.assign(static_cast<size_t>(a->model_config().context_length), 5);
   EXPECT_EQ(b->ImportSession(bad).status().code(), absl::StatusCode::kInvalidArgument);
-  absl::StatusOr<Engine::ImportedSession> ok = b->ImportSession((*exported)[0].image);
-  ASSERT_TRUE(ok.ok()) << ok.status();
-  EXPECT_EQ(ok->info.refresh_method, RefreshMethod::kPca);
+  absl::StatusOr<Engine::ImportedSession> moved = b->ImportSession(image);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->info.refresh_method, RefreshMethod::kPca);
+  absl::StatusOr<std::vector<Engine::ExportedSession>> again = b->ExportSessions();
+  ASSERT_TRUE(again.ok());
+  ASSERT_EQ(again->size(), 1u);
+  EXPECT_EQ((*again)[0].image.cached, image.cached);
+  EXPECT_TRUE((*again)[0].image.cache == image.cache) << "the imported state differs";
+
+  // The next turn reuses the whole cached prefix, and the target refreshes on its own.
+  const int64_t installed_before = b->Stats().cache.refresh.installed;
+  GenerateRequest next = Greedy(RandomPrompt(10, 8, vocab), 40, session->id);
+  Output turn2 = Generate(*b, next);
+  ASSERT_TRUE(turn2.result.status.ok()) << turn2.result.status;
+  EXPECT_EQ(turn2.result.usage.reused_tokens, image.cached);
+  EXPECT_GT(b->Stats().cache.refresh.installed, installed_before);
 }
 
 }  // namespace
