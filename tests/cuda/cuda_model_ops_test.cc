@@ -93,51 +93,9 @@ Pair OpenShape(const Shape& s) {
   return Open(256, 8, std::shared_ptr<const GgufFile>(*std::move(file)));
 }
 
-// One step on both backends, traced, the device's ops each run on the CPU's inputs; returns the
-// worst relative difference seen, and fails at the first output past the tolerance.
 float CompareStep(Pair& p, std::vector<SeqId>& cpu_seqs, std::vector<SeqId>& gpu_seqs,
                   const StepChunks& chunks, const std::string& what) {
-  std::vector<SequenceChunk> cpu_batch, gpu_batch;
-  ReserveBoth(p, cpu_seqs, gpu_seqs, chunks, &cpu_batch, &gpu_batch);
-  if (::testing::Test::HasFatalFailure()) return 0.0f;
-  OpTrace cpu_trace, gpu_trace;
-  std::vector<float> cpu_logits, gpu_logits;
-  absl::Status st = p.cpu->ForwardTraced(cpu_batch, *p.cpu_cache, &cpu_logits, &cpu_trace);
-  EXPECT_TRUE(st.ok()) << st;
-  gpu_trace.inputs = &cpu_trace;  // each op alone, on the CPU's inputs
-  st = p.cuda.model->ForwardTraced(gpu_batch, *p.cuda.cache, &gpu_logits, &gpu_trace);
-  EXPECT_TRUE(st.ok()) << st;
-  if (!st.ok()) return 0.0f;
-  EXPECT_EQ(gpu_trace.entries.size(), cpu_trace.entries.size()) << what;
-  float worst = 0.0f;
-  const size_t n = std::min(cpu_trace.entries.size(), gpu_trace.entries.size());
-  for (size_t e = 0; e < n; ++e) {
-    const OpTrace::Entry& c = cpu_trace.entries[e];
-    const OpTrace::Entry& g = gpu_trace.entries[e];
-    EXPECT_EQ(g.name, c.name) << what;
-    EXPECT_EQ(g.rows, c.rows) << what << ", " << c.name;
-    EXPECT_EQ(g.width, c.width) << what << ", " << c.name;
-    if (g.values.size() != c.values.size()) return worst;
-    float scale = 1e-6f, diff = 0.0f;
-    size_t at = 0;
-    for (size_t j = 0; j < c.values.size(); ++j) {
-      scale = std::max(scale, std::fabs(c.values[j]));
-      if (!(std::fabs(g.values[j] - c.values[j]) <= diff)) {  // NaN lands here too
-        diff = std::isfinite(g.values[j]) ? std::fabs(g.values[j] - c.values[j]) : INFINITY;
-        at = j;
-      }
-    }
-    const float rel = diff / scale;
-    worst = std::max(worst, rel);
-    if (!(rel <= kTolerance)) {
-      ADD_FAILURE() << what << ": first disagreeing op " << c.name << ": |device - cpu| " << diff
-                    << " at row " << at / c.width << " column " << at % c.width << " (device "
-                    << g.values[at] << ", cpu " << c.values[at] << "), " << rel
-                    << " of the output's largest magnitude " << scale;
-      return worst;
-    }
-  }
-  return worst;
+  return CompareOpsBoth(p, cpu_seqs, gpu_seqs, chunks, what, kTolerance);
 }
 
 TEST(CudaModelOpsTest, EveryOpOfEveryFamilyMatchesTheCpu) {
