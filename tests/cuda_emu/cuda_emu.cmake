@@ -34,10 +34,26 @@ target_link_libraries(cuda_emu_test PRIVATE subspace_kernels_emu GTest::gtest_ma
 set_target_properties(cuda_emu_test PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
 gtest_discover_tests(cuda_emu_test DISCOVERY_TIMEOUT 60 PROPERTIES LABELS emu)
 
+# SUBSPACE_EMU_TESTS: the GPU suites built for the emulator, by name (e.g. "layer_ops_test;
+# cuda_model_test"); empty, the default, builds them all. scripts/sanitize.sh sets it in the ASan
+# build to the suites its kernel slices run, the only emulated tests that build runs.
+set(SUBSPACE_EMU_TESTS "" CACHE STRING "GPU test suites built for the emulator (empty: all)")
+function(subspace_emu_skip name out)
+  set(skip FALSE)
+  if(SUBSPACE_EMU_TESTS AND NOT name IN_LIST SUBSPACE_EMU_TESTS)
+    set(skip TRUE)
+  endif()
+  set(${out} ${skip} PARENT_SCOPE)
+endfunction()
+
 foreach(src ${SUBSPACE_GPU_TESTS})
   get_filename_component(name ${src} NAME_WE)
   if(name MATCHES "^cuda_model(_cache|_ops)?_test$")
     continue()  # below: they also need the emulated backend and cuBLAS
+  endif()
+  subspace_emu_skip(${name} skip)
+  if(skip)
+    continue()
   endif()
   add_executable(${name}_emu ${src})
   target_link_libraries(${name}_emu PRIVATE subspace_kernels_emu subspace_kernel_twins
@@ -66,6 +82,10 @@ set_target_properties(cublas_emu PROPERTIES
   LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests/cuda_emu_lib)
 
 foreach(name cuda_model_test cuda_model_cache_test cuda_model_ops_test)
+  subspace_emu_skip(${name} skip)
+  if(skip)
+    continue()
+  endif()
   add_executable(${name}_emu ${CMAKE_CURRENT_SOURCE_DIR}/cuda/${name}.cc)
   add_dependencies(${name}_emu cublas_emu)
   target_link_libraries(${name}_emu PRIVATE subspace_cuda_backend_emu subspace_kernel_twins
