@@ -5,9 +5,9 @@
 // neither reads a family's flags itself, so a new family or op is described here and each
 // executor implements the op, not a branch per family.
 //
-// Given an OpTrace, an executor records every op's outputs as fp32 rows: tests/cuda/
-// op_harness_test.cc runs random models of every family on the CPU and on the device and names
-// the first op whose outputs disagree.
+// Given an OpTrace, an executor records every op's outputs as fp32 rows: the op harness
+// (tests/cuda/cuda_model_ops_test.cc) runs random models of every family on the CPU and on the
+// device, each device op on the CPU's inputs, and names the first op whose outputs disagree.
 #ifndef SUBSPACE_CORE_MODEL_DECODER_OPS_H_
 #define SUBSPACE_CORE_MODEL_DECODER_OPS_H_
 
