@@ -10,7 +10,9 @@
 # greedy tokens after it. Ours: subspace-server with --session-dir, the conversation in a
 # session, saved by the drain on SIGTERM (bytes from its log line); once per cache kind in
 # KINDS ("full compressed transform"), transform once per key/value budget in BUDGETS
-# ("2.5/1.5 2/1", the codec fitted at start-up on the model's own text). Theirs:
+# ("2.5/1.5 2/1", the codec fitted at start-up on the model's own text; a budget ending in
+# "+pca", e.g. 2.5/1.5+pca, runs the session with online refresh of its codes, whose snapshot
+# carries its refreshed epochs). Theirs:
 # llama-server with --slot-save-path, the same prompt through /completion in slot 0, then
 # POST /slots/0?action=save (bytes and tokens from its answer).
 set -euo pipefail
@@ -69,6 +71,10 @@ for run in "${runs[@]}"; do
   flags=(--kv-cache "$kind")
   if [[ $kind == transform ]]; then
     budget=${run#*:}
+    if [[ $budget == *+pca ]]; then
+      budget=${budget%+pca}
+      flags+=(--refresh-method pca)
+    fi
     flags+=(--kv-budget "${budget%/*}" --kv-budget-v "${budget#*/}")
   fi
   rm -rf "$work/sessions"

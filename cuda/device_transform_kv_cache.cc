@@ -295,7 +295,7 @@ absl::StatusOr<std::string> DeviceTransformKvCache::ExportSequence(SeqId seq) co
             !st.ok()) {
           return st;
         }
-        image.parts.push_back({true, image.Own(std::move(bytes))});
+        image.parts.push_back({.coded = true, .bytes = image.Own(std::move(bytes))});
         continue;
       }
       if (absl::Status st = store_->Read(l, lay.Page(e.page), page); !st.ok()) return st;
@@ -307,7 +307,7 @@ absl::StatusOr<std::string> DeviceTransformKvCache::ExportSequence(SeqId seq) co
                        static_cast<size_t>(valid * hd * 2));
         }
       }
-      image.parts.push_back({false, image.Own(std::move(bytes))});
+      image.parts.push_back({.coded = false, .bytes = image.Own(std::move(bytes))});
     }
   }
   return image_format_.Write(image, /*entropy_coded=*/false);
@@ -326,6 +326,12 @@ absl::StatusOr<SeqId> DeviceTransformKvCache::ImportSequence(std::string_view im
       g.n_layers;
   absl::StatusOr<TransformImage> read = image_format_.Read(image, max_blocks);
   if (!read.ok()) return read.status();
+  if (!read->epochs.empty()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the image holds %d refreshed epochs of codes (online refresh), which this device's "
+        "transform cache does not run",
+        read->epochs.size()));
+  }
   const int64_t blocks = read->blocks;
   const auto part = [&](int l, int64_t b) -> const TransformImage::Part& {
     return read->parts[static_cast<size_t>(l * blocks + b)];

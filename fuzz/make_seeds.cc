@@ -2,6 +2,7 @@
 //   cmake --build build-fuzz --target fuzz_make_seeds && build-fuzz/bin/fuzz_make_seeds fuzz/corpus
 // ). Every seed is small and valid, so the fuzzers start from deep inside each parser.
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -166,6 +167,19 @@ void SnapshotSeeds(const std::filesystem::path& dir) {
   // The storage form (range-coded codes) too: the decoder's input.
   Write(dir / "transform_compact.image",
         std::string(1, '\3') + *transform->CompactImage(transform_image));
+  // A sequence with online refresh: its image carries the refreshed epochs.
+  auto refreshing =
+      SnapshotTransformCache({.method = RefreshMethod::kPca, .every_tokens = 8, .max_epochs = 3});
+  const SeqId r = *refreshing->CreateSequence();
+  FillSequence(*refreshing, r, 72);  // refits need 32 coded rows first
+  if (refreshing->Stats().refresh.installed < 2) {
+    std::fprintf(stderr, "the refreshing transform cache installed no epochs\n");
+    std::exit(1);
+  }
+  const std::string refreshed_image = *refreshing->ExportSequence(r);
+  Write(dir / "transform_refreshed.image", std::string(1, '\3') + refreshed_image);
+  Write(dir / "transform_refreshed_compact.image",
+        std::string(1, '\3') + *refreshing->CompactImage(refreshed_image));
   s.cache = transform_image;
   s.cache_layout = transform->ImageLayout();
   Write(dir / "transform.session",

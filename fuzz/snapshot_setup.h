@@ -62,8 +62,9 @@ inline std::unique_ptr<CompressedKvCache> SnapshotCompressedCache() {
 
 // The transform-coded cache with fixed codes (what a fitted codec could give): the identity
 // basis, widths 8, 4, 4, 3, 2, 2, 0, 0 on a range of [-1, 1], keys coded as written; sinks and
-// window of one block.
-inline std::unique_ptr<TransformKvCache> SnapshotTransformCache() {
+// window of one block. With `refresh`, sequences refresh their codes (inline) every so many
+// coded tokens: their images carry epochs.
+inline std::unique_ptr<TransformKvCache> SnapshotTransformCache(const RefreshConfig& refresh = {}) {
   const int d = kSnapshotGeometry.head_dim;
   TransformCode code;
   code.dim = d;
@@ -87,6 +88,8 @@ inline std::unique_ptr<TransformKvCache> SnapshotTransformCache() {
   c.key_codes = codes;
   c.value_codes = codes;
   c.capacity_bytes = 64 * TransformKvCache::PageBytes(c.geometry, kSnapshotBlock);
+  c.refresh = refresh;
+  c.refresh_inline = true;
   return *TransformKvCache::Create(c);
 }
 

@@ -96,8 +96,9 @@ ABSL_FLAG(std::string, bases, "",
           "(its per-layer ranks replace --kv-rank-k/--kv-rank-v); empty: the model's own "
           "<model>.bases beside the .gguf when there is one; none: self-calibrate");
 ABSL_FLAG(std::string, refresh_method, "none",
-          "compressed cache: online basis refresh per session: none (static bases), pca, kqsvd, "
-          "oja or fd; a session may ask for another (CreateSessionRequest.refresh)");
+          "online refresh per session: none (static bases or codes); the compressed cache: pca, "
+          "kqsvd, oja or fd; the transform cache: pca; a session may ask for another "
+          "(CreateSessionRequest.refresh)");
 ABSL_FLAG(int64_t, refresh_every_tokens, 256,
           "online refresh: new basis epoch every this many compressed tokens (0 = never by count)");
 ABSL_FLAG(double, refresh_residual_threshold, 0.0,

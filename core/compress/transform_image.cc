@@ -2,10 +2,13 @@
 #include "core/compress/transform_image.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -19,8 +22,13 @@ namespace {
 
 constexpr auto kFullBlock = static_cast<uint8_t>(TransformImageBlock::kFull);
 constexpr auto kCodedBlock = static_cast<uint8_t>(TransformImageBlock::kCoded);
-constexpr uint8_t kStored = 0;      // codes' form: as the cache stores them
-constexpr uint8_t kRangeCoded = 1;  // codes' form: one range-coded stream per layer
+// The codes' form: bit 0 set, one range-coded stream per layer, else the codes as the cache
+// stores them; bit 1, the image carries epochs.
+constexpr uint8_t kRangeCoded = 1;
+constexpr uint8_t kWithEpochs = 2;
+// Epochs an image may carry: a sequence keeps at most max_epochs a layer live (a refresh
+// setting, far below this), each of them tens of KiB at least.
+constexpr int64_t kMaxImageEpochs = 1024;
 
 class Fnv1a {
  public:
@@ -55,6 +63,71 @@ class CodeModel {
   uint32_t prev_ = 0;
   std::vector<AdaptiveBit> tree_;  // [8 contexts][2^bits nodes]
 };
+
+void WriteFloats(ImageWriter& w, const std::vector<float>& v) {
+  if (!v.empty()) w.Raw(v.data(), v.size() * sizeof(float));
+}
+
+// One side's codes of an epoch ([n_layers * n_kv] codes of dim d): the numbers only.
+void WriteCodes(ImageWriter& w, const std::vector<TransformCode>& codes) {
+  for (const TransformCode& c : codes) {
+    w.U8(c.scale.empty() ? 0 : 1);
+    WriteFloats(w, c.mean);
+    WriteFloats(w, c.scale);
+    WriteFloats(w, c.basis);
+    for (const ComponentQuantizer& q : c.components) {
+      w.U8(static_cast<uint8_t>(q.bits));
+      w.Raw(&q.offset, sizeof(q.offset));
+      w.Raw(&q.step, sizeof(q.step));
+    }
+  }
+}
+
+// The least bytes WriteCodes writes for one code of dim d (no scale).
+int64_t MinCodeBytes(int64_t d) { return 1 + 4 * (d + d * d) + 9 * d; }
+
+absl::StatusOr<std::vector<float>> ReadFloats(ImageReader& r, std::string_view field, int64_t n) {
+  absl::StatusOr<std::string_view> bytes = r.Raw(field, static_cast<uint64_t>(n) * sizeof(float));
+  if (!bytes.ok()) return bytes.status();
+  std::vector<float> v(static_cast<size_t>(n));
+  if (n > 0) std::memcpy(v.data(), bytes->data(), bytes->size());
+  for (float x : v) {
+    if (!std::isfinite(x))
+      return r.Corrupt(absl::StrFormat("a non-finite number in its %s", field));
+  }
+  return v;
+}
+
+absl::StatusOr<std::shared_ptr<const std::vector<TransformCode>>> ReadCodes(ImageReader& r,
+                                                                            int64_t n, int d) {
+  auto codes = std::make_shared<std::vector<TransformCode>>(static_cast<size_t>(n));
+  for (TransformCode& c : *codes) {
+    c.dim = d;
+    absl::StatusOr<uint8_t> scaled = r.U8("epoch code's scale flag");
+    if (!scaled.ok()) return scaled.status();
+    if (*scaled > 1) return r.Corrupt(absl::StrFormat("epoch code's scale flag %d", *scaled));
+    for (auto [field, v, count] :
+         {std::tuple{"epoch code's mean", &c.mean, int64_t{d}},
+          std::tuple{"epoch code's scale", &c.scale, *scaled != 0 ? int64_t{d} : 0},
+          std::tuple{"epoch code's basis", &c.basis, int64_t{d} * d}}) {
+      absl::StatusOr<std::vector<float>> read = ReadFloats(r, field, count);
+      if (!read.ok()) return read.status();
+      *v = *std::move(read);
+    }
+    c.components.resize(static_cast<size_t>(d));
+    for (ComponentQuantizer& q : c.components) {
+      absl::StatusOr<uint8_t> bits = r.U8("component bits");
+      if (!bits.ok()) return bits.status();
+      if (*bits > ComponentQuantizer::kMaxBits) {
+        return r.Corrupt(absl::StrFormat("an epoch code's component has %d bits", *bits));
+      }
+      absl::StatusOr<std::vector<float>> numbers = ReadFloats(r, "component quantizer", 2);
+      if (!numbers.ok()) return numbers.status();
+      q = {.bits = static_cast<int>(*bits), .offset = (*numbers)[0], .step = (*numbers)[1]};
+    }
+  }
+  return codes;
+}
 
 }  // namespace
 
@@ -101,12 +174,20 @@ TransformImageFormat::TransformImageFormat(const KvCacheGeometry& g, int block_s
       "codes=%016x",
       g.n_layers, g.n_kv_heads, g.head_dim, block_size, sink_tokens, window_tokens,
       pre_rope_keys ? "pre-rope" : "post-rope", h.value());
+  layers_ = LayersOf(key_codes, value_codes);
+}
+
+std::vector<TransformImageFormat::Layer> TransformImageFormat::LayersOf(
+    const std::vector<TransformCode>& key_codes,
+    const std::vector<TransformCode>& value_codes) const {
+  const KvCacheGeometry& g = geometry_;
+  std::vector<Layer> layers;
   for (int l = 0; l < g.n_layers; ++l) {
     Layer layer;
     for (const auto* codes : {&key_codes, &value_codes}) {
       for (int kvh = 0; kvh < g.n_kv_heads; ++kvh) {
         const TransformCode& code = (*codes)[static_cast<size_t>(l * g.n_kv_heads + kvh)];
-        const CodedRunLayout laid = LayOutCodedRun(code, block_size);
+        const CodedRunLayout laid = LayOutCodedRun(code, block_size_);
         Run run;
         run.at = layer.bytes;
         for (int a = 0; a < laid.active(); ++a) {
@@ -117,8 +198,9 @@ TransformImageFormat::TransformImageFormat(const KvCacheGeometry& g, int block_s
         layer.runs.push_back(std::move(run));
       }
     }
-    layers_.push_back(std::move(layer));
+    layers.push_back(std::move(layer));
   }
+  return layers;
 }
 
 std::string TransformImageFormat::Write(const TransformImage& image, bool entropy_coded) const {
@@ -126,13 +208,32 @@ std::string TransformImageFormat::Write(const TransformImage& image, bool entrop
   const auto part = [&](int l, int64_t b) -> const TransformImage::Part& {
     return image.parts[static_cast<size_t>(l * image.blocks + b)];
   };
+  const bool with_epochs = !image.epochs.empty();
+  // Each epoch's runs: epoch 0's are this format's.
+  std::vector<std::vector<Layer>> epoch_layers;
+  for (const TransformCodes& e : image.epochs) epoch_layers.push_back(LayersOf(*e.keys, *e.values));
+  const auto layer_of = [&](int64_t epoch, int l) -> const Layer& {
+    return (epoch == 0 ? layers_
+                       : epoch_layers[static_cast<size_t>(epoch - 1)])[static_cast<size_t>(l)];
+  };
   ImageWriter w;
   w.Bytes(layout_);
   w.I64(image.length);
   w.I64(image.next_compress);
-  w.U8(entropy_coded ? kRangeCoded : kStored);
+  w.U8(static_cast<uint8_t>((entropy_coded ? kRangeCoded : 0) | (with_epochs ? kWithEpochs : 0)));
+  if (with_epochs) {
+    w.I64(static_cast<int64_t>(image.epochs.size()));
+    for (const TransformCodes& e : image.epochs) {
+      WriteCodes(w, *e.keys);
+      WriteCodes(w, *e.values);
+    }
+    w.I64(image.current_epoch);
+  }
   for (int l = 0; l < n_layers; ++l) {
-    for (int64_t b = 0; b < image.blocks; ++b) w.U8(part(l, b).coded ? kCodedBlock : kFullBlock);
+    for (int64_t b = 0; b < image.blocks; ++b) {
+      w.U8(part(l, b).coded ? kCodedBlock : kFullBlock);
+      if (with_epochs && part(l, b).coded) w.I32(static_cast<int32_t>(part(l, b).epoch));
+    }
   }
   for (int plane = 1; plane >= 0; --plane) {  // high bytes, then low bytes
     for (int l = 0; l < n_layers; ++l) {
@@ -152,16 +253,18 @@ std::string TransformImageFormat::Write(const TransformImage& image, bool entrop
       continue;
     }
     RangeEncoder enc;
-    for (const Run& run : layers_[static_cast<size_t>(l)].runs) {
-      for (size_t a = 0; a < run.bits.size(); ++a) {
-        CodeModel model(run.bits[a]);
-        for (int64_t b = 0; b < image.blocks; ++b) {
-          if (!part(l, b).coded) continue;
-          const auto* block = reinterpret_cast<const uint8_t*>(part(l, b).bytes.data()) + run.at;
-          for (int t = 0; t < block_size_; ++t) {
-            const uint32_t code = RunCode(block + run.byte_at[a], run.bits[a], t);
-            enc.EncodeSymbol(model.Tree(), run.bits[a], code);
-            model.Saw(code);
+    for (int64_t e = 0; e <= static_cast<int64_t>(image.epochs.size()); ++e) {
+      for (const Run& run : layer_of(e, l).runs) {
+        for (size_t a = 0; a < run.bits.size(); ++a) {
+          CodeModel model(run.bits[a]);
+          for (int64_t b = 0; b < image.blocks; ++b) {
+            if (!part(l, b).coded || part(l, b).epoch != e) continue;
+            const auto* block = reinterpret_cast<const uint8_t*>(part(l, b).bytes.data()) + run.at;
+            for (int t = 0; t < block_size_; ++t) {
+              const uint32_t code = RunCode(block + run.byte_at[a], run.bits[a], t);
+              enc.EncodeSymbol(model.Tree(), run.bits[a], code);
+              model.Saw(code);
+            }
           }
         }
       }
@@ -192,15 +295,53 @@ absl::StatusOr<TransformImage> TransformImageFormat::Read(std::string_view image
   out.next_compress = *next_compress;
   absl::StatusOr<uint8_t> form = r.U8("codes' form");
   if (!form.ok()) return form.status();
-  if (*form != kStored && *form != kRangeCoded) {
+  if ((*form & ~(kRangeCoded | kWithEpochs)) != 0) {
     return r.Corrupt(absl::StrFormat("codes' form %d", *form));
   }
+  const bool range_coded = (*form & kRangeCoded) != 0;
+  // Each epoch's runs; epoch 0's are this format's.
+  std::vector<std::vector<Layer>> epoch_layers;
+  if ((*form & kWithEpochs) != 0) {
+    const int64_t codes_per_side = int64_t{g.n_layers} * n_kv;
+    const int64_t min_epoch_bytes = 2 * codes_per_side * MinCodeBytes(hd);
+    absl::StatusOr<int64_t> n_epochs =
+        r.Int("epochs", 1,
+              std::min<int64_t>(kMaxImageEpochs, static_cast<int64_t>(r.left()) / min_epoch_bytes));
+    if (!n_epochs.ok()) return n_epochs.status();
+    for (int64_t e = 1; e <= *n_epochs; ++e) {
+      TransformCodes codes;
+      for (auto* side : {&codes.keys, &codes.values}) {
+        absl::StatusOr<std::shared_ptr<const std::vector<TransformCode>>> read =
+            ReadCodes(r, codes_per_side, g.head_dim);
+        if (!read.ok()) return read.status();
+        *side = *std::move(read);
+      }
+      epoch_layers.push_back(LayersOf(*codes.keys, *codes.values));
+      for (int l = 0; l < g.n_layers; ++l) {
+        const int64_t bytes = epoch_layers.back()[static_cast<size_t>(l)].bytes;
+        if (bytes > layers_[static_cast<size_t>(l)].bytes) {
+          return r.Corrupt(absl::StrFormat(
+              "epoch %d codes a block of layer %d in %d bytes, more than the cache's %d", e, l,
+              bytes, layers_[static_cast<size_t>(l)].bytes));
+        }
+      }
+      out.epochs.push_back(std::move(codes));
+    }
+    absl::StatusOr<int64_t> current = r.Int("current epoch", 0, *n_epochs);
+    if (!current.ok()) return current.status();
+    out.current_epoch = *current;
+  }
+  const int64_t n_epochs = static_cast<int64_t>(out.epochs.size());
+  const auto layer_of = [&](int64_t epoch, int l) -> const Layer& {
+    return (epoch == 0 ? layers_
+                       : epoch_layers[static_cast<size_t>(epoch - 1)])[static_cast<size_t>(l)];
+  };
   if (static_cast<uint64_t>(out.blocks * g.n_layers) > r.left()) {
     return r.Corrupt(absl::StrFormat("%d tokens need %d blocks, it holds %d bytes", *length,
                                      out.blocks * g.n_layers, r.left()));
   }
   // Before a byte is decoded: range-coded codes expand, so their bound is the pool.
-  if (*form == kRangeCoded && out.blocks * g.n_layers > max_blocks) {
+  if (range_coded && out.blocks * g.n_layers > max_blocks) {
     return absl::ResourceExhaustedError(
         absl::StrFormat("KV cache full: the image holds %d block-layers, the pool %d",
                         out.blocks * g.n_layers, max_blocks));
@@ -210,7 +351,9 @@ absl::StatusOr<TransformImage> TransformImageFormat::Read(std::string_view image
     return 2 * n_kv * std::min<int64_t>(bs, *length - b * bs) * hd * 2;
   };
   int64_t full_bytes = 0;
-  std::vector<int64_t> n_coded(static_cast<size_t>(g.n_layers), 0);
+  std::vector<int64_t> coded_bytes(static_cast<size_t>(g.n_layers), 0);  // per layer
+  std::vector<bool> epoch_used(static_cast<size_t>(n_epochs + 1), false);
+  epoch_used[static_cast<size_t>(out.current_epoch)] = true;
   for (int l = 0; l < g.n_layers; ++l) {
     for (int64_t b = 0; b < out.blocks; ++b) {
       absl::StatusOr<uint8_t> kind = r.U8("block kind");
@@ -224,11 +367,26 @@ absl::StatusOr<TransformImage> TransformImageFormat::Read(std::string_view image
       }
       TransformImage::Part& part = out.parts[static_cast<size_t>(l * out.blocks + b)];
       part.coded = *kind == kCodedBlock;
-      if (part.coded) {
-        ++n_coded[static_cast<size_t>(l)];
-      } else {
+      if (!part.coded) {
         full_bytes += rows_of(b);
+        continue;
       }
+      if (n_epochs > 0) {
+        absl::StatusOr<int32_t> epoch = r.I32("block epoch");
+        if (!epoch.ok()) return epoch.status();
+        if (*epoch < 0 || *epoch > n_epochs) {
+          return r.Corrupt(
+              absl::StrFormat("layer %d block %d has epoch %d of %d", l, b, *epoch, n_epochs));
+        }
+        part.epoch = *epoch;
+        epoch_used[static_cast<size_t>(*epoch)] = true;
+      }
+      coded_bytes[static_cast<size_t>(l)] += layer_of(part.epoch, l).bytes;
+    }
+  }
+  for (int64_t e = 1; e <= n_epochs; ++e) {
+    if (!epoch_used[static_cast<size_t>(e)]) {
+      return r.Corrupt(absl::StrFormat("epoch %d is used by no block", e));
     }
   }
   absl::StatusOr<std::string_view> high = r.Raw("full rows' high bytes", full_bytes / 2);
@@ -250,20 +408,21 @@ absl::StatusOr<TransformImage> TransformImageFormat::Read(std::string_view image
       row_at += rows_of(b);
     }
   }
+  // A layer's coded blocks' bytes, one after the other in block order, each its epoch's size.
   const auto assign = [&](int l, std::string_view codes) {
-    const int64_t bytes = layers_[static_cast<size_t>(l)].bytes;
-    int64_t c = 0;
+    int64_t at = 0;
     for (int64_t b = 0; b < out.blocks; ++b) {
       TransformImage::Part& part = out.parts[static_cast<size_t>(l * out.blocks + b)];
       if (!part.coded) continue;
-      part.bytes = codes.substr(static_cast<size_t>(c * bytes), static_cast<size_t>(bytes));
-      ++c;
+      const int64_t bytes = layer_of(part.epoch, l).bytes;
+      part.bytes = codes.substr(static_cast<size_t>(at), static_cast<size_t>(bytes));
+      at += bytes;
     }
   };
-  if (*form == kStored) {
+  if (!range_coded) {
     for (int l = 0; l < g.n_layers; ++l) {
-      const int64_t n = n_coded[static_cast<size_t>(l)] * layers_[static_cast<size_t>(l)].bytes;
-      absl::StatusOr<std::string_view> codes = r.Raw("coded blocks", static_cast<uint64_t>(n));
+      absl::StatusOr<std::string_view> codes =
+          r.Raw("coded blocks", static_cast<uint64_t>(coded_bytes[static_cast<size_t>(l)]));
       if (!codes.ok()) return codes.status();
       assign(l, *codes);
     }
@@ -278,26 +437,36 @@ absl::StatusOr<TransformImage> TransformImageFormat::Read(std::string_view image
   }
   if (absl::Status st = r.ExpectEnd(); !st.ok()) return st;
   // The layers' streams are independent: decoded side by side (a restore waits for them). The
-  // decoded codes are at most max_blocks blocks' worth (checked above).
+  // decoded codes are at most max_blocks blocks' worth of epoch 0's (checked above).
   std::vector<std::string> codes(static_cast<size_t>(g.n_layers));
   std::vector<char> overran(static_cast<size_t>(g.n_layers), 0);
 #pragma omp parallel for schedule(dynamic, 1) if (g.n_layers > 1)
   for (int l = 0; l < g.n_layers; ++l) {
     const auto li = static_cast<size_t>(l);
-    const Layer& layer = layers_[li];
-    const int64_t coded = n_coded[li];
-    codes[li].assign(static_cast<size_t>(coded * layer.bytes), '\0');
+    codes[li].assign(static_cast<size_t>(coded_bytes[li]), '\0');
     auto* blocks = reinterpret_cast<uint8_t*>(codes[li].data());
+    std::vector<int64_t> block_at(static_cast<size_t>(out.blocks), 0);  // in `blocks`
+    int64_t at = 0;
+    for (int64_t b = 0; b < out.blocks; ++b) {
+      const TransformImage::Part& part = out.parts[static_cast<size_t>(l * out.blocks + b)];
+      if (!part.coded) continue;
+      block_at[static_cast<size_t>(b)] = at;
+      at += layer_of(part.epoch, l).bytes;
+    }
     RangeDecoder dec({reinterpret_cast<const uint8_t*>(streams[li].data()), streams[li].size()});
-    for (const Run& run : layer.runs) {
-      for (size_t a = 0; a < run.bits.size() && !dec.overran(); ++a) {
-        CodeModel model(run.bits[a]);
-        for (int64_t c = 0; c < coded; ++c) {
-          uint8_t* block = blocks + c * layer.bytes + run.at;
-          for (int t = 0; t < bs; ++t) {
-            const uint32_t code = dec.DecodeSymbol(model.Tree(), run.bits[a]);
-            PutRunCode(block + run.byte_at[a], run.bits[a], t, code);
-            model.Saw(code);
+    for (int64_t e = 0; e <= n_epochs && !dec.overran(); ++e) {
+      for (const Run& run : layer_of(e, l).runs) {
+        for (size_t a = 0; a < run.bits.size() && !dec.overran(); ++a) {
+          CodeModel model(run.bits[a]);
+          for (int64_t b = 0; b < out.blocks; ++b) {
+            const TransformImage::Part& part = out.parts[static_cast<size_t>(l * out.blocks + b)];
+            if (!part.coded || part.epoch != e) continue;
+            uint8_t* block = blocks + block_at[static_cast<size_t>(b)] + run.at;
+            for (int t = 0; t < bs; ++t) {
+              const uint32_t code = dec.DecodeSymbol(model.Tree(), run.bits[a]);
+              PutRunCode(block + run.byte_at[a], run.bits[a], t, code);
+              model.Saw(code);
+            }
           }
         }
       }
@@ -323,7 +492,7 @@ absl::StatusOr<std::string> TransformImageFormat::Compact(std::string_view image
   }
   absl::StatusOr<uint8_t> form = r.U8("codes' form");
   if (!form.ok()) return form.status();
-  if (*form == kRangeCoded) return std::string(image);
+  if ((*form & kRangeCoded) != 0) return std::string(image);
   absl::StatusOr<TransformImage> read = Read(image, /*max_blocks=*/0);
   if (!read.ok()) return read.status();
   return Write(*read, /*entropy_coded=*/true);

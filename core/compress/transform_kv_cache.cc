@@ -209,6 +209,20 @@ TransformKvCache::CodeEpoch TransformKvCache::MakeEpoch(const TransformCodes& co
   return e;
 }
 
+int32_t TransformKvCache::AddEpoch(CodeEpoch epoch) {
+  int32_t id = -1;
+  for (size_t i = 1; i < epochs_.size() && id < 0; ++i) {
+    if (epochs_[i] == nullptr) id = static_cast<int32_t>(i);
+  }
+  if (id < 0) {
+    id = static_cast<int32_t>(epochs_.size());
+    epochs_.emplace_back();
+  }
+  epoch.refs = 1;
+  epochs_[static_cast<size_t>(id)] = std::make_unique<CodeEpoch>(std::move(epoch));
+  return id;
+}
+
 void TransformKvCache::ReleaseEpoch(int32_t id) {
   std::unique_ptr<CodeEpoch>& e = epochs_[static_cast<size_t>(id)];
   assert(e != nullptr && e->refs > 0);
@@ -477,26 +491,17 @@ void TransformKvCache::InstallPublished() {
       ++refreshes_unplaced_;
       continue;
     }
-    auto epoch = std::make_unique<CodeEpoch>(MakeEpoch(p.epoch.codes));
+    CodeEpoch epoch = MakeEpoch(p.epoch.codes);
     bool fits = true;
     for (int l = 0; l < g.n_layers; ++l) {
-      fits = fits && epoch->bytes[static_cast<size_t>(l)] <= coded_bytes_[static_cast<size_t>(l)];
+      fits = fits && epoch.bytes[static_cast<size_t>(l)] <= coded_bytes_[static_cast<size_t>(l)];
     }
     if (!fits) {
       ++refreshes_unplaced_;
       continue;
     }
-    int32_t id = -1;
-    for (size_t i = 1; i < epochs_.size() && id < 0; ++i) {
-      if (epochs_[i] == nullptr) id = static_cast<int32_t>(i);
-    }
-    if (id < 0) {
-      id = static_cast<int32_t>(epochs_.size());
-      epochs_.emplace_back();
-    }
-    epochs_[static_cast<size_t>(id)] = std::move(epoch);
+    const int32_t id = AddEpoch(std::move(epoch));
     Sequence& s = seqs_[it->second];
-    AcquireEpoch(id);
     ReleaseEpoch(s.epoch);
     s.epoch = id;
     ++refreshes_installed_;

@@ -145,8 +145,9 @@ class TransformKvCache final : public KvCache {
   // fp16 rows of a full block or a coded block's codes as stored, so a restored sequence
   // continues bitwise. Import takes a full page for every block first (coded ones give theirs
   // back for a slot, as Commit does): RESOURCE_EXHAUSTED when the pool lacks them. A sequence
-  // with online refresh, or with blocks of a refreshed epoch, has no image yet
-  // (FAILED_PRECONDITION).
+  // with online refresh goes with its epochs (each block's codes and the current ones); its
+  // refresher's statistics do not: the importer's SetSequenceRefresh starts them empty, so its
+  // attention is the source's, bitwise, until its next refresh.
   std::string ImageLayout() const override;
   absl::StatusOr<std::string> CompactImage(std::string_view image) const override {
     return image_format_.Compact(image);
@@ -218,6 +219,8 @@ class TransformKvCache final : public KvCache {
   // The tables of `codes` (already checked against the geometry).
   CodeEpoch MakeEpoch(const TransformCodes& codes) const;
   const CodeEpoch& Epoch(int32_t id) const { return *epochs_[static_cast<size_t>(id)]; }
+  // Adds `epoch` under a free id, holding one reference (the caller's).
+  int32_t AddEpoch(CodeEpoch epoch);
   void AcquireEpoch(int32_t id) { ++epochs_[static_cast<size_t>(id)]->refs; }
   void ReleaseEpoch(int32_t id);
   // Counts a coded block of `layer` in epoch `id` for `s` (one reference), or drops one.

@@ -1,6 +1,8 @@
 // The transform-coded cache's sequence images (session snapshots, the session tiers; the format
 // is transform_image.h's, shared with the CUDA backend's cache). Only whole blocks are coded, so
-// a coded block is never the partial last one.
+// a coded block is never the partial last one. A sequence with online refresh goes with its
+// epochs (the codes its blocks were coded with and the one it codes new blocks with); its
+// refresher's statistics stay behind (the importer's SetSequenceRefresh starts them empty).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -27,28 +29,31 @@ int64_t TransformKvCache::MaxImageBlocks() const {
 absl::StatusOr<std::string> TransformKvCache::ExportSequence(SeqId seq) const {
   const Sequence* s = seqs_.Find(seq);
   if (s == nullptr) return Sequences::Unknown(seq);
-  bool refreshed = s->refresh.method != RefreshMethod::kNone;
-  for (const std::vector<EpochUse>& live : s->epoch_uses) {
-    for (const EpochUse& u : live) refreshed = refreshed || u.epoch != 0;
-  }
-  if (refreshed) {
-    return absl::FailedPreconditionError(
-        "a sequence with online refresh of its codes has no image yet: its refresher's "
-        "statistics and refreshed epochs are not in the format");
-  }
   const int bs = config_.block_size;
   const int64_t hd = config_.geometry.head_dim;
   TransformImage image;
   image.length = s->length;
   image.next_compress = s->next_compress;
   image.blocks = CeilDiv(s->length, int64_t{bs});
+  // The epochs beside the codec file's, each once, as image indices (1, 2, ...).
+  std::vector<int32_t> ids;
+  const auto index_of = [&](int32_t id) -> int64_t {
+    if (id == 0) return 0;
+    auto it = std::find(ids.begin(), ids.end(), id);
+    if (it == ids.end()) it = ids.insert(ids.end(), id);
+    return (it - ids.begin()) + 1;
+  };
+  image.current_epoch = index_of(s->epoch);
   for (int l = 0; l < config_.geometry.n_layers; ++l) {
     for (int64_t b = 0; b < image.blocks; ++b) {
       const Block& e = s->tables[static_cast<size_t>(l)][static_cast<size_t>(b)];
       if (e.slot >= 0) {
         image.parts.push_back(
-            {true, std::string_view(reinterpret_cast<const char*>(slabs_.data({e.page, e.slot})),
-                                    static_cast<size_t>(CodedBlockBytes(l)))});
+            {.coded = true,
+             .epoch = index_of(e.epoch),
+             .bytes = std::string_view(
+                 reinterpret_cast<const char*>(slabs_.data({e.page, e.slot})),
+                 static_cast<size_t>(Epoch(e.epoch).bytes[static_cast<size_t>(l)]))});
         continue;
       }
       const int64_t valid = std::min<int64_t>(bs, s->length - b * bs);
@@ -60,9 +65,10 @@ absl::StatusOr<std::string> TransformKvCache::ExportSequence(SeqId seq) const {
                       static_cast<size_t>(valid * hd * 2));
         }
       }
-      image.parts.push_back({false, image.Own(std::move(rows))});
+      image.parts.push_back({.coded = false, .bytes = image.Own(std::move(rows))});
     }
   }
+  for (int32_t id : ids) image.epochs.push_back(Epoch(id).codes);
   return image_format_.Write(image, /*entropy_coded=*/false);
 }
 
@@ -85,6 +91,16 @@ absl::StatusOr<SeqId> TransformKvCache::ImportSequence(std::string_view image) {
     return st;
   }
   Sequence& s = seqs_[*seq];
+  // The image's epochs, installed (each held here until the end: the blocks and the sequence
+  // take their own references), as cache epoch ids by image index.
+  std::vector<int32_t> ids = {0};
+  for (const TransformCodes& codes : read->epochs) ids.push_back(AddEpoch(MakeEpoch(codes)));
+  const auto release_held = [&] {
+    for (size_t i = 1; i < ids.size(); ++i) ReleaseEpoch(ids[i]);
+  };
+  AcquireEpoch(ids[static_cast<size_t>(read->current_epoch)]);
+  ReleaseEpoch(s.epoch);
+  s.epoch = ids[static_cast<size_t>(read->current_epoch)];
   for (int l = 0; l < config_.geometry.n_layers; ++l) {
     for (int64_t b = 0; b < blocks; ++b) {
       const TransformImage::Part& part = parts[static_cast<size_t>(l * blocks + b)];
@@ -95,11 +111,13 @@ absl::StatusOr<SeqId> TransformKvCache::ImportSequence(std::string_view image) {
         if (slot.page < 0) {
           e.page = pool_->Allocate(BlockKind::kFull);  // the page just freed: FreeSequence frees it
           (void)FreeSequence(*seq);
+          release_held();
           return absl::ResourceExhaustedError("KV cache full: no slot for a coded block");
         }
         std::memcpy(slabs_.data(slot), part.bytes.data(), part.bytes.size());
-        e = {slot.page, slot.index, 0};
-        AddBlockUse(s, l, 0);
+        const int32_t epoch = ids[static_cast<size_t>(part.epoch)];
+        e = {slot.page, slot.index, epoch};
+        AddBlockUse(s, l, epoch);
         continue;
       }
       const int64_t row_bytes = std::min<int64_t>(bs, *length - b * bs) * hd * 2;
@@ -113,6 +131,7 @@ absl::StatusOr<SeqId> TransformKvCache::ImportSequence(std::string_view image) {
     }
   }
   // The bookkeeping's commit only: the blocks are as the exporting cache had coded them.
+  release_held();
   if (absl::Status st = seqs_.Commit(*seq, *length); !st.ok()) {
     (void)FreeSequence(*seq);
     return st;

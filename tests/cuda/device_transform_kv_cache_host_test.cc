@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/compress/transform_kv_cache.h"
@@ -272,10 +273,28 @@ TEST_P(DeviceTransformKvCacheHostTest, ImagesMoveBetweenTheCpuAndTheDeviceCache)
   mixed.blocks = 2;
   const std::string full_rows(static_cast<size_t>(2 * 2 * kBlock * 64 * 2), '\0');
   const std::string codes(static_cast<size_t>(format.coded_bytes(0)), '\0');
-  mixed.parts = {{false, full_rows}, {true, codes}, {false, full_rows}, {false, full_rows}};
+  const TransformImage::Part full{.coded = false, .bytes = full_rows};
+  mixed.parts = {full, {.coded = true, .bytes = codes}, full, full};
   for (bool entropy_coded : {false, true}) {
     EXPECT_EQ(cache.ImportSequence(format.Write(mixed, entropy_coded)).status().code(),
               absl::StatusCode::kFailedPrecondition);
+  }
+  // Blocks of a refreshed epoch (a CPU session with online refresh): this cache runs none.
+  TransformImage refreshed;
+  refreshed.length = 32;
+  refreshed.next_compress = 2;
+  refreshed.blocks = 2;
+  refreshed.epochs = {{.keys = dc.key_codes, .values = dc.value_codes}};
+  refreshed.current_epoch = 1;
+  const std::string codes1(static_cast<size_t>(format.coded_bytes(1)), '\0');
+  refreshed.parts = {full,
+                     {.coded = true, .epoch = 1, .bytes = codes},
+                     full,
+                     {.coded = true, .epoch = 1, .bytes = codes1}};
+  for (bool entropy_coded : {false, true}) {
+    const absl::Status st = cache.ImportSequence(format.Write(refreshed, entropy_coded)).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(st.message().find("online refresh"), std::string::npos) << st.message();
   }
   EXPECT_EQ(cache.Detail().pages_full, before.pages_full);
   EXPECT_EQ(cache.Stats().sequences, 1);

@@ -225,7 +225,7 @@ std::unique_ptr<KvCacheBase> Compressed(const ModelConfig& mc, bool with_default
 
 // The transform-coded cache, keys coded before RoPE, with codes fitted on random rows of the
 // model's head_dim (a fixed seed: the same codes, so the same layout, in every engine).
-std::unique_ptr<KvCacheBase> Transform(const ModelConfig& mc) {
+std::unique_ptr<KvCacheBase> Transform(const ModelConfig& mc, bool refresh_inline = false) {
   const KvCacheGeometry g = mc.cache_geometry();
   std::mt19937 rng(3);
   std::normal_distribution<float> n01(0.0f, 1.0f);
@@ -254,6 +254,7 @@ std::unique_ptr<KvCacheBase> Transform(const ModelConfig& mc) {
   c.value_codes = fit(2.0);
   c.key_rope = *mc.rope();
   c.capacity_bytes = 256 * TransformKvCache::PageBytes(g, kBlockSize);
+  c.refresh_inline = refresh_inline;
   return *TransformKvCache::Create(c);
 }
 
@@ -267,7 +268,7 @@ std::vector<CacheCase> Cases() {
        [](const ModelConfig& mc) { return Compressed(mc, /*with_default_basis=*/false); }},
       {"compressed_basis",
        [](const ModelConfig& mc) { return Compressed(mc, /*with_default_basis=*/true); }},
-      {"transform", Transform},
+      {"transform", [](const ModelConfig& mc) { return Transform(mc); }},
   };
 }
 
@@ -461,13 +462,10 @@ TEST(SessionMoveTest, ExportAndImportWhileRequestsRun) {
 }
 
 // A refreshing session moves with its codes and every epoch its blocks use, the refreshed
-// bases among them: the target reuses its whole cached prefix (no re-prefill), holds the same
-// state (its export is the source's, byte for byte), and goes on refreshing with statistics
-// that start over. Bad token lists are refused.
-TEST(SessionMoveTest, RefreshingSessionsMoveWithTheirRefreshedBases) {
-  const auto make = [](const ModelConfig& mc) {
-    return Compressed(mc, /*with_default_basis=*/true, /*refresh_inline=*/true);
-  };
+// bases (or transform codes) among them: the target reuses its whole cached prefix (no
+// re-prefill), holds the same state (its export is the source's, byte for byte), and goes on
+// refreshing with statistics that start over. Bad token lists are refused.
+void ExpectRefreshingSessionMoves(const CacheFactory& make) {
   auto a = EngineWith(make);
   ASSERT_NE(a, nullptr);
   const RefreshConfig refresh{.method = RefreshMethod::kPca, .every_tokens = 16};
@@ -512,6 +510,17 @@ TEST(SessionMoveTest, RefreshingSessionsMoveWithTheirRefreshedBases) {
   ASSERT_TRUE(turn2.result.status.ok()) << turn2.result.status;
   EXPECT_EQ(turn2.result.usage.reused_tokens, image.cached);
   EXPECT_GT(b->Stats().cache.refresh.installed, installed_before);
+}
+
+TEST(SessionMoveTest, RefreshingSessionsMoveWithTheirRefreshedBases) {
+  ExpectRefreshingSessionMoves([](const ModelConfig& mc) {
+    return Compressed(mc, /*with_default_basis=*/true, /*refresh_inline=*/true);
+  });
+}
+
+TEST(SessionMoveTest, RefreshingTransformSessionsMoveWithTheirRefreshedCodes) {
+  ExpectRefreshingSessionMoves(
+      [](const ModelConfig& mc) { return Transform(mc, /*refresh_inline=*/true); });
 }
 
 }  // namespace
