@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "core/base/coeff_codec.h"
 #include "core/compress/basis.h"
+#include "core/compress/compressed_image.h"
 #include "core/compress/compression_epochs.h"
 #include "core/compress/compression_policy.h"
 #include "core/compress/refresher.h"
@@ -119,6 +120,8 @@ class CompressedKvCache final : public KvCache {
   // not its refresher's statistics: on import, SetSequenceRefresh starts them empty, so its
   // next refresh is fitted on the blocks coded after the move.
   std::string ImageLayout() const override;
+  // The format of this cache's images (compressed_image.h), shared with the CUDA backend's cache.
+  CompressedImageFormat ImageFormat() const;
   absl::StatusOr<std::string> ExportSequence(SeqId seq) const override;
   absl::StatusOr<SeqId> ImportSequence(std::string_view image) override;
   // Exists from Create when config.refresh enables a method, else from the first sequence that
