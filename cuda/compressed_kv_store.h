@@ -82,6 +82,11 @@ class CompressedKvStore {
   // Copies full page `page` of layer `layer` to `out` ([2][n_kv][B][head_dim] fp16), after every
   // earlier operation has finished; waits for it.
   virtual absl::Status ReadPage(int layer, int32_t page, std::span<uint16_t> out) = 0;
+  // Session images: copies bytes [offset, offset + size) of layer `layer`'s slice out, or
+  // writes them, after every earlier operation has finished; both wait for the copy.
+  // INVALID_ARGUMENT for a range outside the slice.
+  virtual absl::Status Read(int layer, int64_t offset, std::span<uint8_t> out) = 0;
+  virtual absl::Status Write(int layer, int64_t offset, std::span<const uint8_t> bytes) = 0;
 
   // --- Readback for the background refresher: one copy in flight, never waited for ---
   // Full pages one readback holds at most (0: the store reads nothing back).

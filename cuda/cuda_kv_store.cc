@@ -288,6 +288,35 @@ absl::Status CudaKvStore::ReadPage(int layer, int32_t page, std::span<uint16_t> 
   return st.ok() ? sync : st;
 }
 
+absl::Status CudaKvStore::Read(int layer, int64_t offset, std::span<uint8_t> out) {
+  const int64_t slice = num_pages_ * layouts_[static_cast<size_t>(layer)].page_bytes;
+  if (offset < 0 || offset + static_cast<int64_t>(out.size()) > slice) {
+    return absl::InvalidArgumentError("KV image: read outside the layer's pool");
+  }
+  if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream_), "KV image: stream sync");
+      !st.ok()) {
+    return st;
+  }
+  return CudaStatus(
+      cudaMemcpy(out.data(), LayerPool(layer) + offset, out.size(), cudaMemcpyDeviceToHost),
+      "KV image: read");
+}
+
+absl::Status CudaKvStore::Write(int layer, int64_t offset, std::span<const uint8_t> bytes) {
+  const int64_t slice = num_pages_ * layouts_[static_cast<size_t>(layer)].page_bytes;
+  if (offset < 0 || offset + static_cast<int64_t>(bytes.size()) > slice) {
+    return absl::InvalidArgumentError("KV image: write outside the layer's pool");
+  }
+  // Pageable host bytes: the copy is synchronous, after the stream's queued work.
+  if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream_), "KV image: stream sync");
+      !st.ok()) {
+    return st;
+  }
+  return CudaStatus(
+      cudaMemcpy(LayerPool(layer) + offset, bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
+      "KV image: write");
+}
+
 // One strided copy per page: the page in every layer's slice (num_pages * page_bytes apart)
 // lands [n_layers][n][page] in the pinned buffer, on the copy engine, in stream order.
 absl::Status CudaKvStore::StartReadback(std::span<const int32_t> pages) {

@@ -54,6 +54,8 @@ class CudaKvStore final : public CompressedKvStore {
   // With outlier masks: waits for them, one chunk of the batch at a time.
   absl::Status MoveOutliers(const OutlierBatch& batch) override;
   absl::Status ReadPage(int layer, int32_t page, std::span<uint16_t> out) override;
+  absl::Status Read(int layer, int64_t offset, std::span<uint8_t> out) override;
+  absl::Status Write(int layer, int64_t offset, std::span<const uint8_t> bytes) override;
   int64_t readback_capacity() const override { return readback_capacity_; }
   absl::Status StartReadback(std::span<const int32_t> pages) override;
   absl::StatusOr<bool> TakeReadback(std::vector<uint16_t>* out) override;

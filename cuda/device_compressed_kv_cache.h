@@ -41,6 +41,8 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -48,6 +50,7 @@
 #include "absl/status/statusor.h"
 #include "core/base/coeff_codec.h"
 #include "core/compress/basis.h"
+#include "core/compress/compressed_image.h"
 #include "core/compress/compression_epochs.h"
 #include "core/compress/compression_policy.h"
 #include "core/compress/refresher.h"
@@ -140,6 +143,19 @@ class DeviceCompressedKvCache final : public DeviceKvCache {
   // Issues the queued compressions to the store and frees their full pages; hands landed
   // readbacks to the refresher and starts the next; runs the compactor.
   absl::Status Flush() override;
+
+  // Images (session snapshots, tiers, Export; device_compressed_kv_cache_image.cc): the CPU
+  // compressed cache's format and layout line with fp16 full blocks, so a session moves between
+  // a CPU and a GPU server. Export flushes first and copies the sequence's pages and slots out
+  // (between two steps: it waits for the store). Import reads and checks the whole image before
+  // it takes a page; FAILED_PRECONDITION for an image whose blocks are decided differently
+  // across layers or KV heads (a CPU cache may do that, this one cannot hold it),
+  // RESOURCE_EXHAUSTED when the pool or the basis tables lack room. A refreshing sequence goes
+  // with its epochs; its refresher's statistics start empty on the target.
+  CompressedImageFormat ImageFormat() const;
+  std::string ImageLayout() const override;
+  absl::StatusOr<std::string> ExportSequence(SeqId seq) const override;
+  absl::StatusOr<SeqId> ImportSequence(std::string_view image) override;
 
   // --- Basis epochs (as CompressedKvCache's) ---
   // RESOURCE_EXHAUSTED when the store's basis tables are full; INVALID_ARGUMENT for a basis

@@ -210,7 +210,7 @@ class Engine {
   // Session snapshots (session_snapshot.h). They touch the cache between two of the loop's
   // steps (at once when no request runs), so a call waits at most for one step.
   // Every live idle session, expired ones aside. A session whose cache has no image (a cache
-  // kind without images: the device compressed cache) comes with its tokens only:
+  // kind without images, or an export that failed) comes with its tokens only:
   // `cache` says why;
   // restored, its next call prefills its history.
   struct ExportedSession {

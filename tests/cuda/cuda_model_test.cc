@@ -400,9 +400,13 @@ TEST(CudaModelTest, EngineGeneratesOnTheCudaBackend) {
 // A session on the CUDA backend's full cache moves: exported (its device pages copied out),
 // imported into another CUDA engine, it continues as the uninterrupted one, its cache reused.
 // A session exported from one CUDA engine continues in another exactly as the one left behind
-// does. transform: on the transform-coded cache (codes fitted on the model's own rows, sinks 4,
-// window 16), with a prompt long enough to have coded blocks; else the full-rank cache.
-void ExpectSessionMovesBetweenCudaEnginesBitwise(bool transform) {
+// does: on the full-rank cache; on the transform-coded one (codes fitted on the model's own
+// rows, sinks 4, window 16); on the compressed one (int8 codes, a self-calibrated basis the
+// image carries to an engine without one, outliers flagged); the coded caches with a prompt
+// long enough to have coded blocks.
+enum class MovedCache { kFull, kTransform, kCompressed };
+void ExpectSessionMovesBetweenCudaEnginesBitwise(MovedCache kind) {
+  const bool transform = kind == MovedCache::kTransform;
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(ModelPath());
   ASSERT_TRUE(file.ok());
   std::shared_ptr<const GgufFile> gguf = *std::move(file);
@@ -423,6 +427,16 @@ void ExpectSessionMovesBetweenCudaEnginesBitwise(bool transform) {
                                       .key_codes = codes->keys,
                                       .value_codes = codes->values,
                                       .pre_rope_keys = true};
+  }
+  std::optional<CudaCompressedCacheOptions> compressed;
+  if (kind == MovedCache::kCompressed) {
+    compressed = CudaCompressedCacheOptions{};
+    compressed->policy.sink_tokens = 4;
+    compressed->policy.window_tokens = 16;
+    compressed->policy.coeff_dtype = CoeffDtype::kInt8;
+    compressed->policy.outlier_threshold = 0.5f;
+  }
+  if (kind != MovedCache::kFull) {
     for (int i = 0; i < 4; ++i) text += " a small cat sat on a warm mat near the old door,";
   }
   const auto make_engine = [&]() -> std::unique_ptr<Engine> {
@@ -430,6 +444,7 @@ void ExpectSessionMovesBetweenCudaEnginesBitwise(bool transform) {
                                                                 .max_sequences = 8,
                                                                 .block_size = 16,
                                                                 .kv_cache_bytes = int64_t{16} << 20,
+                                                                .compressed = compressed,
                                                                 .transform = codec});
     EXPECT_TRUE(cuda.ok()) << cuda.status();
     if (!cuda.ok()) return nullptr;
@@ -472,7 +487,9 @@ void ExpectSessionMovesBetweenCudaEnginesBitwise(bool transform) {
   const std::string moved = a->CreateSession()->id;
   const std::string stays = a->CreateSession()->id;
   EXPECT_EQ(turn(*a, moved, text, true).first, turn(*a, stays, text, true).first);
-  if (transform) EXPECT_GT(a->Stats().cache.bytes_used_compressed, 0);
+  if (kind != MovedCache::kFull) {
+    EXPECT_GT(a->Stats().cache.bytes_used_compressed, 0);
+  }
   absl::StatusOr<Engine::ExportedSession> exported = a->ExportSession(moved);
   ASSERT_TRUE(exported.ok()) << exported.status();
   ASSERT_TRUE(exported->cache.ok()) << exported->cache;
@@ -489,12 +506,17 @@ void ExpectSessionMovesBetweenCudaEnginesBitwise(bool transform) {
 
 TEST(CudaModelTest, SessionMovesBetweenCudaEnginesBitwise) {
   SUBSPACE_REQUIRE_CUDA_DEVICE();
-  ExpectSessionMovesBetweenCudaEnginesBitwise(/*transform=*/false);
+  ExpectSessionMovesBetweenCudaEnginesBitwise(MovedCache::kFull);
 }
 
 TEST(CudaModelTest, TransformCodedSessionMovesBetweenCudaEnginesBitwise) {
   SUBSPACE_REQUIRE_CUDA_DEVICE();
-  ExpectSessionMovesBetweenCudaEnginesBitwise(/*transform=*/true);
+  ExpectSessionMovesBetweenCudaEnginesBitwise(MovedCache::kTransform);
+}
+
+TEST(CudaModelTest, CompressedSessionMovesBetweenCudaEnginesBitwise) {
+  SUBSPACE_REQUIRE_CUDA_DEVICE();
+  ExpectSessionMovesBetweenCudaEnginesBitwise(MovedCache::kCompressed);
 }
 
 }  // namespace

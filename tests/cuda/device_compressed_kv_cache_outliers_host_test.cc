@@ -281,6 +281,73 @@ TEST_P(DeviceCacheOutliersTest, TruncationIntoABlockPutsItsOutliersBack) {
   EXPECT_EQ(p.dev->Stats().bytes_used_full + p.dev->Stats().bytes_used_compressed, 0);
 }
 
+// Images: one format for both caches. The device cache's image (its outliers, the union of the
+// layers', in every layer) restores into a CPU cache, whose own image of it is the same bytes,
+// and back into the device, bitwise. A CPU image whose layers flag different outliers cannot be
+// held by the device cache (refused by name, nothing taken); with one layer it can.
+TEST_P(DeviceCacheOutliersTest, ImagesMoveBetweenTheDeviceAndTheCpuCache) {
+  const auto [hd, dt] = GetParam();
+  const CompressedKvCacheConfig c = OutlierConfig(2, hd, dt);
+  ASSERT_NO_FATAL_FAILURE(Open(c, 200));
+  ASSERT_NO_FATAL_FAILURE(Append(d, 0, 150));
+  ASSERT_NO_FATAL_FAILURE(Append(d, 150, 200));
+  ASSERT_EQ(p.dev->ImageLayout(), p.cpu->ImageLayout());
+  ASSERT_FALSE(DeviceOutliers().empty());
+  absl::StatusOr<std::string> image = p.dev->ExportSequence(ds);
+  ASSERT_TRUE(image.ok()) << image.status();
+
+  // Into the CPU cache: the same state (its image is the device's), attending as the device.
+  absl::StatusOr<SeqId> on_cpu = p.cpu->ImportSequence(*image);
+  ASSERT_TRUE(on_cpu.ok()) << on_cpu.status();
+  EXPECT_EQ(p.cpu->Length(*on_cpu), 200);
+  EXPECT_EQ(*p.cpu->ExportSequence(*on_cpu), *image);
+  ExpectSameAttention(p, *on_cpu, ds, static_cast<uint32_t>(rng()), Tolerance(dt));
+
+  // Into the device cache again: bitwise the same attention, the same image.
+  const int64_t free_before = p.dev->Stats().blocks_free;
+  absl::StatusOr<SeqId> copy = p.dev->ImportSequence(*image);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_EQ(*p.dev->ExportSequence(*copy), *image);
+  const std::vector<float> q = cache_test::RandomQ(1, 3 * c.geometry.n_kv_heads, hd, 7);
+  for (int l = 0; l < c.geometry.n_layers; ++l) {
+    EXPECT_EQ(AttendDevice(*p.dev, *p.store, l, *copy, q, 3 * c.geometry.n_kv_heads),
+              AttendDevice(*p.dev, *p.store, l, ds, q, 3 * c.geometry.n_kv_heads))
+        << "layer " << l;
+  }
+  EXPECT_EQ(p.dev->OutlierPositions(*copy).size(), DeviceOutliers().size());
+  ASSERT_TRUE(p.dev->FreeSequence(*copy).ok());
+  EXPECT_EQ(p.dev->Stats().blocks_free, free_before);
+
+  // The CPU cache's own sequence flags different outliers per layer: the device cannot hold it.
+  ASSERT_NE(p.cpu->OutlierPositions(cs, 0).size(), DeviceOutliers().size());
+  const std::string cpu_image = *p.cpu->ExportSequence(cs);
+  const absl::Status refused = p.dev->ImportSequence(cpu_image).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.message().find("differently across layers"), std::string::npos) << refused;
+  // Damaged: refused, nothing taken.
+  for (size_t cut : {size_t{40}, image->size() / 2, image->size() - 1}) {
+    EXPECT_EQ(p.dev->ImportSequence(image->substr(0, cut)).status().code(),
+              absl::StatusCode::kDataLoss)
+        << cut;
+  }
+  EXPECT_EQ(p.dev->Stats().blocks_free, free_before);
+  EXPECT_EQ(p.dev->Stats().sequences, 1);
+
+  // One layer: the CPU cache's decisions are the device's to hold.
+  Pair one = MakeOutlierPair(OutlierConfig(1, hd, dt));
+  ASSERT_NE(one.dev, nullptr);
+  InstallBasis(one, OutlierConfig(1, hd, dt), rng);
+  const SeqId s1 = *one.cpu->CreateSequence();
+  cache_test::Append(*one.cpu, s1, d, 0, 200);
+  absl::StatusOr<SeqId> on_dev = one.dev->ImportSequence(*one.cpu->ExportSequence(s1));
+  ASSERT_TRUE(on_dev.ok()) << on_dev.status();
+  const std::span<const int64_t> want = one.cpu->OutlierPositions(s1, 0);
+  const std::span<const int64_t> got = one.dev->OutlierPositions(*on_dev);
+  EXPECT_EQ(std::vector<int64_t>(got.begin(), got.end()),
+            std::vector<int64_t>(want.begin(), want.end()));
+  ExpectSameAttention(one, s1, *on_dev, static_cast<uint32_t>(rng()), Tolerance(dt));
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, DeviceCacheOutliersTest,
                          ::testing::Combine(::testing::Values(64, 128),
                                             ::testing::Values(CoeffDtype::kFp16,

@@ -147,6 +147,51 @@ TEST_P(DeviceRefreshVsCpuTest, CompactorKeepsOneEpochLikeTheCpuCache) {
   EXPECT_EQ(p.dev->Detail().basis_entries_used, current_unused ? 3 : 2);
 }
 
+// A refreshing sequence's image carries every epoch its blocks use: it restores into a fresh
+// device cache (without the source's default: every epoch installed) attending bitwise as the
+// source, and into a CPU cache, whose image of it is the same bytes; freed, its epochs go.
+TEST_P(DeviceRefreshVsCpuTest, RefreshedEpochsGoWithTheImage) {
+  const auto [hd, dt, method] = GetParam();
+  const uint64_t seed = kernels::testing::FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (SUBSPACE_TEST_SEED pins it)");
+  std::mt19937_64 rng(seed);
+  const CompressedKvCacheConfig c = RefreshingConfig(hd, dt, method, /*max_epochs=*/16);
+  Pair p = MakePair(c, 256, kRoomyCapacity);
+  ASSERT_NE(p.dev, nullptr);
+  InstallDefault(p, c, static_cast<uint32_t>(rng()));
+  const int64_t T = 200;
+  RunBoth(p, DriftingKv(c.geometry, T, static_cast<uint32_t>(rng())), T, Tolerance(dt), rng);
+  const SeqId seq = 0;
+  std::set<EpochId> epochs;
+  for (const DeviceCompressedKvCache::Block& b : p.dev->BlockTable(seq)) {
+    if (b.slot != kernels::kFullBlock) epochs.insert(b.entry);
+  }
+  ASSERT_GE(epochs.size(), 3u);
+  absl::StatusOr<std::string> image = p.dev->ExportSequence(seq);
+  ASSERT_TRUE(image.ok()) << image.status();
+
+  Pair q = MakePair(c, 256, kRoomyCapacity);
+  ASSERT_NE(q.dev, nullptr);
+  const int64_t free_before = q.dev->Stats().blocks_free;
+  absl::StatusOr<SeqId> copy = q.dev->ImportSequence(*image);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_EQ(*q.dev->ExportSequence(*copy), *image);
+  EXPECT_GE(q.dev->Detail().basis_entries_used, static_cast<int64_t>(epochs.size()));
+  const int n_heads = 2 * c.geometry.n_kv_heads;
+  const std::vector<float> query = cache_test::RandomQ(1, n_heads, hd, 11);
+  for (int l = 0; l < c.geometry.n_layers; ++l) {
+    EXPECT_EQ(AttendDevice(*q.dev, *q.store, l, *copy, query, n_heads),
+              AttendDevice(*p.dev, *p.store, l, seq, query, n_heads))
+        << "layer " << l;
+  }
+  absl::StatusOr<SeqId> on_cpu = q.cpu->ImportSequence(*image);
+  ASSERT_TRUE(on_cpu.ok()) << on_cpu.status();
+  EXPECT_EQ(*q.cpu->ExportSequence(*on_cpu), *image);
+  ASSERT_TRUE(q.dev->FreeSequence(*copy).ok());
+  EXPECT_EQ(q.dev->Detail().basis_entries_used, 0);
+  EXPECT_EQ(q.dev->Stats().blocks_free, free_before);
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, DeviceRefreshVsCpuTest,
                          ::testing::Values(Shape{64, CoeffDtype::kFp16, RefreshMethod::kPca},
                                            Shape{128, CoeffDtype::kInt8, RefreshMethod::kPca},

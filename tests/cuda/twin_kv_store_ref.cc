@@ -169,6 +169,25 @@ absl::Status TwinKvStore::ReadPage(int layer, int32_t page, std::span<uint16_t> 
   return absl::OkStatus();
 }
 
+absl::Status TwinKvStore::Read(int layer, int64_t offset, std::span<uint8_t> out) {
+  const std::vector<uint8_t>& pool = pools_[static_cast<size_t>(layer)];
+  if (offset < 0 || offset + static_cast<int64_t>(out.size()) > static_cast<int64_t>(pool.size())) {
+    return absl::InvalidArgumentError("read outside the layer's pool");
+  }
+  std::memcpy(out.data(), pool.data() + offset, out.size());
+  return absl::OkStatus();
+}
+
+absl::Status TwinKvStore::Write(int layer, int64_t offset, std::span<const uint8_t> bytes) {
+  std::vector<uint8_t>& pool = pools_[static_cast<size_t>(layer)];
+  if (offset < 0 ||
+      offset + static_cast<int64_t>(bytes.size()) > static_cast<int64_t>(pool.size())) {
+    return absl::InvalidArgumentError("write outside the layer's pool");
+  }
+  std::memcpy(pool.data() + offset, bytes.data(), bytes.size());
+  return absl::OkStatus();
+}
+
 absl::Status TwinKvStore::StartReadback(std::span<const int32_t> pages) {
   if (readback_started_) return absl::FailedPreconditionError("a readback is in flight");
   if (static_cast<int64_t>(pages.size()) > readback_capacity_) {
