@@ -293,13 +293,8 @@ absl::Status CudaKvStore::Read(int layer, int64_t offset, std::span<uint8_t> out
   if (offset < 0 || offset + static_cast<int64_t>(out.size()) > slice) {
     return absl::InvalidArgumentError("KV image: read outside the layer's pool");
   }
-  if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream_), "KV image: stream sync");
-      !st.ok()) {
-    return st;
-  }
-  return CudaStatus(
-      cudaMemcpy(out.data(), LayerPool(layer) + offset, out.size(), cudaMemcpyDeviceToHost),
-      "KV image: read");
+  return CopyAfterStream(stream_, out.data(), LayerPool(layer) + offset, out.size(),
+                         cudaMemcpyDeviceToHost);
 }
 
 absl::Status CudaKvStore::Write(int layer, int64_t offset, std::span<const uint8_t> bytes) {
@@ -307,14 +302,8 @@ absl::Status CudaKvStore::Write(int layer, int64_t offset, std::span<const uint8
   if (offset < 0 || offset + static_cast<int64_t>(bytes.size()) > slice) {
     return absl::InvalidArgumentError("KV image: write outside the layer's pool");
   }
-  // Pageable host bytes: the copy is synchronous, after the stream's queued work.
-  if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream_), "KV image: stream sync");
-      !st.ok()) {
-    return st;
-  }
-  return CudaStatus(
-      cudaMemcpy(LayerPool(layer) + offset, bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
-      "KV image: write");
+  return CopyAfterStream(stream_, LayerPool(layer) + offset, bytes.data(), bytes.size(),
+                         cudaMemcpyHostToDevice);
 }
 
 // One strided copy per page: the page in every layer's slice (num_pages * page_bytes apart)

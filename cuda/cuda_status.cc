@@ -14,4 +14,14 @@ absl::Status CudaStatus(cudaError_t err, std::string_view what) {
   return absl::InternalError(message);
 }
 
+absl::Status CopyAfterStream(cudaStream_t stream, void* dst, const void* src, size_t n,
+                             cudaMemcpyKind kind) {
+  if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream), "KV image: stream sync");
+      !st.ok()) {
+    return st;
+  }
+  return CudaStatus(cudaMemcpy(dst, src, n, kind),
+                    kind == cudaMemcpyDeviceToHost ? "KV image: read" : "KV image: write");
+}
+
 }  // namespace subspace::cuda

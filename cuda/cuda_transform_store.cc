@@ -113,24 +113,13 @@ absl::Status CudaTransformStore::Expand(const TransformExpandBatch& batch) {
 }
 
 absl::Status CudaTransformStore::Read(int layer, int64_t offset, std::span<uint8_t> out) {
-  if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream_), "KV image: stream sync");
-      !st.ok()) {
-    return st;
-  }
-  return CudaStatus(
-      cudaMemcpy(out.data(), LayerPool(layer) + offset, out.size(), cudaMemcpyDeviceToHost),
-      "KV image: read");
+  return CopyAfterStream(stream_, out.data(), LayerPool(layer) + offset, out.size(),
+                         cudaMemcpyDeviceToHost);
 }
 
 absl::Status CudaTransformStore::Write(int layer, int64_t offset, std::span<const uint8_t> bytes) {
-  // Pageable host bytes: the copy is synchronous, after the stream's queued work.
-  if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream_), "KV image: stream sync");
-      !st.ok()) {
-    return st;
-  }
-  return CudaStatus(
-      cudaMemcpy(LayerPool(layer) + offset, bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
-      "KV image: write");
+  return CopyAfterStream(stream_, LayerPool(layer) + offset, bytes.data(), bytes.size(),
+                         cudaMemcpyHostToDevice);
 }
 
 cudaError_t CudaTransformStore::ExpandInto(int layer, uint8_t* scratch, const int32_t* src_page,

@@ -137,25 +137,12 @@ absl::StatusOr<SeqId> DeviceCompressedKvCache::ImportSequence(std::string_view i
   if (absl::Status st = Flush(); !st.ok()) return st;
 
   // --- Epochs: the default where bitwise equal, else installed (a basis-table entry each) ---
-  std::vector<EpochId> ids;
+  absl::StatusOr<std::vector<EpochId>> adopted = epochs_.Adopt(read->epochs);
+  if (!adopted.ok()) return adopted.status();
+  const std::vector<EpochId>& ids = *adopted;
   auto release_ids = [&] {
     for (EpochId id : ids) epochs_.Release(id);
   };
-  const Basis* default_basis =
-      epochs_.default_epoch() == kNoEpoch ? nullptr : epochs_.Get(epochs_.default_epoch());
-  for (const std::shared_ptr<const Basis>& basis : read->epochs) {
-    if (default_basis != nullptr && SameBasisMatrices(*basis, *default_basis)) {
-      (void)epochs_.Acquire(epochs_.default_epoch());
-      ids.push_back(epochs_.default_epoch());
-      continue;
-    }
-    absl::StatusOr<EpochId> id = InstallBasis(basis);
-    if (!id.ok()) {
-      release_ids();
-      return id.status();
-    }
-    ids.push_back(*id);
-  }
   absl::StatusOr<SeqId> seq = CreateSequence();
   if (!seq.ok()) {
     release_ids();

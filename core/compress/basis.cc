@@ -2,6 +2,7 @@
 #include "core/compress/basis.h"
 
 #include <cassert>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -39,6 +40,22 @@ void Basis::MakeOrthogonalFromPkPv() {
       }
     }
   }
+}
+
+bool SameBasisMatrices(const Basis& a, const Basis& b) {
+  if (a.layers.size() != b.layers.size()) return false;
+  auto same = [](const std::vector<float>& x, const std::vector<float>& y) {
+    return x.size() == y.size() &&
+           (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0);
+  };
+  for (size_t l = 0; l < a.layers.size(); ++l) {
+    const LayerBasis &x = a.layers[l], &y = b.layers[l];
+    if (x.rank_k != y.rank_k || x.rank_v != y.rank_v || !same(x.p_q, y.p_q) ||
+        !same(x.p_k, y.p_k) || !same(x.p_v, y.p_v) || !same(x.r_v, y.r_v)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 absl::Status ValidateBasis(const Basis& b, const KvCacheGeometry& g, const std::vector<int>& r_k,

@@ -46,6 +46,10 @@ struct Basis {
 };
 
 // INVALID_ARGUMENT unless `b` matches the geometry and the ranks (each [n_layers]) exactly.
+// Bitwise equality of two bases' ranks and matrices (an epoch read back from an image is the
+// default epoch when they are equal: the importer reuses it rather than installing a copy).
+bool SameBasisMatrices(const Basis& a, const Basis& b);
+
 absl::Status ValidateBasis(const Basis& b, const KvCacheGeometry& g, const std::vector<int>& r_k,
                            const std::vector<int>& r_v);
 

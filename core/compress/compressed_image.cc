@@ -36,22 +36,6 @@ absl::Status ReadFloats(ImageReader& r, std::string_view field, size_t n, std::v
 
 }  // namespace
 
-bool SameBasisMatrices(const Basis& a, const Basis& b) {
-  if (a.layers.size() != b.layers.size()) return false;
-  auto same = [](const std::vector<float>& x, const std::vector<float>& y) {
-    return x.size() == y.size() &&
-           (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0);
-  };
-  for (size_t l = 0; l < a.layers.size(); ++l) {
-    const LayerBasis &x = a.layers[l], &y = b.layers[l];
-    if (x.rank_k != y.rank_k || x.rank_v != y.rank_v || !same(x.p_q, y.p_q) ||
-        !same(x.p_k, y.p_k) || !same(x.p_v, y.p_v) || !same(x.r_v, y.r_v)) {
-      return false;
-    }
-  }
-  return true;
-}
-
 std::string_view CompressedImage::Own(std::string bytes) {
   owned_.push_back(std::make_unique<std::string>(std::move(bytes)));
   return *owned_.back();

@@ -58,10 +58,6 @@ struct CompressedImage {
   std::vector<std::unique_ptr<std::string>> owned_;
 };
 
-// Bitwise equality of two bases' ranks and matrices (an epoch read back from an image is the
-// default epoch when they are equal: the importer reuses it rather than installing a copy).
-bool SameBasisMatrices(const Basis& a, const Basis& b);
-
 class CompressedImageFormat {
  public:
   // `policy` resolved (its ranks per layer), full blocks at `full_dtype` (fp16 or fp32).

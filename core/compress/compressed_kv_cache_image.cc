@@ -98,25 +98,12 @@ absl::StatusOr<SeqId> CompressedKvCache::ImportSequence(std::string_view image) 
   const uint64_t row_bytes = static_cast<uint64_t>(format.row_bytes());
 
   // --- Build: epochs (the default where bitwise equal), then pages ---
-  std::vector<EpochId> ids;
+  absl::StatusOr<std::vector<EpochId>> adopted = epochs_.Adopt(read->epochs);
+  if (!adopted.ok()) return adopted.status();
+  const std::vector<EpochId>& ids = *adopted;
   auto release_ids = [&] {
     for (EpochId id : ids) epochs_.Release(id);
   };
-  const Basis* default_basis =
-      epochs_.default_epoch() == kNoEpoch ? nullptr : epochs_.Get(epochs_.default_epoch());
-  for (const std::shared_ptr<const Basis>& basis : read->epochs) {
-    if (default_basis != nullptr && SameBasisMatrices(*basis, *default_basis)) {
-      (void)epochs_.Acquire(epochs_.default_epoch());
-      ids.push_back(epochs_.default_epoch());
-      continue;
-    }
-    absl::StatusOr<EpochId> id = InstallBasis(basis);
-    if (!id.ok()) {
-      release_ids();
-      return id.status();
-    }
-    ids.push_back(*id);
-  }
   absl::StatusOr<SeqId> seq = CreateSequence();
   if (!seq.ok()) {
     release_ids();

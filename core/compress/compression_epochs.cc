@@ -52,6 +52,26 @@ absl::StatusOr<EpochId> CompressionEpochs::Install(std::shared_ptr<const Basis> 
   return Register(std::move(basis));
 }
 
+absl::StatusOr<std::vector<EpochId>> CompressionEpochs::Adopt(
+    std::span<const std::shared_ptr<const Basis>> bases) {
+  std::vector<EpochId> ids;
+  const Basis* fallback = default_epoch_ == kNoEpoch ? nullptr : Get(default_epoch_);
+  for (const std::shared_ptr<const Basis>& basis : bases) {
+    absl::StatusOr<EpochId> id = default_epoch_;
+    if (fallback != nullptr && SameBasisMatrices(*basis, *fallback)) {
+      (void)Acquire(default_epoch_);
+    } else {
+      id = Install(basis);
+    }
+    if (!id.ok()) {
+      for (EpochId held : ids) Release(held);
+      return id.status();
+    }
+    ids.push_back(*id);
+  }
+  return ids;
+}
+
 void CompressionEpochs::Release(EpochId id) {
   registry_.Release(id);
   if (options_.on_retire && registry_.Get(id) == nullptr) options_.on_retire(id);

@@ -11,7 +11,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string_view>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/function_ref.h"
@@ -64,6 +66,10 @@ class CompressionEpochs {
   absl::StatusOr<EpochId> Register(std::shared_ptr<const Basis> basis);
   // A basis from outside: INVALID_ARGUMENT unless it matches the geometry and ranks.
   absl::StatusOr<EpochId> Install(std::shared_ptr<const Basis> basis);
+  // An image's epochs (compressed_image.h) as this cache's, one reference each for the caller:
+  // the default epoch where bitwise equal to it, else installed. On a failure (a basis that
+  // does not match, no room for one) nothing is held.
+  absl::StatusOr<std::vector<EpochId>> Adopt(std::span<const std::shared_ptr<const Basis>> bases);
   absl::Status Acquire(EpochId id) { return registry_.Acquire(id); }
   void Release(EpochId id);
   // Release for callers from outside: NOT_FOUND for an unknown epoch.

@@ -8,6 +8,7 @@
 #include "core/base/tensor_types.h"
 #include "kernels/compress_blocks.h"
 #include "kernels/expand_blocks.h"
+#include "tests/cuda/twin_pool_bytes.h"
 #include "tests/kernels/compress_blocks_ref.h"
 #include "tests/kernels/expand_blocks_ref.h"
 #include "tests/kernels/outlier_tokens_ref.h"
@@ -170,22 +171,11 @@ absl::Status TwinKvStore::ReadPage(int layer, int32_t page, std::span<uint16_t> 
 }
 
 absl::Status TwinKvStore::Read(int layer, int64_t offset, std::span<uint8_t> out) {
-  const std::vector<uint8_t>& pool = pools_[static_cast<size_t>(layer)];
-  if (offset < 0 || offset + static_cast<int64_t>(out.size()) > static_cast<int64_t>(pool.size())) {
-    return absl::InvalidArgumentError("read outside the layer's pool");
-  }
-  std::memcpy(out.data(), pool.data() + offset, out.size());
-  return absl::OkStatus();
+  return ReadPoolBytes(pools_[static_cast<size_t>(layer)], offset, out);
 }
 
 absl::Status TwinKvStore::Write(int layer, int64_t offset, std::span<const uint8_t> bytes) {
-  std::vector<uint8_t>& pool = pools_[static_cast<size_t>(layer)];
-  if (offset < 0 ||
-      offset + static_cast<int64_t>(bytes.size()) > static_cast<int64_t>(pool.size())) {
-    return absl::InvalidArgumentError("write outside the layer's pool");
-  }
-  std::memcpy(pool.data() + offset, bytes.data(), bytes.size());
-  return absl::OkStatus();
+  return WritePoolBytes(pools_[static_cast<size_t>(layer)], offset, bytes);
 }
 
 absl::Status TwinKvStore::StartReadback(std::span<const int32_t> pages) {

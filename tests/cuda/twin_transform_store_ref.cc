@@ -4,6 +4,7 @@
 #include <cstring>
 #include <utility>
 
+#include "tests/cuda/twin_pool_bytes.h"
 #include "tests/kernels/transform_blocks_ref.h"
 
 namespace subspace::cuda {
@@ -65,22 +66,11 @@ absl::Status TwinTransformStore::Expand(const TransformExpandBatch& batch) {
 }
 
 absl::Status TwinTransformStore::Read(int layer, int64_t offset, std::span<uint8_t> out) {
-  const std::vector<uint8_t>& pool = pools_[static_cast<size_t>(layer)];
-  if (offset < 0 || offset + static_cast<int64_t>(out.size()) > static_cast<int64_t>(pool.size())) {
-    return absl::InvalidArgumentError("read outside the layer's pool");
-  }
-  std::memcpy(out.data(), pool.data() + offset, out.size());
-  return absl::OkStatus();
+  return ReadPoolBytes(pools_[static_cast<size_t>(layer)], offset, out);
 }
 
 absl::Status TwinTransformStore::Write(int layer, int64_t offset, std::span<const uint8_t> bytes) {
-  std::vector<uint8_t>& pool = pools_[static_cast<size_t>(layer)];
-  if (offset < 0 ||
-      offset + static_cast<int64_t>(bytes.size()) > static_cast<int64_t>(pool.size())) {
-    return absl::InvalidArgumentError("write outside the layer's pool");
-  }
-  std::memcpy(pool.data() + offset, bytes.data(), bytes.size());
-  return absl::OkStatus();
+  return WritePoolBytes(pools_[static_cast<size_t>(layer)], offset, bytes);
 }
 
 }  // namespace subspace::cuda
