@@ -89,6 +89,7 @@ class TransformImageFormat {
   // another layout line, RESOURCE_EXHAUSTED (before decoding) for a range-coded image of more than
   // `max_blocks` block-layers (what the importing pool could hold at most: decoded codes are
   // bounded by it; a stored-form image holds its codes, so its bound is its own size).
+  // A stored-form image's coded parts are views of `image`, which must outlive the result.
   absl::StatusOr<TransformImage> Read(std::string_view image, int64_t max_blocks) const;
   // An image in the entropy-coded form; one already in it comes back as it is, unchecked
   // (ImportSequence checks it). Thread-safe: it reads nothing but this format. DATA_LOSS /

@@ -125,9 +125,9 @@ class KvCacheBase {
   // as one line; images import only into a cache with the same line. Empty: no images.
   virtual std::string ImageLayout() const { return {}; }
   // The stored bytes of `seq`'s committed tokens, exactly (sequence_image.h): importing them
-  // gives a sequence whose attention is bitwise the original's. NOT_FOUND for an unknown id;
-  // FAILED_PRECONDITION for state an image cannot hold yet (online refresh); UNIMPLEMENTED
-  // where the cache has no images.
+  // gives a sequence whose attention is bitwise the original's (online refresh included: its
+  // epochs go with it, its statistics do not). NOT_FOUND for an unknown id; UNIMPLEMENTED where
+  // the cache has no images.
   virtual absl::StatusOr<std::string> ExportSequence(SeqId seq) const {
     (void)seq;
     return absl::UnimplementedError("this KV cache cannot export a sequence");
@@ -140,8 +140,9 @@ class KvCacheBase {
     return std::string(image);
   }
   // A new sequence from an image of a cache with this ImageLayout. DATA_LOSS for a corrupt
-  // image, FAILED_PRECONDITION for another layout, RESOURCE_EXHAUSTED when the pool is short;
-  // nothing changes on failure.
+  // image, FAILED_PRECONDITION for another layout or for state this cache cannot hold (the
+  // CUDA caches: blocks decided per layer, refreshed transform codes), RESOURCE_EXHAUSTED when
+  // the pool is short; nothing changes on failure.
   virtual absl::StatusOr<SeqId> ImportSequence(std::string_view image) {
     (void)image;
     return absl::UnimplementedError("this KV cache cannot import a sequence");
