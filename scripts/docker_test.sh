@@ -88,8 +88,11 @@ http_out=$(curl -sf "http://127.0.0.1:$HTTP_PORT/v1/completions" -H 'Content-Typ
 echo "$http_out"
 grep -q '"object":"text_completion"' <<<"$http_out" || { log "HTTP API: no completion"; exit 1; }
 # The long-context model's calibrated basis ships beside it and is installed by default.
-docker logs "$NAME" 2>&1 | grep -q 'basis file /opt/subspace/models/subspace-long.bases loaded' ||
-  { log "the model's basis file was not loaded"; docker logs "$NAME"; exit 1; }
+# (The log is read whole first: with pipefail, `docker logs | grep -q` fails whenever grep stops
+# reading before docker has written everything, and docker logs writes in several pieces.)
+logs=$(docker logs "$NAME" 2>&1)
+grep -q 'basis file /opt/subspace/models/subspace-long.bases loaded' <<<"$logs" ||
+  { log "the model's basis file was not loaded"; echo "$logs"; exit 1; }
 
 docker stop -t 40 "$NAME" >/dev/null
 rc=$(docker inspect -f '{{.State.ExitCode}}' "$NAME")
