@@ -364,7 +364,7 @@ Result RunLayout(const BenchConfig& c, int ctx, int batch, bool compressed, Shar
   DeviceBytes plan_d, workspace;
   if (!plan_d.TryAlloc(static_cast<size_t>(plan->bytes())) ||
       !workspace.TryAlloc(static_cast<size_t>(
-          DecodeWorkspaceFloats(plan->HostView(), l, c.n_heads) * sizeof(float)))) {
+          DecodeWorkspaceFloats(plan->HostView(), l, c.n_heads, false) * sizeof(float)))) {
     r.skipped = true;
     return r;
   }

@@ -178,13 +178,13 @@ struct CudaLlamaModel::Impl {
     gate_up = c.TakeArray<float>(t * 2 * ffn);
     hidden = c.TakeArray<uint16_t>(t * ffn);
     logits = c.TakeArray<float>(t * m.n_vocab);
-    // Split-K partials: [work, n_heads, 4 + head_dim + epochs * r_v] (DecodePartialStride); a
-    // sequence of the compressed cache has one epoch (static bases), the full cache none.
+    // Split-K partials: [work, n_heads, 4 + head_dim + u] (DecodePartialStride); a sequence of
+    // the compressed cache has one epoch (static bases, u = r_v), the transform cache's u is
+    // head_dim (its value components), the full cache's none.
     const int64_t max_work = MaxDecodeWork(options.max_sequences, {.target_ctas = target_ctas});
-    int64_t max_rank_v = 0;
-    for (const kernels::KvPoolLayout& l : layouts)
-      max_rank_v = std::max<int64_t>(max_rank_v, l.rank_v);
-    decode_workspace = c.TakeArray<float>(max_work * m.n_heads * (4 + m.head_dim + max_rank_v));
+    int64_t max_u = options.transform ? m.head_dim : 0;
+    for (const kernels::KvPoolLayout& l : layouts) max_u = std::max<int64_t>(max_u, l.rank_v);
+    decode_workspace = c.TakeArray<float>(max_work * m.n_heads * (4 + m.head_dim + max_u));
     if (options.compressed || options.transform) {
       scratch_pages = max_blocks_per_seq;
       scratch = c.Take(scratch_pages * layouts[0].page_bytes);

@@ -33,24 +33,29 @@ struct DecodeAttentionParams {
   int32_t n_heads = 0;              // query heads; head hq reads KV head hq / (n_heads / n_kv)
   float sm_scale = 0.0f;            // 1 / sqrt(head_dim), as the full model
   // The transform-coded cache (transform_blocks.h): with transform.floats set, every block that
-  // is not full is a coded block of this layer's codec (layout.slot_bytes its slot), decoded
-  // into fp16 rows as TransformExpand decodes them (keys rotated to their positions when
-  // key_rope is set) and read as a full block; the bases and the plan's epochs are unused.
+  // is not full is a coded block of this layer's codec (layout.slot_bytes its slot), read in code
+  // space: keys as q~ . c + q . e with q~_a = (q / scale) . u_a (once per CTA), values as the
+  // weighted sums of their coefficients, expanded once by the merge. Keys coded before RoPE
+  // (key_rope set) are decoded into fp16 rows as TransformExpand decodes them (rotated to their
+  // positions) and scored as full rows. The bases and the plan's epochs are unused.
   TransformTables transform;
   TransformKeyRope key_rope;
 };
 
-// One partial row per work item and query head:
-// [max, sum, pad, pad, acc[head_dim], u[max_seq_epochs, r_v]] (u in each epoch's coefficients).
+// One partial row per work item and query head: [max, sum, coded, pad, acc[head_dim], u[...]].
+// The compressed cache's u is [max_seq_epochs, r_v] (each epoch's value coefficients); the
+// transform cache's is [head_dim] (the weighted sums of the value components' coefficients), and
+// `coded` the weight of its coded tokens (what the components without bits and the mean add).
 SUBSPACE_HOST_DEVICE inline int64_t DecodePartialStride(const DecodePlanView& plan,
-                                                        const KvPoolLayout& kv) {
-  return 4 + kv.head_dim + static_cast<int64_t>(plan.max_seq_epochs) * kv.rank_v;
+                                                        const KvPoolLayout& kv, bool transform) {
+  return 4 + kv.head_dim +
+         (transform ? kv.head_dim : static_cast<int64_t>(plan.max_seq_epochs) * kv.rank_v);
 }
 // Floats of workspace a launch needs: [num_work, n_heads, DecodePartialStride]. Allocate once
 // for the largest plan (no allocation on the request path).
 inline int64_t DecodeWorkspaceFloats(const DecodePlanView& plan, const KvPoolLayout& kv,
-                                     int n_heads) {
-  return static_cast<int64_t>(plan.num_work) * n_heads * DecodePartialStride(plan, kv);
+                                     int n_heads, bool transform) {
+  return static_cast<int64_t>(plan.num_work) * n_heads * DecodePartialStride(plan, kv, transform);
 }
 
 #if defined(SUBSPACE_WITH_CUDA)

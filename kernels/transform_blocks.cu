@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kThreads)
     auto* out = reinterpret_cast<__half*>(
         p.dst_pool + (side == 0 ? l.FullK(dst, h) : l.FullV(dst, h)));  // [B, d]
     device::DecodeTransformRun<kHeadDim, kThreads>(
-        p.tables.floats + rec * TransformFloats(d), n, slot + n[TransformField::kRunOffset], bs, bs,
+        p.tables.floats + rec * TransformFloats(d), n, slot + n[TransformField::kRunOffset], bs,
         side == 0 && p.key_rope.cos_sin != nullptr, p.key_rope, first, coef, out);
   }
 }

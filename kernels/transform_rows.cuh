@@ -27,15 +27,12 @@ __device__ __forceinline__ void TransformPairDims(int p, const TransformKeyRope&
   }
 }
 
-// Decodes rows [0, nb) of one side of one KV head (record `f` / `n` of TransformTables, codes
-// at `run`, block size bs) into fp16 `out` ([nb, kHeadDim], global or shared memory): the
-// coefficients offset + code * step into `coef` (shared, [bs, active] floats), then per row and
-// pair ext + sum_a c_a u_a, unweighted, rotated to position first + t when `rotate`, rounded
-// once. Every thread of the CTA (kThreads of them) calls it; it syncs before it returns.
+// The coefficients offset + code * step of rows [0, nb) of one side of one KV head (record `f` /
+// `n` of TransformTables, codes at `run`) into `coef` (shared, [nb, active] floats). Every thread
+// of the CTA (kThreads of them) calls it; it syncs before it returns.
 template <int kHeadDim, int kThreads>
-__device__ void DecodeTransformRun(const float* f, const int32_t* n, const uint8_t* run, int bs,
-                                   int nb, bool rotate, const TransformKeyRope& rope, int64_t first,
-                                   float* coef, __half* out) {
+__device__ void TransformCoefficients(const float* f, const int32_t* n, const uint8_t* run, int nb,
+                                      float* coef) {
   constexpr int d = kHeadDim;
   const int active = n[TransformField::kActive];
   for (int idx = threadIdx.x; idx < nb * active; idx += kThreads) {
@@ -50,6 +47,19 @@ __device__ void DecodeTransformRun(const float* f, const int32_t* n, const uint8
                            static_cast<float>(code) * f[TransformField::kStep * d + a];
   }
   __syncthreads();
+}
+
+// Decodes rows [0, nb) of one side of one KV head into fp16 `out` ([nb, kHeadDim], global or
+// shared memory): the coefficients into `coef` (TransformCoefficients), then per row and pair
+// ext + sum_a c_a u_a, unweighted, rotated to position first + t when `rotate`, rounded once.
+// Every thread of the CTA calls it; it syncs before it returns.
+template <int kHeadDim, int kThreads>
+__device__ void DecodeTransformRun(const float* f, const int32_t* n, const uint8_t* run, int nb,
+                                   bool rotate, const TransformKeyRope& rope, int64_t first,
+                                   float* coef, __half* out) {
+  constexpr int d = kHeadDim;
+  const int active = n[TransformField::kActive];
+  TransformCoefficients<kHeadDim, kThreads>(f, n, run, nb, coef);
   const float* basis = f + TransformField::kBasis * d;
   for (int idx = threadIdx.x; idx < nb * (d / 2); idx += kThreads) {
     const int t = idx / (d / 2), pair = idx % (d / 2);

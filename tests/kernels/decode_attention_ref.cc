@@ -2,8 +2,8 @@
 // tested against. Same math as CompressedKvCache::Attend: logits q.k / sqrt(d) on full rows and
 // q~_e . c (times the int8 row scale) on coefficients, one softmax over all of a sequence's
 // tokens, value coefficients summed per epoch and expanded once with R_v[e]^T. Transform-coded
-// blocks are decoded by their own twin (TransformExpandRef) into pages of a copy of the pool
-// first, and read as full blocks.
+// blocks are read as rows their own twin decodes (TransformDecodeRowRef): the kernel reads them
+// in code space, so the twin is the row-space form of the same attention.
 #include "tests/kernels/decode_attention_ref.h"
 
 #include <algorithm>
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/base/coeff_codec.h"
+#include "core/base/tensor_types.h"
 #include "tests/kernels/transform_blocks_ref.h"
 
 namespace subspace::kernels {
@@ -31,51 +32,78 @@ double LoadCode(const KvPoolLayout& l, const uint8_t* codes, int j) {
   return LoadHalf(codes + 2 * j);
 }
 
+// The transform cache: every coded row decoded in double (TransformDecodeRowRef), keys coded
+// before RoPE rounded to fp16 as the kernel decodes them; the kernel reads the other rows in code
+// space, the same sums in another order. Then one softmax over the sequence's rows.
+void TransformAttentionRef(const DecodeAttentionParams& p) {
+  const KvPoolLayout& l = p.layout;
+  const DecodePlanView& plan = p.plan;
+  const int hd = l.head_dim, group = p.n_heads / l.n_kv_heads;
+  const bool round_keys = p.key_rope.cos_sin != nullptr;
+  std::vector<double> keys, values, row(static_cast<size_t>(hd)), logits, o;
+  for (int s = 0; s < plan.num_seqs; ++s) {
+    const int b0 = plan.seq_block_indptr[s], b1 = plan.seq_block_indptr[s + 1];
+    for (int hq = 0; hq < p.n_heads; ++hq) {
+      const int h = hq / group;
+      const float* q = p.q + (static_cast<int64_t>(s) * p.n_heads + hq) * hd;
+      keys.clear();
+      values.clear();
+      logits.clear();
+      int64_t tokens = 0;
+      for (int b = b0; b < b1; ++b) {
+        const int32_t page = plan.block_page[b];
+        const bool full = plan.IsFull(b);
+        const uint8_t* slot = full ? nullptr : p.pool + l.Slot(page, plan.block_slot[b]);
+        for (int t = 0; t < plan.block_tokens[b]; ++t) {
+          for (int side = 0; side < 2; ++side) {
+            std::vector<double>& rows = side == 0 ? keys : values;
+            if (full) {
+              const uint8_t* r = p.pool + (side == 0 ? l.FullK(page, h) : l.FullV(page, h)) +
+                                 2 * static_cast<int64_t>(t) * hd;
+              for (int i = 0; i < hd; ++i) rows.push_back(LoadHalf(r + 2 * i));
+              continue;
+            }
+            TransformDecodeRowRef(l, p.transform, p.key_rope, slot, h, side, t,
+                                  static_cast<int64_t>(b - b0) * l.block_size + t, row.data());
+            for (double x : row) {
+              rows.push_back(
+                  side == 0 && round_keys ? HalfToFloat(Fp32ToFp16(static_cast<float>(x))) : x);
+            }
+          }
+          if ((plan.block_masked[b] >> t) & 1u) {  // an outlier's row, or before a window
+            logits.push_back(-std::numeric_limits<double>::infinity());
+            continue;
+          }
+          ++tokens;
+          const double* k = keys.data() + keys.size() - static_cast<size_t>(hd);
+          double dot = 0.0;
+          for (int i = 0; i < hd; ++i) dot += q[i] * k[i];
+          logits.push_back(dot * p.sm_scale);
+        }
+      }
+      assert(tokens == plan.seq_len[s]);
+      (void)tokens;
+      const double max = *std::max_element(logits.begin(), logits.end());
+      o.assign(static_cast<size_t>(hd), 0.0);
+      double sum = 0.0;
+      for (size_t t = 0; t < logits.size(); ++t) {
+        const double w = std::exp(logits[t] - max);  // 0 for masked rows
+        sum += w;
+        for (int i = 0; i < hd; ++i) o[static_cast<size_t>(i)] += w * values[t * hd + i];
+      }
+      float* out = p.out + (static_cast<int64_t>(s) * p.n_heads + hq) * hd;
+      for (int i = 0; i < hd; ++i) out[i] = static_cast<float>(o[static_cast<size_t>(i)] / sum);
+    }
+  }
+}
+
 }  // namespace
 
 void DecodeAttentionRef(const DecodeAttentionParams& p) {
   const KvPoolLayout& l = p.layout;
   const DecodePlanView& plan = p.plan;
   if (p.transform.floats != nullptr) {
-    // Every coded block decoded into a page of its own past the pool's pages (a copy of the
-    // bytes the plan names: the highest page it reads bounds them), then full blocks only.
-    int32_t pages = 0;
-    for (int b = 0; b < plan.num_blocks; ++b) pages = std::max(pages, plan.block_page[b] + 1);
-    std::vector<uint8_t> pool(p.pool, p.pool + static_cast<int64_t>(pages) * l.page_bytes);
-    std::vector<int32_t> block_page(plan.block_page, plan.block_page + plan.num_blocks);
-    std::vector<int32_t> block_slot(plan.block_slot, plan.block_slot + plan.num_blocks);
-    std::vector<int32_t> src_page, src_slot, dst_page, first_pos;
-    for (int s = 0; s < plan.num_seqs; ++s) {
-      for (int b = plan.seq_block_indptr[s]; b < plan.seq_block_indptr[s + 1]; ++b) {
-        if (plan.IsFull(b)) continue;
-        src_page.push_back(plan.block_page[b]);
-        src_slot.push_back(plan.block_slot[b]);
-        dst_page.push_back(pages + static_cast<int32_t>(dst_page.size()));
-        first_pos.push_back((b - plan.seq_block_indptr[s]) * l.block_size);
-        block_page[static_cast<size_t>(b)] = dst_page.back();
-        block_slot[static_cast<size_t>(b)] = kFullBlock;
-      }
-    }
-    pool.resize(pool.size() + dst_page.size() * static_cast<size_t>(l.page_bytes));
-    TransformExpandRef({.layout = l,
-                        .tables = p.transform,
-                        .key_rope = p.key_rope,
-                        .src_pool = pool.data(),
-                        .dst_pool = pool.data(),
-                        .src_page = src_page.data(),
-                        .src_slot = src_slot.data(),
-                        .dst_page = dst_page.data(),
-                        .first_pos = first_pos.data(),
-                        .n_blocks = static_cast<int32_t>(dst_page.size())});
-    DecodeAttentionParams full = p;
-    full.transform = {};
-    full.key_rope = {};
-    full.pool = pool.data();
-    full.plan.block_page = block_page.data();
-    full.plan.block_slot = block_slot.data();
-    const std::vector<int32_t> no_epochs(static_cast<size_t>(plan.num_seqs) + 1, 0);
-    full.plan.seq_epoch_indptr = no_epochs.data();  // the epochs of the plan mean nothing here
-    DecodeAttentionRef(full);
+    TransformAttentionRef(p);
     return;
   }
   const int hd = l.head_dim, rk = l.rank_k, rv = l.rank_v, n_kv = l.n_kv_heads;

@@ -160,52 +160,60 @@ void TransformCodeRef(const TransformCodeParams& p) {
   }
 }
 
+void TransformDecodeRowRef(const KvPoolLayout& l, const TransformTables& tables,
+                           const TransformKeyRope& key_rope, const uint8_t* slot, int h, int side,
+                           int t, int64_t position, double* row) {
+  const int d = l.head_dim;
+  const int64_t rec = int64_t{side} * l.n_kv_heads + h;
+  const float* f = tables.floats + rec * TransformFloats(d);
+  const int32_t* n = tables.ints + rec * TransformInts(d);
+  const uint8_t* run = slot + n[F::kRunOffset];
+  std::vector<double> x(static_cast<size_t>(d));
+  for (int i = 0; i < d; ++i) x[static_cast<size_t>(i)] = f[F::kExt * d + i];
+  for (int a = 0; a < n[F::kActive]; ++a) {
+    const int bits = n[F::kBits + a];
+    const uint8_t* codes = run + n[F::kBits + d + a];
+    uint32_t code = 0;
+    for (int k = 0; k < bits; ++k) {
+      const int bit = t * bits + k;
+      code |= static_cast<uint32_t>((codes[bit >> 3] >> (bit & 7)) & 1u) << k;
+    }
+    const float c = f[F::kOffset * d + a] + static_cast<float>(code) * f[F::kStep * d + a];
+    const float* u = f + F::kBasis * d + int64_t{a} * d;
+    for (int i = 0; i < d; ++i) x[static_cast<size_t>(i)] += double{c} * u[i];
+  }
+  for (int i = 0; i < d; ++i) x[static_cast<size_t>(i)] *= f[F::kInvScale * d + i];
+  for (int pair = 0; pair < d / 2; ++pair) {
+    int i0, i1;
+    bool rotated;
+    PairDims(pair, key_rope, &i0, &i1, &rotated);
+    double x0 = x[static_cast<size_t>(i0)], x1 = x[static_cast<size_t>(i1)];
+    if (side == 0 && rotated) {
+      const float* cs = key_rope.cos_sin + (position * (key_rope.rope_dim / 2) + pair) * 2;
+      const double y0 = cs[0] * x0 - cs[1] * x1, y1 = cs[1] * x0 + cs[0] * x1;
+      x0 = y0;
+      x1 = y1;
+    }
+    row[i0] = x0;
+    row[i1] = x1;
+  }
+}
+
 void TransformExpandRef(const TransformExpandParams& p) {
   const KvPoolLayout& l = p.layout;
-  const int d = l.head_dim, bs = l.block_size;
+  const int d = l.head_dim;
+  std::vector<double> row(static_cast<size_t>(d));
   for (int32_t blk = 0; blk < p.n_blocks; ++blk) {
     const uint8_t* slot = p.src_pool + l.Slot(p.src_page[blk], p.src_slot[blk]);
     for (int h = 0; h < l.n_kv_heads; ++h) {
       for (int side = 0; side < 2; ++side) {
-        const int64_t rec = int64_t{side} * l.n_kv_heads + h;
-        const float* f = p.tables.floats + rec * TransformFloats(d);
-        const int32_t* n = p.tables.ints + rec * TransformInts(d);
-        const uint8_t* run = slot + n[F::kRunOffset];
-        const int active = n[F::kActive];
         const int64_t base = side == 0 ? l.FullK(p.dst_page[blk], h) : l.FullV(p.dst_page[blk], h);
-        for (int t = 0; t < bs; ++t) {
-          std::vector<double> x(static_cast<size_t>(d));
-          for (int i = 0; i < d; ++i) x[static_cast<size_t>(i)] = f[F::kExt * d + i];
-          for (int a = 0; a < active; ++a) {
-            const int bits = n[F::kBits + a];
-            const uint8_t* codes = run + n[F::kBits + d + a];
-            uint32_t code = 0;
-            for (int k = 0; k < bits; ++k) {
-              const int bit = t * bits + k;
-              code |= static_cast<uint32_t>((codes[bit >> 3] >> (bit & 7)) & 1u) << k;
-            }
-            const float c = f[F::kOffset * d + a] + static_cast<float>(code) * f[F::kStep * d + a];
-            const float* u = f + F::kBasis * d + int64_t{a} * d;
-            for (int i = 0; i < d; ++i) x[static_cast<size_t>(i)] += double{c} * u[i];
-          }
-          for (int i = 0; i < d; ++i) x[static_cast<size_t>(i)] *= f[F::kInvScale * d + i];
+        for (int t = 0; t < l.block_size; ++t) {
+          TransformDecodeRowRef(l, p.tables, p.key_rope, slot, h, side, t,
+                                int64_t{p.first_pos[blk]} + t, row.data());
           auto* out = reinterpret_cast<uint16_t*>(p.dst_pool + base) + int64_t{t} * d;
-          for (int pair = 0; pair < d / 2; ++pair) {
-            int i0, i1;
-            bool rotated;
-            PairDims(pair, p.key_rope, &i0, &i1, &rotated);
-            double x0 = x[static_cast<size_t>(i0)], x1 = x[static_cast<size_t>(i1)];
-            if (side == 0 && rotated) {
-              const float* cs =
-                  p.key_rope.cos_sin +
-                  ((int64_t{p.first_pos[blk]} + t) * (p.key_rope.rope_dim / 2) + pair) * 2;
-              const double y0 = cs[0] * x0 - cs[1] * x1, y1 = cs[1] * x0 + cs[0] * x1;
-              x0 = y0;
-              x1 = y1;
-            }
-            out[i0] = Fp32ToFp16(static_cast<float>(x0));
-            out[i1] = Fp32ToFp16(static_cast<float>(x1));
-          }
+          for (int i = 0; i < d; ++i)
+            out[i] = Fp32ToFp16(static_cast<float>(row[static_cast<size_t>(i)]));
         }
       }
     }

@@ -31,6 +31,13 @@ absl::Status CheckTransformExpandBatch(const TransformExpandParams& p, int64_t n
 void TransformCodeRef(const TransformCodeParams& p);
 void TransformExpandRef(const TransformExpandParams& p);
 
+// Row t of one side (0 keys, 1 values) of KV head h of the coded block at `slot`, decoded in
+// double as TransformExpandRef decodes it before rounding (keys rotated to `position` when
+// key_rope.cos_sin is set): [head_dim] into `row`.
+void TransformDecodeRowRef(const KvPoolLayout& l, const TransformTables& tables,
+                           const TransformKeyRope& key_rope, const uint8_t* slot, int h, int side,
+                           int t, int64_t position, double* row);
+
 namespace testing {
 
 // Codes of one layer fitted on rows like the case's (a few strong directions plus noise), at
