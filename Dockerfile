@@ -53,13 +53,13 @@ FROM ${RUN_BASE}
 # Imported bases (debootstrap + docker import) carry no PATH of their own.
 ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 LABEL org.opencontainers.image.title="subspace-server" \
-      org.opencontainers.image.description="gRPC LLM inference with a low-rank compressed KV cache"
+      org.opencontainers.image.description="gRPC LLM inference with a transform-coded KV cache"
 COPY --from=build /out/lib/ /opt/subspace/lib/
 COPY --from=build /out/bin/ /usr/local/bin/
-# Both embedded models; the long-context one (the default) with its calibrated basis, which the
-# server installs from beside the GGUF.
-COPY models/subspace-tiny.gguf models/subspace-long.gguf models/subspace-long.bases \
-     /opt/subspace/models/
+# Both embedded models; the long-context one (the default) with its transform codec, which the
+# server's --kv-cache auto serves from beside the GGUF, and its basis (--kv-cache compressed).
+COPY models/subspace-tiny.gguf models/subspace-long.gguf models/subspace-long.codec \
+     models/subspace-long.bases /opt/subspace/models/
 # A system user by hand: minimal bases (debootstrap's minbase) have no useradd.
 RUN echo /opt/subspace/lib > /etc/ld.so.conf.d/subspace.conf && ldconfig \
  && echo 'subspace:x:10001:10001:subspace:/opt/subspace:/usr/sbin/nologin' >> /etc/passwd \

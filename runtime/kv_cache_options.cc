@@ -60,18 +60,60 @@ absl::StatusOr<KvDtype> ParseQuantizedKvDtype(std::string_view name) {
       absl::StrCat("--kv-dtype must be 'q8_0' or 'q4_0', got '", std::string(name), "'"));
 }
 
+namespace {
+
+// `<model>` + ext beside the model file (`.gguf` dropped) when that file exists, else "".
+std::string ModelSidecar(std::string_view model_path, std::string_view ext) {
+  std::string sidecar(model_path);
+  if (sidecar.size() >= 5 && sidecar.compare(sidecar.size() - 5, 5, ".gguf") == 0) {
+    sidecar.resize(sidecar.size() - 5);
+  }
+  sidecar += ext;
+  std::error_code error;
+  return std::filesystem::is_regular_file(sidecar, error) ? sidecar : "";
+}
+
+}  // namespace
+
+absl::StatusOr<KvCacheChoice> ResolveKvCacheChoice(std::string_view kind_flag,
+                                                   std::string_view codec_flag, double kv_budget,
+                                                   std::string_view bases_flag, int rank_k,
+                                                   int rank_v, std::string_view model_path,
+                                                   bool cpu_backend) {
+  KvCacheChoice choice;
+  const bool codec_given = !codec_flag.empty() && codec_flag != "none";
+  const std::string model_codec =
+      codec_flag.empty() && kv_budget == 0.0 ? ModelSidecar(model_path, ".codec") : "";
+  if (kind_flag == "auto") {
+    const bool compressed_inputs = !bases_flag.empty() || rank_k != 0 || rank_v != 0;
+    const bool take_model_codec = !model_codec.empty() && cpu_backend && !compressed_inputs;
+    choice.kind = codec_given || kv_budget != 0.0 || take_model_codec ? KvCacheKind::kTransform
+                                                                      : KvCacheKind::kCompressed;
+  } else {
+    absl::StatusOr<KvCacheKind> kind = ParseKvCacheKind(kind_flag);
+    if (!kind.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv-cache must be 'auto', 'full', 'compressed', 'quantized' or "
+                       "'transform', got '",
+                       std::string(kind_flag), "'"));
+    }
+    choice.kind = *kind;
+  }
+  if (codec_given) {
+    choice.codec_path = std::string(codec_flag);  // refused by the other kinds' validation
+  } else if (choice.kind == KvCacheKind::kTransform && !model_codec.empty()) {
+    choice.codec_path = model_codec;
+    choice.model_codec = true;
+  }
+  return choice;
+}
+
 std::string ResolveBasesPath(std::string_view flag, std::string_view model_path, KvCacheKind kind,
                              int rank_k, int rank_v) {
   if (flag == "none") return "";
   if (!flag.empty()) return std::string(flag);
   if (kind != KvCacheKind::kCompressed || rank_k != 0 || rank_v != 0) return "";
-  std::string sidecar(model_path);
-  if (sidecar.size() >= 5 && sidecar.compare(sidecar.size() - 5, 5, ".gguf") == 0) {
-    sidecar.resize(sidecar.size() - 5);
-  }
-  sidecar += ".bases";
-  std::error_code error;
-  return std::filesystem::is_regular_file(sidecar, error) ? sidecar : "";
+  return ModelSidecar(model_path, ".bases");
 }
 
 absl::StatusOr<CoeffDtype> ParseCoeffDtype(std::string_view name) {

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set-up, build, then the main job: start subspace-server on the long-context model and drive it
 # with the `subspace` client (health, model info, greedy and sampled generation, a session reusing
-# its KV cache, a pass key retrieved from ~650 tokens back through the compressed cache, cache
-# stats), show a /metrics excerpt, and stop the server with SIGTERM (exit code 0).
+# its KV cache, a pass key retrieved from ~650 tokens back through the default cache, which codes
+# this model's older blocks with its own transform codec, cache stats), show a /metrics excerpt,
+# and stop the server with SIGTERM (exit code 0).
 # MODEL=models/subspace-tiny.gguf runs it on the small default-context model instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -89,7 +90,7 @@ echo "created session $SESSION"
 
 if [[ $SESSION_TOKENS -gt 8 ]]; then  # a trained model
   echo
-  echo "== long session: a pass key ~650 tokens back, retrieved through the compressed cache"
+  echo "== long session: a pass key ~650 tokens back, retrieved through the transform-coded cache"
   # From the held-out test split, as the long-context evaluation writes them (its own seed).
   PASSKEY_PROMPT=build/demo-passkey.txt
   key=$(/usr/bin/python3 - "$PASSKEY_PROMPT" <<'PY'
@@ -111,7 +112,7 @@ PY
 fi
 
 echo
-echo "== KV cache stats while the session holds its cache (blocks past the window are compressed)"
+echo "== KV cache stats while the session holds its cache (blocks past the window are coded)"
 "${CLIENT[@]}" stats
 
 echo

@@ -87,15 +87,15 @@ http_out=$(curl -sf "http://127.0.0.1:$HTTP_PORT/v1/completions" -H 'Content-Typ
   -d '{"model": "subspace-long", "prompt": "In the beginning", "max_tokens": 8}')
 echo "$http_out"
 grep -q '"object":"text_completion"' <<<"$http_out" || { log "HTTP API: no completion"; exit 1; }
-# The long-context model's calibrated basis ships beside it and is installed by default.
+# The long-context model's codec ships beside it and is served by default (--kv-cache auto).
 # (The log is read whole first: with pipefail, `docker logs | grep -q` fails whenever grep stops
 # reading before docker has written everything, and docker logs writes in several pieces.)
 logs=$(docker logs "$NAME" 2>&1)
-grep -q 'basis file /opt/subspace/models/subspace-long.bases loaded' <<<"$logs" ||
-  { log "the model's basis file was not loaded"; echo "$logs"; exit 1; }
+grep -q 'codec file /opt/subspace/models/subspace-long.codec loaded' <<<"$logs" ||
+  { log "the model's codec file was not loaded"; echo "$logs"; exit 1; }
 
 docker stop -t 40 "$NAME" >/dev/null
 rc=$(docker inspect -f '{{.State.ExitCode}}' "$NAME")
 docker logs "$NAME" 2>&1 | tail -3
 [ "$rc" = 0 ] || { log "exit code $rc after SIGTERM"; exit 1; }
-log "ok: healthy as uid $uid, basis loaded, generated over gRPC and HTTP, drained on SIGTERM with exit 0"
+log "ok: healthy as uid $uid, codec loaded, generated over gRPC and HTTP, drained on SIGTERM with exit 0"

@@ -15,7 +15,10 @@ MODEL=${MODEL:-models/subspace-long.gguf}
 LENGTHS=${LENGTHS:-256,512,1024,2000}
 DISTANCES=${DISTANCES:-128,512,1024,1900}
 KV_PAIRS=${KV_PAIRS:-8,32,64,110}
-CACHES=${CACHES:-evict,q8_0,q4_0,hq8_0,hq4_0,q4_0:sw,hq4_0:sw,kivi4,kivi2,tq3.5,tq2.5,kqsvd:16:int8,kqsvd:32:int8,kqsvd:32:int4,self:16:fp16:pca,tc:1,tc:1.5,tc:2,tc:2.5,tc:3,tc:4,tc:6,tc:2/1,tc:2.5/1.5,tc:3/2,tc:2/1:fine,tc:2.5/1.5:aw,tc:2:post,tc:3:post,tc:2:aw,tc:2:joint,tc:2:id,tc:2:konly,tc:2:vonly}
+# The model's own codec (the server's default cache on the CPU) first, when it has one.
+own_codec=""
+[[ -f ${MODEL%.gguf}.codec ]] && own_codec="tcfile:${MODEL%.gguf}.codec,"
+CACHES=${CACHES:-${own_codec}evict,q8_0,q4_0,hq8_0,hq4_0,q4_0:sw,hq4_0:sw,kivi4,kivi2,tq3.5,tq2.5,kqsvd:16:int8,kqsvd:32:int8,kqsvd:32:int4,self:16:fp16:pca,tc:1,tc:1.5,tc:2,tc:2.5,tc:3,tc:4,tc:6,tc:2/1,tc:2.5/1.5,tc:3/2,tc:2/1:fine,tc:2.5/1.5:aw,tc:2:post,tc:3:post,tc:2:aw,tc:2:joint,tc:2:id,tc:2:konly,tc:2:vonly}
 OUT=${OUT:-docs}
 [[ -f "$MODEL" ]] || { echo "longctx: no $MODEL (tools/train/run_long.sh makes it)" >&2; exit 2; }
 scripts/build.sh >/dev/null

@@ -51,13 +51,17 @@ ABSL_FLAG(bool, cuda_graphs, false,
           "cuda: run decode steps as CUDA graphs (one submission per step; measured slower than "
           "eager launches on an H200, bench/RESULTS.md); false launches each kernel on its own");
 ABSL_FLAG(int32_t, block_size, 16, "KV cache block size in tokens (at most 64 when compressed)");
-ABSL_FLAG(std::string, kv_cache, "compressed",
-          "KV cache: 'compressed' (low-rank blocks outside the sinks and the window), 'full' "
-          "(full-rank fp32 paged), 'quantized' (full-rank paged, rows in --kv-dtype) or "
-          "'transform' (blocks outside the sinks and the window in the --codec file's codes)");
+ABSL_FLAG(std::string, kv_cache, "auto",
+          "KV cache: 'transform' (blocks outside the sinks and the window in the transform "
+          "codec's codes: --codec, --kv-budget or the model's own <model>.codec), 'compressed' "
+          "(low-rank blocks outside the sinks and the window), 'full' (full-rank fp32 paged), "
+          "'quantized' (full-rank paged, rows in --kv-dtype), or 'auto': transform when a codec "
+          "is given, or on --device cpu when the model has its own and no --bases / --kv-rank-* "
+          "is given; compressed otherwise");
 ABSL_FLAG(std::string, codec, "",
-          "transform cache: codec file from subspace-calibrate --kv-budget (it or --kv-budget is "
-          "required by --kv-cache transform; refused by the other kinds)");
+          "transform cache: codec file from subspace-calibrate --kv-budget; empty: the model's "
+          "own <model>.codec beside the .gguf when there is one; none: never that one (refused "
+          "by the other kinds)");
 ABSL_FLAG(double, kv_budget, 0.0,
           "transform cache without --codec: fit the codec at start-up for this many bits per "
           "key element (values: --kv-budget-v), on --calib-text, or without it on text the model "
@@ -188,9 +192,11 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
   c.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   c.block_size = absl::GetFlag(FLAGS_block_size);
-  absl::StatusOr<subspace::runtime::KvCacheKind> kind =
-      subspace::runtime::ParseKvCacheKind(absl::GetFlag(FLAGS_kv_cache));
-  if (!kind.ok()) return kind.status();
+  absl::StatusOr<subspace::runtime::KvCacheChoice> choice = subspace::runtime::ResolveKvCacheChoice(
+      absl::GetFlag(FLAGS_kv_cache), absl::GetFlag(FLAGS_codec), absl::GetFlag(FLAGS_kv_budget),
+      absl::GetFlag(FLAGS_bases), absl::GetFlag(FLAGS_kv_rank_k), absl::GetFlag(FLAGS_kv_rank_v),
+      c.model_path, c.device == subspace::runtime::Device::kCpu);
+  if (!choice.ok()) return choice.status();
   absl::StatusOr<subspace::CoeffDtype> dtype =
       subspace::runtime::ParseCoeffDtype(absl::GetFlag(FLAGS_kv_coeff_dtype));
   if (!dtype.ok()) return dtype.status();
@@ -200,15 +206,15 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   // Given with another cache kind it would be ignored: a user who asked for q4_0 rows and got
   // fp32 ones would read the wrong footprint off every metric.
   const std::string kv_dtype_flag = absl::GetFlag(FLAGS_kv_dtype);
-  if (!kv_dtype_flag.empty() && *kind != subspace::runtime::KvCacheKind::kQuantized) {
+  if (!kv_dtype_flag.empty() && choice->kind != subspace::runtime::KvCacheKind::kQuantized) {
     return absl::InvalidArgumentError("--kv-dtype applies to --kv-cache=quantized only");
   }
   absl::StatusOr<subspace::KvDtype> kv_dtype =
       subspace::runtime::ParseQuantizedKvDtype(kv_dtype_flag.empty() ? "q8_0" : kv_dtype_flag);
   if (!kv_dtype.ok()) return kv_dtype.status();
-  c.kv_cache.kind = *kind;
+  c.kv_cache.kind = choice->kind;
   c.kv_cache.kv_dtype = *kv_dtype;
-  c.kv_cache.codec_path = absl::GetFlag(FLAGS_codec);
+  c.kv_cache.codec_path = choice->codec_path;
   c.kv_cache.kv_budget = absl::GetFlag(FLAGS_kv_budget);
   c.kv_cache.kv_budget_v = absl::GetFlag(FLAGS_kv_budget_v);
   c.kv_cache.calib_text_path = absl::GetFlag(FLAGS_calib_text);

@@ -573,6 +573,56 @@ TEST(KvCacheOptionsTest, BasesDefaultToTheModelsOwnFile) {
   std::remove(sidecar.c_str());
 }
 
+// --kv-cache auto: the transform cache where a codec is asked for or, on the CPU, where the model
+// has its own and nothing asks for the compressed cache; the compressed cache everywhere else.
+TEST(KvCacheOptionsTest, AutoPicksTheTransformCacheWhenTheModelHasACodec) {
+  const std::string dir = ::testing::TempDir() + "/codec_sidecar";
+  std::filesystem::create_directories(dir);
+  const std::string model = dir + "/m.gguf", sidecar = dir + "/m.codec";
+  std::remove(sidecar.c_str());
+  using runtime::KvCacheKind;
+  const auto choose = [&](std::string_view kind, std::string_view codec, double budget,
+                          std::string_view bases, int rank, bool cpu) {
+    absl::StatusOr<runtime::KvCacheChoice> c =
+        runtime::ResolveKvCacheChoice(kind, codec, budget, bases, rank, 0, model, cpu);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *c : runtime::KvCacheChoice{};
+  };
+  // No codec beside the model: compressed, unless a codec is asked for.
+  EXPECT_EQ(choose("auto", "", 0.0, "", 0, true).kind, KvCacheKind::kCompressed);
+  EXPECT_EQ(choose("auto", "/c.codec", 0.0, "", 0, true).kind, KvCacheKind::kTransform);
+  EXPECT_EQ(choose("auto", "/c.codec", 0.0, "", 0, true).codec_path, "/c.codec");
+  EXPECT_EQ(choose("auto", "", 2.5, "", 0, false).kind, KvCacheKind::kTransform);
+  EXPECT_EQ(choose("auto", "", 2.5, "", 0, false).codec_path, "");
+  EXPECT_EQ(choose("transform", "", 0.0, "", 0, true).codec_path, "");  // validation refuses it
+
+  { std::ofstream(sidecar) << "x"; }
+  const runtime::KvCacheChoice own = choose("auto", "", 0.0, "", 0, true);
+  EXPECT_EQ(own.kind, KvCacheKind::kTransform);
+  EXPECT_EQ(own.codec_path, sidecar);
+  EXPECT_TRUE(own.model_codec);
+  EXPECT_EQ(choose("transform", "", 0.0, "", 0, false).codec_path, sidecar);  // asked for: taken
+  EXPECT_EQ(choose("auto", "", 0.0, "", 0, false).kind, KvCacheKind::kCompressed);  // CUDA: not yet
+  EXPECT_EQ(choose("auto", "", 0.0, "", 0, false).codec_path, "");
+  EXPECT_EQ(choose("auto", "", 0.0, "/b.bases", 0, true).kind, KvCacheKind::kCompressed);
+  EXPECT_EQ(choose("auto", "", 0.0, "none", 0, true).kind, KvCacheKind::kCompressed);
+  EXPECT_EQ(choose("auto", "", 0.0, "", 16, true).kind, KvCacheKind::kCompressed);
+  EXPECT_EQ(choose("auto", "none", 0.0, "", 0, true).kind, KvCacheKind::kCompressed);
+  EXPECT_EQ(choose("transform", "none", 0.0, "", 0, true).codec_path, "");
+  EXPECT_EQ(choose("transform", "", 3.0, "", 0, true).codec_path, "");  // fitted instead
+  EXPECT_EQ(choose("transform", "/c.codec", 0.0, "", 0, true).codec_path, "/c.codec");
+  EXPECT_EQ(choose("compressed", "", 0.0, "", 0, true).kind, KvCacheKind::kCompressed);
+  EXPECT_EQ(choose("compressed", "", 0.0, "", 0, true).codec_path, "");
+  EXPECT_EQ(choose("full", "", 0.0, "", 0, true).kind, KvCacheKind::kFull);
+  const absl::Status bad =
+      runtime::ResolveKvCacheChoice("paged", "", 0.0, "", 0, 0, model, true).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.message(),
+            "--kv-cache must be 'auto', 'full', 'compressed', 'quantized' or 'transform', got "
+            "'paged'");
+  std::remove(sidecar.c_str());
+}
+
 TEST(KvCacheOptionsTest, ParsesFlagNames) {
   EXPECT_EQ(runtime::ParseKvCacheKind("full").value(), runtime::KvCacheKind::kFull);
   EXPECT_EQ(runtime::ParseKvCacheKind("compressed").value(), runtime::KvCacheKind::kCompressed);

@@ -336,7 +336,8 @@ TEST(ServerBinaryTest, BadCacheFlagsExitNonZeroWithAMessage) {
   } cases[] = {
       {{"--kv-cache", "paged"},
        2,
-       "--kv-cache must be 'full', 'compressed', 'quantized' or 'transform', got 'paged'"},
+       "--kv-cache must be 'auto', 'full', 'compressed', 'quantized' or 'transform', got "
+       "'paged'"},
       {{"--kv-cache=quantized", "--kv-dtype=f16"}, 2, "--kv-dtype must be 'q8_0' or 'q4_0'"},
       {{"--kv-dtype=q4_0"}, 2, "--kv-dtype applies to --kv-cache=quantized only"},
       {{"--kv-cache=quantized"},
