@@ -26,10 +26,13 @@ mkdir -p "$bundle/bin" "$bundle/lib"
 for t in "${tests[@]}"; do cp "$build/tests/$t" "$bundle/bin/"; done
 for b in "${benches[@]}"; do cp "$build/bin/$b" "$bundle/bin/"; done
 cp "$build/bin/libsubspace_cuda.so" "$bundle/bin/"
-# A transform codec for the tiny model (2.5 / 1.5 bits, fitted on its own text, ~30 s here):
-# gpu_run.sh measures the transform-coded cache with it.
+# Transform codecs for the tiny model (2.5 / 1.5 bits, fitted on its own text, ~30 s each
+# here), keys before RoPE and after it: gpu_run.sh measures the transform-coded cache with both.
 "$build/bin/subspace-calibrate" --model models/subspace-tiny.gguf --kv-budget 2.5 \
   --kv-budget-v 1.5 --max-tokens 4000 --out "$bundle/tiny.codec.gguf" >/dev/null
+"$build/bin/subspace-calibrate" --model models/subspace-tiny.gguf --kv-budget 2.5 \
+  --kv-budget-v 1.5 --max-tokens 4000 --codec-post-rope --out "$bundle/tiny.post.codec.gguf" \
+  >/dev/null
 # Every resolved library but glibc's, the C++ runtime (the GPU image's is newer) and CUDA's.
 for f in "$bundle"/bin/*; do
   ldd "$f" | awk '$3 ~ /^\// {print $3}'

@@ -79,11 +79,18 @@ if [[ $quick != --quick ]]; then
   lim 90 "$bench" --device cuda --cuda-graphs=false --kv-cache full,compressed \
     --batch 1,16,64 --prompt-tokens 128 --decode-tokens 128 >"$out/bench-generate-cuda-eager.md" 2>&1
   note "bench generate cuda eager (tiny)" "rc=$?"
-  # The transform-coded cache (issue 36) beside the full one: decode rebuilds every coded row.
+  # The transform-coded cache (issue 36) beside the full one: keys coded before RoPE (decoded
+  # into rows every step), then after it (read in code space, as the values always are).
   if [[ -f $bundle/tiny.codec.gguf ]]; then
     lim 90 "$bench" --device cuda --kv-cache full,transform --codec "$bundle/tiny.codec.gguf" \
       --batch 1,16,64 --prompt-tokens 384 --decode-tokens 64 >"$out/bench-generate-cuda-transform.md" 2>&1
     note "bench generate cuda transform (tiny)" "rc=$?"
+  fi
+  if [[ -f $bundle/tiny.post.codec.gguf ]]; then
+    lim 90 "$bench" --device cuda --kv-cache full,transform --codec "$bundle/tiny.post.codec.gguf" \
+      --batch 1,16,64 --prompt-tokens 384 --decode-tokens 64 \
+      >"$out/bench-generate-cuda-transform-post.md" 2>&1
+    note "bench generate cuda transform post-RoPE (tiny)" "rc=$?"
   fi
   # A 1 B-parameter random-weight model (Llama 3.2 1B's shape), written here: too big to carry.
   m1b=/tmp/random-llama-1b.gguf
