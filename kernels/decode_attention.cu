@@ -120,12 +120,14 @@ __global__ void __launch_bounds__(kThreads)
   }
   // Transform keys in code space, record h of the keys: q~[g, a] = (q_g / scale) . u_a for the
   // active components, then the constant (q_g / scale) . e at q_coef[G d + g].
-  const float* key_f = p.transform.floats + static_cast<int64_t>(h) * TransformFloats(kHeadDim);
-  const int32_t* key_n = p.transform.ints + static_cast<int64_t>(h) * TransformInts(kHeadDim);
+  // (Null without the transform cache: no offset is applied to a null pointer.)
+  const int64_t key_rec = h, val_rec = static_cast<int64_t>(n_kv) + h;
+  const float* key_f =
+      transform ? p.transform.floats + key_rec * TransformFloats(kHeadDim) : nullptr;
+  const int32_t* key_n = transform ? p.transform.ints + key_rec * TransformInts(kHeadDim) : nullptr;
   const float* val_f =
-      p.transform.floats + static_cast<int64_t>(n_kv + h) * TransformFloats(kHeadDim);
-  const int32_t* val_n =
-      p.transform.ints + static_cast<int64_t>(n_kv + h) * TransformInts(kHeadDim);
+      transform ? p.transform.floats + val_rec * TransformFloats(kHeadDim) : nullptr;
+  const int32_t* val_n = transform ? p.transform.ints + val_rec * TransformInts(kHeadDim) : nullptr;
   if (transform && !key_rows) {
     const int active = key_n[TransformField::kActive];
     for (int idx = tid; idx < group * (active + 1); idx += kThreads) {
@@ -380,7 +382,8 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   // The transform cache's values, record n_kv + h: o += (e * coded + sum_a U_a u_a) / scale.
   const int64_t val_rec = static_cast<int64_t>(n_kv) + h;
-  const float* val_f = p.transform.floats + val_rec * TransformFloats(kHeadDim);
+  const float* val_f =
+      transform ? p.transform.floats + val_rec * TransformFloats(kHeadDim) : nullptr;
   const int active =
       transform ? p.transform.ints[val_rec * TransformInts(kHeadDim) + TransformField::kActive] : 0;
   for (int d = threadIdx.x; d < kHeadDim; d += kThreads) {
