@@ -75,32 +75,31 @@ std::string ModelSidecar(std::string_view model_path, std::string_view ext) {
 
 }  // namespace
 
-absl::StatusOr<KvCacheChoice> ResolveKvCacheChoice(std::string_view kind_flag,
-                                                   std::string_view codec_flag, double kv_budget,
-                                                   std::string_view bases_flag, int rank_k,
-                                                   int rank_v, std::string_view model_path,
-                                                   bool cpu_backend) {
+absl::StatusOr<KvCacheChoice> ResolveKvCacheChoice(const KvCacheFlags& f,
+                                                   std::string_view model_path, bool cpu_backend) {
   KvCacheChoice choice;
-  const bool codec_given = !codec_flag.empty() && codec_flag != "none";
+  const bool codec_given = !f.codec.empty() && f.codec != "none";
   const std::string model_codec =
-      codec_flag.empty() && kv_budget == 0.0 ? ModelSidecar(model_path, ".codec") : "";
-  if (kind_flag == "auto") {
-    const bool compressed_inputs = !bases_flag.empty() || rank_k != 0 || rank_v != 0;
-    const bool take_model_codec = !model_codec.empty() && cpu_backend && !compressed_inputs;
-    choice.kind = codec_given || kv_budget != 0.0 || take_model_codec ? KvCacheKind::kTransform
-                                                                      : KvCacheKind::kCompressed;
+      f.codec.empty() && f.kv_budget == 0.0 ? ModelSidecar(model_path, ".codec") : "";
+  if (f.kind == "auto") {
+    const bool low_rank_asked =
+        !f.bases.empty() || f.rank_k != 0 || f.rank_v != 0 ||
+        (f.refresh != RefreshMethod::kNone && f.refresh != RefreshMethod::kPca);  // kqsvd, oja, fd
+    const bool take_model_codec = !model_codec.empty() && cpu_backend && !low_rank_asked;
+    choice.kind = codec_given || f.kv_budget != 0.0 || take_model_codec ? KvCacheKind::kTransform
+                                                                        : KvCacheKind::kCompressed;
   } else {
-    absl::StatusOr<KvCacheKind> kind = ParseKvCacheKind(kind_flag);
+    absl::StatusOr<KvCacheKind> kind = ParseKvCacheKind(f.kind);
     if (!kind.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--kv-cache must be 'auto', 'full', 'compressed', 'quantized' or "
                        "'transform', got '",
-                       std::string(kind_flag), "'"));
+                       std::string(f.kind), "'"));
     }
     choice.kind = *kind;
   }
   if (codec_given) {
-    choice.codec_path = std::string(codec_flag);  // refused by the other kinds' validation
+    choice.codec_path = std::string(f.codec);  // refused by the other kinds' validation
   } else if (choice.kind == KvCacheKind::kTransform && !model_codec.empty()) {
     choice.codec_path = model_codec;
     choice.model_codec = true;

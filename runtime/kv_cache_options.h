@@ -92,25 +92,30 @@ absl::StatusOr<KvDtype> ParseQuantizedKvDtype(std::string_view name);  // q8_0 |
 absl::StatusOr<CoeffDtype> ParseCoeffDtype(std::string_view name);     // fp32 | fp16 | int8
 absl::StatusOr<CoeffDtype> ParseFullDtype(std::string_view name);      // fp16 | fp32
 
-// --kv-cache and --codec as the server resolves them, before validation. kind_flag "auto" (the
+// --kv-cache and --codec as the server resolves them, before validation. kind "auto" (the
 // default) picks the transform cache when a codec is asked for (--codec FILE, --kv-budget) or,
-// on the CPU backend, when the model ships one and no compressed-cache input is given (--bases,
-// --kv-rank-k/-v); the compressed cache otherwise. A model's own codec is `<model>.codec` beside
-// `<model>.gguf` (subspace-calibrate --kv-budget, checked against the model when loaded); the
-// transform cache reads it unless --codec names another, --kv-budget fits one or codec_flag is
-// "none". The CUDA backend (cpu_backend false: --device cuda or auto) keeps the compressed cache
-// under "auto" until its transform cache has run on a real GPU. INVALID_ARGUMENT for an unknown
-// kind.
+// on the CPU backend, when the model ships one and nothing asks for the low-rank cache (--bases,
+// --kv-rank-k/-v, a refresh method only it has); the compressed cache otherwise. A model's own
+// codec is `<model>.codec` beside `<model>.gguf` (subspace-calibrate --kv-budget, checked
+// against the model when loaded); the transform cache reads it unless --codec names another,
+// --kv-budget fits one or codec is "none". The CUDA backend (cpu_backend false: --device cuda or
+// auto) keeps the compressed cache under "auto" until its transform cache has run on a real GPU.
+struct KvCacheFlags {  // as given on the command line
+  std::string_view kind = "auto";
+  std::string_view codec;  // --codec
+  double kv_budget = 0.0;  // --kv-budget
+  std::string_view bases;  // --bases
+  int rank_k = 0, rank_v = 0;
+  RefreshMethod refresh = RefreshMethod::kNone;
+};
 struct KvCacheChoice {
   KvCacheKind kind = KvCacheKind::kCompressed;
   std::string codec_path;    // the --codec file to load; empty for none
   bool model_codec = false;  // codec_path is the model's own (`<model>.codec`)
 };
-absl::StatusOr<KvCacheChoice> ResolveKvCacheChoice(std::string_view kind_flag,
-                                                   std::string_view codec_flag, double kv_budget,
-                                                   std::string_view bases_flag, int rank_k,
-                                                   int rank_v, std::string_view model_path,
-                                                   bool cpu_backend);
+// INVALID_ARGUMENT for an unknown kind.
+absl::StatusOr<KvCacheChoice> ResolveKvCacheChoice(const KvCacheFlags& flags,
+                                                   std::string_view model_path, bool cpu_backend);
 
 // The basis file --bases names: a path as given; "none" for none (self-calibration); empty for
 // the model's own, `<model>.bases` beside `<model>.gguf`, when that file exists, the cache is

@@ -56,8 +56,8 @@ ABSL_FLAG(std::string, kv_cache, "auto",
           "codec's codes: --codec, --kv-budget or the model's own <model>.codec), 'compressed' "
           "(low-rank blocks outside the sinks and the window), 'full' (full-rank fp32 paged), "
           "'quantized' (full-rank paged, rows in --kv-dtype), or 'auto': transform when a codec "
-          "is given, or on --device cpu when the model has its own and no --bases / --kv-rank-* "
-          "is given; compressed otherwise");
+          "is given, or on --device cpu when the model has its own and no --bases, --kv-rank-* "
+          "or low-rank-only --refresh-method is given; compressed otherwise");
 ABSL_FLAG(std::string, codec, "",
           "transform cache: codec file from subspace-calibrate --kv-budget; empty: the model's "
           "own <model>.codec beside the .gguf when there is one; none: never that one (refused "
@@ -192,9 +192,23 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
   c.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   c.block_size = absl::GetFlag(FLAGS_block_size);
+  absl::StatusOr<subspace::RefreshMethod> refresh =
+      subspace::ParseRefreshMethod(absl::GetFlag(FLAGS_refresh_method));
+  if (!refresh.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--refresh-method: ", refresh.status().message()));
+  }
+  const std::string kv_cache_flag = absl::GetFlag(FLAGS_kv_cache),
+                    codec_flag = absl::GetFlag(FLAGS_codec),
+                    bases_flag = absl::GetFlag(FLAGS_bases);
   absl::StatusOr<subspace::runtime::KvCacheChoice> choice = subspace::runtime::ResolveKvCacheChoice(
-      absl::GetFlag(FLAGS_kv_cache), absl::GetFlag(FLAGS_codec), absl::GetFlag(FLAGS_kv_budget),
-      absl::GetFlag(FLAGS_bases), absl::GetFlag(FLAGS_kv_rank_k), absl::GetFlag(FLAGS_kv_rank_v),
+      {.kind = kv_cache_flag,
+       .codec = codec_flag,
+       .kv_budget = absl::GetFlag(FLAGS_kv_budget),
+       .bases = bases_flag,
+       .rank_k = absl::GetFlag(FLAGS_kv_rank_k),
+       .rank_v = absl::GetFlag(FLAGS_kv_rank_v),
+       .refresh = *refresh},
       c.model_path, c.device == subspace::runtime::Device::kCpu);
   if (!choice.ok()) return choice.status();
   absl::StatusOr<subspace::CoeffDtype> dtype =
@@ -231,12 +245,6 @@ absl::StatusOr<subspace::server::ServerAppConfig> ConfigFromFlags() {
   c.kv_cache.bases_path =
       subspace::runtime::ResolveBasesPath(absl::GetFlag(FLAGS_bases), c.model_path, c.kv_cache.kind,
                                           c.kv_cache.rank_k, c.kv_cache.rank_v);
-  absl::StatusOr<subspace::RefreshMethod> refresh =
-      subspace::ParseRefreshMethod(absl::GetFlag(FLAGS_refresh_method));
-  if (!refresh.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--refresh-method: ", refresh.status().message()));
-  }
   c.kv_cache.refresh.method = *refresh;
   c.kv_cache.refresh.every_tokens = absl::GetFlag(FLAGS_refresh_every_tokens);
   c.kv_cache.refresh.residual_threshold = absl::GetFlag(FLAGS_refresh_residual_threshold);

@@ -582,9 +582,15 @@ TEST(KvCacheOptionsTest, AutoPicksTheTransformCacheWhenTheModelHasACodec) {
   std::remove(sidecar.c_str());
   using runtime::KvCacheKind;
   const auto choose = [&](std::string_view kind, std::string_view codec, double budget,
-                          std::string_view bases, int rank, bool cpu) {
-    absl::StatusOr<runtime::KvCacheChoice> c =
-        runtime::ResolveKvCacheChoice(kind, codec, budget, bases, rank, 0, model, cpu);
+                          std::string_view bases, int rank, bool cpu,
+                          RefreshMethod refresh = RefreshMethod::kNone) {
+    absl::StatusOr<runtime::KvCacheChoice> c = runtime::ResolveKvCacheChoice({.kind = kind,
+                                                                              .codec = codec,
+                                                                              .kv_budget = budget,
+                                                                              .bases = bases,
+                                                                              .rank_k = rank,
+                                                                              .refresh = refresh},
+                                                                             model, cpu);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? *c : runtime::KvCacheChoice{};
   };
@@ -608,14 +614,20 @@ TEST(KvCacheOptionsTest, AutoPicksTheTransformCacheWhenTheModelHasACodec) {
   EXPECT_EQ(choose("auto", "", 0.0, "none", 0, true).kind, KvCacheKind::kCompressed);
   EXPECT_EQ(choose("auto", "", 0.0, "", 16, true).kind, KvCacheKind::kCompressed);
   EXPECT_EQ(choose("auto", "none", 0.0, "", 0, true).kind, KvCacheKind::kCompressed);
+  // A refresh method only the low-rank cache has asks for it; pca both caches run.
+  EXPECT_EQ(choose("auto", "", 0.0, "", 0, true, RefreshMethod::kKqsvd).kind,
+            KvCacheKind::kCompressed);
+  EXPECT_EQ(choose("auto", "", 0.0, "", 0, true, RefreshMethod::kOja).kind,
+            KvCacheKind::kCompressed);
+  EXPECT_EQ(choose("auto", "", 0.0, "", 0, true, RefreshMethod::kPca).kind,
+            KvCacheKind::kTransform);
   EXPECT_EQ(choose("transform", "none", 0.0, "", 0, true).codec_path, "");
   EXPECT_EQ(choose("transform", "", 3.0, "", 0, true).codec_path, "");  // fitted instead
   EXPECT_EQ(choose("transform", "/c.codec", 0.0, "", 0, true).codec_path, "/c.codec");
   EXPECT_EQ(choose("compressed", "", 0.0, "", 0, true).kind, KvCacheKind::kCompressed);
   EXPECT_EQ(choose("compressed", "", 0.0, "", 0, true).codec_path, "");
   EXPECT_EQ(choose("full", "", 0.0, "", 0, true).kind, KvCacheKind::kFull);
-  const absl::Status bad =
-      runtime::ResolveKvCacheChoice("paged", "", 0.0, "", 0, 0, model, true).status();
+  const absl::Status bad = runtime::ResolveKvCacheChoice({.kind = "paged"}, model, true).status();
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad.message(),
             "--kv-cache must be 'auto', 'full', 'compressed', 'quantized' or 'transform', got "
