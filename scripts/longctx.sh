@@ -64,8 +64,9 @@ self-calibrated from each sequence, as without \`--bases\`). \`tc:BITS\` is the 
 V), fitted on the same start: keys before RoPE unless \`post\`; \`aw\` weighs errors by attention,
 \`fine\` adds widths 1, 5 and 6, \`joint\` shares one budget over
 all layer-heads, \`id\` keeps the identity basis (scalar quantization with allocated widths),
-\`konly\` / \`vonly\` code one side and keep the other exact. The @2k columns are the
-2,000-token items alone.
+\`konly\` / \`vonly\` code one side and keep the other exact. \`tcfile:PATH\` is a codec file:
+the model's own (\`<model>.codec\`, fitted on text it wrote itself) is what the server's
+\`--kv-cache auto\` serves on the CPU. The @2k columns are the 2,000-token items alone.
 
 ![accuracy and KLD against bytes per token](longctx.png)
 

@@ -28,6 +28,9 @@ def family(name):
     if name in ("kivi4", "kivi2"):
         return "KIVI int4 / int2", "tab:purple", "D"
     parts = name.split(":")
+    if parts[0] in ("tcfile", "tccache"):
+        return "transform codec from a file (the model's own: the server's default)", \
+            "darkviolet", "*"
     if parts[0] == "tc":
         opts = set(parts[2:])
         if "id" in opts:
