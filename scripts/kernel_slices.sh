@@ -5,7 +5,7 @@
 kernel_slices=(
   "layer_ops layer_ops_test *ScalarTest*:*Bad*:*/d128_b64_n70_kv8_misaligned"
   "prefill prefill_attention_test *LimitsTest*:*/d64_b1_n3_q5_g2:*/d128_b64_n1_q64_g4"
-  "decode decode_attention_test *LimitsTest*:*/d64_b8_n1_r8_fp16:*/d128_b32_n32_r32_int8"
+  "decode decode_attention_test *LimitsTest*:*/d64_b8_n1_r8_fp16:*/d128_b32_n32_r32_int8:*TransformGpuTest*/0:*TransformGpuTest*/1"
   "compress compress_blocks_test *LimitsTest*:*/d64_b8_n1_r8_fp16:*/d128_b64_rfull_int8"
   "expand expand_blocks_test *LimitsTest*:*/d64_b1_r1_fp16_scratch:*/d128_b64_rfull_int8_onepool"
   "outliers outlier_tokens_test *d64_b16*:*d128_b64*"
